@@ -1,0 +1,162 @@
+"""The engine facade the strategy talks to: setup, per-step binding, gradient finalization, teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
+from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, pack_group
+from lightning_megatrain.engine.residents import Residents
+from lightning_megatrain.engine.streamed import StreamedLayers
+from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
+
+log = logging.getLogger(__name__)
+
+_GIB = 1024**3
+
+
+class MegaTrainEngine:
+    """Host-resident state, layer streaming and gradient drain for one module on one compute device.
+
+    Args:
+        module: the LightningModule (or any ``nn.Module``) whose parameters become host fp32 masters.
+        device: the compute device (``cuda:N`` or ``cpu``).
+        compute_dtype: dtype layers are streamed and computed in (``bfloat16`` or ``float32``).
+        layers: dotted path of the decoder-layer ``nn.ModuleList``; ``None`` discovers it.
+        num_slots: device slots for layer weights (>= 2 so the next layer uploads while one computes).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        layers: str | None = None,
+        num_slots: int = 2,
+    ) -> None:
+        self.module = module
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.layers_path = layers
+        self.num_slots = num_slots
+        self.groups: list[FlatGroup] = []
+        self.streamed: StreamedLayers | None = None
+        self.residents: Residents | None = None
+        self.transfer: HostTransfer | CudaTransfer | None = None
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def setup(self, fitting: bool) -> None:
+        """Discover the stack, move every parameter into host flats, allocate slots, install streamed forwards.
+
+        Raises:
+            ValueError: no layer stack, shared layer weights, or parameters placed off the host by the user.
+            RuntimeError: host RAM or GPU memory too small (before any large allocation).
+        """
+        module = self.module
+        path, stack = find_layer_stack(module, self.layers_path)
+        resident_slots = tensor_slots(module, skip=stack)
+        check_layers_independent(stack, resident_slots)
+        self._check_placement()
+
+        n_params = sum(p.numel() for p in module.parameters())
+        check_host_memory(n_params, already_resident=n_params * 4, fitting=fitting)
+        layer_slots = [tensor_slots(layer) for layer in stack]
+        max_layer = max(sum(p.numel() for p in layer.parameters()) for layer in stack)
+        n_resident = sum(p.numel() for p in {id(s.get()): s.get() for s in resident_slots if s.is_param}.values())
+        if self.on_cuda:
+            self._check_gpu_memory(max_layer, n_resident)
+
+        pin = self.on_cuda
+        self.groups = [pack_group(slots, pin_memory=pin) for slots in layer_slots]
+        resident_group = pack_group(resident_slots, pin_memory=pin)
+        layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
+        if self.on_cuda:
+            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.num_slots)
+            self.residents = Residents(resident_group, [s for s in resident_slots if not s.is_param], self.device)
+            buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
+        else:
+            self.transfer = HostTransfer(self.groups, self.compute_dtype)
+            buffers = [[] for _ in layer_buffers]
+        self._disable_kv_cache()
+        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers)
+        self.streamed.install(self.device.type)
+        log.info(
+            "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
+            "%.2fB params in host RAM (%s), compute %s on %s with %d slots",
+            len(stack),
+            path,
+            max_layer / 1e6,
+            n_resident / 1e6,
+            n_params / 1e9,
+            "pinned" if pin else "pageable",
+            str(self.compute_dtype).replace("torch.", ""),
+            self.device,
+            self.num_slots,
+        )
+
+    def _check_placement(self) -> None:
+        for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"MegaTrainStrategy keeps all parameters in host RAM, but '{name}' is on {tensor.device}. "
+                    "HINT: remove manual placement (`.to(device)`, `.cuda()`, `device_map=`) from the model; the "
+                    "strategy moves each layer to the GPU only while it computes."
+                )
+
+    def _check_gpu_memory(self, max_layer: int, n_resident: int) -> None:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_slot = max_layer * (4 + (self.compute_dtype.itemsize if self.compute_dtype != torch.float32 else 0))
+        # slots + resident compute copies and their grads (fp32) + a packed grad buffer for one layer
+        need = self.num_slots * per_slot + n_resident * 8 + max_layer * self.compute_dtype.itemsize
+        if need > free:
+            raise RuntimeError(
+                f"MegaTrainStrategy needs {need / _GIB:.1f} GiB of GPU memory for {self.num_slots} layer slots of "
+                f"{max_layer / 1e6:.0f}M parameters and {n_resident / 1e6:.0f}M resident parameters, before any "
+                f"activations, but only {free / _GIB:.1f} GiB is free on {self.device}. HINT: one decoder layer "
+                "must fit on the GPU; use precision='bf16-mixed', fewer slots (num_slots=2) or a smaller model."
+            )
+
+    def _disable_kv_cache(self) -> None:
+        """A recompute would append keys twice to a KV cache: streamed training runs with ``use_cache=False``."""
+        for sub in self.module.modules():
+            config = getattr(sub, "config", None)
+            if getattr(config, "use_cache", False):
+                config.use_cache = False
+            if getattr(sub, "gradient_checkpointing", False):
+                sub.gradient_checkpointing = False  # the engine already recomputes each layer in backward
+
+    @contextlib.contextmanager
+    def step_context(self) -> Iterator[None]:
+        """Bind the residents' compute copies for one ``training_step``/``validation_step``/... call."""
+        if self.residents is None:
+            yield
+            return
+        with self.residents.bound():
+            yield
+
+    def finalize_gradients(self) -> None:
+        """Make every host fp32 grad final: wait for the layer drains, then drain the residents."""
+        assert self.transfer is not None
+        self.transfer.wait_drained()
+        if self.residents is not None:
+            self.residents.drain()
+
+    def masters_updated(self) -> None:
+        """The optimizer stepped the host masters: resident compute copies are stale."""
+        if self.residents is not None:
+            self.residents.invalidate()
+
+    def teardown(self) -> None:
+        if self.streamed is not None:
+            self.streamed.uninstall()
+        if self.transfer is not None:
+            self.transfer.close()
+        self.transfer = self.residents = self.streamed = None

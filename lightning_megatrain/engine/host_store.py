@@ -1,0 +1,134 @@
+"""Host-resident state: each layer's fp32 *masters* and fp32 *grads* packed into one flat host buffer.
+
+After :func:`pack_group`, every parameter of the group is a view into ``FlatGroup.master`` (pinned when the compute
+device is CUDA, so the H2D stream reads it at full PCIe speed), so optimizers, ``state_dict()`` and checkpoints see
+ordinary fp32 CPU parameters. ``p.grad`` is a view into ``FlatGroup.grad`` once a gradient has arrived; Lightning's
+``zero_grad(set_to_none=True)`` drops the views, and the next :meth:`FlatGroup.accumulate` re-attaches them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from lightning_megatrain.engine.discovery import TensorSlot
+
+
+@dataclass
+class FlatGroup:
+    """Parameters of one layer (or all residents) packed into one 1D host buffer."""
+
+    params: list[nn.Parameter]  # unique parameters in layout order
+    offsets: list[int]  # start of each parameter in the flat buffers
+    master: Tensor  # 1D fp32 host, [numel]; the parameters' storage
+    grad: Tensor  # 1D fp32 host, [numel]; storage of ``p.grad`` views
+    slot_index: list[tuple[TensorSlot, int]] = field(default_factory=list)  # parameter slot -> index into params
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel()
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Split a 1D buffer with this group's layout into per-parameter tensors shaped like the parameters."""
+        return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+
+    def accumulate(self, grads: list[Tensor | None], packed: Tensor | None = None) -> None:
+        """Add ``grads`` (one per parameter, ``None`` = no gradient this pass) into the fp32 host grads.
+
+        A parameter with ``p.grad is None`` gets a view of ``self.grad`` filled by copy (no zeroing pass), one with a
+        gradient gets an in-place add, and a ``None`` entry leaves ``p.grad`` untouched, exactly as autograd would
+        (an expert that saw no token keeps ``grad=None`` and the optimizer skips it). ``packed`` is the same data as
+        one contiguous buffer, used for a single large copy/add when every parameter takes the same path.
+        """
+        if packed is not None and all(g is not None for g in grads):
+            if all(p.grad is None for p in self.params):
+                self.grad[: packed.numel()].copy_(packed)
+                for p, view in zip(self.params, self.views(self.grad)):
+                    p.grad = view
+                return
+            if all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in self._grad_pairs()):
+                self.grad[: packed.numel()].add_(packed)
+                return
+        for p, view, g in zip(self.params, self.views(self.grad), grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                view.copy_(g)
+                p.grad = view
+            else:
+                p.grad.add_(g)
+
+    def _grad_pairs(self) -> list[tuple[nn.Parameter, Tensor]]:
+        return list(zip(self.params, self.views(self.grad)))
+
+
+def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:
+    """Move the parameters named by ``slots`` into one flat fp32 host buffer (their ``.data`` become views).
+
+    Parameters are copied one at a time so host memory peaks at the model plus one group, never twice the model.
+    """
+    params: list[nn.Parameter] = []
+    index_of: dict[int, int] = {}
+    slot_index = []
+    for slot in slots:
+        if not slot.is_param:
+            continue
+        p = slot.get()
+        if id(p) not in index_of:
+            index_of[id(p)] = len(params)
+            params.append(p)
+        slot_index.append((slot, index_of[id(p)]))
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    master = torch.empty(total, dtype=torch.float32, pin_memory=pin_memory)
+    for p, offset in zip(params, offsets):
+        view = master[offset : offset + p.numel()].view(p.shape)
+        view.copy_(p.detach())
+        p.data = view  # the original storage is freed here unless the user holds another reference
+    grad = torch.empty(total, dtype=torch.float32)
+    return FlatGroup(params=params, offsets=offsets, master=master, grad=grad, slot_index=slot_index)
+
+
+def host_bytes_per_param(fitting: bool) -> int:
+    """Host bytes each parameter costs: fp32 master 4 + fp32 grad 4, + Adam exp_avg 4 + exp_avg_sq 4 when fitting."""
+    return 16 if fitting else 8
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo (None where unknown, e.g. not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(n_params: int, already_resident: int, fitting: bool) -> None:
+    """Refuse to start when host RAM cannot hold the masters, grads and optimizer states.
+
+    ``already_resident`` bytes (the fp32 model the user built) are reused as masters, so only the rest must fit.
+
+    Raises:
+        RuntimeError: the estimate exceeds ``MemAvailable`` (set ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` to override).
+    """
+    need = n_params * host_bytes_per_param(fitting) - already_resident
+    available = available_host_bytes()
+    if available is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
+        return
+    if need > available:
+        gib = 1024**3
+        raise RuntimeError(
+            f"MegaTrainStrategy needs about {need / gib:.1f} GiB more host RAM for {n_params / 1e9:.2f}B parameters "
+            f"({host_bytes_per_param(fitting)} bytes/param: fp32 master, fp32 grad"
+            f"{', Adam exp_avg and exp_avg_sq' if fitting else ''}) but only {available / gib:.1f} GiB is available. "
+            "HINT: use a machine with more RAM, a smaller model, or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know "
+            "better."
+        )

@@ -1,0 +1,69 @@
+"""Residents: parameters and buffers outside the layer stack, used on the compute device as ordinary autograd leaves.
+
+On a CUDA compute device the residents' fp32 masters are uploaded as *compute copies* (leaf tensors that require
+grad) when a step first needs them, bound into the module for the duration of each ``*_step`` call, and take part
+in the normal autograd graph. Their grads are drained into the host fp32 grads once per optimizer step
+(:meth:`Residents.drain`), and the copies are refreshed after the optimizer changed the masters
+(:meth:`Residents.invalidate`). Tied weights are one master, one compute copy and one grad. On the CPU backend the
+masters are the compute tensors: nothing is bound, and autograd writes ``p.grad`` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from lightning_megatrain.engine.discovery import TensorSlot
+from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.engine.streamed import bind
+
+
+class Residents:
+    """GPU compute copies of the residents (see module docstring)."""
+
+    def __init__(self, group: FlatGroup, buffer_slots: list[TensorSlot], device: torch.device) -> None:
+        self.group = group
+        self.buffer_slots = buffer_slots
+        self.device = device
+        self._copies: list[Tensor] | None = None  # one fp32 device leaf per unique parameter, or None when stale
+        self._buffers = [(slot, slot.get().to(device)) for slot in buffer_slots]
+        self._grad_staging = torch.empty(group.numel, dtype=torch.float32, pin_memory=True) if group.numel else None
+
+    def _upload(self) -> list[Tensor]:
+        flat = self.group.master.to(self.device, non_blocking=True)  # [numel] fp32, from pinned host memory
+        return [v.detach().requires_grad_(p.requires_grad) for v, p in zip(self.group.views(flat), self.group.params)]
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[None]:
+        """Bind the compute copies into the module for one ``*_step`` call."""
+        if self._copies is None:
+            self._copies = self._upload()
+        bindings = [(slot, self._copies[k]) for slot, k in self.group.slot_index] + self._buffers
+        with bind(bindings):
+            yield
+
+    def drain(self) -> None:
+        """Add the compute copies' grads into the host fp32 grads and clear them (blocks: once per step)."""
+        if self._copies is None or self._grad_staging is None:
+            return
+        grads = [c.grad for c in self._copies]
+        if all(g is None for g in grads):
+            return
+        present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] fp32 on device
+        host = self._grad_staging[: present.numel()]
+        host.copy_(present, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        views, offset = [], 0
+        for p, g in zip(self.group.params, grads):
+            views.append(None if g is None else host[offset : offset + p.numel()].view(p.shape))
+            offset += 0 if g is None else p.numel()
+        self.group.accumulate(views, packed=host)
+        for c in self._copies:
+            c.grad = None
+
+    def invalidate(self) -> None:
+        """The optimizer changed the masters: upload fresh compute copies before the next step."""
+        self._copies = None

@@ -1,0 +1,187 @@
+"""The one streamed autograd Function: a decoder layer as a single autograd node with recompute in backward.
+
+[Note: streamed layer]
+Forward (training): acquire layer i's weights from its slot, prefetch i+1, run the layer's *own* module code under
+``no_grad`` with its parameters bound to the slot's compute views, release the slot, save only the layer's inputs
+(plus RNG and autocast state). No graph of the layer's internals exists after forward.
+Backward: acquire layer i again (usually still in a slot from forward or prefetched by layer i+1's backward),
+prefetch i-1, re-run the layer with grad under the saved RNG/autocast state, ``torch.autograd.grad`` w.r.t. the
+inputs and one leaf per weight, drain the weight grads to the host and return the input grads. Plain
+``loss.backward()`` therefore walks the layers in reverse and Lightning's loops, the user's loss and manual
+optimization stay untouched. Without grad (validation, predict) the layer simply runs on bound weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from lightning_megatrain.engine.discovery import TensorSlot
+from lightning_megatrain.engine.host_store import FlatGroup
+
+# Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
+_TENSOR = object()
+
+# kwargs through which HF layers receive a KV cache; a recompute would append to it twice, so training drops them
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+@contextlib.contextmanager
+def bind(bindings: list[tuple[TensorSlot, Tensor]]) -> Iterator[None]:
+    """Temporarily put compute tensors into parameter/buffer slots (the stateless parameter swap)."""
+    saved = [(slot, slot.get()) for slot, _ in bindings]
+    try:
+        for slot, value in bindings:
+            slot.set(value)
+        yield
+    finally:
+        for slot, original in saved:
+            slot.set(original)
+
+
+class StreamedLayers:
+    """Runs the layers of one stack through the transfer backend; installed as each layer's ``forward``."""
+
+    def __init__(self, stack: nn.ModuleList, groups: list[FlatGroup], transfer: Any, buffers: list[list]) -> None:
+        self.stack = stack
+        self.groups = groups
+        self.transfer = transfer
+        self.buffers = buffers  # per layer: [(TensorSlot, device tensor)] for the layer's buffers
+        self.device_type = "cpu"
+
+    def install(self, device_type: str) -> None:
+        self.device_type = device_type
+        for index, layer in enumerate(self.stack):
+            layer.forward = _LayerForward(self, index)  # instance attribute shadows the class method
+
+    def uninstall(self) -> None:
+        for layer in self.stack:
+            if isinstance(layer.__dict__.get("forward"), _LayerForward):
+                del layer.forward
+
+    def bindings(self, index: int, weights: list[Tensor]) -> list[tuple[TensorSlot, Tensor]]:
+        group = self.groups[index]
+        return [(slot, weights[k]) for slot, k in group.slot_index] + self.buffers[index]
+
+    def run_layer(self, index: int, weights: list[Tensor], args: tuple, kwargs: dict) -> Any:
+        layer = self.stack[index]
+        with bind(self.bindings(index, weights)):
+            return type(layer).forward(layer, *args, **kwargs)
+
+
+class _LayerForward:
+    """Callable that replaces ``layer.forward``; routes through :class:`StreamedLayerFunction` when grad is on."""
+
+    def __init__(self, owner: StreamedLayers, index: int) -> None:
+        self.owner = owner
+        self.index = index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner, index = self.owner, self.index
+        if not torch.is_grad_enabled():
+            flat = owner.transfer.acquire(index)
+            owner.transfer.prefetch(index + 1)
+            try:
+                return owner.run_layer(index, owner.groups[index].views(flat), args, kwargs)
+            finally:
+                owner.transfer.release(index)
+        for key in _CACHE_KWARGS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        out_box: list = []
+        # A leaf that requires grad makes sure this node exists even when no input requires grad (frozen embeddings).
+        anchor = torch.empty(0, requires_grad=True)
+        outputs = StreamedLayerFunction.apply(owner, index, spec, out_box, anchor, *leaves)
+        out_spec, out_leaves = out_box
+        tensors = iter(outputs)
+        return pytree.tree_unflatten([next(tensors) if x is _TENSOR else x for x in out_leaves], out_spec)
+
+
+def _capture_rng(device_type: str) -> tuple[Tensor, Tensor | None]:
+    cpu = torch.get_rng_state()
+    device = torch.cuda.get_rng_state() if device_type == "cuda" else None
+    return cpu, device
+
+
+class StreamedLayerFunction(torch.autograd.Function):
+    """See [Note: streamed layer]."""
+
+    @staticmethod
+    def forward(ctx, owner: StreamedLayers, index: int, spec, out_box: list, anchor: Tensor, *leaves: Any):
+        transfer = owner.transfer
+        ctx.owner, ctx.index, ctx.spec = owner, index, spec
+        ctx.rng = _capture_rng(owner.device_type)
+        ctx.autocast = (
+            torch.is_autocast_enabled(owner.device_type),
+            torch.get_autocast_dtype(owner.device_type),
+        )
+        ctx.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+        ctx.other_leaves = [None if isinstance(x, Tensor) else x for x in leaves]
+        ctx.save_for_backward(*(leaves[i] for i in ctx.tensor_positions))
+
+        flat = transfer.acquire(index)
+        transfer.prefetch(index + 1)
+        with torch.profiler.record_function(f"megatrain::forward_layer_{index}"):
+            args, kwargs = pytree.tree_unflatten(list(leaves), spec)
+            output = owner.run_layer(index, owner.groups[index].views(flat), args, kwargs)
+        transfer.release(index)
+
+        out_leaves, out_spec = pytree.tree_flatten(output)
+        out_box.extend([out_spec, [_TENSOR if isinstance(x, Tensor) else x for x in out_leaves]])
+        return tuple(x for x in out_leaves if isinstance(x, Tensor))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: Tensor):
+        owner, index = ctx.owner, ctx.index
+        transfer = owner.transfer
+        group = owner.groups[index]
+
+        leaves = list(ctx.other_leaves)
+        inputs_needing_grad: list[tuple[int, Tensor]] = []
+        for pos, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+            x = saved.detach()
+            if ctx.needs_input_grad[5 + pos]:  # forward's first five arguments are not leaves
+                x.requires_grad_(True)
+                inputs_needing_grad.append((pos, x))
+            leaves[pos] = x
+
+        flat = transfer.acquire(index)
+        transfer.prefetch(index - 1)
+        trainable = [p.requires_grad for p in group.params]
+        weights = [w.detach().requires_grad_(t) for w, t in zip(group.views(flat), trainable)]
+        cpu_rng, device_rng = ctx.rng
+        enabled, dtype = ctx.autocast
+        with (
+            torch.profiler.record_function(f"megatrain::recompute_layer_{index}"),
+            torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_rng is not None else []),
+            torch.enable_grad(),
+            torch.autocast(owner.device_type, dtype=dtype, enabled=enabled),
+        ):
+            torch.set_rng_state(cpu_rng)
+            if device_rng is not None:
+                torch.cuda.set_rng_state(device_rng)
+            args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
+            output = owner.run_layer(index, weights, args, kwargs)
+            outs = [x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)]
+            pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+            wrt = [x for _, x in inputs_needing_grad] + [w for w in weights if w.requires_grad]
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs], allow_unused=True
+            )
+        input_grads = grads[: len(inputs_needing_grad)]
+        weight_grads = iter(grads[len(inputs_needing_grad) :])
+        transfer.drain(index, [next(weight_grads) if t else None for t in trainable])
+        transfer.release(index)
+
+        result: list[Tensor | None] = [None] * (5 + len(leaves))
+        for (pos, _), g in zip(inputs_needing_grad, input_grads):
+            result[5 + pos] = g
+        return tuple(result)

@@ -1,0 +1,212 @@
+"""The transfer/stream layer: moves layer weights host->device into *slots* and gradients device->host.
+
+Everything device-specific in the engine lives here (DESIGN principle 5). :class:`HostTransfer` is the CPU backend
+(compute on the host: weights are used in place, gradients accumulate synchronously). :class:`CudaTransfer` is the
+GPU backend, built on three streams and S >= 2 slots.
+
+[Note: slot lifecycle]
+A slot is a device buffer that holds one layer's weights at a time. ``prefetch(i)`` picks the least recently used
+slot not in use, makes the H2D stream wait for that slot's ``free`` event (recorded on the compute stream after the
+last kernel that read the previous layer), copies layer i's fp32 master into the slot (casting to the compute dtype
+on the H2D stream) and records the slot's ``ready`` event. ``acquire(i)`` makes the compute stream wait for
+``ready``; ``release(i)`` records ``free``. Slot reuse is therefore ordered by events only: no host synchronization.
+Because backward starts with the layers forward ended with, the last S layers of forward are reused by backward
+without a second upload.
+
+[Note: gradient drain]
+``drain(i, grads)`` packs layer i's weight grads into one contiguous device buffer on the compute stream (one D2H
+per layer, not one per parameter), and the D2H stream copies it into a free pinned *grad slab* after an event. A
+worker thread waits for the copy's event, adds the slab into the fp32 host grads and returns the slab to the pool.
+Holding the packed device buffer in the worker's queue entry until the copy's event has completed is what keeps the
+caching allocator from reusing it while the D2H stream still reads it: a structural invariant, not bookkeeping
+(tests/engine/test_transfer.py drains many layers through a pool of two slabs on GPU). ``wait_drained()`` is the
+only place the host waits for the device, once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_megatrain.engine.host_store import FlatGroup
+
+
+class HostTransfer:
+    """CPU backend: compute runs on the host, so a *slot* is the master itself (fp32) or a cast copy of it."""
+
+    def __init__(self, groups: list[FlatGroup], compute_dtype: torch.dtype) -> None:
+        self.groups = groups
+        self.compute_dtype = compute_dtype
+
+    def prefetch(self, index: int) -> None:
+        """Nothing to prefetch: the host masters are already where compute runs."""
+
+    def acquire(self, index: int) -> Tensor:
+        """1D weights of layer ``index`` in the compute dtype (the fp32 master itself, no copy, under 32-true)."""
+        master = self.groups[index].master
+        return master if master.dtype == self.compute_dtype else master.to(self.compute_dtype)
+
+    def release(self, index: int) -> None:
+        """Nothing to release: no slot is held."""
+
+    def drain(self, index: int, grads: list[Tensor | None]) -> None:
+        self.groups[index].accumulate(grads)
+
+    def wait_drained(self) -> None:
+        """Grads are accumulated synchronously by :meth:`drain`."""
+
+    def close(self) -> None:
+        """No resources to free."""
+
+
+@dataclass
+class _Slot:
+    """One device buffer for one layer's weights, with the two events that order its reuse."""
+
+    staging: Tensor  # 1D fp32 on device, [max layer numel]: H2D target
+    compute: Tensor  # 1D compute dtype on device, [max layer numel]; the same tensor as ``staging`` under fp32
+    # - CUDA events for stream synchronization (see [Note: slot lifecycle])
+    ready: torch.cuda.Event  # recorded by the H2D stream after the copy (and cast); waited on by the compute stream
+    free: torch.cuda.Event  # recorded by the compute stream after the layer's last kernel; waited on by the H2D stream
+    layer: int | None = None
+    last_use: int = 0
+
+
+@dataclass
+class _Drain:
+    """A D2H copy in flight: the packed device grads stay referenced until ``done`` (see [Note: gradient drain])."""
+
+    index: int
+    present: list[bool]  # which parameters had a gradient, in layout order
+    packed: Tensor  # 1D compute dtype on device
+    slab: Tensor  # 1D pinned host, [max layer numel]
+    done: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the drain worker
+
+
+class CudaTransfer:
+    """GPU backend: S slots fed by an H2D stream, grads returned on a D2H stream into pinned slabs."""
+
+    def __init__(
+        self, groups: list[FlatGroup], device: torch.device, compute_dtype: torch.dtype, num_slots: int
+    ) -> None:
+        self.groups = groups
+        self.device = device
+        self.compute_dtype = compute_dtype
+        max_numel = max(g.numel for g in groups)
+        # H2D stream: uploads layer i+1 (forward) or i-1 (backward) while the compute stream runs layer i.
+        self.h2d_stream = torch.cuda.Stream(device)
+        # D2H stream: returns layer i's grads to host while the compute stream recomputes layer i-1.
+        self.d2h_stream = torch.cuda.Stream(device)
+        self.slots: list[_Slot] = []
+        for _ in range(num_slots):
+            staging = torch.empty(max_numel, dtype=torch.float32, device=device)
+            compute = staging if compute_dtype == torch.float32 else torch.empty_like(staging, dtype=compute_dtype)
+            self.slots.append(_Slot(staging, compute, torch.cuda.Event(), torch.cuda.Event()))
+        self._in_use: set[int] = set()  # layer indices acquired and not yet released
+        self._clock = 0
+        # Two slabs let the D2H of layer i overlap the host accumulation of layer i+1.
+        self._free_slabs: queue.Queue[Tensor] = queue.Queue()
+        for _ in range(2):
+            self._free_slabs.put(torch.empty(max_numel, dtype=compute_dtype, pin_memory=True))
+        self._pending: queue.Queue[_Drain | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._drain_worker, name="megatrain-grad-drain", daemon=True)
+        self._worker.start()
+
+    # ----------------------------------------------------------------------------------------------- H2D / slots
+    def _slot_of(self, index: int) -> _Slot | None:
+        return next((s for s in self.slots if s.layer == index), None)
+
+    def prefetch(self, index: int) -> None:
+        """Start uploading layer ``index`` into a slot unless it is already in one (see [Note: slot lifecycle])."""
+        if not 0 <= index < len(self.groups) or self._slot_of(index) is not None:
+            return
+        candidates = [s for s in self.slots if s.layer not in self._in_use]
+        slot = min(candidates, key=lambda s: s.last_use)
+        group = self.groups[index]
+        n = group.numel
+        with torch.cuda.stream(self.h2d_stream), torch.profiler.record_function("megatrain::h2d"):
+            self.h2d_stream.wait_event(slot.free)
+            slot.staging[:n].copy_(group.master, non_blocking=True)
+            if slot.compute is not slot.staging:
+                slot.compute[:n].copy_(slot.staging[:n])
+            slot.ready.record(self.h2d_stream)
+        slot.layer = index
+
+    def acquire(self, index: int) -> Tensor:
+        """Layer ``index``'s weights as a 1D compute-dtype device tensor, usable on the current (compute) stream."""
+        self.prefetch(index)
+        slot = self._slot_of(index)
+        assert slot is not None
+        torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        self._in_use.add(index)
+        self._clock += 1
+        slot.last_use = self._clock
+        return slot.compute[: self.groups[index].numel]
+
+    def release(self, index: int) -> None:
+        """The compute stream has issued its last kernel reading layer ``index``: the slot may be refilled after."""
+        slot = self._slot_of(index)
+        assert slot is not None
+        slot.free.record(torch.cuda.current_stream(self.device))
+        self._in_use.discard(index)
+
+    # ------------------------------------------------------------------------------------------------- D2H / drain
+    def drain(self, index: int, grads: list[Tensor | None]) -> None:
+        """Send layer ``index``'s weight grads (device, compute dtype, one per parameter) to the host fp32 grads."""
+        self._raise_worker_error()
+        present = [g is not None for g in grads]
+        if not any(present):
+            return
+        with torch.profiler.record_function("megatrain::d2h"):
+            packed = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] on the compute stream
+            packed_ready = torch.cuda.Event()
+            packed_ready.record(torch.cuda.current_stream(self.device))
+            slab = self._free_slabs.get()  # blocks only when the worker is two layers behind (back-pressure)
+            done = torch.cuda.Event()
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(packed_ready)
+                slab[: packed.numel()].copy_(packed, non_blocking=True)
+                done.record(self.d2h_stream)
+        self._pending.put(_Drain(index, present, packed, slab, done))
+
+    def _drain_worker(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            try:
+                item.done.synchronize()
+                del item.packed  # the D2H has completed: the allocator may reuse the device buffer now
+                group = self.groups[item.index]
+                host = item.slab[: sum(p.numel() for p, ok in zip(group.params, item.present) if ok)]
+                grads: list[Tensor | None] = []
+                offset = 0
+                for p, ok in zip(group.params, item.present):
+                    grads.append(host[offset : offset + p.numel()].view(p.shape) if ok else None)
+                    offset += p.numel() if ok else 0
+                group.accumulate(grads, packed=host)
+            except BaseException as e:  # surfaced on the training thread by the next drain/wait_drained
+                self._error = e
+            finally:
+                self._free_slabs.put(item.slab)
+                self._pending.task_done()
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("MegaTrain gradient drain worker failed") from error
+
+    def wait_drained(self) -> None:
+        """Block until every drained gradient is in the host fp32 grads (once per optimizer step)."""
+        self._pending.join()
+        self._raise_worker_error()
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._worker.join()
+        self.slots.clear()

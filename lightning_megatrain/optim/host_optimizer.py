@@ -1,0 +1,101 @@
+"""Map the optimizer from ``configure_optimizers`` to a fast host (CPU) implementation of the same update.
+
+Adam/AdamW become DeepSpeed's ``DeepSpeedCPUAdam`` (AVX, measured 3.6 Gparam/s on 16 cores) when its extension
+builds, else torch's fused AdamW on CPU (3.1 Gparam/s; the for-loop default manages 0.73). The new optimizer is
+built on the *same* param-group dicts, so LR schedulers created in ``configure_optimizers`` keep driving it. Any
+other optimizer runs as given on the host masters.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Literal
+
+import torch
+from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+CpuAdamMode = Literal["auto", "deepspeed", "torch"]
+CPU_ADAM_MODES = ("auto", "deepspeed", "torch")
+
+# Adam/AdamW options that the fast paths do not implement: with any of these set the optimizer runs as given.
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+_deepspeed_failure: str | None = None  # remembered so a failed build is tried and reported once per process
+_warned = False
+
+
+def _is_adam(optimizer: Optimizer) -> bool:
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _decoupled(optimizer: Optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay", False))
+
+
+def _deepspeed_adam(optimizer: Optimizer) -> Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    class HostCPUAdam(DeepSpeedCPUAdam):
+        def __del__(self) -> None:
+            # LightningOptimizer wraps an optimizer in a dynamic subclass that shares its __dict__ (opt_id included):
+            # collecting a wrapper must not free the C++ state of the optimizer still in use (segfault in step()).
+            if type(self) is HostCPUAdam:
+                super().__del__()
+
+    d = optimizer.defaults
+    return HostCPUAdam(
+        optimizer.param_groups,
+        lr=float(d["lr"]),
+        betas=d["betas"],
+        eps=d["eps"],
+        weight_decay=d["weight_decay"],
+        adamw_mode=_decoupled(optimizer),
+    )
+
+
+def _torch_fused(optimizer: Optimizer) -> Optimizer:
+    # Flipping the flags in place keeps the object (and the schedulers bound to it): torch then runs _fused_adamw.
+    optimizer.defaults.update(fused=True, foreach=False)
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=False)
+    return optimizer
+
+
+def to_host_optimizer(optimizer: Optimizer, mode: CpuAdamMode = "auto") -> Optimizer:
+    """Return the host optimizer that replaces ``optimizer`` (possibly ``optimizer`` itself).
+
+    Args:
+        optimizer: what ``configure_optimizers`` returned; its parameters are the host fp32 masters.
+        mode: ``"auto"`` tries DeepSpeedCPUAdam and falls back to torch fused AdamW with one warning;
+            ``"deepspeed"`` requires DeepSpeedCPUAdam; ``"torch"`` always uses torch fused AdamW.
+
+    Raises:
+        RuntimeError: ``mode="deepspeed"`` and the DeepSpeed CPUAdam extension cannot be imported or built.
+    """
+    global _deepspeed_failure, _warned
+    if not _is_adam(optimizer) or any(optimizer.defaults.get(flag) for flag in _UNSUPPORTED_FLAGS):
+        return optimizer
+    if mode != "torch" and _deepspeed_failure is None:
+        try:
+            host = _deepspeed_adam(optimizer)
+            log.info("MegaTrain: %s -> DeepSpeedCPUAdam", type(optimizer).__name__)
+            return host
+        except Exception as e:  # ImportError, or the JIT build failing (no g++ / Python headers)
+            _deepspeed_failure = f"{type(e).__name__}: {e}"
+    if mode == "deepspeed":
+        raise RuntimeError(
+            f"MegaTrainStrategy(cpu_adam='deepspeed') could not build DeepSpeedCPUAdam ({_deepspeed_failure}). "
+            "HINT: `pip install deepspeed` and make sure g++ and the Python headers are installed, or use "
+            "cpu_adam='auto' to fall back to torch's fused AdamW."
+        )
+    if mode == "auto" and not _warned:
+        _warned = True
+        warnings.warn(
+            f"MegaTrain: DeepSpeedCPUAdam is unavailable ({_deepspeed_failure}); using torch fused AdamW on the "
+            "CPU instead (about 15% slower).",
+            stacklevel=2,
+        )
+    return _torch_fused(optimizer)

@@ -1,0 +1,72 @@
+"""MegaTrainPrecision: Lightning's precision hooks translated into engine calls."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from typing_extensions import override
+
+from lightning_megatrain.engine import MegaTrainEngine
+
+MegaTrainPrecisionInput = Literal["bf16-mixed", "32-true"]
+
+
+class MegaTrainPrecision(Precision):
+    """Precision for :class:`~lightning_megatrain.MegaTrainStrategy`; masters, grads and optimizer states stay fp32.
+
+    Args:
+        precision: ``"bf16-mixed"`` streams layer weights as bf16 and computes under ``torch.autocast`` (residents
+            stay fp32 on the device, as in Lightning's own bf16-mixed). ``"32-true"`` streams and computes in fp32:
+            true full precision, about 2x the PCIe bytes and much slower matmuls.
+        device_type: ``"cuda"`` or ``"cpu"``: where autocast applies.
+    """
+
+    def __init__(self, precision: MegaTrainPrecisionInput = "bf16-mixed", device_type: str = "cuda") -> None:
+        if precision not in ("bf16-mixed", "32-true"):
+            raise ValueError(
+                f"MegaTrainPrecision(precision={precision!r}) is not supported. HINT: use 'bf16-mixed' (fp32 masters, "
+                "bf16 compute) or '32-true' (fp32 everywhere)."
+            )
+        self.precision = precision
+        self.device_type = device_type
+        self.engine: MegaTrainEngine | None = None  # set by the strategy's setup
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # The parameters are the fp32 masters: never cast them (streaming casts the device copies instead).
+        return module
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision == "bf16-mixed":
+            with torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False):
+                yield
+        else:
+            yield
+
+    @override
+    def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        closure_result = closure()
+        # Host grads must be final before hooks, clipping and the step read them.
+        assert self.engine is not None
+        self.engine.finalize_gradients()
+        self._after_closure(model, optimizer)
+        return closure_result
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        assert self.engine is not None
+        self.engine.masters_updated()
+        return result

@@ -1,0 +1,230 @@
+"""MegaTrainStrategy: the Lightning contract only; streaming, buffers and optimizer logic live in engine/ and optim/."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Generator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_megatrain.engine import MegaTrainEngine
+from lightning_megatrain.optim.host_optimizer import CPU_ADAM_MODES, CpuAdamMode, to_host_optimizer
+from lightning_megatrain.precision import MegaTrainPrecision
+
+
+class MegaTrainStrategy(SingleDeviceStrategy):
+    """Train a causal LM larger than GPU memory on one GPU: all state in host RAM, decoder layers streamed.
+
+    One optimizer step:
+
+    - **setup** (once): the decoder-layer stack is found, every parameter becomes an fp32 *master* in a pinned flat
+      host buffer per layer, S device *slots* and the H2D/D2H streams are created, and each layer's ``forward`` is
+      routed through one streamed autograd Function. Adam/AdamW become DeepSpeedCPUAdam (or torch fused AdamW).
+    - **forward**: residents (embeddings, norm, lm_head) are uploaded as device compute copies; each layer's
+      weights arrive in a slot one layer ahead on the H2D stream, the layer runs without building a graph and only
+      its input is kept.
+    - **backward**: ``loss.backward()`` reaches each layer in reverse; the layer's weights are fetched again
+      (i-1 prefetched), it is recomputed with grad, and its weight grads go to the host on the D2H stream into
+      pinned slabs, accumulated in fp32 by a worker thread.
+    - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
+      optimizer run on the host fp32 masters.
+
+    GPU memory is two layers' weights, the residents and the activations of one layer plus each layer's input:
+    independent of depth. Host memory is 16 bytes per parameter with Adam (master, grad, two moments).
+
+    Args:
+        accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with
+            the same engine).
+        layers: dotted path of the decoder-layer ``nn.ModuleList`` inside the LightningModule, e.g.
+            ``"model.model.layers"``. Default ``None`` discovers it (HF causal LMs, or the largest ModuleList of
+            same-class modules).
+        num_slots: device buffers for layer weights, >= 2 (one computes while the next uploads). More slots cost
+            one layer of GPU memory each and only help when layer sizes vary. Default 2.
+        cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning),
+            ``"deepspeed"`` (fail if it does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
+        checkpoint_io: Lightning checkpoint IO plugin.
+        precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
+            grads and Adam, bf16 streaming and compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
+            ``"bf16-true"`` is mapped to ``"bf16-mixed"`` with a warning: masters are never kept in bf16.
+
+    Note:
+        After an exception the parameters are still valid host fp32 masters; ``teardown`` restores each layer's
+        own ``forward``.
+    """
+
+    strategy_name = "megatrain"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        layers: str | None = None,
+        num_slots: int = 2,
+        cpu_adam: CpuAdamMode = "auto",
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        problems = []
+        if not isinstance(num_slots, int) or num_slots < 2:
+            problems.append(f"num_slots={num_slots!r}: need an int >= 2 (one slot computes while the next uploads)")
+        if cpu_adam not in CPU_ADAM_MODES:
+            problems.append(f"cpu_adam={cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
+        if problems:
+            raise ValueError("Invalid MegaTrainStrategy arguments:\n- " + "\n- ".join(problems))
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
+        # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
+        self.parallel_devices: list[torch.device] | None = None
+        self.layers = layers
+        self.num_slots = num_slots
+        self.cpu_adam = cpu_adam
+        self.engine: MegaTrainEngine | None = None
+        if precision_plugin is not None:
+            self.precision_plugin = precision_plugin
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            return torch.device("cpu")
+        return torch.device(self.parallel_devices[0])
+
+    @property
+    @override
+    def precision_plugin(self) -> MegaTrainPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = MegaTrainPrecision("32-true", self.root_device.type)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        if precision_plugin is None or isinstance(precision_plugin, MegaTrainPrecision):
+            self._precision_plugin = precision_plugin
+            return
+        device_type = self.root_device.type
+        if isinstance(precision_plugin, MixedPrecision) and precision_plugin.precision == "bf16-mixed":
+            self._precision_plugin = MegaTrainPrecision("bf16-mixed", device_type)
+        elif isinstance(precision_plugin, HalfPrecision) and precision_plugin.precision == "bf16-true":
+            warnings.warn(
+                "MegaTrainStrategy keeps fp32 masters: precision='bf16-true' runs as 'bf16-mixed' (bf16 compute "
+                "and streaming, fp32 masters, grads and Adam states).",
+                stacklevel=2,
+            )
+            self._precision_plugin = MegaTrainPrecision("bf16-mixed", device_type)
+        elif type(precision_plugin) is Precision:
+            self._precision_plugin = MegaTrainPrecision("32-true", device_type)
+        else:
+            raise TypeError(
+                f"MegaTrainStrategy supports precision='bf16-mixed', '32-true' (or 'bf16-true', run as bf16-mixed), "
+                f"got {type(precision_plugin).__name__}"
+                f"{f'({precision_plugin.precision!r})' if hasattr(precision_plugin, 'precision') else ''}."
+            )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"MegaTrainStrategy trains on one device, got devices={[str(d) for d in self.parallel_devices]}. "
+                "HINT: pass Trainer(devices=1) (select the GPU with CUDA_VISIBLE_DEVICES)."
+            )
+        self.accelerator.setup(trainer)
+        precision = self.precision_plugin
+        precision.device_type = self.root_device.type
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.engine = MegaTrainEngine(
+            self.lightning_module,
+            device=self.root_device,
+            compute_dtype=precision.compute_dtype,
+            layers=self.layers,
+            num_slots=self.num_slots,
+        )
+        self.engine.setup(fitting=fitting)
+        precision.engine = self.engine
+        self.model = self._setup_model(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._to_host_optimizers()
+        self.setup_precision_plugin()
+        # no _optimizers_to_device: optimizer states live with the host masters
+
+    def _to_host_optimizers(self) -> None:
+        replaced = {}
+        optimizers = []
+        for optimizer in self.optimizers:
+            host = to_host_optimizer(optimizer, self.cpu_adam)
+            replaced[id(optimizer)] = host
+            optimizers.append(host)
+        self.optimizers = optimizers
+        for config in self.lr_scheduler_configs:
+            scheduler_optimizer = getattr(config.scheduler, "optimizer", None)
+            if scheduler_optimizer is not None and id(scheduler_optimizer) in replaced:
+                config.scheduler.optimizer = replaced[id(scheduler_optimizer)]
+
+    @override
+    def model_to_device(self) -> None:
+        # The engine moves each layer to the device only while it computes; parameters stay in host RAM.
+        pass
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Build the model on the host (the base class would build it on the GPU).
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
+            yield
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # The base class would move the states to root_device; they belong with the host masters.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore into the packed host masters and the host optimizer, which exist only after setup.
+        return True
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().predict_step(*args, **kwargs)
+
+    def _step_context(self) -> contextlib.AbstractContextManager:
+        return self.engine.step_context() if self.engine is not None else contextlib.nullcontext()
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.teardown()
+            self.engine = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
