@@ -1,0 +1,190 @@
+"""Convert alpaca / sharegpt / OpenAI-messages rows into one canonical conversation format.
+
+Canonical form: a list of ``{"role": "system" | "user" | "assistant", "content": str}`` where an optional
+system message comes first and user/assistant turns alternate, starting with user and ending with assistant.
+Malformed rows are collected and reported together in one :class:`DatasetFormatError` naming the file,
+every bad row index and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_megatrain.data.readers import Row, decode_json_cell
+from lightning_megatrain.data.registry import DatasetSpec
+
+Message = dict[str, str]
+MAX_REPORTED_ROWS = 20
+
+
+class DatasetFormatError(ValueError):
+    """A dataset has rows that cannot be turned into conversations (the message names file, rows and problems)."""
+
+
+class _RowError(Exception):
+    """Internal: what is wrong with one row."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One training example in canonical form.
+
+    Attributes:
+        messages: Canonical messages (system first if any). For ``mode="pt"`` a single user message holding the text.
+        tools: Tool definitions forwarded to the chat template (``tools=``), or ``None``.
+    """
+
+    messages: list[Message]
+    tools: Any = None
+
+
+def _string(row: Row, column: str, what: str, *, required: bool) -> str | None:
+    """Read a string cell; missing/None is an error only when ``required``."""
+    if column not in row or row[column] is None:
+        if required:
+            raise _RowError(f"missing column '{column}' ({what})")
+        return None
+    value = row[column]
+    if not isinstance(value, str):
+        raise _RowError(f"column '{column}' ({what}) must be a string, found {type(value).__name__}")
+    return value
+
+
+def _alpaca(row: Row, spec: DatasetSpec, pretrain: bool) -> tuple[list[Message], str | None, Any]:
+    """Alpaca row -> (turns, system from the row, tools)."""
+    columns = spec.columns
+    prompt = _string(row, columns["prompt"], "the prompt", required=True)
+    query = _string(row, columns["query"], "the query", required=False) if columns.get("query") else None
+    user = f"{prompt}\n{query}" if query else prompt
+    if pretrain:
+        return [{"role": "user", "content": user}], None, None
+    if not columns.get("response"):
+        raise _RowError("no response column is configured (a prompt-only dataset can only be used with mode='pt')")
+    response = _string(row, columns["response"], "the response", required=True)
+    system = _string(row, columns["system"], "the system prompt", required=False) if columns.get("system") else None
+    turns: list[Message] = []
+    history = decode_json_cell(row.get(columns["history"])) if columns.get("history") else None
+    if history not in (None, ""):  # csv leaves an empty cell for "no history"
+        if not isinstance(history, list):
+            raise _RowError(f"column '{columns['history']}' must be a list of [query, response] pairs")
+        for number, pair in enumerate(history):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise _RowError(f"history item {number} must be a [query, response] pair of strings, found {pair!r}")
+            turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    turns += [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+    return turns, system, None
+
+
+def _sharegpt(row: Row, spec: DatasetSpec, pretrain: bool) -> tuple[list[Message], str | None, Any]:
+    """Sharegpt / OpenAI-messages row -> (turns as listed, system from the system column, tools)."""
+    columns, tags = spec.columns, spec.tags
+    if columns["messages"] not in row:
+        raise _RowError(f"missing column '{columns['messages']}' (the messages)")
+    raw = decode_json_cell(row[columns["messages"]])
+    if not isinstance(raw, list):
+        raise _RowError(f"column '{columns['messages']}' must be a list of messages, found {type(raw).__name__}")
+    roles = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
+    tool_roles = {tags["observation_tag"], tags["function_tag"]}
+    turns = []
+    for index, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise _RowError(f"message {index} is a {type(message).__name__}, expected an object")
+        for key in (tags["role_tag"], tags["content_tag"]):
+            if key not in message:
+                raise _RowError(f"message {index} has no '{key}' key")
+        role, content = message[tags["role_tag"]], message[tags["content_tag"]]
+        if role in tool_roles:
+            raise _RowError(f"message {index} has role '{role}': tool-calling turns are not supported")
+        if role not in roles:
+            raise _RowError(f"message {index} has unknown role {role!r}; expected one of {sorted(roles)} "
+                            "(set 'tags' in dataset_info.json if the file uses other role names)")
+        if not isinstance(content, str):
+            raise _RowError(f"message {index} content must be a string, found {type(content).__name__}")
+        turns.append({"role": roles[role], "content": content})
+    system = _string(row, columns["system"], "the system prompt", required=False) if columns.get("system") else None
+    tools = decode_json_cell(row.get(columns["tools"])) if columns.get("tools") else None
+    if pretrain:
+        body = [turn for turn in turns if turn["role"] != "system"]
+        return body[:1], None, None
+    return turns, system, tools or None
+
+
+def _check_turns(turns: Sequence[Message]) -> None:
+    """Check role order and content of a conversation (indices are positions in ``turns``).
+
+    Raises:
+        _RowError: Empty conversation, misplaced system turn, two same-role turns in a row, no assistant turn,
+            trailing user turn, or an empty assistant response.
+    """
+    if not turns:
+        raise _RowError("empty conversation")
+    expected = "user"
+    for index, turn in enumerate(turns):
+        role = turn["role"]
+        if role == "system":
+            if index != 0:
+                raise _RowError(f"message {index} is a 'system' turn; a system prompt is only allowed first")
+            continue
+        if role != expected:
+            if index > 0 and turns[index - 1]["role"] == role:
+                raise _RowError(f"two '{role}' turns in a row (messages {index - 1} and {index})")
+            raise _RowError(
+                f"message {index} is an '{role}' turn; the first turn after the system prompt must be 'user'"
+            )
+        if role == "assistant" and not turn["content"].strip():
+            raise _RowError(f"message {index} is an empty assistant response")
+        expected = "assistant" if role == "user" else "user"
+    if not any(turn["role"] == "assistant" for turn in turns):
+        raise _RowError("no assistant turn to train on")
+    if turns[-1]["role"] != "assistant":
+        last = len(turns) - 1
+        raise _RowError(f"conversation ends with a 'user' turn (message {last}) that has no assistant response")
+
+
+def _canonical(row: Row, spec: DatasetSpec, default_system: str | None, pretrain: bool) -> Conversation:
+    converter = _alpaca if spec.formatting == "alpaca" else _sharegpt
+    turns, system, tools = converter(row, spec, pretrain)
+    if pretrain:
+        if not turns or not turns[0]["content"].strip():
+            raise _RowError("empty text")
+        return Conversation(turns)
+    _check_turns(turns)
+    if turns[0]["role"] != "system":
+        system = system or default_system
+        if system:
+            turns = [{"role": "system", "content": system}, *turns]
+    return Conversation(turns, tools)
+
+
+def convert_rows(
+    rows: Sequence[Row], spec: DatasetSpec, source: Path, *, default_system: str | None = None, mode: str = "sft"
+) -> list[Conversation]:
+    """Convert every row of one file, or raise one error listing all malformed rows.
+
+    Args:
+        rows: The file's rows, in file order (row indices in errors are 0-based positions in this list).
+        spec: The dataset spec with ``formatting`` resolved (see ``registry.infer_spec``).
+        source: The file the rows came from, named in errors.
+        default_system: System prompt for conversations that bring none (row system message/column wins).
+        mode: ``"sft"`` (chat conversations) or ``"pt"`` (only the prompt / first non-system message is kept).
+
+    Raises:
+        DatasetFormatError: Naming the dataset, the file, each bad row index and what is wrong.
+    """
+    conversations, problems = [], []
+    for index, row in enumerate(rows):
+        try:
+            conversations.append(_canonical(row, spec, default_system, mode == "pt"))
+        except _RowError as err:
+            problems.append(f"row {index}: {err}")
+    if problems:
+        shown = "\n  ".join(problems[:MAX_REPORTED_ROWS])
+        more = f"\n  ... and {len(problems) - MAX_REPORTED_ROWS} more" if len(problems) > MAX_REPORTED_ROWS else ""
+        raise DatasetFormatError(
+            f"dataset '{spec.name}' ({spec.formatting}), file {source}: {len(problems)} malformed row(s) of "
+            f"{len(rows)}:\n  {shown}{more}"
+        )
+    return conversations

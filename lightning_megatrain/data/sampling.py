@@ -1,0 +1,67 @@
+"""Seeded train/validation split and a resumable, epoch-aware shuffling sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+def validation_count(num_examples: int, val_size: int | float) -> int:
+    """How many of ``num_examples`` to hold out: ``val_size`` is a fraction if a float, a count if an int."""
+    if isinstance(val_size, float):
+        return int(round(num_examples * val_size))
+    return int(val_size)
+
+
+def split_indices(num_examples: int, val_size: int | float, seed: int) -> tuple[list[int], list[int]]:
+    """Split ``range(num_examples)`` into (train, val) index lists with a seeded permutation.
+
+    Args:
+        num_examples: Number of examples.
+        val_size: Fraction in [0, 1) (float) or count >= 0 (int) to hold out for validation.
+        seed: Seed of the permutation; the same seed always gives the same split.
+
+    Returns:
+        ``(train, val)``, each in the permuted order.
+
+    Raises:
+        ValueError: If the held-out count leaves no training example.
+    """
+    count = validation_count(num_examples, val_size)
+    if count >= num_examples:
+        raise ValueError(
+            f"val_size={val_size!r} holds out {count} of {num_examples} examples, leaving none to train on; "
+            "lower val_size"
+        )
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed)).tolist()
+    return order[count:], order[:count]
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """Shuffle ``range(num_samples)`` with a permutation seeded by ``seed + epoch``.
+
+    Lightning calls :meth:`set_epoch` at the start of every epoch, so each epoch gets a fresh order that is
+    reproducible from ``(seed, epoch)`` alone, including after resuming from a checkpoint.
+
+    Args:
+        num_samples: Dataset length.
+        seed: Base seed.
+    """
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch``."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples

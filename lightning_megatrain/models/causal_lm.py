@@ -1,0 +1,277 @@
+"""LightningModule that trains a HuggingFace causal LM with the chunked next-token loss."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
+from torchmetrics import MeanMetric
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss
+
+# Config attributes of heads that rescale logits beyond soft-capping; the chunked loss does
+# not reproduce them, so such models are refused instead of being trained on a wrong loss.
+_UNSUPPORTED_LOGIT_SCALES = {"logit_scale": None, "logits_scaling": 1.0, "output_multiplier": 1.0}
+
+
+def warmup_cosine_factor(
+    step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float
+) -> float:
+    """Learning-rate multiplier: linear warmup, then cosine decay to ``min_lr_ratio``.
+
+    ``(step + 1) / warmup_steps`` for ``step < warmup_steps``; afterwards
+    ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2`` with
+    ``p = min(1, (step - warmup_steps) / max(1, total_steps - warmup_steps))``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class CausalLMModule(LightningModule):
+    """Causal language model (any ``AutoModelForCausalLM``) trained on next-token prediction.
+
+    The HuggingFace model is created in ``configure_model`` so that the strategy's
+    initialisation context applies; master weights are always fp32. The loss runs the decoder
+    body for the last hidden states and applies the LM head chunk by chunk, so ``[B, T, V]``
+    logits are never materialised. Batches are dicts with ``input_ids`` ``[B, T]`` and optional
+    ``attention_mask``, ``labels`` (default: ``input_ids`` with padding set to -100) and
+    ``position_ids``; label -100 is ignored. ``tokens_trained`` counts the target tokens of all
+    training steps (saved in checkpoints) and is logged as ``train_tokens``.
+
+    Args:
+        model: Local directory or Hub name of a pretrained model loaded with
+            ``from_pretrained``. Exactly one of ``model`` and ``config`` is required.
+        config: Architecture for random initialisation, e.g. ``{"model_type": "llama",
+            "hidden_size": 64, "num_hidden_layers": 2}``; keys other than ``model_type`` are
+            config attributes. Exactly one of ``model`` and ``config`` is required.
+        tokenizer: Tokenizer directory or Hub name saved with exported checkpoints; defaults to
+            ``model``. With only ``config`` and no tokenizer, exports contain no tokenizer.
+        attn_implementation: HuggingFace attention backend ("sdpa", "eager",
+            "flash_attention_2", ...). Some architectures lack "sdpa" in some transformers
+            versions (e.g. Gemma 2 and gpt-oss in 5.24) and need "eager".
+        trust_remote_code: Allow custom modelling code from the model repository.
+        loss_chunk_size: Target tokens per chunk of the LM-head loss; bounds the loss's extra
+            memory to a few ``[loss_chunk_size, vocab_size]`` fp32 buffers.
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay for matrices; biases and 1-D parameters get none.
+        betas: AdamW beta coefficients.
+        eps: AdamW epsilon.
+        warmup_steps: Optimizer steps of linear warmup before the cosine decay.
+        min_lr_ratio: Final learning rate of the cosine decay, as a fraction of
+            ``learning_rate``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: dict[str, Any] | None = None,
+        tokenizer: str | None = None,
+        attn_implementation: str = "sdpa",
+        trust_remote_code: bool = False,
+        loss_chunk_size: int = 4096,
+        learning_rate: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (config is None):
+            raise ValueError(
+                "CausalLMModule needs exactly one of `model` (pretrained path or Hub name) and "
+                f"`config` (architecture dict for random init); got model={model!r}, "
+                f"config={config!r}. Pass one of them."
+            )
+        if loss_chunk_size < 1:
+            raise ValueError(
+                f"loss_chunk_size must be a positive integer, got {loss_chunk_size}; "
+                "use e.g. 4096."
+            )
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}.")
+        self.save_hyperparameters()
+        self.hf_config = self._resolve_config()
+        self.model: PreTrainedModel | None = None
+        self.val_loss_mean = MeanMetric()
+        self.tokens_trained = 0
+
+    def _resolve_config(self) -> PretrainedConfig:
+        """Loads or builds the HF config, disables the KV cache and rejects unsupported heads."""
+        hp = self.hparams
+        if hp.model is not None:
+            config = AutoConfig.from_pretrained(hp.model, trust_remote_code=hp.trust_remote_code)
+        else:
+            if "model_type" not in hp.config:
+                raise ValueError(
+                    f"config needs a 'model_type' key (e.g. 'llama'), got keys {sorted(hp.config)}."
+                )
+            kwargs = dict(hp.config)
+            config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        text_config = config.get_text_config()
+        config.use_cache = False
+        text_config.use_cache = False
+        if getattr(text_config, "output_router_logits", False):
+            raise ValueError(
+                f"output_router_logits=True in the {config.model_type} config is not supported: "
+                "the streamed engine cannot give the router weights an auxiliary-loss gradient "
+                "yet. Set it to false (e.g. config={..., 'output_router_logits': False} or in the "
+                "model's config.json)."
+            )
+        for name, neutral in _UNSUPPORTED_LOGIT_SCALES.items():
+            value = getattr(text_config, name, neutral)
+            if value != neutral:
+                raise ValueError(
+                    f"{config.model_type} rescales its logits ({name}={value}), which the chunked "
+                    "loss does not reproduce; only plain and soft-capped LM heads are supported."
+                )
+        return config
+
+    def configure_model(self) -> None:
+        """Creates the HF model (fp32 masters) once, inside the strategy's init context."""
+        if self.model is not None:
+            return
+        hp = self.hparams
+        kwargs = {
+            "dtype": torch.float32,
+            "attn_implementation": hp.attn_implementation,
+            "trust_remote_code": hp.trust_remote_code,
+        }
+        if hp.model is not None:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                hp.model, config=self.hf_config, **kwargs
+            )
+        else:
+            self.model = AutoModelForCausalLM.from_config(self.hf_config, **kwargs)
+
+    def _decoder(self) -> nn.Module:
+        """The base model under the LM head; returns last hidden states (after the final norm)."""
+        decoder = self.model.get_decoder()
+        if decoder is self.model:
+            raise ValueError(
+                f"{type(self.model).__name__}.get_decoder() returned the model itself, so its "
+                "body cannot be run without the LM head; this architecture is not supported."
+            )
+        return decoder
+
+    def _lm_head_weight(self) -> Tensor:
+        """The ``[V, H]`` LM head weight, looked up per call (strategies may swap it)."""
+        head = self.model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(
+                f"{type(self.model).__name__} has an LM head bias, which the chunked loss does "
+                "not support."
+            )
+        return head.weight
+
+    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Mean next-token loss of a batch and its number of target tokens."""
+        input_ids = batch["input_ids"]  # [B, T]
+        attention_mask = batch.get("attention_mask")  # [B, T] or None
+        labels = batch.get("labels")  # [B, T] or None
+        if labels is None:
+            labels = (
+                input_ids
+                if attention_mask is None
+                else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            )  # [B, T]
+        hidden = self._decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=batch.get("position_ids"),
+            use_cache=False,
+        ).last_hidden_state  # [B, T, H]
+        loss = causal_lm_loss(
+            hidden,
+            self._lm_head_weight(),
+            labels,
+            chunk_size=self.hparams.loss_chunk_size,
+            softcap=getattr(self.model.config.get_text_config(), "final_logit_softcapping", None),
+        )  # []
+        n_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()  # []
+        return loss, n_tokens
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Full HF forward; returns logits ``[B, T, V]`` (for prediction and export checks)."""
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
+
+    def training_step(self, batch: dict[str, Tensor]) -> Tensor:
+        loss, n_tokens = self._loss(batch)
+        self.tokens_trained += int(n_tokens)
+        batch_size = batch["input_ids"].shape[0]
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
+        # float64 keeps the count exact (float32 would round it above 2**24 tokens).
+        tokens = torch.tensor(self.tokens_trained, dtype=torch.float64)  # []
+        self.log("train_tokens", tokens, batch_size=batch_size)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor]) -> None:
+        loss, n_tokens = self._loss(batch)
+        self.val_loss_mean.update(loss, weight=n_tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        val_loss = self.val_loss_mean.compute()
+        self.val_loss_mean.reset()
+        self.log("val_loss", val_loss, prog_bar=True)
+        self.log("val_ppl", torch.exp(val_loss))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokens_trained"] = self.tokens_trained
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_trained = checkpoint.get("tokens_trained", 0)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW with decay / no-decay groups and a per-step warmup + cosine schedule."""
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim < 2 or name.endswith("bias") else decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+        )
+        total_steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total_steps):
+            raise ValueError(
+                "The cosine schedule needs a finite number of optimizer steps, but "
+                f"trainer.estimated_stepping_batches={total_steps}; set Trainer(max_steps=...) "
+                "or max_epochs."
+            )
+        schedule = partial(
+            warmup_cosine_factor,
+            warmup_steps=hp.warmup_steps,
+            total_steps=int(total_steps),
+            min_lr_ratio=hp.min_lr_ratio,
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
+        }

@@ -1,0 +1,119 @@
+"""Export a Lightning checkpoint of a ``CausalLMModule`` as a HuggingFace model directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.initialization import no_init_weights
+
+from lightning_megatrain.models.causal_lm import CausalLMModule
+
+_PREFIX = "model."
+
+
+def export_checkpoint(
+    ckpt_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Writes ``config.json``, safetensors shards, the generation config and the tokenizer.
+
+    The module is rebuilt from the checkpoint's ``hyper_parameters`` (its HF config is resolved
+    from ``model`` or ``config`` as in training), the architecture is created without random
+    initialisation and filled with the checkpoint's ``model.*`` weights (fp32 masters). The
+    tokenizer is exported when the module has ``tokenizer`` or ``model`` set. The directory is
+    written beside ``out_dir`` and renamed into place, so ``out_dir`` is never half-written.
+
+    The checkpoint is unpickled with ``weights_only=False`` (it holds hyper-parameters and loop
+    state); only export checkpoints you trust.
+
+    Args:
+        ckpt_path: Single-file Lightning checkpoint (``.ckpt``) of a ``CausalLMModule``.
+        out_dir: Destination directory.
+        max_shard_size: Largest safetensors shard, e.g. ``"5GB"`` or a byte count.
+        overwrite: Replace a non-empty ``out_dir``.
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+    """
+    ckpt_path, out_dir = Path(ckpt_path), Path(out_dir)
+    if not ckpt_path.is_file():
+        raise FileNotFoundError(
+            f"ckpt_path={str(ckpt_path)!r} is not a file; pass a single-file Lightning checkpoint."
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"out_dir={str(out_dir)!r} exists and is not a directory.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"out_dir={str(out_dir)!r} is not empty; pass overwrite=True to replace it."
+        )
+
+    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    if "hyper_parameters" not in checkpoint:
+        raise ValueError(
+            f"{ckpt_path} has no 'hyper_parameters'; it was not saved from a CausalLMModule."
+        )
+    # LightningCLI adds private keys such as `_class_path` and `_instantiator`.
+    hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
+    state_dict = {
+        key[len(_PREFIX) :]: value
+        for key, value in checkpoint["state_dict"].items()
+        if key.startswith(_PREFIX)
+    }
+    if not state_dict:
+        raise ValueError(f"{ckpt_path} has no '{_PREFIX}*' weights in its state_dict.")
+
+    module = CausalLMModule(**hparams)
+    config = module.hf_config
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(
+            config,
+            dtype=torch.float32,
+            attn_implementation=hparams["attn_implementation"],
+            trust_remote_code=hparams["trust_remote_code"],
+        )
+    model.tie_weights()
+    model.load_state_dict(state_dict, strict=True)
+    config.use_cache = True
+    config.get_text_config().use_cache = True
+    source = hparams["model"]
+    model.generation_config = _generation_config(source, config)
+    tokenizer_source = hparams["tokenizer"] or source
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        # transformers 5 always writes safetensors (`safe_serialization` no longer exists).
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
+        if tokenizer_source is not None:
+            AutoTokenizer.from_pretrained(
+                tokenizer_source, trust_remote_code=hparams["trust_remote_code"]
+            ).save_pretrained(staging)
+        if out_dir.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, retired / out_dir.name)
+            os.replace(staging, out_dir)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out_dir
+
+
+def _generation_config(source: str | None, config: PretrainedConfig) -> GenerationConfig:
+    """The pretrained model's generation config when it ships one, else one derived from config."""
+    if source is not None:
+        try:
+            return GenerationConfig.from_pretrained(source)
+        except OSError:  # no generation_config.json in the pretrained model
+            pass
+    return GenerationConfig.from_model_config(config)

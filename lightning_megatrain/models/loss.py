@@ -1,0 +1,183 @@
+"""Chunked causal-LM cross-entropy that never materialises the full ``[B, T, V]`` logits.
+
+The loss and both input gradients are computed together in the forward pass, one chunk of
+target tokens at a time, so at most ``[chunk_size, V]`` logits exist at once. The backward
+pass only rescales the saved gradients by the incoming ``grad_output``.
+
+For one token with logits ``z`` (after optional soft-capping) and target ``y``:
+
+    loss    = logsumexp(z) - z[y]
+    dL/dz   = softmax(z) - onehot(y)                       (cross-entropy gradient)
+
+With Gemma-style soft-capping ``c(x) = s * tanh(x / s)`` applied to the raw logits ``x``:
+
+    dc/dx   = 1 - tanh(x / s) ** 2                          (chain rule through the cap)
+
+and with ``x = h @ W^T``: ``dL/dh = dL/dx @ W`` and ``dL/dW = dL/dx^T @ h``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedCausalLMLoss(torch.autograd.Function):
+    """Mean token NLL of ``hidden @ weight^T`` against pre-shifted targets, gradients in forward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        hidden: Tensor,  # [B, T, H]
+        weight: Tensor,  # [V, H]
+        shifted_labels: Tensor,  # [B, T] target of position t is the label of t + 1
+        chunk_size: int,
+        softcap: float | None,
+        ignore_index: int,
+        compute_dtype: torch.dtype,
+        grad_hidden_needed: bool,
+        grad_weight_needed: bool,
+    ) -> Tensor:
+        batch, seq, dim = hidden.shape
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            hidden_flat = hidden.reshape(batch * seq, dim)  # [B*T, H]
+            targets_flat = shifted_labels.reshape(batch * seq)  # [B*T]
+            rows = (targets_flat != ignore_index).nonzero().squeeze(1)  # [N] rows with a target
+            n_targets = rows.numel()
+            w = weight.to(compute_dtype)  # [V, H]
+            acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # fp32 unless fp64 inputs
+
+            loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)  # []
+            grad_hidden_flat = (
+                torch.zeros_like(hidden_flat) if grad_hidden_needed else None
+            )  # [B*T, H]
+            grad_weight = (
+                torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+                if grad_weight_needed
+                else None
+            )  # [V, H] accumulator
+            inv_n = 1.0 / max(n_targets, 1)
+
+            for start in range(0, n_targets, chunk_size):
+                idx = rows[start : start + chunk_size]  # [C]
+                target = targets_flat.index_select(0, idx)  # [C]
+                h = hidden_flat.index_select(0, idx).to(compute_dtype)  # [C, H]
+                logits = (h @ w.t()).to(acc_dtype)  # [C, V]
+                if softcap is not None:
+                    tanh = logits.div_(softcap).tanh_()  # [C, V] tanh(x / s)
+                    logits = tanh * softcap  # [C, V] capped logits
+                lse = torch.logsumexp(logits, dim=-1)  # [C]
+                target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)  # [C]
+                loss_sum += (lse - target_logit).sum()  # []
+                if grad_hidden_flat is None and grad_weight is None:
+                    continue
+                # dL/dz = softmax(z) - onehot(y), scaled by 1/N for the mean.
+                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # [C, V] softmax
+                grad_logits.scatter_add_(
+                    1, target.unsqueeze(1), torch.full_like(target_logit, -1.0).unsqueeze(1)
+                )  # [C, V] softmax - onehot
+                grad_logits.mul_(inv_n)  # [C, V]
+                if softcap is not None:
+                    grad_logits.mul_(tanh.square_().neg_().add_(1.0))  # [C, V] * (1 - tanh^2)
+                grad_logits = grad_logits.to(compute_dtype)  # [C, V]
+                if grad_hidden_flat is not None:
+                    grad_h = grad_logits @ w  # [C, H]
+                    grad_hidden_flat.index_copy_(0, idx, grad_h.to(hidden.dtype))  # [B*T, H]
+                if grad_weight is not None:
+                    if compute_dtype == acc_dtype:
+                        grad_weight.addmm_(grad_logits.t(), h)  # [V, H]
+                    else:
+                        grad_weight.add_(grad_logits.t() @ h)  # [V, H] += low-precision product
+
+        grad_hidden = (
+            grad_hidden_flat.view(batch, seq, dim) if grad_hidden_flat is not None else None
+        )  # [B, T, H]
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None  # [V, H]
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum * inv_n  # []
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: FunctionCtx, grad_output: Tensor  # grad_output: []
+    ) -> tuple[Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors  # [B, T, H], [V, H]
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)  # [B, T, H]
+        if grad_weight is not None:
+            grad_weight = grad_weight * grad_output.to(grad_weight.dtype)  # [V, H]
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def causal_lm_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    chunk_size: int = 4096,
+    softcap: float | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> Tensor:
+    """Mean next-token cross-entropy of an LM head without materialising ``[B, T, V]`` logits.
+
+    Follows the HuggingFace convention: ``labels`` is aligned with ``input_ids`` and position
+    ``t`` predicts ``labels[:, t + 1]``; targets equal to ``ignore_index`` are skipped and the
+    result is the mean over the remaining targets (0, with zero gradients, when there are none).
+
+    The matmul runs in the inputs' dtype, or in the autocast dtype when called inside an enabled
+    ``torch.autocast`` region of the inputs' device; log-softmax, the loss and the
+    weight-gradient accumulation are fp32 (fp64 for fp64 inputs). Returned gradients have the
+    dtypes of ``hidden`` and ``weight``.
+
+    Args:
+        hidden: Last hidden states ``[B, T, H]`` (after the final norm).
+        weight: LM head weight ``[V, H]``.
+        labels: Token ids ``[B, T]`` aligned with the inputs.
+        chunk_size: Number of target tokens per chunk; peak extra memory is a few ``[chunk, V]``
+            fp32 buffers.
+        softcap: Gemma-style final-logit soft-capping ``softcap * tanh(logits / softcap)``;
+            ``None`` disables it.
+        ignore_index: Label value that contributes no loss.
+
+    Returns:
+        A 0-dim fp32 tensor (fp64 for fp64 inputs).
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"labels must be [B, T] = {tuple(hidden.shape[:2])} to match hidden, "
+            f"got {tuple(labels.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"weight must be [V, {hidden.shape[2]}] to match hidden, got {tuple(weight.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    grad_enabled = torch.is_grad_enabled()
+    shifted_labels = torch.cat(
+        [labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1
+    ).long()  # [B, T]
+    return _ChunkedCausalLMLoss.apply(
+        hidden,
+        weight,
+        shifted_labels,
+        chunk_size,
+        softcap,
+        ignore_index,
+        compute_dtype,
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+    )

@@ -1,0 +1,87 @@
+"""export_checkpoint: a fitted checkpoint becomes an HF directory that reproduces the logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from lightning_megatrain.models import CausalLMModule, export_checkpoint
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    vocab = {f"t{i}": i for i in range(128)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    return tmp_path / "tokenizer"
+
+
+@pytest.fixture
+def fitted(request, tiny_archs, token_loader, trainer_kwargs, tmp_path, tokenizer_dir):
+    """A module fitted for 2 steps and its ModelCheckpoint file; param selects the architecture."""
+    config, attn = tiny_archs[request.param]
+    torch.manual_seed(0)
+    module = CausalLMModule(
+        config=config, attn_implementation=attn, tokenizer=str(tokenizer_dir), learning_rate=1e-2
+    )
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    trainer = Trainer(max_steps=2, limit_val_batches=0, callbacks=[checkpoint], **trainer_kwargs)
+    trainer.fit(module, token_loader(n=4))
+    return module, checkpoint.best_model_path
+
+
+@pytest.mark.parametrize("fitted", ["llama", "gemma2"], indirect=True)
+def test_export_reproduces_trained_logits(fitted, tmp_path):
+    module, ckpt_path = fitted
+    assert torch.load(ckpt_path, weights_only=False)["tokens_trained"] == 2 * 2 * 15
+    out_dir = export_checkpoint(ckpt_path, tmp_path / "hf")
+
+    names = {p.name for p in out_dir.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= names
+    assert {"tokenizer.json", "tokenizer_config.json"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]
+    assert json.loads((out_dir / "config.json").read_text())["use_cache"] is True
+
+    exported = AutoModelForCausalLM.from_pretrained(
+        out_dir, attn_implementation=module.hparams.attn_implementation
+    )
+    input_ids = torch.randint(0, 128, (2, 10))  # [B, T]
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids).logits, module(input_ids), rtol=0, atol=1e-5)
+    assert AutoTokenizer.from_pretrained(out_dir)("t5 t7")["input_ids"] == [5, 7]
+
+
+@pytest.mark.parametrize("fitted", ["qwen3"], indirect=True)
+def test_sharded_export_and_overwrite(fitted, tmp_path):
+    module, ckpt_path = fitted
+    out_dir = tmp_path / "hf"
+    out_dir.mkdir()
+    (out_dir / "stale.txt").write_text("old")
+
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        export_checkpoint(ckpt_path, out_dir)
+    export_checkpoint(ckpt_path, out_dir, max_shard_size="20KB", overwrite=True)
+
+    shards = sorted(out_dir.glob("*.safetensors"))
+    assert len(shards) > 1
+    assert (out_dir / "model.safetensors.index.json").is_file()
+    assert not (out_dir / "stale.txt").exists()
+    exported = AutoModelForCausalLM.from_pretrained(out_dir)
+    input_ids = torch.randint(0, 128, (1, 8))  # [B, T]
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids).logits, module(input_ids), rtol=0, atol=1e-5)
+
+
+def test_missing_checkpoint_names_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ckpt_path=.*missing.ckpt"):
+        export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "out")

@@ -1,0 +1,227 @@
+"""Chunked causal-LM loss: values and gradients vs the naive full-logits loss, and memory bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_megatrain.models import causal_lm_loss
+
+V, H = 97, 16
+
+
+def naive_loss(hidden, weight, labels, softcap=None, ignore_index=-100):
+    logits = hidden @ weight.t()  # [B, T, V]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    shift_logits = logits[:, :-1].float().reshape(-1, weight.shape[0])  # [B*(T-1), V]
+    shift_labels = labels[:, 1:].reshape(-1)  # [B*(T-1)]
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=ignore_index)
+
+
+def make_inputs(batch, seq, *, seed=0, ignore_frac=0.3, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, seq, H, generator=gen, dtype=dtype).mul_(2.0)  # [B, T, H]
+    weight = torch.randn(V, H, generator=gen, dtype=dtype)  # [V, H]
+    labels = torch.randint(0, V, (batch, seq), generator=gen)  # [B, T]
+    labels[torch.rand(batch, seq, generator=gen) < ignore_frac] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), labels
+
+
+def grads(loss, hidden, weight):
+    return torch.autograd.grad(loss, (hidden, weight))
+
+
+def assert_grad_close(actual, expected, rel=1e-5):
+    """Within ``rel`` of the gradient's largest entry (fp32 cancellation in softmax - onehot)."""
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize(("batch", "seq", "chunk_size"), [(1, 9, 4096), (3, 11, 7), (2, 16, 1)])
+def test_matches_naive_loss_and_grads(batch, seq, chunk_size, softcap):
+    hidden, weight, labels = make_inputs(batch, seq)
+    expected = naive_loss(hidden, weight, labels, softcap=softcap)
+    exp_gh, exp_gw = grads(expected, hidden, weight)
+
+    loss = causal_lm_loss(hidden, weight, labels, chunk_size=chunk_size, softcap=softcap)
+    gh, gw = grads(loss, hidden, weight)
+
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    assert_grad_close(gh, exp_gh)
+    assert_grad_close(gw, exp_gw)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_gradcheck_fp64(softcap):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64).requires_grad_()  # [B, T, H]
+    weight = torch.randn(11, 4, generator=gen, dtype=torch.float64).requires_grad_()  # [V, H]
+    labels = torch.randint(0, 11, (2, 5), generator=gen)  # [B, T]
+    labels[0, 2] = -100
+    assert torch.autograd.gradcheck(
+        lambda h, w: causal_lm_loss(h, w, labels, chunk_size=3, softcap=softcap), (hidden, weight)
+    )
+
+
+def test_custom_ignore_index_and_upstream_grad_scale():
+    hidden, weight, labels = make_inputs(2, 10)
+    labels[labels == -100] = 0
+    expected = 3.0 * naive_loss(hidden, weight, labels, ignore_index=0)
+    exp_gh, exp_gw = grads(expected, hidden, weight)
+
+    loss = 3.0 * causal_lm_loss(hidden, weight, labels, chunk_size=5, ignore_index=0)
+    gh, gw = grads(loss, hidden, weight)
+
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    assert_grad_close(gh, exp_gh)
+    assert_grad_close(gw, exp_gw)
+
+
+def test_all_ignored_batch_gives_zero_loss_and_zero_grads():
+    hidden, weight, labels = make_inputs(2, 6)
+    labels[:, 1:] = -100  # only the first position (never a target) keeps its label
+
+    loss = causal_lm_loss(hidden, weight, labels)
+    gh, gw = grads(loss, hidden, weight)
+
+    assert loss.item() == 0.0
+    assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+
+
+def test_no_grad_and_partial_requires_grad():
+    hidden, weight, labels = make_inputs(2, 8)
+    expected = naive_loss(hidden, weight, labels)
+    with torch.no_grad():
+        loss = causal_lm_loss(hidden, weight, labels)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0)
+
+    frozen_weight = weight.detach()
+    loss = causal_lm_loss(hidden, frozen_weight, labels, chunk_size=3)
+    (gh,) = torch.autograd.grad(loss, hidden)
+    (exp_gh,) = torch.autograd.grad(naive_loss(hidden, frozen_weight, labels), hidden)
+    assert_grad_close(gh, exp_gh)
+
+
+def test_autocast_bf16_keeps_input_grad_dtypes():
+    hidden, weight, labels = make_inputs(2, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = causal_lm_loss(hidden, weight, labels, chunk_size=5)
+        expected = naive_loss(hidden, weight, labels)  # bf16 logits, fp32 log-softmax
+    gh, gw = grads(loss, hidden, weight)
+    exp_gh, exp_gw = grads(expected, hidden, weight)
+
+    assert loss.dtype == torch.float32
+    assert gh.dtype == hidden.dtype and gw.dtype == weight.dtype
+    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0)
+    torch.testing.assert_close(gh, exp_gh, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gw, exp_gw, rtol=2e-2, atol=2e-3)
+
+
+def test_bf16_inputs_give_bf16_grads():
+    hidden, weight, labels = make_inputs(2, 12, dtype=torch.bfloat16)
+    loss = causal_lm_loss(hidden, weight, labels, chunk_size=4)
+    gh, gw = grads(loss, hidden, weight)
+    assert loss.dtype == torch.float32
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor produced by an aten op."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_never_materialises_or_saves_full_logits():
+    batch, seq, chunk = 4, 64, 16  # N = 4 * 63 = 252 targets, V = 97
+    hidden, weight, labels = make_inputs(batch, seq, ignore_frac=0.0)
+    saved_shapes = []
+
+    def pack(t):
+        saved_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _LargestTensor() as mode:
+        loss = causal_lm_loss(hidden, weight, labels, chunk_size=chunk)
+        loss.backward()
+
+    assert sorted(saved_shapes) == sorted([(batch, seq, H), (V, H)])
+    assert mode.max_numel <= max(chunk * V, batch * seq * H, V * H)
+    assert mode.max_numel < batch * (seq - 1) * V // 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"chunk_size": 0}, "chunk_size must be a positive integer, got 0"),
+        ({"softcap": -1.0}, "softcap must be positive or None, got -1.0"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    hidden, weight, labels = make_inputs(1, 4)
+    with pytest.raises(ValueError, match=match):
+        causal_lm_loss(hidden, weight, labels, **kwargs)
+
+
+def test_shape_mismatch_names_argument():
+    hidden, weight, labels = make_inputs(1, 4)
+    with pytest.raises(ValueError, match="labels must be"):
+        causal_lm_loss(hidden, weight, labels[:, :3])
+    with pytest.raises(ValueError, match="weight must be"):
+        causal_lm_loss(hidden, weight[:, :3], labels)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_autocast_bf16_matches_naive():
+    hidden, weight, labels = (t.detach().cuda() for t in make_inputs(4, 64))
+    hidden.requires_grad_(), weight.requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = causal_lm_loss(hidden, weight, labels, chunk_size=37)
+        expected = naive_loss(hidden, weight, labels)
+    gh, gw = grads(loss, hidden, weight)
+    exp_gh, exp_gw = grads(expected, hidden, weight)
+
+    assert gh.dtype == torch.float32 and gw.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0)
+    assert_grad_close(gh, exp_gh, rel=2e-2)
+    assert_grad_close(gw, exp_gw, rel=2e-2)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_peak_memory_is_bounded_by_chunk():
+    batch, seq, dim, vocab, chunk = 4, 2048, 512, 65536, 512
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(batch, seq, dim, device="cuda", generator=gen).requires_grad_()
+    weight = torch.randn(vocab, dim, device="cuda", generator=gen).div_(16).requires_grad_()
+    labels = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+
+    loss = causal_lm_loss(hidden, weight, labels, chunk_size=chunk)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+
+    fp32 = 4
+    full_logits = batch * (seq - 1) * vocab * fp32  # 2 GiB
+    bound = 4 * chunk * vocab * fp32 + 3 * vocab * dim * fp32 + 3 * hidden.numel() * fp32
+    assert peak < bound < full_logits / 2
+    assert torch.isfinite(loss)
