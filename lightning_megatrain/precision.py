@@ -65,6 +65,13 @@ class MegaTrainPrecision(Precision):
         return closure_result
 
     @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        # The engine clips the flat host grad buffers in two vectorized passes; torch's per-tensor path otherwise.
+        assert self.engine is not None
+        if not self.engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val)):
+            super().clip_grad_by_norm(optimizer, clip_val)
+
+    @override
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, model, closure, **kwargs)
         assert self.engine is not None

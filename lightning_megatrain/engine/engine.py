@@ -136,6 +136,8 @@ class MegaTrainEngine:
     @contextlib.contextmanager
     def step_context(self) -> Iterator[None]:
         """Bind the residents' compute copies for one ``training_step``/``validation_step``/... call."""
+        assert self.transfer is not None
+        self.transfer.invalidate()  # the user may have changed masters between steps (callbacks, load_state_dict)
         if self.residents is None:
             yield
             return
@@ -149,8 +151,30 @@ class MegaTrainEngine:
         if self.residents is not None:
             self.residents.drain()
 
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> bool:
+        """Clip the host grads of ``params`` to a global L2 norm of ``max_norm``, as ``clip_grad_norm_`` does.
+
+        One vectorized pass over each layer's flat grad buffer for the norm and one for the scaling, instead of
+        per-tensor foreach ops. Returns False (nothing done) when ``params`` is not exactly the set of parameters
+        the engine holds grads for, so the caller falls back to torch.
+        """
+        groups = self.groups + ([self.residents.group] if self.residents is not None else [])
+        held = {id(p) for g in groups for p in g.params}
+        wanted = {id(p) for p in params}
+        if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
+            return False
+        total = torch.stack([g.grad_norm_sq() for g in groups]).sum().sqrt()
+        # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total + 1e-6), clamped to 1 (a no-op multiply we skip)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if coef.item() != 1.0:  # host tensors: no device sync
+            for g in groups:
+                g.scale_grads(coef)
+        return True
+
     def masters_updated(self) -> None:
-        """The optimizer stepped the host masters: resident compute copies are stale."""
+        """The optimizer stepped the host masters: slots and resident compute copies are stale."""
+        if self.transfer is not None:
+            self.transfer.invalidate()
         if self.residents is not None:
             self.residents.invalidate()
 

@@ -64,6 +64,31 @@ class FlatGroup:
     def _grad_pairs(self) -> list[tuple[nn.Parameter, Tensor]]:
         return list(zip(self.params, self.views(self.grad)))
 
+    def grads_are_views(self) -> bool:
+        """Every parameter's grad is its view of ``self.grad`` (so the flat buffer *is* the gradient)."""
+        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in self._grad_pairs())
+
+    def attach_grads(self) -> None:
+        """Point every ``p.grad`` at its view of ``self.grad`` (after a D2H wrote the whole flat buffer)."""
+        for p, view in zip(self.params, self.views(self.grad)):
+            p.grad = view
+
+    def grad_norm_sq(self) -> Tensor:
+        """Squared L2 norm of all present grads: one pass over the flat buffer when it holds them all."""
+        if self.grads_are_views():
+            return torch.linalg.vector_norm(self.grad).square()
+        norms = [torch.linalg.vector_norm(p.grad).square() for p in self.params if p.grad is not None]
+        return torch.stack(norms).sum() if norms else torch.zeros(())
+
+    def scale_grads(self, factor: Tensor) -> None:
+        """Multiply all present grads by ``factor`` in place (one op over the flat buffer when possible)."""
+        if self.grads_are_views():
+            self.grad.mul_(factor)
+            return
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
 
 def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:
     """Move the parameters named by ``slots`` into one flat fp32 host buffer (their ``.data`` become views).
@@ -90,7 +115,8 @@ def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:
         view = master[offset : offset + p.numel()].view(p.shape)
         view.copy_(p.detach())
         p.data = view  # the original storage is freed here unless the user holds another reference
-    grad = torch.empty(total, dtype=torch.float32)
+    # pinned too: when a layer's grads arrive and ``p.grad`` is None, the D2H stream writes straight into it
+    grad = torch.empty(total, dtype=torch.float32, pin_memory=pin_memory)
     return FlatGroup(params=params, offsets=offsets, master=master, grad=grad, slot_index=slot_index)
 
 

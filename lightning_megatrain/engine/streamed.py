@@ -53,6 +53,9 @@ class StreamedLayers:
         self.transfer = transfer
         self.buffers = buffers  # per layer: [(TensorSlot, device tensor)] for the layer's buffers
         self.device_type = "cpu"
+        # Latest stashed inputs per layer, so layer i's backward can prefetch layer i-1's input (a hint only: the
+        # authoritative handle lives on each autograd node).
+        self.stashed: dict[int, list] = {}
 
     def install(self, device_type: str) -> None:
         self.device_type = device_type
@@ -123,9 +126,15 @@ class StreamedLayerFunction(torch.autograd.Function):
             torch.is_autocast_enabled(owner.device_type),
             torch.get_autocast_dtype(owner.device_type),
         )
-        ctx.tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+        # Inputs on the activation path (they require grad) are stashed (offloaded on CUDA, see
+        # [Note: activation offload]); the rest (masks, rotary tables) are shared by all layers and saved as is.
+        tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+        ctx.stashed_positions = [i for i in tensor_positions if leaves[i].requires_grad]
+        ctx.saved_positions = [i for i in tensor_positions if not leaves[i].requires_grad]
         ctx.other_leaves = [None if isinstance(x, Tensor) else x for x in leaves]
-        ctx.save_for_backward(*(leaves[i] for i in ctx.tensor_positions))
+        ctx.save_for_backward(*(leaves[i] for i in ctx.saved_positions))
+        ctx.stashed = [transfer.stash(leaves[i].detach()) for i in ctx.stashed_positions]
+        owner.stashed[index] = ctx.stashed
 
         flat = transfer.acquire(index)
         transfer.prefetch(index + 1)
@@ -145,16 +154,23 @@ class StreamedLayerFunction(torch.autograd.Function):
         group = owner.groups[index]
 
         leaves = list(ctx.other_leaves)
+        for pos, saved in zip(ctx.saved_positions, ctx.saved_tensors):
+            leaves[pos] = saved
         inputs_needing_grad: list[tuple[int, Tensor]] = []
-        for pos, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
-            x = saved.detach()
+        for pos, stashed in zip(ctx.stashed_positions, ctx.stashed):
+            x = transfer.unstash(stashed)
             if ctx.needs_input_grad[5 + pos]:  # forward's first five arguments are not leaves
                 x.requires_grad_(True)
                 inputs_needing_grad.append((pos, x))
             leaves[pos] = x
+        ctx.stashed = None
+        if owner.stashed.get(index) is not None:
+            del owner.stashed[index]
 
         flat = transfer.acquire(index)
         transfer.prefetch(index - 1)
+        for stashed in owner.stashed.get(index - 1, ()):
+            transfer.prefetch_stash(stashed)
         trainable = [p.requires_grad for p in group.params]
         weights = [w.detach().requires_grad_(t) for w, t in zip(group.views(flat), trainable)]
         cpu_rng, device_rng = ctx.rng

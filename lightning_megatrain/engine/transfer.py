@@ -15,12 +15,23 @@ without a second upload.
 
 [Note: gradient drain]
 ``drain(i, grads)`` packs layer i's weight grads into one contiguous device buffer on the compute stream (one D2H
-per layer, not one per parameter), and the D2H stream copies it into a free pinned *grad slab* after an event. A
-worker thread waits for the copy's event, adds the slab into the fp32 host grads and returns the slab to the pool.
-Holding the packed device buffer in the worker's queue entry until the copy's event has completed is what keeps the
-caching allocator from reusing it while the D2H stream still reads it: a structural invariant, not bookkeeping
-(tests/engine/test_transfer.py drains many layers through a pool of two slabs on GPU). ``wait_drained()`` is the
-only place the host waits for the device, once per optimizer step.
+per layer, not one per parameter). When the layer has no host grads yet (the first micro-batch after
+``zero_grad``) and every parameter got a gradient, the buffer is cast to fp32 and the D2H stream writes it straight
+into the layer's pinned fp32 grad buffer: no host pass at all. Otherwise (accumulation, an expert without tokens)
+it goes into a free pinned *grad slab* and a worker thread adds the slab into the fp32 host grads. Either way the
+worker waits for the copy's event and then owns the host side. Holding the packed device buffer in the worker's
+queue entry until the copy's event has completed is what keeps the caching allocator from reusing it while the D2H
+stream still reads it: a structural invariant, not bookkeeping (tests/test_gpu.py runs both paths against plain
+training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step.
+
+[Note: activation offload]
+The input a streamed layer saves for its recompute (the residual stream, B x T x H) would otherwise stay on the
+GPU for every layer until backward, so GPU memory would grow with depth. ``stash(x)`` copies it to pinned host
+memory on the D2H stream after an event on the compute stream; ``x.record_stream(d2h)`` keeps the caching
+allocator from reusing x's memory before that copy has run. In backward, ``prefetch_stash`` (layer i-1 while
+layer i recomputes) copies it back on the H2D stream into memory allocated on the compute stream; the H2D stream
+first waits for the compute stream (the new block may still be read by queued compute kernels of its previous
+tenant) and for the offload's event; ``unstash`` makes the compute stream wait for the restore.
 """
 
 from __future__ import annotations
@@ -53,6 +64,19 @@ class HostTransfer:
     def release(self, index: int) -> None:
         """Nothing to release: no slot is held."""
 
+    def invalidate(self) -> None:
+        """Nothing cached: :meth:`acquire` always reads the current masters."""
+
+    def stash(self, x: Tensor) -> Tensor:
+        """Keep a saved layer input as is: host memory is where it lives anyway."""
+        return x
+
+    def unstash(self, stashed: Tensor) -> Tensor:
+        return stashed
+
+    def prefetch_stash(self, stashed: Tensor | None) -> None:
+        """Nothing to prefetch on the host."""
+
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
         self.groups[index].accumulate(grads)
 
@@ -82,9 +106,20 @@ class _Drain:
 
     index: int
     present: list[bool]  # which parameters had a gradient, in layout order
-    packed: Tensor  # 1D compute dtype on device
-    slab: Tensor  # 1D pinned host, [max layer numel]
+    packed: Tensor  # 1D on device: compute dtype (into a slab) or fp32 (straight into the host grads)
+    slab: Tensor | None  # 1D pinned host, [max layer numel]; None when the copy went straight into the grads
     done: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the drain worker
+
+
+@dataclass
+class _Stashed:
+    """A saved layer input offloaded to pinned host memory (see [Note: activation offload])."""
+
+    host: Tensor  # pinned host copy, same shape and dtype as the device input
+    # - CUDA events for stream synchronization
+    offloaded: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
+    device: Tensor | None = None  # device copy once restored
+    restored: torch.cuda.Event | None = None  # recorded by the H2D stream after restore; waited on by compute
 
 
 class CudaTransfer:
@@ -108,11 +143,13 @@ class CudaTransfer:
             self.slots.append(_Slot(staging, compute, torch.cuda.Event(), torch.cuda.Event()))
         self._in_use: set[int] = set()  # layer indices acquired and not yet released
         self._clock = 0
-        # Two slabs let the D2H of layer i overlap the host accumulation of layer i+1.
+        # Slabs let the D2H of layer i overlap the host accumulation of earlier layers; three absorb jitter.
         self._free_slabs: queue.Queue[Tensor] = queue.Queue()
-        for _ in range(2):
+        for _ in range(3):
             self._free_slabs.put(torch.empty(max_numel, dtype=compute_dtype, pin_memory=True))
         self._pending: queue.Queue[_Drain | None] = queue.Queue()
+        self._in_flight: dict[int, int] = {}  # layer index -> drains queued and not yet accumulated
+        self._lock = threading.Lock()  # guards _in_flight between the training and the worker thread
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._drain_worker, name="megatrain-grad-drain", daemon=True)
         self._worker.start()
@@ -126,6 +163,12 @@ class CudaTransfer:
         if not 0 <= index < len(self.groups) or self._slot_of(index) is not None:
             return
         candidates = [s for s in self.slots if s.layer not in self._in_use]
+        if not candidates:
+            raise RuntimeError(
+                f"MegaTrain: all {len(self.slots)} slots hold layers still in use ({sorted(self._in_use)}) while "
+                f"layer {index} is requested. A layer called from inside another layer needs num_slots >= "
+                f"{len(self._in_use) + 1}."
+            )
         slot = min(candidates, key=lambda s: s.last_use)
         group = self.groups[index]
         n = group.numel
@@ -155,6 +198,50 @@ class CudaTransfer:
         slot.free.record(torch.cuda.current_stream(self.device))
         self._in_use.discard(index)
 
+    def invalidate(self) -> None:
+        """Masters may have changed (optimizer step, load_state_dict): the next acquire uploads again."""
+        for slot in self.slots:
+            if slot.layer not in self._in_use:
+                slot.layer = None
+
+    # ------------------------------------------------------------------------------------------ activation offload
+    def stash(self, x: Tensor) -> _Stashed:
+        """Offload a saved layer input to pinned host memory (see [Note: activation offload])."""
+        compute = torch.cuda.current_stream(self.device)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # the caching host allocator reuses blocks
+        produced = torch.cuda.Event()
+        produced.record(compute)
+        offloaded = torch.cuda.Event()
+        with torch.cuda.stream(self.d2h_stream), torch.profiler.record_function("megatrain::offload"):
+            self.d2h_stream.wait_event(produced)
+            host.copy_(x, non_blocking=True)
+            offloaded.record(self.d2h_stream)
+        x.record_stream(self.d2h_stream)
+        return _Stashed(host, offloaded)
+
+    def prefetch_stash(self, stashed: _Stashed | None) -> None:
+        """Start copying an offloaded input back to the device (no-op if already there)."""
+        if stashed is None or stashed.device is not None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        stashed.device = torch.empty(stashed.host.shape, dtype=stashed.host.dtype, device=self.device)
+        allocated = torch.cuda.Event()
+        allocated.record(compute)
+        stashed.restored = torch.cuda.Event()
+        with torch.cuda.stream(self.h2d_stream), torch.profiler.record_function("megatrain::restore"):
+            self.h2d_stream.wait_event(allocated)
+            self.h2d_stream.wait_event(stashed.offloaded)
+            stashed.device.copy_(stashed.host, non_blocking=True)
+            stashed.restored.record(self.h2d_stream)
+
+    def unstash(self, stashed: _Stashed) -> Tensor:
+        """The offloaded input on the device, ready for the compute stream."""
+        self.prefetch_stash(stashed)
+        assert stashed.device is not None and stashed.restored is not None
+        torch.cuda.current_stream(self.device).wait_event(stashed.restored)
+        device, stashed.device = stashed.device, None  # the caller owns it now; the handle keeps no device memory
+        return device
+
     # ------------------------------------------------------------------------------------------------- D2H / drain
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
         """Send layer ``index``'s weight grads (device, compute dtype, one per parameter) to the host fp32 grads."""
@@ -162,15 +249,25 @@ class CudaTransfer:
         present = [g is not None for g in grads]
         if not any(present):
             return
+        group = self.groups[index]
+        with self._lock:
+            idle = self._in_flight.get(index, 0) == 0
+            self._in_flight[index] = self._in_flight.get(index, 0) + 1
+        # First gradient of this layer since zero_grad, complete: D2H in fp32 straight into the pinned host grads,
+        # no host pass at all. Otherwise (accumulation, parameters without grad) a slab and a host add.
+        direct = idle and all(present) and all(p.grad is None for p in group.params) and group.grad.is_pinned()
         with torch.profiler.record_function("megatrain::d2h"):
             packed = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] on the compute stream
+            if direct:
+                packed = packed.float()
             packed_ready = torch.cuda.Event()
             packed_ready.record(torch.cuda.current_stream(self.device))
-            slab = self._free_slabs.get()  # blocks only when the worker is two layers behind (back-pressure)
+            slab = None if direct else self._free_slabs.get()  # blocks only when the worker is 3 layers behind
+            target = group.grad if slab is None else slab
             done = torch.cuda.Event()
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(packed_ready)
-                slab[: packed.numel()].copy_(packed, non_blocking=True)
+                target[: packed.numel()].copy_(packed, non_blocking=True)
                 done.record(self.d2h_stream)
         self._pending.put(_Drain(index, present, packed, slab, done))
 
@@ -183,6 +280,9 @@ class CudaTransfer:
                 item.done.synchronize()
                 del item.packed  # the D2H has completed: the allocator may reuse the device buffer now
                 group = self.groups[item.index]
+                if item.slab is None:
+                    group.attach_grads()
+                    continue
                 host = item.slab[: sum(p.numel() for p, ok in zip(group.params, item.present) if ok)]
                 grads: list[Tensor | None] = []
                 offset = 0
@@ -193,7 +293,10 @@ class CudaTransfer:
             except BaseException as e:  # surfaced on the training thread by the next drain/wait_drained
                 self._error = e
             finally:
-                self._free_slabs.put(item.slab)
+                if item.slab is not None:
+                    self._free_slabs.put(item.slab)
+                with self._lock:
+                    self._in_flight[item.index] -= 1
                 self._pending.task_done()
 
     def _raise_worker_error(self) -> None:
