@@ -7,8 +7,9 @@ Parts (each in its own process so one failure or OOM is recorded, not fatal):
           then the same model at 2x depth (56 layers) for 3 steps, SGD without momentum so the host RAM of the lent
           machine holds it, to show that peak GPU memory does not grow with depth.
 
-Usage (on the GPU machine):  python benchmarks/core_gpu.py --out DIR [--parts parity,scale]
-Writes DIR/core_gpu.json and DIR/core_gpu.md.
+Usage (on the GPU machine):  python benchmarks/core_gpu.py --out DIR [--parts parity,scale,depth]
+Writes DIR/core_gpu_<parts>.json and DIR/core_gpu_<parts>.md; `--summarize A.json B.json` prints one table for
+result files of several calls (the device limits one call to 10 minutes).
 """
 
 from __future__ import annotations
@@ -193,6 +194,8 @@ RUNS = {
     ],
     "scale": [
         dict(strategy="megatrain", shape="llama-3.2-3b", steps=10, micro_batch=4, seq=4096, optimizer="adamw", lr=1e-4),
+    ],
+    "depth": [
         dict(
             strategy="megatrain", shape="llama-3.2-3b-x2depth", steps=3, micro_batch=4, seq=4096, optimizer="sgd",
             lr=1e-4,
@@ -232,10 +235,16 @@ def summarize(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--parts", default="parity,scale")
+    parser.add_argument("--out")
+    parser.add_argument("--parts", default="parity,scale,depth")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.summarize:
+        files = [json.load(open(path)) for path in args.summarize]
+        print(f"device: {files[0]['device']}, torch {files[0]['torch']}\n")
+        print(summarize([r for f in files for r in f["results"]]))
+        return
     if args.child:
         print("RESULT " + json.dumps(train(**json.loads(args.child))), flush=True)
         return
@@ -253,11 +262,11 @@ def main() -> None:
             else:
                 results.append(json.loads(line[len("RESULT "):]))
             print(summarize(results[-1:]), flush=True)
-            with open(os.path.join(args.out, "core_gpu.json"), "w") as f:
+            with open(os.path.join(args.out, f"core_gpu_{args.parts.replace(',', '_')}.json"), "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f,
                           indent=1)
     table = summarize(results)
-    with open(os.path.join(args.out, "core_gpu.md"), "w") as f:
+    with open(os.path.join(args.out, f"core_gpu_{args.parts.replace(',', '_')}.md"), "w") as f:
         f.write(table + "\n")
     print(table)
 
