@@ -163,7 +163,12 @@ class MegaTrainEngine:
         wanted = {id(p) for p in params}
         if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
             return False
-        total = torch.stack([g.grad_norm_sq() for g in groups]).sum().sqrt()
+        partial = [g.grad_norm_sq() for g in groups]  # device norms from backward where valid, else host passes
+        on_device = [n for n in partial if n.device.type != "cpu"]
+        on_host = [n for n in partial if n.device.type == "cpu"]
+        if on_device:  # one small D2H at the step boundary, where the host waits anyway
+            on_host.append(torch.stack(on_device).sum().cpu())
+        total = torch.stack(on_host).sum().sqrt()
         # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total + 1e-6), clamped to 1 (a no-op multiply we skip)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if coef.item() != 1.0:  # host tensors: no device sync

@@ -26,6 +26,9 @@ class FlatGroup:
     master: Tensor  # 1D fp32 host, [numel]; the parameters' storage
     grad: Tensor  # 1D fp32 host, [numel]; storage of ``p.grad`` views
     slot_index: list[tuple[TensorSlot, int]] = field(default_factory=list)  # parameter slot -> index into params
+    # Squared norm of the grads as they arrived on the device (0-dim device tensor), valid while ``self.grad`` holds
+    # exactly that one arrival; it spares clipping a pass over host memory. Set and cleared by the transfer layer.
+    device_norm_sq: Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -74,9 +77,11 @@ class FlatGroup:
             p.grad = view
 
     def grad_norm_sq(self) -> Tensor:
-        """Squared L2 norm of all present grads: one pass over the flat buffer when it holds them all."""
+        """Squared L2 norm of all present grads (fp32 0-dim; on the device when measured there during backward)."""
         if self.grads_are_views():
-            return torch.linalg.vector_norm(self.grad).square()
+            if self.device_norm_sq is not None:
+                return self.device_norm_sq
+            return _flat_norm_sq(self.grad)
         norms = [torch.linalg.vector_norm(p.grad).square() for p in self.params if p.grad is not None]
         return torch.stack(norms).sum() if norms else torch.zeros(())
 
@@ -88,6 +93,14 @@ class FlatGroup:
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(factor)
+
+
+def _flat_norm_sq(x: Tensor) -> Tensor:
+    """Squared norm of a 1D host tensor, reduced over rows of a 2D view so the reduction parallelizes over threads."""
+    rows = 1024
+    cut = x.numel() - x.numel() % rows
+    head = torch.linalg.vector_norm(x[:cut].view(rows, -1), dim=1).square().sum()  # [rows] partial norms, in parallel
+    return head + x[cut:].square().sum()
 
 
 def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:

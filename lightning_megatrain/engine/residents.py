@@ -53,6 +53,9 @@ class Residents:
         if all(g is None for g in grads):
             return
         present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] fp32 on device
+        # host grads will equal the device grads exactly when they start empty and all are present
+        exact = all(g is not None for g in grads) and all(p.grad is None for p in self.group.params)
+        self.group.device_norm_sq = torch.dot(present, present) if exact else None
         host = self._grad_staging[: present.numel()]
         host.copy_(present, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()

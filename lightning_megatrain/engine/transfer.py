@@ -260,6 +260,10 @@ class CudaTransfer:
             packed = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] on the compute stream
             if direct:
                 packed = packed.float()
+                # per-layer partial norm for clipping, on the device: no pass over host memory later
+                group.device_norm_sq = torch.dot(packed, packed)
+            else:
+                group.device_norm_sq = None
             packed_ready = torch.cuda.Event()
             packed_ready.record(torch.cuda.current_stream(self.device))
             slab = None if direct else self._free_slabs.get()  # blocks only when the worker is 3 layers behind
