@@ -1,0 +1,224 @@
+"""lightning_megatrain.planner: parameter counts, memory formulas, search, warnings and the CLI (CPU, no downloads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_megatrain import planner
+from lightning_megatrain.engine.discovery import find_layer_stack, tensor_slots
+
+_COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "max_position_embeddings": 256, "use_cache": False}
+CONFIGS = {
+    "llama_tied": dict(model_type="llama", intermediate_size=176, tie_word_embeddings=True, **_COMMON),
+    "llama_untied": dict(model_type="llama", intermediate_size=176, tie_word_embeddings=False, **_COMMON),
+    "qwen3": dict(model_type="qwen3", intermediate_size=176, tie_word_embeddings=True, **_COMMON),
+    "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                    output_router_logits=False, **_COMMON),
+    "gemma2": dict(model_type="gemma2", intermediate_size=176, sliding_window=8, **_COMMON),
+}
+LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+                "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
+BIG = {"host_ram_gib": 1024, "gpu_mem_gib": 139, "cpu_cores": 16}
+
+
+def _config(d: dict, **overrides):
+    kw = {**d, **overrides}
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def _unique(params) -> int:
+    return sum(p.numel() for p in {id(p): p for p in params}.values())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameter_counts_match_the_real_model(name):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(CONFIGS[name]))
+    _, stack = find_layer_stack(model)
+    residents = [s.get() for s in tensor_slots(model, skip=stack) if s.is_param]
+    p = planner.plan(CONFIGS[name], seq_len=32, micro_batch=2, **BIG)
+    assert p.n_params == _unique(model.parameters())
+    assert p.layer_params == _unique(stack.parameters())
+    assert p.max_layer_params == max(_unique(layer.parameters()) for layer in stack)
+    assert p.resident_params == _unique(residents)
+    assert p.n_layers == 3
+
+
+def test_tied_embeddings_counted_once():
+    tied = planner.plan(CONFIGS["llama_tied"], seq_len=16, **BIG)
+    untied = planner.plan(CONFIGS["llama_untied"], seq_len=16, **BIG)
+    assert untied.n_params - tied.n_params == 128 * 64
+
+
+def test_moe_active_params():
+    p = planner.plan(CONFIGS["mixtral"], seq_len=16, **BIG)
+    experts = 4 * 3 * 64 * 48  # per layer: 4 experts x (gate, up, down) x H x I
+    assert p.n_params - p.active_params == 3 * experts // 2  # top-2 of 4 experts
+
+
+@pytest.mark.parametrize("optimizer, per_param", [("adamw", 16), ("sgd", 8), ("sgd_momentum", 12)])
+def test_host_state_bytes_per_param(optimizer, per_param):
+    p = planner.plan(CONFIGS["llama_untied"], seq_len=16, optimizer=optimizer, **BIG)
+    assert p.host_state_bytes_per_param == per_param
+    assert p.host_bytes_per_param > per_param  # slabs, staging, offload, process come on top
+
+
+def test_gpu_independent_of_depth_host_linear():
+    plans = {n: planner.plan(LLAMA_3B | {"num_hidden_layers": n}, seq_len=4096, micro_batch=4, **BIG)
+             for n in (4, 8, 16)}
+    assert plans[4].gpu == plans[8].gpu == plans[16].gpu
+    assert plans[4].max_micro_batch == plans[16].max_micro_batch
+    layer = plans[4].max_layer_params
+    for key, per_layer in (("masters", 4 * layer), ("grads", 4 * layer), ("optimizer states", 8 * layer),
+                           ("activation offload", 4 * 3072 * 4 * 4096)):
+        assert plans[8].host[key] - plans[4].host[key] == 4 * per_layer
+        assert plans[16].host[key] - plans[8].host[key] == 8 * per_layer
+    # without offload every layer's input stays on the GPU
+    no = {n: planner.plan(LLAMA_3B | {"num_hidden_layers": n}, seq_len=4096, micro_batch=4, offload_activations=False,
+                          **BIG) for n in (4, 8)}
+    assert no[8].gpu_total - no[4].gpu_total == 4 * 4 * 4096 * 3072 * 4
+    assert no[4].host["activation offload"] == 0
+
+
+def _saved_bytes_of_one_layer(config, batch: int, seq: int) -> int:
+    """Bytes autograd saves inside decoder layer 0 (bf16 weights as in a slot, fp32 stream, CPU autocast), excluding
+    the layer's inputs and the weights: the recompute's activations."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    layer = model.model.layers[0]
+    for p in layer.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    inside = [False]
+
+    def pre(module, args, kwargs):
+        for value in [*args, *kwargs.values()]:
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor):
+                    exclude.add(t.untyped_storage().data_ptr())
+        inside[0] = True
+
+    def pack(t):
+        if inside[0] and t.untyped_storage().data_ptr() not in exclude:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    layer.register_forward_pre_hook(pre, with_kwargs=True)
+    layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    ids = torch.randint(3, config.vocab_size, (batch, seq))
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)):
+        model.model(input_ids=ids, use_cache=False)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name, attn, tolerance", [
+    ("llama_untied", "sdpa", 0.02), ("qwen3", "sdpa", 0.1), ("mixtral", "sdpa", 0.25), ("gemma2", "eager", 0.25)])
+def test_activation_formula_matches_saved_tensors(name, attn, tolerance):
+    batch, seq = 2, 32
+    d = CONFIGS[name] | {"num_hidden_layers": 1, "attn_implementation": attn}
+    if name == "gemma2":
+        d |= {"layer_types": ["full_attention"], "attn_logit_softcapping": 50.0}
+    config = _config(d)
+    measured = _saved_bytes_of_one_layer(config, batch, seq) / (batch * seq)
+    p = planner.plan(_config(d), seq_len=seq, micro_batch=batch, **BIG)
+    assert p.activation_per_token["saved"] == pytest.approx(measured, rel=tolerance)
+
+
+def test_llama_3b_shape_counts_and_calibration():
+    p = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, **BIG)
+    assert p.n_params == 3_212_749_824  # Llama-3.2-3B: 3.21B
+    assert p.max_layer_params == 100_669_440
+    # BENCHMARKS.md (2026-11-29), 32K tokens: 28 x (43.3 ms fwd+bwd + 14.3 ms recompute) + 150 ms head = 1763 ms,
+    # i.e. 515 TFLOP/s on the executed FLOPs the planner counts (8N + causal attention + 6VH)
+    at_515 = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, achieved_tflops=515, **BIG)
+    assert at_515.time["GPU compute"] == pytest.approx(1.763, rel=0.02)
+    assert p.time["GPU compute"] == pytest.approx(at_515.time["GPU compute"] * 515 / 450)
+    # saved activations of one layer: 4.2 GiB measured at 32K tokens (no recompute) vs 4.57 GiB from the formula
+    assert p.activation_per_token["saved"] * 32768 / 2**30 == pytest.approx(4.2, rel=0.15)
+    assert p.transfers_hidden and [w for w in p.warnings if "CPU optimizer" not in w] == []
+    assert not planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, grad_accum=4, **BIG).warnings
+    assert p.gpu_total < 139 * 2**30 and p.max_micro_batch >= 8
+
+
+def test_max_micro_batch_search_is_monotone_and_respects_the_limit():
+    previous = 0
+    for gib in (4, 8, 16, 32, 64, 128):
+        p = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=1, host_ram_gib=1024, gpu_mem_gib=gib)
+        assert p.max_micro_batch >= previous
+        previous = p.max_micro_batch
+        if p.max_micro_batch:
+            at = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=p.max_micro_batch, host_ram_gib=1024,
+                              gpu_mem_gib=gib)
+            assert at.gpu_total <= gib * 2**30
+            over = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=p.max_micro_batch + 1, host_ram_gib=1024,
+                                gpu_mem_gib=gib)
+            assert over.gpu_total > gib * 2**30
+    assert previous > 0
+    host = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=1, host_ram_gib=64, gpu_mem_gib=139)
+    assert 0 < host.max_micro_batch_host < host.max_micro_batch  # offloaded inputs grow host RAM with the batch
+    at = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=host.max_micro_batch_host, host_ram_gib=64, gpu_mem_gib=139)
+    assert at.host_total <= 64 * 2**30 and not any("host RAM" in w for w in at.warnings)
+
+
+def test_warnings():
+    assert not planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, grad_accum=4, **BIG).warnings
+    few = planner.plan(LLAMA_3B, seq_len=512, micro_batch=1, **BIG)
+    assert not few.transfers_hidden and few.min_micro_batch_to_hide > 1
+    assert any("too few tokens" in w for w in few.warnings)
+    host = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, host_ram_gib=32, gpu_mem_gib=139, cpu_cores=16)
+    [w] = [w for w in host.warnings if "host RAM too small" in w]
+    assert "32.0 GiB" in w and f"{host.host_total / 2**30:.1f} GiB" in w
+    gpu = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=64, host_ram_gib=1024, gpu_mem_gib=24, cpu_cores=16)
+    assert any("GPU memory too small" in w and f"largest micro-batch that fits: {gpu.max_micro_batch}" in w
+               for w in gpu.warnings)
+    naive = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, loss="naive", **BIG)
+    assert naive.gpu_total > planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, **BIG).gpu_total + 40 * 2**30
+    slow = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, host_ram_gib=1024, gpu_mem_gib=139, cpu_cores=2)
+    assert any("CPU optimizer" in w for w in slow.warnings)
+
+
+def test_32_true_streams_fp32():
+    p = planner.plan(CONFIGS["llama_untied"], seq_len=16, precision="32-true", **BIG)
+    assert p.gpu["slots (2 x largest layer)"] == 2 * p.max_layer_params * 4
+    assert p.host["grad slabs"] == 3 * p.max_layer_params * 4
+
+
+def test_main_report_and_json(tmp_path, capsys):
+    _config(CONFIGS["llama_tied"]).save_pretrained(tmp_path)
+    args = ["--model", str(tmp_path), "--seq-len", "64", "--micro-batch", "2", "--host-ram", "64", "--gpu-mem", "80"]
+    assert planner.main(args) == 0
+    out = capsys.readouterr().out
+    assert "Host RAM" in out and "GPU memory" in out and "tokens/s" in out
+    assert planner.main(["plan", *args, "--json", "--optimizer", "sgd"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["n_params"] == planner.plan(CONFIGS["llama_tied"], seq_len=64, **BIG).n_params
+    assert d["host_state_bytes_per_param"] == 8 and d["gpu_limit"] == 80 * 2**30
+    inline = json.dumps(CONFIGS["qwen3"])
+    assert planner.main(["--model", inline, "--seq-len", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_layers"] == 3
+
+
+def test_formula_matches_h200_measurement_of_the_3b_layer():
+    # benchmarks/planner_gpu_check.py on the H200 (2026-11-29, torch 2.11): one Llama-3.2-3B layer, bf16 weights,
+    # fp32 input, autocast: saved 149,608 B/token; backward peak 194,664 B/token + the incoming grad (4H) before it.
+    p = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, **BIG)
+    assert p.activation_per_token["saved"] == 149_608
+    assert sum(p.activation_per_token.values()) == 194_664 + 4 * 3072
+
+
+def test_pinned_rounding():
+    # torch's caching host allocator gives a 402,653,184-byte pinned request a 536,870,912-byte block (measured on
+    # the H200): a 3B layer's fp32 master flat pays 1/3 more.
+    p = planner.plan(LLAMA_3B | {"num_hidden_layers": 2}, seq_len=4096, micro_batch=8, **BIG)
+    q = planner.plan(LLAMA_3B | {"num_hidden_layers": 2}, seq_len=4096, micro_batch=8, pinned_pow2_rounding=False,
+                     **BIG)
+    assert q.host["pinned pow2 rounding"] == 0
+    per_layer = 2**29 - 4 * p.max_layer_params
+    assert p.host["pinned pow2 rounding"] >= 2 * per_layer  # masters; plus offload blocks, slabs, residents
