@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` (trains a tiny model with strategy="megatrain") and `make test`.
+# Two commands on a fresh machine: `make demo` (trains a tiny model with strategy="megatrain" through the `megatrain`
+# CLI and exports it as a HuggingFace folder) and `make test`.
 PYTHON ?= python3
 # A pinned torch first: on CPU-only machines this takes a local CPU build instead of a multi-GB CUDA download.
 TORCH ?= torch==2.13.0
@@ -9,7 +10,8 @@ install:
 	$(PYTHON) -m pip install -q -e ".[test]"
 
 demo: install
-	$(PYTHON) examples/train_demo.py
+	$(PYTHON) -m lightning_megatrain fit --config configs/demo.yaml
+	$(PYTHON) -m lightning_megatrain export checkpoints/demo/last.ckpt out/demo-hf --overwrite
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -1,0 +1,259 @@
+"""The ``megatrain`` command: LightningCLI for ``CausalLMModule`` + ``SFTDataModule`` with ``strategy="megatrain"``.
+
+Usage::
+
+    megatrain fit --config configs/demo.yaml [--trainer.max_steps=100 --data.micro_batch_size=4 ...]
+    megatrain fit --config configs/demo.yaml --ckpt_path checkpoints/demo/last.ckpt    # resume
+    megatrain validate|test|predict --config X.yaml
+    megatrain fit --help                       # every option with its docstring
+    megatrain fit --trainer.strategy.help MegaTrainStrategy   # the strategy's options (num_slots, cpu_adam, ...)
+    megatrain fit --config X.yaml --print_config              # the full resolved config
+    megatrain export CKPT OUT_DIR [--max-shard-size 5GB] [--overwrite]   # Lightning checkpoint -> HF model folder
+    megatrain plan ...                          # memory / batch planner (see `megatrain plan --help`)
+
+``python -m lightning_megatrain`` runs the same program.
+
+What this CLI adds to a plain ``LightningCLI``:
+
+- Defaults ``trainer.strategy="megatrain"`` and ``trainer.devices=1`` (the strategy trains on one device).
+- ``trainer.precision`` left unset (``null``) becomes ``"bf16-mixed"`` when training on a CUDA GPU and ``"32-true"``
+  otherwise (bf16 autocast on a CPU is slow and is not what a CPU smoke test wants).
+- One tokenizer for model and data: ``model.tokenizer`` and ``data.tokenizer`` are set to the same folder (needed
+  anyway: Lightning refuses to log differing ``tokenizer`` hyper-parameters of model and datamodule). It is the
+  one given (either key), else ``model.model``, else the bundled demo tokenizer. A Hub name is resolved to a local
+  folder by downloading only the tokenizer files, because ``SFTDataModule`` reads local folders only.
+- A ``ThroughputLogger`` callback is always added; its options are the ``throughput:`` section.
+- ``optimizer:`` / ``lr_scheduler:`` sections: when ``optimizer`` is given, it replaces
+  ``CausalLMModule.configure_optimizers`` (AdamW with decay/no-decay groups and warmup + cosine) and is built over
+  all parameters *after* ``configure_model`` created them; schedulers step every optimizer step (``interval:
+  step``), except ``ReduceLROnPlateau`` (per epoch, monitoring its ``monitor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import torch
+from jsonargparse import DefaultHelpFormatter, Namespace, set_parsing_settings
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, ReduceLROnPlateau, instantiate_class
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim import Optimizer
+
+import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
+from lightning_megatrain.callbacks import ThroughputLogger
+from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
+from lightning_megatrain.models import CausalLMModule, export_checkpoint
+
+PROG = "megatrain"
+
+DESCRIPTION = """\
+Train causal LMs larger than GPU memory on one GPU (Lightning strategy "megatrain").
+
+Commands:
+  fit|validate|test|predict --config X.yaml   LightningCLI (CausalLMModule + SFTDataModule); `megatrain fit --help`
+  export CKPT OUT_DIR                         Lightning checkpoint -> HuggingFace model folder
+  plan ...                                    memory / batch planner
+
+Defaults beyond Lightning's: trainer.strategy=megatrain, trainer.devices=1, trainer.precision=null meaning
+bf16-mixed on a CUDA GPU and 32-true otherwise, a ThroughputLogger callback (section `throughput:`), one tokenizer
+shared by model and data. Strategy options: `megatrain fit --trainer.strategy.help MegaTrainStrategy`.
+"""
+
+#: Files of a Hub repository that a tokenizer can need (``*.py`` is added with ``trust_remote_code``).
+TOKENIZER_FILES = [
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template*",
+    "config.json",
+    "generation_config.json",
+]
+
+
+def default_precision(accelerator: Any) -> str:
+    """``"bf16-mixed"`` when the run will use a CUDA GPU, else ``"32-true"``."""
+    if not torch.cuda.is_available():
+        return "32-true"
+    if isinstance(accelerator, str):
+        return "bf16-mixed" if accelerator.lower() in ("auto", "gpu", "cuda") else "32-true"
+    class_path = str(getattr(accelerator, "class_path", type(accelerator).__name__))
+    return "bf16-mixed" if "cuda" in class_path.lower() else "32-true"
+
+
+def local_tokenizer_dir(name: str, trust_remote_code: bool = False) -> str:
+    """``name`` if it is a local folder; a Hub repository name is downloaded (tokenizer files only) to the HF cache.
+
+    Honours ``HF_HUB_OFFLINE=1`` (then only the cache is used) and ``HF_TOKEN`` for gated repositories.
+    """
+    if Path(name).expanduser().is_dir():
+        return name
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"tokenizer={name!r} is neither a local folder nor a Hub repository name")
+    from huggingface_hub import snapshot_download
+
+    patterns = TOKENIZER_FILES + (["*.py"] if trust_remote_code else [])
+    rank_zero_info(f"megatrain: fetching the tokenizer files of {name!r} (data.tokenizer must be a local folder)")
+    return snapshot_download(name, allow_patterns=patterns)
+
+
+def resolve_tokenizer(model: Namespace, data: Namespace) -> str:
+    """Sets ``model.tokenizer`` and ``data.tokenizer`` to one local folder and returns it (see the module docstring)."""
+    given = {key: value for key, value in (("model", model.tokenizer), ("data", data.tokenizer)) if value is not None}
+    if len({str(value) for value in given.values()}) > 1:
+        raise ValueError(
+            f"model.tokenizer={model.tokenizer!r} and data.tokenizer={data.tokenizer!r} differ; the model is exported "
+            "with the tokenizer the data was encoded with, so set only one of them."
+        )
+    source = next(iter(given.values()), None) or model.model or str(DEMO_TOKENIZER_DIR)
+    folder = local_tokenizer_dir(str(source), trust_remote_code=bool(model.trust_remote_code))
+    model.tokenizer = data.tokenizer = folder
+    return folder
+
+
+class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help with the description printed as written (keeps the command list readable)."""
+
+
+class MegaTrainCLI(LightningCLI):
+    """``LightningCLI`` for ``CausalLMModule`` + ``SFTDataModule`` with the megatrain defaults (module docstring).
+
+    Args:
+        args: Command-line arguments (without the program name); ``None`` reads ``sys.argv``.
+        run: Run the subcommand (``False``: only parse and instantiate, with no subcommand in ``args``).
+        **kwargs: Further ``LightningCLI`` arguments; ``trainer_defaults`` are merged over the megatrain defaults.
+    """
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> None:
+        # Option help comes from the classes' docstrings (Google style "Args:"; attribute docstrings too).
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        trainer_defaults = {"strategy": "megatrain", "devices": 1, **kwargs.pop("trainer_defaults", {})}
+        parser_kwargs = {
+            "prog": PROG,
+            "description": DESCRIPTION,
+            "formatter_class": _HelpFormatter,
+            **kwargs.pop("parser_kwargs", {}),
+        }
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a resumed run may log into the same folder
+        super().__init__(
+            model_class=kwargs.pop("model_class", CausalLMModule),
+            datamodule_class=kwargs.pop("datamodule_class", SFTDataModule),
+            subclass_mode_model=False,
+            subclass_mode_data=False,
+            trainer_defaults=trainer_defaults,
+            parser_kwargs=parser_kwargs,
+            # The optimizer sections are added below and applied lazily in after_instantiate_classes: LightningCLI's
+            # own mechanism builds the optimizer before configure_model has created any parameter.
+            auto_configure_optimizers=False,
+            args=None if args is None else list(args),
+            run=run,
+            **kwargs,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ThroughputLogger, "throughput")
+        parser.add_optimizer_args((Optimizer,))
+        parser.add_lr_scheduler_args()
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.trainer.precision is None:
+            config.trainer.precision = default_precision(config.trainer.accelerator)
+        resolve_tokenizer(config.model, config.data)
+
+    def after_instantiate_classes(self) -> None:
+        optimizer_init = self._get(self.config_init, "optimizer")
+        scheduler_init = self._get(self.config_init, "lr_scheduler")
+        if optimizer_init is None:
+            if scheduler_init is not None:
+                raise ValueError(
+                    "lr_scheduler is set but optimizer is not: give both (the CLI sections replace "
+                    "CausalLMModule.configure_optimizers together), or neither and use the model's learning_rate, "
+                    "warmup_steps and min_lr_ratio."
+                )
+            return
+        optimizer_init = _as_dict(optimizer_init)
+        scheduler_init = _as_dict(scheduler_init) if scheduler_init is not None else None
+        rank_zero_info(
+            f"megatrain: optimizer {optimizer_init['class_path']}"
+            + (f" and lr_scheduler {scheduler_init['class_path']}" if scheduler_init else "")
+            + f" from the CLI replace {type(self.model).__name__}.configure_optimizers"
+        )
+        make = type(self).configure_optimizers
+
+        def configure_optimizers(module: LightningModule) -> Any:
+            optimizer = instantiate_class(module.parameters(), optimizer_init)
+            scheduler = instantiate_class(optimizer, scheduler_init) if scheduler_init else None
+            return make(module, optimizer, scheduler)
+
+        self.model.configure_optimizers = MethodType(configure_optimizers, self.model)
+
+    @staticmethod
+    def configure_optimizers(lightning_module: LightningModule, optimizer: Optimizer, lr_scheduler: Any = None) -> Any:
+        """The CLI optimizer with its scheduler stepped every optimizer step (``ReduceLROnPlateau``: every epoch)."""
+        if lr_scheduler is None:
+            return optimizer
+        if isinstance(lr_scheduler, ReduceLROnPlateau):
+            scheduler_config = {"scheduler": lr_scheduler, "monitor": lr_scheduler.monitor}
+            return {"optimizer": optimizer, "lr_scheduler": scheduler_config}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    return value.as_dict() if isinstance(value, Namespace) else dict(value)
+
+
+def export_main(argv: Sequence[str]) -> int:
+    """``megatrain export CKPT OUT_DIR [--max-shard-size 5GB] [--overwrite]``."""
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} export",
+        description="Export a Lightning checkpoint of a CausalLMModule as a HuggingFace model folder "
+        "(config.json, safetensors shards, generation config, tokenizer), loadable with "
+        "AutoModelForCausalLM.from_pretrained(OUT_DIR). Only export checkpoints you trust (they are unpickled).",
+    )
+    parser.add_argument("ckpt", help="single-file Lightning checkpoint (.ckpt), e.g. checkpoints/demo/last.ckpt")
+    parser.add_argument("out_dir", help="destination folder")
+    parser.add_argument("--max-shard-size", default="5GB", help='largest safetensors shard, e.g. "5GB" or bytes')
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    ns = parser.parse_args(list(argv))
+    shard = int(ns.max_shard_size) if ns.max_shard_size.isdigit() else ns.max_shard_size
+    try:
+        out = export_checkpoint(ns.ckpt, ns.out_dir, max_shard_size=shard, overwrite=ns.overwrite)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError) as err:
+        parser.error(str(err))
+    print(f"Exported {ns.ckpt} to {out}")
+    return 0
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """``megatrain plan ...``: delegates to ``lightning_megatrain.planner.main``."""
+    from lightning_megatrain import planner
+
+    return planner.main(list(argv))
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """Entry point of the ``megatrain`` console script and of ``python -m lightning_megatrain``.
+
+    Args:
+        args: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        The exit status (0 on success).
+    """
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "export":
+        return export_main(argv[1:])
+    if argv and argv[0] == "plan":
+        return plan_main(argv[1:])
+    MegaTrainCLI(args=args)
+    return 0

@@ -1,0 +1,89 @@
+"""Help texts, the console-script entry point and the dispatch of ``export`` / ``plan``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+from importlib.metadata import entry_points
+
+import pytest
+from cli_paths import REPO
+
+import lightning_megatrain
+from lightning_megatrain.cli import main
+
+
+def _help(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(list(args))
+    assert done.value.code in (0, None)
+    return " ".join(capsys.readouterr().out.split())  # undo line wrapping
+
+
+def test_console_script_entry_point():
+    (script,) = entry_points(group="console_scripts", name="megatrain")
+    assert script.value == "lightning_megatrain.cli:main"
+
+
+def test_python_dash_m_runs_the_same_program():
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_megatrain", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: megatrain")
+    for command in ("fit", "export CKPT OUT_DIR", "plan"):
+        assert command in result.stdout
+
+
+def test_fit_help_shows_option_docstrings(capsys):
+    text = _help(capsys, "fit", "--help")
+    # SFTDataModule.cutoff_len, CausalLMModule.loss_chunk_size and ThroughputLogger.profile_step docstrings.
+    assert "Maximum tokens per example (SFT examples are truncated at the end" in text
+    assert "Target tokens per chunk of the LM-head loss" in text
+    assert "--throughput.profile_step" in text and "torch.profiler" in text
+    assert "--optimizer" in text and "--lr_scheduler" in text
+    assert "default: megatrain" in text  # trainer.strategy
+
+
+def test_strategy_help_shows_num_slots_docstring(capsys):
+    text = _help(capsys, "fit", "--trainer.strategy.help", "MegaTrainStrategy")
+    assert "--trainer.strategy.num_slots" in text
+    assert "device buffers for layer weights, >= 2 (one computes while the next uploads)" in text
+
+
+def test_export_help(capsys):
+    text = _help(capsys, "export", "--help")
+    assert "usage: megatrain export" in text and "--max-shard-size" in text and "--overwrite" in text
+
+
+def test_export_missing_checkpoint_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as error:
+        main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "out")])
+    assert error.value.code == 2
+    assert "is not a file" in capsys.readouterr().err
+
+
+def test_plan_dispatches_to_planner_main(monkeypatch):
+    seen = []
+    fake = types.ModuleType("lightning_megatrain.planner")
+    fake.main = lambda argv: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "lightning_megatrain.planner", fake)
+    monkeypatch.setattr(lightning_megatrain, "planner", fake, raising=False)
+    assert main(["plan", "--model", "x", "--gpu-mem", "80"]) == 7
+    assert seen == [["--model", "x", "--gpu-mem", "80"]]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning_megatrain.planner") is None, reason="planner not present")
+def test_plan_runs_the_real_planner(capsys):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
+    assert main(["plan", "--model", json.dumps(config), "--seq-len", "256", "--micro-batch", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
