@@ -270,3 +270,11 @@ def test_schedulers_follow_replaced_optimizer():
 
 def test_package_exports():
     assert set(lightning_megatrain.__all__) == {"MegaTrainPrecision", "MegaTrainStrategy"}
+
+
+def test_clipping_uses_the_engine_path():
+    """gradient_clip_val goes through the engine's flat-buffer clipping, not torch's per-tensor fallback."""
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", side_effect=AssertionError("fallback used")):
+        got = run(MegaTrainStrategy(cpu_adam="torch"), "llama_tied", clip=1.0, steps=2)
+    ref = run("auto", "llama_tied", clip=1.0, steps=2)
+    assert_records_close(got, ref)

@@ -44,7 +44,8 @@ class MegaTrainEngine:
         self.compute_dtype = compute_dtype
         self.layers_path = layers
         self.num_slots = num_slots
-        self.groups: list[FlatGroup] = []
+        self.groups: list[FlatGroup] = []  # one per layer of the stack
+        self.resident_group: FlatGroup | None = None  # the residents' masters (CPU and CUDA backends alike)
         self.streamed: StreamedLayers | None = None
         self.residents: Residents | None = None
         self.transfer: HostTransfer | CudaTransfer | None = None
@@ -76,7 +77,7 @@ class MegaTrainEngine:
 
         pin = self.on_cuda
         self.groups = [pack_group(slots, pin_memory=pin) for slots in layer_slots]
-        resident_group = pack_group(resident_slots, pin_memory=pin)
+        resident_group = self.resident_group = pack_group(resident_slots, pin_memory=pin)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
         if self.on_cuda:
             self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.num_slots)
@@ -158,7 +159,7 @@ class MegaTrainEngine:
         per-tensor foreach ops. Returns False (nothing done) when ``params`` is not exactly the set of parameters
         the engine holds grads for, so the caller falls back to torch.
         """
-        groups = self.groups + ([self.residents.group] if self.residents is not None else [])
+        groups = self.groups + ([self.resident_group] if self.resident_group is not None else [])
         held = {id(p) for g in groups for p in g.params}
         wanted = {id(p) for p in params}
         if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):

@@ -98,6 +98,8 @@ class FlatGroup:
 def _flat_norm_sq(x: Tensor) -> Tensor:
     """Squared norm of a 1D host tensor, reduced over rows of a 2D view so the reduction parallelizes over threads."""
     rows = 1024
+    if x.numel() < rows:
+        return x.square().sum()
     cut = x.numel() - x.numel() % rows
     head = torch.linalg.vector_norm(x[:cut].view(rows, -1), dim=1).square().sum()  # [rows] partial norms, in parallel
     return head + x[cut:].square().sum()
