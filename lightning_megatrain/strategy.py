@@ -18,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.optim.host_optimizer import CPU_ADAM_MODES, CpuAdamMode, to_host_optimizer
+from lightning_megatrain.optim.host_optimizer import CPU_ADAM_MODES, CpuAdamMode, rebind_scheduler, to_host_optimizer
 from lightning_megatrain.precision import MegaTrainPrecision
 
 
@@ -39,8 +39,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
       optimizer run on the host fp32 masters.
 
-    GPU memory is two layers' weights, the residents and the activations of one layer plus each layer's input:
-    independent of depth. Host memory is 16 bytes per parameter with Adam (master, grad, two moments).
+    GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
+    inputs (the others wait in pinned host memory): independent of depth. Host memory is 16 bytes per parameter
+    with Adam (master, grad, two moments).
 
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with
@@ -167,8 +168,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.optimizers = optimizers
         for config in self.lr_scheduler_configs:
             scheduler_optimizer = getattr(config.scheduler, "optimizer", None)
-            if scheduler_optimizer is not None and id(scheduler_optimizer) in replaced:
-                config.scheduler.optimizer = replaced[id(scheduler_optimizer)]
+            host = replaced.get(id(scheduler_optimizer))
+            if host is not None and host is not scheduler_optimizer:
+                rebind_scheduler(config.scheduler, host)
 
     @override
     def model_to_device(self) -> None:

@@ -262,10 +262,11 @@ def test_deepspeed_cpu_adam_matches_torch():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_schedulers_follow_replaced_optimizer():
+def test_schedulers_follow_replaced_optimizer(recwarn):
     ref = run("auto", "llama_tied", scheduler=True)
     got = run(MegaTrainStrategy(cpu_adam="auto"), "llama_tied", scheduler=True)
     assert got.lrs == ref.lrs and len({lr[0] for lr in got.lrs}) == 3
+    assert not [w for w in recwarn if "has been overridden" in str(w.message)]
 
 
 def test_package_exports():

@@ -8,9 +8,10 @@ other optimizer runs as given on the host masters.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.optim import Optimizer
@@ -99,3 +100,24 @@ def to_host_optimizer(optimizer: Optimizer, mode: CpuAdamMode = "auto") -> Optim
             stacklevel=2,
         )
     return _torch_fused(optimizer)
+
+
+def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
+    """Point an LR scheduler built on the replaced optimizer at the host optimizer.
+
+    Both share the same param-group dicts, so the learning rates already follow; this also gives the host
+    optimizer's ``step`` the call tracking torch's schedulers install at construction (``_wrapped_by_lr_sched`` /
+    ``_opt_called``), without which every ``scheduler.step()`` warns that ``optimizer.step()`` was overridden.
+    """
+    scheduler.optimizer = optimizer
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked_step  # type: ignore[method-assign]
