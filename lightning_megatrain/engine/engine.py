@@ -68,10 +68,16 @@ class MegaTrainEngine:
         self._check_placement()
 
         n_params = sum(p.numel() for p in module.parameters())
-        check_host_memory(n_params, already_resident=n_params * 4, fitting=fitting)
         layer_slots = [tensor_slots(layer) for layer in stack]
-        max_layer = max(sum(p.numel() for p in layer.parameters()) for layer in stack)
+        layer_numels = [sum(p.numel() for p in layer.parameters()) for layer in stack]
+        max_layer = max(layer_numels)
         n_resident = sum(p.numel() for p in {id(s.get()): s.get() for s in resident_slots if s.is_param}.values())
+        check_host_memory(
+            layer_numels + [n_resident],
+            fitting=fitting,
+            pinned=self.on_cuda,
+            slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
+        )
         if self.on_cuda:
             self._check_gpu_memory(max_layer, n_resident)
 

@@ -135,11 +135,6 @@ def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:
     return FlatGroup(params=params, offsets=offsets, master=master, grad=grad, slot_index=slot_index)
 
 
-def host_bytes_per_param(fitting: bool) -> int:
-    """Host bytes each parameter costs: fp32 master 4 + fp32 grad 4, + Adam exp_avg 4 + exp_avg_sq 4 when fitting."""
-    return 16 if fitting else 8
-
-
 def available_host_bytes() -> int | None:
     """``MemAvailable`` from /proc/meminfo (None where unknown, e.g. not Linux)."""
     try:
@@ -152,15 +147,33 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(n_params: int, already_resident: int, fitting: bool) -> None:
-    """Refuse to start when host RAM cannot hold the masters, grads and optimizer states.
+def pinned_block_bytes(nbytes: int) -> int:
+    """Bytes a pinned host allocation of ``nbytes`` really takes.
 
-    ``already_resident`` bytes (the fp32 model the user built) are reused as masters, so only the rest must fit.
+    torch's caching host allocator rounds pinned blocks up to a power of two (measured on the H200, torch 2.11: a
+    384 MiB request took a 512 MiB block; benchmarks/results/planner_gpu_check_2026-11-29.json).
+    """
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def check_host_memory(group_numels: list[int], fitting: bool, pinned: bool, slab_bytes: int = 0) -> None:
+    """Refuse to start when host RAM cannot hold the masters, grads, optimizer states and grad slabs.
+
+    Args:
+        group_numels: parameters per flat group (each layer, and the residents).
+        fitting: Adam states (8 bytes/param) will be allocated.
+        pinned: the flat buffers are pinned (CUDA), so each block is rounded up to a power of two.
+        slab_bytes: bytes of each of the 3 pinned grad slabs (CUDA).
+
+    The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
     Raises:
         RuntimeError: the estimate exceeds ``MemAvailable`` (set ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` to override).
     """
-    need = n_params * host_bytes_per_param(fitting) - already_resident
+    n_params = sum(group_numels)
+    block = pinned_block_bytes if pinned else (lambda nbytes: nbytes)
+    flats = sum(2 * block(4 * n) for n in group_numels)  # fp32 master + fp32 grad per group
+    need = flats + (8 * n_params if fitting else 0) + (3 * block(slab_bytes) if slab_bytes else 0) - 4 * n_params
     available = available_host_bytes()
     if available is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
@@ -168,8 +181,8 @@ def check_host_memory(n_params: int, already_resident: int, fitting: bool) -> No
         gib = 1024**3
         raise RuntimeError(
             f"MegaTrainStrategy needs about {need / gib:.1f} GiB more host RAM for {n_params / 1e9:.2f}B parameters "
-            f"({host_bytes_per_param(fitting)} bytes/param: fp32 master, fp32 grad"
-            f"{', Adam exp_avg and exp_avg_sq' if fitting else ''}) but only {available / gib:.1f} GiB is available. "
-            "HINT: use a machine with more RAM, a smaller model, or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know "
-            "better."
+            f"(fp32 master and grad: {flats / gib:.1f} GiB{' pinned' if pinned else ''}"
+            f"{f', Adam exp_avg and exp_avg_sq: {8 * n_params / gib:.1f} GiB' if fitting else ''}, minus the "
+            f"model already loaded) but only {available / gib:.1f} GiB is available. HINT: use a machine with more "
+            "RAM, a smaller model, or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know better."
         )

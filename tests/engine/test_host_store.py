@@ -50,3 +50,17 @@ def test_norm_skips_parameters_without_grad():
     g = torch.randn(3, 4)
     group.accumulate([g, None])
     torch.testing.assert_close(group.grad_norm_sq(), g.square().sum())
+
+
+def test_pinned_block_rounding_and_host_check(monkeypatch):
+    from lightning_megatrain.engine import host_store
+
+    assert host_store.pinned_block_bytes(402_653_184) == 536_870_912  # the H200 measurement
+    assert host_store.pinned_block_bytes(1 << 20) == 1 << 20
+    gib = 1024**3
+    # 1.5 GiB of fp32 per group: 2 groups x (master + grad) = 6 GiB pageable, 8 GiB once rounded to 2 GiB blocks
+    numels = [(3 * gib // 2) // 4] * 2
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 4 * gib)
+    host_store.check_host_memory(numels, fitting=False, pinned=False)  # needs 6 - 3 = 3 GiB
+    with pytest.raises(RuntimeError, match=r"needs about 5.0 GiB more host RAM(.|\n)*pinned"):
+        host_store.check_host_memory(numels, fitting=False, pinned=True)
