@@ -44,6 +44,12 @@ class SFTDataModule(LightningDataModule):
     ``position_ids`` restarting at 0 for each packed sequence (``packing=True``, no ``attention_mask``: the
     model must then be called with ``use_cache=False`` so transformers isolates the sequences).
 
+    Evaluation data: as in LLaMA-Factory, where ``val_size`` carves the one evaluation split out of the training data
+    and ``do_predict`` runs on it, there is no separate test split. ``val_dataloader``, ``test_dataloader`` and
+    ``predict_dataloader`` all serve the held-out ``val_size`` rows, in a fixed order (no shuffling), so ``validate``
+    and ``test`` of the same checkpoint give the same loss. ``test``/``predict`` with no held-out rows raise a
+    ``ValueError`` in ``setup``.
+
     Args:
         dataset: Dataset name registered in ``dataset_dir/dataset_info.json``, a path to a local
             json/jsonl/csv/parquet file (format inferred from its columns), or several of either separated by
@@ -67,7 +73,8 @@ class SFTDataModule(LightningDataModule):
         micro_batch_size: Rows per batch (per optimizer micro-step). Larger uses more activation memory.
             Default 1.
         val_size: Held-out validation share: a float in [0, 1) is a fraction of the rows, an int >= 0 a row
-            count. 0 disables validation (``val_dataloader`` returns an empty list). Default 0.
+            count. 0 disables validation (``val_dataloader`` returns an empty list). The same rows are the test and
+            predict data, so ``test``/``predict`` need it > 0. Default 0.
         num_workers: DataLoader worker processes (0: collate in the main process). Collation is cheap, so 0-2
             is usually enough. Default 0.
         seed: Seed of the train/val split and of the per-epoch shuffle (the order of epoch ``e`` is seeded by
@@ -118,9 +125,7 @@ class SFTDataModule(LightningDataModule):
         else:
             problems.append(f"dataset={dataset!r}: must be a string (names and/or file paths, comma-separated)")
         self.tokenizer: PreTrainedTokenizerBase | None = self._load_tokenizer(problems)
-        if problems:
-            listing = "\n  - ".join(problems)
-            raise ValueError(f"SFTDataModule: {len(problems)} invalid argument(s):\n  - {listing}")
+        _raise_problems(problems)
         self.specs = specs
         self.pad_token_id: int = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -229,16 +234,23 @@ class SFTDataModule(LightningDataModule):
         """Read, validate, split, tokenize and (optionally) pack all data. Idempotent.
 
         Args:
-            stage: Lightning stage (``"fit"``, ``"validate"``, ...); all stages share the same data.
+            stage: Lightning stage (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``); all stages share the same
+                data.
 
         Raises:
             DatasetFormatError: A file has malformed rows (all listed, with file and row index).
             TemplateError: The chat template cannot be masked exactly (names the dataset row).
-            ValueError: A file cannot be read, its format cannot be inferred, or ``val_size`` leaves no
-                training data.
+            ValueError: A file cannot be read, its format cannot be inferred, ``val_size`` leaves no
+                training data, or ``stage`` is ``"test"``/``"predict"`` and no row is held out.
         """
-        if self.train_dataset is not None:
-            return
+        if self.train_dataset is None:
+            self._prepare()
+        stage = getattr(stage, "value", stage)  # Lightning passes a str-valued TrainerFn
+        if stage in ("test", "predict"):
+            self._check_held_out(stage)
+
+    def _prepare(self) -> None:
+        """Build ``train_dataset`` and ``val_dataset`` (the body of ``setup``)."""
         conversations = self._conversations()
         if not conversations:
             raise ValueError(f"dataset={self.hparams.dataset!r}: no rows found")
@@ -274,3 +286,31 @@ class SFTDataModule(LightningDataModule):
         if self.val_dataset is None:
             raise RuntimeError("SFTDataModule.setup() must run before val_dataloader()")
         return self._loader(self.val_dataset, shuffle=False) if self.val_dataset else []
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out (``val_size``) batches in fixed order, as ``val_dataloader``."""
+        return self._held_out_loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out (``val_size``) batches in fixed order (row ``i`` of the output is ``val_dataset[i]``)."""
+        return self._held_out_loader("predict")
+
+    def _held_out_loader(self, stage: str) -> DataLoader:
+        if self.val_dataset is None:
+            raise RuntimeError(f"SFTDataModule.setup() must run before {stage}_dataloader()")
+        self._check_held_out(stage)
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def _check_held_out(self, stage: str) -> None:
+        """``test``/``predict`` run on the held-out rows; refuse an empty split with the usual argument error."""
+        if not self.val_dataset:
+            problem = (f"val_size={self.val_size!r}: {stage} runs on the held-out rows, but none are held out (or all "
+                       "were dropped by truncation); set val_size > 0, e.g. 0.05 or 200")
+            _raise_problems([problem])
+
+
+def _raise_problems(problems: list[str]) -> None:
+    """One ``ValueError`` listing every problem (no-op without problems)."""
+    if problems:
+        listing = "\n  - ".join(problems)
+        raise ValueError(f"SFTDataModule: {len(problems)} invalid argument(s):\n  - {listing}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -45,6 +45,12 @@ class CausalLMModule(LightningModule):
     ``attention_mask``, ``labels`` (default: ``input_ids`` with padding set to -100) and
     ``position_ids``; label -100 is ignored. ``tokens_trained`` counts the target tokens of all
     training steps (saved in checkpoints) and is logged as ``train_tokens``.
+
+    Evaluation: ``validate`` logs ``val_loss`` / ``val_ppl`` and ``test`` logs ``test_loss`` /
+    ``test_ppl``, the target-token-weighted mean NLL over the whole dataloader and its ``exp``.
+    ``predict`` returns, per batch, ``{"loss": [B], "tokens": [B]}``: each row's mean NLL over
+    its target tokens (labels other than -100 after the first position; 0 for a row without
+    any) and that token count. With packed rows a row holds several sequences.
 
     Args:
         model: Local directory or Hub name of a pretrained model loaded with
@@ -104,6 +110,7 @@ class CausalLMModule(LightningModule):
         self.hf_config = self._resolve_config()
         self.model: PreTrainedModel | None = None
         self.val_loss_mean = MeanMetric()
+        self.test_loss_mean = MeanMetric()
         self.tokens_trained = 0
 
     def _resolve_config(self) -> PretrainedConfig:
@@ -174,8 +181,14 @@ class CausalLMModule(LightningModule):
             )
         return head.weight
 
-    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """Mean next-token loss of a batch and its number of target tokens."""
+    def _loss(
+        self, batch: dict[str, Tensor], reduction: Literal["mean", "none"] = "mean"
+    ) -> tuple[Tensor, Tensor]:
+        """Next-token loss of a batch and its number of target tokens.
+
+        ``"mean"``: the mean loss ``[]`` and the token count ``[]``; ``"none"`` (no gradients):
+        the per-token losses ``[B, T]`` (see ``causal_lm_loss``) and the counts per row ``[B]``.
+        """
         input_ids = batch["input_ids"]  # [B, T]
         attention_mask = batch.get("attention_mask")  # [B, T] or None
         labels = batch.get("labels")  # [B, T] or None
@@ -197,9 +210,10 @@ class CausalLMModule(LightningModule):
             labels,
             chunk_size=self.hparams.loss_chunk_size,
             softcap=getattr(self.model.config.get_text_config(), "final_logit_softcapping", None),
-        )  # []
-        n_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()  # []
-        return loss, n_tokens
+            reduction=reduction,
+        )  # [] or [B, T]
+        targets = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
+        return loss, targets.sum(1) if reduction == "none" else targets.sum()  # [B] or []
 
     def forward(
         self,
@@ -225,15 +239,39 @@ class CausalLMModule(LightningModule):
         self.log("train_tokens", tokens, batch_size=batch_size)
         return loss
 
-    def validation_step(self, batch: dict[str, Tensor]) -> None:
+    def _eval_step(self, batch: dict[str, Tensor], metric: MeanMetric) -> None:
+        """Adds a batch's mean loss to ``metric``, weighted by its target tokens."""
         loss, n_tokens = self._loss(batch)
-        self.val_loss_mean.update(loss, weight=n_tokens)
+        metric.update(loss, weight=n_tokens)
+
+    def _log_eval_epoch(self, metric: MeanMetric, prefix: str) -> None:
+        """Logs ``{prefix}_loss`` (token-weighted mean over the epoch) and ``{prefix}_ppl``."""
+        loss = metric.compute()
+        metric.reset()
+        self.log(f"{prefix}_loss", loss, prog_bar=True)
+        self.log(f"{prefix}_ppl", torch.exp(loss))
+
+    def validation_step(self, batch: dict[str, Tensor]) -> None:
+        self._eval_step(batch, self.val_loss_mean)
 
     def on_validation_epoch_end(self) -> None:
-        val_loss = self.val_loss_mean.compute()
-        self.val_loss_mean.reset()
-        self.log("val_loss", val_loss, prog_bar=True)
-        self.log("val_ppl", torch.exp(val_loss))
+        self._log_eval_epoch(self.val_loss_mean, "val")
+
+    def test_step(self, batch: dict[str, Tensor]) -> None:
+        self._eval_step(batch, self.test_loss_mean)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval_epoch(self.test_loss_mean, "test")
+
+    def predict_step(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Per-row scores: ``{"loss": [B], "tokens": [B]}``, mean NLL over target tokens and count.
+
+        Computed with the chunked loss (no ``[B, T, V]`` logits); ``trainer.predict`` returns
+        one such dict per batch, in dataloader order. Runs without gradients.
+        """
+        with torch.no_grad():
+            token_loss, tokens = self._loss(batch, reduction="none")  # [B, T], [B]
+        return {"loss": token_loss.sum(1) / tokens.clamp(min=1), "tokens": tokens}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokens_trained"] = self.tokens_trained

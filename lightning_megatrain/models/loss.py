@@ -2,7 +2,8 @@
 
 The loss and both input gradients are computed together in the forward pass, one chunk of
 target tokens at a time, so at most ``[chunk_size, V]`` logits exist at once. The backward
-pass only rescales the saved gradients by the incoming ``grad_output``.
+pass only rescales the saved gradients by the incoming ``grad_output``. ``reduction="none"``
+(evaluation only, no gradients) returns the per-token losses instead of their mean.
 
 For one token with logits ``z`` (after optional soft-capping) and target ``y``:
 
@@ -18,6 +19,8 @@ and with ``x = h @ W^T``: ``dL/dh = dL/dx @ W`` and ``dL/dW = dL/dx^T @ h``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
@@ -26,7 +29,11 @@ IGNORE_INDEX = -100
 
 
 class _ChunkedCausalLMLoss(torch.autograd.Function):
-    """Mean token NLL of ``hidden @ weight^T`` against pre-shifted targets, gradients in forward."""
+    """Mean token NLL of ``hidden @ weight^T`` against pre-shifted targets, gradients in forward.
+
+    With ``per_token`` it returns the ``[B, T]`` NLLs (0 where ignored) instead of their mean;
+    the caller then requests no gradients.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -40,6 +47,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         compute_dtype: torch.dtype,
         grad_hidden_needed: bool,
         grad_weight_needed: bool,
+        per_token: bool,
     ) -> Tensor:
         batch, seq, dim = hidden.shape
         with torch.autocast(device_type=hidden.device.type, enabled=False):
@@ -51,6 +59,11 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
             acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # fp32 unless fp64 inputs
 
             loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden.device)  # []
+            token_nll = (
+                torch.zeros(batch * seq, dtype=acc_dtype, device=hidden.device)
+                if per_token
+                else None
+            )  # [B*T]
             grad_hidden_flat = (
                 torch.zeros_like(hidden_flat) if grad_hidden_needed else None
             )  # [B*T, H]
@@ -71,7 +84,10 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
                     logits = tanh * softcap  # [C, V] capped logits
                 lse = torch.logsumexp(logits, dim=-1)  # [C]
                 target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)  # [C]
-                loss_sum += (lse - target_logit).sum()  # []
+                nll = lse - target_logit  # [C]
+                loss_sum += nll.sum()  # []
+                if token_nll is not None:
+                    token_nll.index_copy_(0, idx, nll)  # [B*T]
                 if grad_hidden_flat is None and grad_weight is None:
                     continue
                 # dL/dz = softmax(z) - onehot(y), scaled by 1/N for the mean.
@@ -97,6 +113,8 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         )  # [B, T, H]
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None  # [V, H]
         ctx.save_for_backward(grad_hidden, grad_weight)
+        if token_nll is not None:
+            return token_nll.view(batch, seq)  # [B, T]
         return loss_sum * inv_n  # []
 
     @staticmethod
@@ -109,7 +127,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)  # [B, T, H]
         if grad_weight is not None:
             grad_weight = grad_weight * grad_output.to(grad_weight.dtype)  # [V, H]
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def causal_lm_loss(
@@ -120,12 +138,19 @@ def causal_lm_loss(
     chunk_size: int = 4096,
     softcap: float | None = None,
     ignore_index: int = IGNORE_INDEX,
+    reduction: Literal["mean", "none"] = "mean",
 ) -> Tensor:
     """Mean next-token cross-entropy of an LM head without materialising ``[B, T, V]`` logits.
 
     Follows the HuggingFace convention: ``labels`` is aligned with ``input_ids`` and position
     ``t`` predicts ``labels[:, t + 1]``; targets equal to ``ignore_index`` are skipped and the
     result is the mean over the remaining targets (0, with zero gradients, when there are none).
+
+    ``reduction="none"`` returns the per-token losses ``[B, T]`` aligned with ``labels``:
+    entry ``[b, t]`` is the NLL of ``labels[b, t]`` predicted at position ``t - 1``, and 0 where
+    ``labels`` is ``ignore_index`` and in column 0 (never a target). Per-sequence mean NLL is
+    ``loss.sum(1) / (labels[:, 1:] != ignore_index).sum(1)``. It is for evaluation: it computes
+    no gradients, so call it under ``torch.no_grad()`` (or with inputs that need none).
 
     The matmul runs in the inputs' dtype, or in the autocast dtype when called inside an enabled
     ``torch.autocast`` region of the inputs' device; log-softmax, the loss and the
@@ -141,9 +166,11 @@ def causal_lm_loss(
         softcap: Gemma-style final-logit soft-capping ``softcap * tanh(logits / softcap)``;
             ``None`` disables it.
         ignore_index: Label value that contributes no loss.
+        reduction: ``"mean"`` (differentiable 0-dim mean) or ``"none"`` (per-token ``[B, T]``,
+            no gradients).
 
     Returns:
-        A 0-dim fp32 tensor (fp64 for fp64 inputs).
+        A 0-dim fp32 tensor (fp64 for fp64 inputs); ``[B, T]`` with ``reduction="none"``.
     """
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
@@ -160,17 +187,25 @@ def causal_lm_loss(
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    grad_enabled = torch.is_grad_enabled()
+    per_token = reduction == "none"
+    if per_token and grad_enabled and (hidden.requires_grad or weight.requires_grad):
+        raise ValueError(
+            "reduction='none' computes no gradients (it is for evaluation); call it under "
+            "torch.no_grad() or use reduction='mean' to train"
+        )
 
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    grad_enabled = torch.is_grad_enabled()
     shifted_labels = torch.cat(
         [labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1
     ).long()  # [B, T]
-    return _ChunkedCausalLMLoss.apply(
+    loss = _ChunkedCausalLMLoss.apply(
         hidden,
         weight,
         shifted_labels,
@@ -180,4 +215,8 @@ def causal_lm_loss(
         compute_dtype,
         grad_enabled and hidden.requires_grad,
         grad_enabled and weight.requires_grad,
-    )
+        per_token,
+    )  # [] or, per token, [B, T] with column t the target of t + 1
+    if per_token:
+        loss = torch.cat([loss.new_zeros(loss.shape[0], 1), loss[:, :-1]], dim=1)  # [B, T] like labels
+    return loss

@@ -1,8 +1,11 @@
-"""``megatrain fit`` on configs/demo.yaml end to end: train, resume, export, CLI optimizer sections."""
+"""``megatrain`` on configs/demo.yaml end to end: fit, resume, validate, test, predict, export, optimizer sections."""
 
 from __future__ import annotations
 
 import csv
+import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +23,51 @@ def _fit_args(*extra: str) -> list[str]:
     return ["fit", "--config", str(DEMO_CONFIG), *QUIET, *extra]
 
 
-def test_fit_resume_export(in_tmp):
-    cli = MegaTrainCLI(args=_fit_args("--trainer.max_steps=2"))
+@pytest.fixture(scope="module")
+def demo_fit(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegaTrainCLI, Path]:
+    """One 2-step ``megatrain fit`` of the demo config, shared by this module's tests, and its folder."""
+    root = tmp_path_factory.mktemp("demo_fit")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setattr(sys, "argv", ["megatrain"])
+        cli = MegaTrainCLI(args=_fit_args("--trainer.max_steps=2"))
+    return cli, root
+
+
+@pytest.fixture
+def in_demo_fit(demo_fit: tuple[MegaTrainCLI, Path], monkeypatch: pytest.MonkeyPatch) -> tuple[MegaTrainCLI, Path]:
+    """``demo_fit``, with the test running in its folder (the config's relative paths resolve there)."""
+    monkeypatch.chdir(demo_fit[1])
+    return demo_fit
+
+
+def test_test_and_predict_on_the_held_out_rows(in_demo_fit):
+    _, root = in_demo_fit
+    args = ["--config", str(DEMO_CONFIG), *QUIET, "--ckpt_path", str(root / "checkpoints" / "demo" / "last.ckpt")]
+    val_loss = float(MegaTrainCLI(args=["validate", *args]).trainer.callback_metrics["val_loss"])
+
+    # test evaluates the same held-out rows (data.val_size: 20) as validate, with its own metric names.
+    metrics = MegaTrainCLI(args=["test", *args]).trainer.callback_metrics
+    assert float(metrics["test_loss"]) == pytest.approx(val_loss, rel=1e-6)
+    assert float(metrics["test_ppl"]) == pytest.approx(math.exp(val_loss), rel=1e-6)
+
+    # predict scores each held-out row: 20 rows in batches of data.micro_batch_size=8.
+    predictions = MegaTrainCLI(args=["predict", *args]).trainer.predict_loop.predictions
+    assert [len(batch["loss"]) for batch in predictions] == [8, 8, 4]
+    loss = torch.cat([batch["loss"] for batch in predictions])  # [20]
+    tokens = torch.cat([batch["tokens"] for batch in predictions])  # [20]
+    assert bool((tokens > 0).all()) and bool(torch.isfinite(loss).all())
+    assert float((loss * tokens).sum() / tokens.sum()) == pytest.approx(val_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_test_and_predict_need_held_out_rows(subcommand, in_tmp):
+    with pytest.raises(ValueError, match=rf"val_size=0: {subcommand} runs on the held-out rows.*set val_size > 0"):
+        MegaTrainCLI(args=[subcommand, "--config", str(DEMO_CONFIG), *QUIET, "--data.val_size=0"])
+
+
+def test_fit_resume_export(in_demo_fit):
+    cli, in_tmp = in_demo_fit
     trainer = cli.trainer
     assert isinstance(trainer.strategy, MegaTrainStrategy)
     assert isinstance(trainer.strategy.precision_plugin, MegaTrainPrecision)

@@ -1,4 +1,4 @@
-"""SFTDataModule end to end: defaults, batch format, several datasets, docstring, a short Lightning fit."""
+"""SFTDataModule end to end: defaults, batch format, several datasets, test/predict data, docstring, a short fit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import inspect
 import math
 
 import lightning as L
+import pytest
 import torch
+from torch.utils.data import SequentialSampler
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_megatrain.data import IGNORE_INDEX, SFTDataModule
@@ -38,6 +40,38 @@ def test_setup_is_idempotent():
     first = module.train_dataset
     module.setup("validate")
     assert module.train_dataset is first
+
+
+def test_test_and_predict_dataloaders_serve_the_held_out_split_in_order():
+    module = SFTDataModule("demo_alpaca", val_size=20, micro_batch_size=8)
+    for stage in ("test", "predict"):
+        module.setup(stage)
+    val = [batch["input_ids"].tolist() for batch in module.val_dataloader()]
+    for loader in (module.test_dataloader(), module.predict_dataloader()):
+        assert isinstance(loader.sampler, SequentialSampler) and loader.batch_size == 8
+        assert [batch["input_ids"].tolist() for batch in loader] == val
+    rows = [row for batch in module.predict_dataloader() for row in batch["input_ids"].tolist()]
+    assert len(rows) == 20
+    assert [row[: len(example.input_ids)] for row, example in zip(rows, module.val_dataset)] == [
+        example.input_ids for example in module.val_dataset
+    ]  # row i of the predictions is val_dataset[i]
+
+
+@pytest.mark.parametrize("stage", ["test", "predict"])
+@pytest.mark.parametrize("val_size", [0, 0.001])  # none held out, or a fraction that rounds to no row
+def test_test_and_predict_refuse_an_empty_held_out_split(stage, val_size):
+    module = SFTDataModule("demo_alpaca", val_size=val_size)
+    message = (rf"SFTDataModule: 1 invalid argument\(s\):\n  - val_size={val_size}: {stage} runs on the held-out rows, "
+               r"but none are held out .*set val_size > 0")
+    with pytest.raises(RuntimeError, match=rf"setup\(\) must run before {stage}_dataloader\(\)"):
+        getattr(module, f"{stage}_dataloader")()
+    with pytest.raises(ValueError, match=message):
+        module.setup(stage)
+    module.setup("fit")  # training needs no held-out rows
+    with pytest.raises(ValueError, match=message):
+        getattr(module, f"{stage}_dataloader")()
+    with pytest.raises(ValueError, match=message):
+        module.setup(stage)  # also once the data is prepared
 
 
 def test_docstring_documents_every_argument():

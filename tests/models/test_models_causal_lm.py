@@ -129,7 +129,8 @@ def test_fit_three_steps(tiny_archs, token_loader, trainer_kwargs):
         assert step_lrs == pytest.approx([lr, lr])
 
 
-def test_validation_loss_is_token_weighted(tiny_archs, trainer_kwargs):
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_eval_loss_is_token_weighted(stage, tiny_archs, trainer_kwargs):
     config, _ = tiny_archs["llama"]
     module = build(config)
     ids_a, labels_a = random_batch(seed=1)
@@ -145,10 +146,54 @@ def test_validation_loss_is_token_weighted(tiny_archs, trainer_kwargs):
     expected = sum(l * n for l, n in zip(losses, counts)) / sum(counts)
 
     trainer = Trainer(**trainer_kwargs)
-    (result,) = trainer.validate(module, DataLoader(batches, batch_size=None), verbose=False)
+    (result,) = getattr(trainer, stage)(module, DataLoader(batches, batch_size=None), verbose=False)
 
-    assert result["val_loss"] == pytest.approx(expected.item(), rel=1e-5)
-    assert result["val_ppl"] == pytest.approx(math.exp(expected.item()), rel=1e-5)
+    prefix = {"validate": "val", "test": "test"}[stage]
+    assert set(result) == {f"{prefix}_loss", f"{prefix}_ppl"}
+    assert result[f"{prefix}_loss"] == pytest.approx(expected.item(), rel=1e-5)
+    assert result[f"{prefix}_ppl"] == pytest.approx(math.exp(expected.item()), rel=1e-5)
+
+
+def test_validation_and_test_metrics_are_separate(tiny_archs):
+    config, _ = tiny_archs["llama"]
+    module = build(config)
+    input_ids, labels = random_batch()
+    with torch.no_grad():
+        module.validation_step({"input_ids": input_ids, "labels": labels})
+    assert module.test_loss_mean is not module.val_loss_mean
+    assert module.val_loss_mean.weight.item() > 0 and module.test_loss_mean.weight.item() == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_predict_step_scores_each_row_like_hf(arch, tiny_archs, trainer_kwargs):
+    config, attn = tiny_archs[arch]
+    module = build(config, attn, loss_chunk_size=5)
+    input_ids, labels = random_batch(batch=3, seed=3)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -5:] = 0  # right padding, not trained
+    labels[1, -5:] = -100
+    labels[2, 1:] = -100  # a row without targets
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    with torch.no_grad():
+        expected = [
+            module.model(input_ids=input_ids[i : i + 1], attention_mask=attention_mask[i : i + 1],
+                         labels=labels[i : i + 1]).loss
+            for i in range(2)
+        ]
+
+    trainer = Trainer(**trainer_kwargs)
+    (prediction,) = trainer.predict(module, DataLoader([batch], batch_size=None))
+
+    assert set(prediction) == {"loss", "tokens"}
+    assert prediction["loss"].shape == prediction["tokens"].shape == (3,)
+    assert prediction["tokens"].tolist() == [(labels[i, 1:] != -100).sum().item() for i in range(3)]
+    torch.testing.assert_close(prediction["loss"][:2], torch.stack(expected), rtol=1e-5, atol=0)
+    assert prediction["loss"][2].item() == 0.0  # no targets: 0, not nan
+    # The token-weighted mean of the rows is the batch loss that training and evaluation use.
+    with torch.no_grad():
+        batch_loss = module.model(**batch).loss
+    weighted = (prediction["loss"] * prediction["tokens"]).sum() / prediction["tokens"].sum()
+    torch.testing.assert_close(weighted, batch_loss, rtol=1e-5, atol=0)
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")

@@ -162,11 +162,40 @@ def test_never_materialises_or_saves_full_logits():
     assert mode.max_numel < batch * (seq - 1) * V // 4
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_reduction_none_gives_per_token_losses(softcap):
+    hidden, weight, labels = make_inputs(3, 11)
+    labels[2, 1:] = -100  # a row without targets
+    logits = hidden @ weight.t()  # [B, T, V]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    expected = torch.zeros(labels.shape)  # [B, T], NLL of labels[:, t] predicted at t - 1
+    expected[:, 1:] = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
+
+    with torch.no_grad():
+        loss = causal_lm_loss(hidden, weight, labels, chunk_size=7, softcap=softcap, reduction="none")
+        mean = causal_lm_loss(hidden, weight, labels, chunk_size=7, softcap=softcap)
+
+    assert loss.shape == labels.shape and loss.dtype == torch.float32 and loss.grad_fn is None
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.all(loss[labels == -100] == 0) and torch.all(loss[:, 0] == 0)
+    torch.testing.assert_close(loss.sum() / (labels[:, 1:] != -100).sum(), mean, rtol=1e-5, atol=0)
+
+
+def test_reduction_none_refuses_gradients():
+    hidden, weight, labels = make_inputs(1, 4)
+    with pytest.raises(ValueError, match=r"reduction='none' computes no gradients.*torch.no_grad\(\)"):
+        causal_lm_loss(hidden, weight, labels, reduction="none")
+    loss = causal_lm_loss(hidden.detach(), weight.detach(), labels, reduction="none")  # nothing to differentiate
+    assert loss.shape == (1, 4)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"chunk_size": 0}, "chunk_size must be a positive integer, got 0"),
         ({"softcap": -1.0}, "softcap must be positive or None, got -1.0"),
+        ({"reduction": "sum"}, "reduction must be 'mean' or 'none', got 'sum'"),
     ],
 )
 def test_invalid_arguments(kwargs, match):
