@@ -2,10 +2,12 @@
 
 [Note: streamed layer]
 Forward (training): acquire layer i's weights from its slot, prefetch i+1, run the layer's *own* module code under
-``no_grad`` with its parameters bound to the slot's compute views, release the slot, save only the layer's inputs
-(plus RNG and autocast state). No graph of the layer's internals exists after forward.
+``no_grad`` with its parameters bound to the slot's compute views, release the slot, keep only the layer's inputs
+(plus RNG and autocast state): inputs on the activation path are stashed by the transfer layer (offloaded to pinned
+host memory on CUDA, see [Note: activation offload] in transfer.py), masks and rotary tables shared by all layers
+are saved as they are. No graph of the layer's internals exists after forward.
 Backward: acquire layer i again (usually still in a slot from forward or prefetched by layer i+1's backward),
-prefetch i-1, re-run the layer with grad under the saved RNG/autocast state, ``torch.autograd.grad`` w.r.t. the
+prefetch i-1 and its stashed input, re-run the layer with grad under the saved RNG/autocast state, ``torch.autograd.grad`` w.r.t. the
 inputs and one leaf per weight, drain the weight grads to the host and return the input grads. Plain
 ``loss.backward()`` therefore walks the layers in reverse and Lightning's loops, the user's loss and manual
 optimization stay untouched. Without grad (validation, predict) the layer simply runs on bound weights.
