@@ -1,0 +1,813 @@
+"""Throughput of `Trainer(strategy="megatrain")` against the peers a Lightning user would pick, on one GPU.
+
+Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a row with "error"):
+  megatrain                MegaTrainStrategy, bf16-mixed, AdamW (mapped to DeepSpeedCPUAdam on the host), clip 1.0;
+                           every layer is recomputed in backward by design.
+  plain                    Lightning strategy "auto" on the GPU: fp32 params, bf16-mixed autocast, torch AdamW
+                           fused on the GPU, clip 1.0 (by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping:
+                           Lightning's MixedPrecision refuses gradient_clip_val with a fused optimizer), HF
+                           `gradient_checkpointing_enable(use_reentrant=False)`.
+  deepspeed_zero3_offload  DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
+                           pin_memory=True), bf16-mixed (DeepSpeed's bf16 mode: bf16 weights on the GPU, fp32 masters
+                           in the optimizer), clip 1.0, HF gradient checkpointing. The optimizer is DeepSpeedCPUAdam:
+                           with ZeRO-Offload DeepSpeed refuses a torch optimizer (deepspeed/runtime/engine.py
+                           `_configure_optimizer` raises ZeRORuntimeException unless it is DeepSpeedCPUAdam or
+                           `zero_force_ds_cpu_optimizer` is off) and Lightning hands configure_optimizers' optimizer
+                           to `deepspeed.initialize` (lightning/pytorch/strategies/deepspeed.py,
+                           `_initialize_deepspeed_train`).
+  fsdp_cpu_offload         FSDPStrategy(cpu_offload=True, auto_wrap_policy and activation_checkpointing_policy = the
+                           decoder-layer class), bf16-mixed, torch AdamW fused on the CPU. NO clipping: Lightning's
+                           FSDPPrecision.clip_grad_by_norm raises MisconfigurationException ("gradient_clip_algorithm=
+                           'norm' is currently not supported"); the row's "clip" is null and its notes say so.
+
+Workload (shared/BENCHMARKS.md, "Workload and metrics"): random-init models from real configs, synthetic token ids,
+no padding, seq 1024, 32K or 64K tokens per optimizer step, reached with gradient accumulation where a micro-batch of
+that size does not fit (rows give micro_batch and accumulate; a CUDA OOM is retried once at half the micro-batch).
+Weights are drawn like HF's init (normal(0, 0.02) matrices, ones for norms) on the GPU: HF's CPU init of 3.2B
+parameters takes ~40 s. Loss: HF `labels=` (parts 32k, 64k) or our CausalLMModule chunked loss (32k-chunked,
+64k-chunked). 2 warm-up optimizer steps, 5 measured (median), then 1 profiled step that is not in the median.
+  --models  llama-3.2-3b (default; 28 layers, hidden 3072, ffn 8192, heads 24/8, vocab 128256 tied: 3.21B),
+            llama-2-7b (6.74B, vocab 32000 untied; DeepSpeed needs ~182 GB host at the measured 27 B/param and is not
+            started), qwen3-30b-a3b-4l (Qwen3-30B-A3B TRUNCATED to 4 of its 48 layers for host RAM: 3.11B
+            parameters, 0.85B active; its rows say so).
+
+Row keys: system, model, micro_batch, seq_len, tokens_per_step, tokens_per_s, mfu, peak_gpu_gib, peak_host_gib,
+host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss, params, mfu_attn, notes, ...
+  mfu          6 * all parameters * tokens/s / 989e12 (dense bf16 peak of an H100/H200 SXM); MoE rows add mfu_active.
+  mfu_attn     (6 * all parameters + 12 * L * H * T) * tokens/s / 989e12: attention-score FLOPs per token from PaLM
+               (Chowdhery et al. 2022) appendix B, H = heads * head_dim, T = seq_len (full, not causal-halved).
+  peak_host_gib  peak RSS of the run's subprocess (resource.getrusage ru_maxrss): includes pinned memory and the
+               process baseline (host_baseline_gib), so host_bytes_per_param is an upper bound.
+  breakdown    medians per optimizer step, summed over its micro-batches, with torch.cuda.synchronize at each mark:
+               forward, backward, grad_finalize (backward end -> on_before_optimizer_step), clip_and_optimizer,
+               other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
+               profiled step (torch.profiler; union of kernel / memcpy intervals over all streams).
+
+Seconds per run on the lent H200, estimated (fixed = start-up, build, pinning, first-step extra; steps at 32K / 64K
+tokens; from benchmarks/results/2026-11-29-core-*-h200.json and shared/BENCHMARKS.md; 8 optimizer steps a run):
+  | system, 3.21B            | fixed s               | step s 32K / 64K | run s 32K / 64K |
+  | megatrain                | 55 (+46 CPUAdam JIT)  | 4.1 / 6.7        | 92 / 115 (+46)  |
+  | plain                    | 20                    | 2.2 / 4.4        | 40 / 59         |
+  | deepspeed_zero3_offload  | 80 (pinned state)     | 4.2 / 6.4        | 118 / 138       |
+  | fsdp_cpu_offload         | 35                    | 4.1 / 6.7        | 72 / 95         |
+Part 32k: ~368 s with the JIT build, part 64k: ~408 s (454 on a fresh machine): one part per device call (the limit
+is 10 min). llama-2-7b needs two calls (e.g. --systems megatrain,plain, then fsdp_cpu_offload; DeepSpeed is refused
+by the host-RAM check at once); qwen3-30b-a3b-4l costs about what the 3B does. The parent prints the plan with
+estimates first, skips a run whose estimate does not fit in what is left of --budget-s (540 s) and kills one that
+overruns it (or 2.5 x its estimate + 60 s), so a call ends in time; the last table gives estimated vs actual seconds
+per run to recalibrate _EST.
+
+On the device (Python 3.12, torch 2.11, lightning 2.6.6, transformers 5.17, torchmetrics there; this package is not
+installed, the child puts the repo root on sys.path): deepspeed and jsonargparse come from the .whl wheels of
+shared/device-wheels/README.md (`../shared/device-wheels/stage.sh` fills ./.whl once; carry ".whl"):
+  run(carry=[".whl"], timeout_s=600, command="python3 -m pip install -q --no-index --no-deps --no-compile
+      --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit;
+      export TORCH_EXTENSIONS_DIR=$PWD/.ext PYTHONUNBUFFERED=1;
+      python3 benchmarks/throughput.py --parts 32k --out $OUT --commit SHA")
+(`python benchmarks/throughput.py --wheels [--parts 64k ...]` prints exactly that call with the current commit),
+then the same with `--parts 64k`. Each call returns <date>-<model>-<device>.json/.md and one .log (the device returns
+at most 8 files). Merge the calls' files into benchmarks/results/ with
+  python benchmarks/throughput.py --summarize A/DATE-llama-3.2-3b-h200.json B/DATE-llama-3.2-3b-h200.json
+      --out benchmarks/results
+Check on a CPU first:  python benchmarks/throughput.py --dry-run [--parts 32k,32k-chunked] [--models tiny-qwen3-moe]
+(tiny 2-layer model, hidden 64; 2 optimizer steps of 2 micro-batches through every system's code path; DeepSpeed
+runs on its CPU accelerator with Lightning's CUDA-only checks bypassed; torch FSDP cannot run on a CPU: its row says
+so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from statistics import median
+
+GIB = 1024**3
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEAK_FLOPS = 989e12  # dense bf16 tensor-core peak of one H100/H200 SXM (NVIDIA data sheet), as in BENCHMARKS.md
+SYSTEMS = ("megatrain", "plain", "deepspeed_zero3_offload", "fsdp_cpu_offload")
+PARTS = {"32k": (32768, "hf"), "64k": (65536, "hf"), "32k-chunked": (32768, "chunked"),
+         "64k-chunked": (65536, "chunked")}
+ROW_KEYS = ("system", "model", "micro_batch", "seq_len", "tokens_per_step", "tokens_per_s", "mfu", "peak_gpu_gib",
+            "peak_host_gib", "host_bytes_per_param", "breakdown", "error")
+PHASES = ("forward_s", "backward_s", "grad_finalize_s", "clip_and_optimizer_s", "other_s")
+BUSY = ("gpu_compute_busy", "h2d_busy", "d2h_busy", "gpu_idle")
+
+_LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, use_cache=False)
+_QWEN3_MOE = dict(model_type="qwen3_moe", norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  use_cache=False, output_router_logits=False)
+MODELS = {
+    # micro_batch_cap: sequences of 1024 per micro-batch expected to fit on 141 GB per loss (HF's fp32 logits bound
+    # it); plain_cap: lower cap for GPU-resident training (16 B/param of model states on the GPU).
+    # Llama-3.2-3B shape; default RoPE, theta 5e5 (llama3 frequency scaling does not change the work).
+    "llama-3.2-3b": dict(config=dict(_LLAMA, vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                                     num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                                     tie_word_embeddings=True, max_position_embeddings=8192,
+                                     rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}),
+                         micro_batch_cap={"hf": 32, "chunked": 64}),
+    "llama-2-7b": dict(config=dict(_LLAMA, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                   tie_word_embeddings=False, max_position_embeddings=4096,
+                                   rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}),
+                       micro_batch_cap={"hf": 32, "chunked": 64}, plain_cap=8),
+    "qwen3-30b-a3b-4l": dict(config=dict(_QWEN3_MOE, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                         num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                                         head_dim=128, max_position_embeddings=32768,
+                                         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
+                             micro_batch_cap={"hf": 32, "chunked": 64}, plain_cap=16,
+                             note="Qwen3-30B-A3B shape truncated to 4 of its 48 layers (host RAM); 128 experts, top-8"),
+    # --dry-run models (CPU): the code paths of the real ones at toy size.
+    "tiny-llama": dict(config=dict(_LLAMA, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=True, max_position_embeddings=256),
+                       micro_batch_cap={"hf": 2, "chunked": 2}),
+    "tiny-qwen3-moe": dict(config=dict(_QWEN3_MOE, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                       moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=256),
+                           micro_batch_cap={"hf": 2, "chunked": 2}),
+}
+
+# Time model of the plan, seconds on the lent H200 for 3.21B parameters: fixed + steps * (host part, scaling with
+# parameters, + GPU part per 32K tokens, scaling with parameters and tokens). Sources: the core_gpu 3B run (16K
+# tokens: forward+backward 1.17 s; host step 2.49 s, of which ~1.5 s was the host grad norm since moved to the GPU;
+# build 40 s on the CPU, ~5 s drawn on the GPU) and BENCHMARKS.md (full-recompute ceiling 18.6K tokens/s, CPU Adam
+# 3.6 Gparam/s, pinning 1.5 GiB/s, ZeRO-3 ~12.9K tokens/s at 64K tokens/step).
+_EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
+    "megatrain": (55.0, 1.5, 2.6),
+    "plain": (20.0, 0.05, 2.15),
+    "deepspeed_zero3_offload": (80.0, 2.0, 2.2),
+    "fsdp_cpu_offload": (35.0, 1.5, 2.6),
+}
+_JIT_S = 46.0  # first DeepSpeedCPUAdam build on a fresh machine (BENCHMARKS.md); kept in $TORCH_EXTENSIONS_DIR
+_REF_PARAMS = 3.21e9
+_HOST_B_PER_PARAM = {"deepspeed_zero3_offload": 27.0}  # measured (BENCHMARKS.md): refuse runs that cannot fit
+# Dry run: errors that mean "this system cannot run on a CPU at all", with the reason shown in the row.
+_CPU_LIMITS = {"FSDP needs a non-CPU accelerator device": "torch FSDP needs an accelerator device"}
+
+
+def hf_config(config: dict):
+    from transformers import AutoConfig
+
+    kwargs = dict(config)
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+
+
+def count_params(config: dict) -> tuple[int, int]:
+    """All and active (MoE: expert weights scaled by top-k / experts) parameters, from a meta-device build."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = active = 0
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)  # name differs by version
+    for name, p in model.named_parameters():  # yields a tied weight once
+        total += p.numel()
+        active += p.numel() * cfg.num_experts_per_tok / experts if ".experts." in name else p.numel()
+    return total, int(active)
+
+
+def attention_flops_per_token(config: dict, seq_len: int) -> int:
+    """12 * L * H * T (PaLM appendix B), H = attention heads * head dim, T = sequence length."""
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 12 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim * seq_len
+
+
+def estimate_s(run: dict, params: int, jit: bool) -> float:
+    if run["dry_run"]:
+        return 15.0
+    fixed, host, gpu = _EST[run["system"]]
+    scale = params / _REF_PARAMS
+    steps = run["warmup"] + run["measured"] + run["profile"] + 1  # +1: the first step's extra cost
+    step_s = host * scale + gpu * scale * run["tokens_per_step"] / 32768
+    return fixed * max(scale, 0.5) + steps * step_s + (_JIT_S if jit else 0.0)
+
+
+def union_ns(spans: list[tuple[int, int]]) -> int:
+    """Total length covered by possibly overlapping [start, end) intervals."""
+    total, end = 0, None
+    for s, e in sorted(spans):
+        if end is None or s >= end:
+            total, end = total + e - s, e
+        elif e > end:
+            total, end = total + e - end, e
+    return total
+
+
+def busy_fractions(events: list[tuple[str, int, int]], wall_s: float) -> dict[str, float]:
+    """GPU events (name, start_ns, end_ns) of one step -> busy fractions of its wall time, overlaps counted once.
+
+    Kineto names copies "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (...)"; every other non-memcpy/memset event
+    on the GPU is a kernel. gpu_idle is the time no GPU activity at all ran (the GPU waited for the host).
+    """
+    spans: dict[str, list[tuple[int, int]]] = {k: [] for k in ("gpu_compute_busy", "h2d_busy", "d2h_busy")}
+    for name, start, end in events:
+        if "HtoD" in name:
+            spans["h2d_busy"].append((start, end))
+        elif "DtoH" in name:
+            spans["d2h_busy"].append((start, end))
+        elif not name.startswith(("Memcpy", "Memset")):
+            spans["gpu_compute_busy"].append((start, end))
+    out = {k: union_ns(v) / 1e9 / wall_s for k, v in spans.items()}
+    out["gpu_idle"] = 1.0 - union_ns([(s, e) for _, s, e in events]) / 1e9 / wall_s
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Child: one (system, model, tokens, loss) run in a fresh process.
+
+
+def fill_like_hf_init_(model, std: float, seed: int) -> None:
+    """normal(0, std) matrices, ones for norm weights, zeros for biases (HF's Llama / Qwen3-MoE init), drawn on the
+    GPU when there is one and copied to wherever each parameter lives. Under ZeRO-3 each module's partitioned
+    parameters are gathered, filled on rank 0 and re-partitioned."""
+    import torch
+
+    gen_device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=gen_device).manual_seed(seed)
+    seen: set[int] = set()
+    for module in model.modules():
+        named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        if not named:
+            continue
+        seen.update(id(p) for _, p in named)
+        gather = contextlib.nullcontext()
+        if any(hasattr(p, "ds_id") for _, p in named):
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0)
+        with gather, torch.no_grad():
+            for name, p in named:
+                if p.dim() == 1:
+                    p.zero_() if name == "bias" else p.fill_(1.0)
+                    continue
+                flat = p.view(-1)  # freshly built parameters are contiguous
+                for start in range(0, flat.numel(), 1 << 27):  # 512 MB of fp32 at a time
+                    chunk = flat[start : start + (1 << 27)]
+                    chunk.copy_(torch.empty(chunk.numel(), device=gen_device).normal_(0.0, std, generator=generator))
+
+
+def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct_clip: bool, lr: float = 1e-4):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightning_megatrain.models import CausalLMModule
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: HF's (slower) init runs, then the fill overwrites it
+        no_init_weights = contextlib.nullcontext
+
+    class BenchLM(CausalLMModule):
+        """CausalLMModule (fp32 HF model, chunked loss) with the benchmark's init, loss choice and optimizer."""
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            t0 = time.perf_counter()
+            # Skip torch's and HF's init (HF's ZeRO-3 path does the same): RoPE buffers are built in __init__, the
+            # embedding is tied again below and every parameter is filled after. (Lightning's _EmptyInit does not
+            # skip HF 5's init: its guard re-routes torch.nn.init.normal_ around the mode.)
+            with no_init_weights():
+                model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32,
+                                                         attn_implementation="sdpa")
+            model.tie_weights()
+            fill_like_hf_init_(model, std=self.hf_config.initializer_range, seed=0)
+            if grad_ckpt:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model = model
+            if loss == "chunked" and any(hasattr(p, "ds_id") for p in model.parameters()):
+                import deepspeed
+
+                # The chunked loss reads lm_head.weight outside lm_head's forward: ZeRO-3 must gather it for all of
+                # training_step, which runs inside this module's forward.
+                deepspeed.zero.register_external_parameter(self, model.get_output_embeddings().weight)
+            self.build_s = time.perf_counter() - t0
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:  # batch: [B, T] token ids
+            if loss == "hf":
+                return self.model(input_ids=batch, labels=batch).loss
+            return self._loss({"input_ids": batch})[0]
+
+        def configure_optimizers(self):
+            kwargs = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+            if optimizer == "ds_cpu_adam":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(self.parameters(), adamw_mode=True, **kwargs)
+            return torch.optim.AdamW(self.parameters(), fused=(optimizer == "adamw_fused") or None, **kwargs)
+
+    class DirectClipBenchLM(BenchLM):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            # Lightning's MixedPrecision refuses to clip for a fused optimizer (a guard for GradScaler unscaling,
+            # which bf16 does not use): clip by the global norm directly, as Lightning would otherwise.
+            if gradient_clip_val:
+                torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+
+    cls = DirectClipBenchLM if direct_clip else BenchLM
+    return cls(config=config, loss_chunk_size=4096, learning_rate=lr, weight_decay=0.1)
+
+
+def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, float | None, str, str, list[str]]:
+    """(strategy, gradient_clip_val, optimizer, activation checkpointing, notes) of one system."""
+    import torch
+
+    if system == "megatrain":
+        from lightning_megatrain import MegaTrainStrategy
+
+        return MegaTrainStrategy(), 1.0, "adamw", "megatrain layer recompute (built in)", []
+    if system == "plain":
+        notes = [("clipped by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping: Lightning's "
+                  "MixedPrecision refuses gradient_clip_val with a fused optimizer")]
+        return "auto", 1.0, "adamw_fused", "hf gradient_checkpointing_enable(use_reentrant=False)", notes
+    if system == "deepspeed_zero3_offload":
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+        notes = ["DeepSpeed bf16 mode: bf16 weights and compute on the GPU, fp32 masters in DeepSpeedCPUAdam"]
+        cls = DeepSpeedStrategy
+        if not on_cuda:
+            class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+                # Dry run only: DeepSpeedStrategy refuses non-CUDA accelerators and device indices other than
+                # 0..n-1; DeepSpeed's own CPU accelerator (gloo) runs the same Lightning and ZeRO-3 code.
+                def setup_environment(self) -> None:
+                    DDPStrategy.setup_environment(self)
+
+                def setup_distributed(self) -> None:
+                    self.set_world_ranks()
+                    self._init_deepspeed_distributed()
+
+                @property
+                def root_device(self) -> torch.device:
+                    return torch.device("cpu", 0)  # deepspeed.initialize(device_rank=root_device.index) needs an int
+
+            cls = CPUDeepSpeedStrategy
+            notes.append("dry run: DeepSpeedStrategy's CUDA-only checks bypassed, DeepSpeed CPU accelerator (gloo)")
+        strategy = cls(stage=3, offload_optimizer=True, offload_parameters=True, pin_memory=True)
+        return strategy, 1.0, "ds_cpu_adam", "hf gradient_checkpointing_enable(use_reentrant=False)", notes
+    if system == "fsdp_cpu_offload":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        notes = ["no gradient clipping: Lightning's FSDPPrecision refuses gradient_clip_algorithm='norm'"]
+        cls = FSDPStrategy
+        if not on_cuda:
+            class CPUFSDPStrategy(FSDPStrategy):
+                """Dry run only: Lightning refuses `type(strategy) is FSDPStrategy` without a CUDA accelerator."""
+
+            cls = CPUFSDPStrategy
+            notes.append("dry run: Lightning's CUDA-only check for FSDP bypassed by a subclass")
+        strategy = cls(cpu_offload=True, auto_wrap_policy={layer_cls}, activation_checkpointing_policy={layer_cls})
+        return strategy, None, "adamw_fused", "lightning activation_checkpointing_policy (decoder layer)", notes
+    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def make_recorder(profile_step: int | None, sync: bool):
+    import lightning as L
+    import torch
+
+    class StepRecorder(L.Callback):
+        """Phase times per optimizer step (summed over its micro-batches) and the GPU busy fractions of one step."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+            self.busy: dict = {}
+            self.first_batch_t = None  # perf_counter at the first micro-batch's start
+            self._step: dict | None = None  # the optimizer step in progress
+            self._prof = None
+
+        def _now(self) -> float:
+            # Benchmark instrumentation only: a sync at each mark stops work from overlapping across marks.
+            if sync and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            t = self._now()
+            if self._step is None:
+                if not self.steps:
+                    self.first_batch_t = t
+                if profile_step is not None and len(self.steps) == profile_step:
+                    activities = [torch.profiler.ProfilerActivity.CPU]
+                    if torch.cuda.is_available():
+                        activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    self._prof = torch.profiler.profile(activities=activities)
+                    self._prof.__enter__()
+                    t = self._now()
+                # a step starts where the previous one ended: data loading and Lightning between them count
+                start = self.steps[-1]["end"] if self.steps and self._prof is None else t
+                self._step = {"start": start, "global_step": trainer.global_step, "losses": [],
+                              **dict.fromkeys(PHASES[:-1], 0.0)}
+            self._mark = t
+
+        def _phase(self, name: str) -> None:
+            t = self._now()
+            self._step[name] += t - self._mark
+            self._mark = t
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self._phase("forward_s")
+
+        def on_after_backward(self, trainer, pl_module):
+            self._phase("backward_s")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self._phase("grad_finalize_s")  # megatrain: waits for the grad drains; FSDP / DeepSpeed: hook tails
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # clipping + optimizer step (DeepSpeed: engine.step() every micro-batch, a real step at the boundary)
+            self._phase("clip_and_optimizer_s")
+            # Lightning reports loss / accumulate_grad_batches; undo that to log the micro-batch's mean token loss
+            self._step["losses"].append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+            if trainer.global_step == self._step["global_step"]:
+                return  # accumulating: the optimizer step is not done yet
+            step, self._step = self._step, None
+            step["end"] = self._mark
+            step["step_s"] = step["end"] - step["start"]
+            step["other_s"] = step["step_s"] - sum(step[k] for k in PHASES[:-1])
+            self.steps.append(step)
+            if self._prof is not None:
+                prof, self._prof = self._prof, None
+                prof.__exit__(None, None, None)
+                try:  # the profile is a bonus: the timing rows stand without it
+                    from torch.autograd import DeviceType
+
+                    events = [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+                              if e.device_type() == DeviceType.CUDA]
+                    self.busy = {**busy_fractions(events, step["step_s"]), "profiled_step_s": step["step_s"]}
+                except Exception as e:  # noqa: BLE001
+                    self.busy = {"profile_error": f"{type(e).__name__}: {e}"}
+
+    return StepRecorder()
+
+
+def train(spec: dict) -> dict:
+    """Run one spec in this process; return its row."""
+    sys.path.insert(0, REPO)  # the device's copy of the tree has the package uninstalled
+    import lightning as L
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import lightning_megatrain  # noqa: F401  (registers "megatrain")
+
+    t_child = time.perf_counter()
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes after imports (KiB on Linux)
+    on_cuda = spec["device"] == "cuda"
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    L.seed_everything(0, verbose=False)
+    model_spec = MODELS[spec["model"]]
+    config = model_spec["config"]
+    params, active = count_params(config)
+    model_cls = AutoModelForCausalLM._model_mapping[type(hf_config(config))]
+    layer_cls = getattr(sys.modules[model_cls.__module__], model_cls._no_split_modules[0])
+    strategy, clip, optimizer, act_ckpt, notes = make_strategy(spec["system"], layer_cls, on_cuda)
+    notes += [model_spec["note"]] if "note" in model_spec else []
+    if spec["loss"] == "chunked" and spec["system"] == "deepspeed_zero3_offload":
+        notes.append("chunked loss: lm_head.weight registered with deepspeed.zero.register_external_parameter")
+    module = make_module(config, spec["loss"], optimizer, direct_clip=spec["system"] == "plain",
+                         grad_ckpt=spec["system"] in ("plain", "deepspeed_zero3_offload"))
+    mb, acc, seq = spec["micro_batch"], spec["accumulate"], spec["seq_len"]
+    # real runs profile one extra step after the measured ones; dry runs profile their last step
+    total_steps = spec["warmup"] + spec["measured"] + (spec["profile"] and not spec["dry_run"])
+    profile_step = total_steps - 1 if spec["profile"] else None
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, config["vocab_size"], (mb * acc * total_steps, seq), generator=g)  # [N, T], no padding
+    recorder = make_recorder(profile_step, spec["sync"])
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cuda" if on_cuda else "cpu", devices=1, precision="bf16-mixed",
+        max_steps=total_steps, accumulate_grad_batches=acc, gradient_clip_val=clip, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+    )
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t_fit = time.perf_counter()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=mb))
+    fit_s = time.perf_counter() - t_fit
+    steps = recorder.steps
+    if len(steps) != total_steps:
+        raise RuntimeError(f"recorded {len(steps)} optimizer steps, expected {total_steps}")
+    measured = steps[spec["warmup"] : spec["warmup"] + spec["measured"]]
+    tokens = mb * acc * seq
+    tokens_per_s = tokens / median(s["step_s"] for s in measured)
+    peak_host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    breakdown = {k: median(s[k] for s in measured) for k in PHASES}
+    # setup_s: fit() start -> first micro-batch (model build, strategy setup, pinning, optimizer creation)
+    breakdown.update(recorder.busy, setup_s=recorder.first_batch_t - t_fit, first_step_s=steps[0]["step_s"],
+                     build_s=getattr(module, "build_s", None), sync_marks=spec["sync"])
+    row = {
+        "system": spec["system"], "model": spec["model"], "micro_batch": mb, "seq_len": seq,
+        "tokens_per_step": tokens, "tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / PEAK_FLOPS,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if on_cuda else None,
+        "peak_host_gib": peak_host / GIB, "host_bytes_per_param": peak_host / params, "breakdown": breakdown,
+        "error": None,
+        "accumulate": acc, "loss": spec["loss"], "params": params,
+        "mfu_attn": (6 * params + attention_flops_per_token(config, seq)) * tokens_per_s / PEAK_FLOPS,
+        "model_tflops": 6 * params * tokens_per_s / 1e12,
+        "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
+        "host_baseline_gib": baseline / GIB, "host_bytes_per_param_above_baseline": (peak_host - baseline) / params,
+        "clip": clip, "optimizer": optimizer, "optimizer_class": type(trainer.optimizers[0]).__name__,
+        "activation_checkpointing": act_ckpt, "precision": "bf16-mixed", "warmup_steps": spec["warmup"],
+        "measured_steps": len(measured), "step_times_s": [s["step_s"] for s in steps],
+        "losses": [s["losses"] for s in steps], "fit_s": fit_s, "child_s": time.perf_counter() - t_child,
+        "notes": notes, "device_name": torch.cuda.get_device_name() if on_cuda else "cpu",
+    }
+    if active != params:
+        row.update(params_active=active, mfu_active=6 * active * tokens_per_s / PEAK_FLOPS)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parent: plan, run each spec in a subprocess within the time budget, write JSON + markdown.
+
+
+def plan(args) -> list[dict]:
+    runs = []
+    for model in args.models.split(","):
+        spec = MODELS[model]
+        for part in args.parts.split(","):
+            tokens, loss = PARTS[part]
+            if args.dry_run:
+                tokens = 4 * args.seq_len  # 2 micro-batches of 2 sequences: exercises accumulation
+            for system in args.systems.split(","):
+                if system not in SYSTEMS:
+                    raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS}")
+                cap = spec["micro_batch_cap"][loss]
+                if system == "plain":
+                    cap = min(cap, spec.get("plain_cap", cap))
+                mb = min(args.micro_batch or cap, tokens // args.seq_len)
+                if tokens % (mb * args.seq_len):
+                    raise SystemExit(f"tokens/step {tokens} is not a multiple of micro_batch {mb} x seq {args.seq_len}")
+                runs.append(dict(system=system, model=model, part=part, loss=loss, seq_len=args.seq_len,
+                                 micro_batch=mb, accumulate=tokens // (mb * args.seq_len), tokens_per_step=tokens,
+                                 warmup=0 if args.dry_run else 2, measured=2 if args.dry_run else 5,
+                                 profile=args.profile, sync=args.sync, dry_run=args.dry_run,
+                                 device="cpu" if args.dry_run else "cuda"))
+    return runs
+
+
+def run_child(run: dict, timeout_s: float, log_path: str) -> dict:
+    """Run one spec in a subprocess (its own session, so a timeout kills it and anything it started); append the
+    tail of its output to log_path (one log per call: the device returns at most 8 files)."""
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    error = None
+    try:
+        out, _ = proc.communicate(timeout=max(timeout_s, 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        error = f"timeout: killed after {timeout_s:.0f} s (2.5 x its estimate + 60 s, or the end of --budget-s)"
+    with open(log_path, "a") as f:
+        f.write(f"\n===== {json.dumps(run)}\n{out[-65536:]}")
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if line is not None:
+        return json.loads(line[len("RESULT "):])
+    if error is None:
+        error = f"exit code {proc.returncode}" + (" (SIGKILL: host OOM?)" if proc.returncode == -9 else "")
+    return error_row(run, f"{error}\n{out[-3000:]}")
+
+
+def error_row(run: dict, error: str) -> dict:
+    row = dict.fromkeys(ROW_KEYS)
+    row.update({k: run[k] for k in ("system", "model", "micro_batch", "seq_len", "tokens_per_step", "accumulate",
+                                    "loss")}, breakdown={}, error=error)
+    return row
+
+
+def run_all(args) -> None:
+    import torch
+
+    t_start = time.perf_counter()
+    out_dir = args.out or (tempfile.mkdtemp(prefix="throughput-dry-run-") if args.dry_run else
+                           os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    os.makedirs(out_dir, exist_ok=True)
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: use --dry-run to check the code paths on a CPU")
+    device = "cpu" if args.dry_run else _gpu_name()  # not torch.cuda: no CUDA context held by the parent
+    date = time.strftime("%Y-%m-%d")
+    log = os.path.join(out_dir, f"{date}-throughput-{device_slug(device)}-{args.parts.replace(',', '_')}.log")
+    runs = plan(args)
+    params = {m: count_params(MODELS[m]["config"])[0] for m in {r["model"] for r in runs}}
+    jit_pending = not args.dry_run and not _cpu_adam_cached()
+    queue = []
+    for r in runs:
+        uses_cpu_adam = r["system"] in ("megatrain", "deepspeed_zero3_offload")
+        queue.append((r, estimate_s(r, params[r["model"]], jit_pending and uses_cpu_adam)))
+        jit_pending = jit_pending and not uses_cpu_adam
+    print(f"device: {device}; out: {out_dir}; --budget-s {args.budget_s:.0f}; plan, estimated seconds:", flush=True)
+    for r, est in queue:
+        print(f"  {r['system']:<24} {r['model']:<18} {r['part']:<12} micro {r['micro_batch']} x {r['accumulate']}"
+              f"  ~{est:.0f} s", flush=True)
+    print(f"  total ~{sum(est for _, est in queue):.0f} s", flush=True)
+    results: dict[str, list[dict]] = {}
+    timing = []
+    while queue:
+        run, est = queue.pop(0)
+        left = args.budget_s - (time.perf_counter() - t_start)
+        t0 = time.perf_counter()
+        host_need = _HOST_B_PER_PARAM.get(run["system"], 0.0) * params[run["model"]]
+        if not args.dry_run and host_need > _host_ram_bytes():
+            row = error_row(run, f"not run: needs ~{host_need / GIB:.0f} GiB host RAM at the measured "
+                                 f"{_HOST_B_PER_PARAM[run['system']]:.0f} B/param; the machine has "
+                                 f"{_host_ram_bytes() / GIB:.0f} GiB")
+        elif left < 0.75 * est:
+            row = error_row(run, f"not run: estimated {est:.0f} s, {left:.0f} s left of --budget-s "
+                                 f"{args.budget_s:.0f}; run it in another call (--systems, --parts)")
+        else:
+            # a hung run (e.g. a stuck process-group init) must not eat the next runs' time as well
+            row = run_child(run, min(left - 10.0, 2.5 * est + 60.0), log)
+            error = row["error"] or ""
+            oom = "OutOfMemoryError" in error or "CUDA out of memory" in error
+            if oom and args.oom_retry and run["micro_batch"] > 1 and not run.get("oom_retry"):  # once per run
+                queue.insert(0, (dict(run, micro_batch=run["micro_batch"] // 2, accumulate=run["accumulate"] * 2,
+                                      oom_retry=True), est))
+            for needle, reason in _CPU_LIMITS.items():
+                if args.dry_run and needle in error:
+                    row["error"] = f"cannot run on a CPU ({reason}); its code ran up to that point.\n{error}"
+        row["part"] = run["part"]
+        results.setdefault(run["model"], []).append(row)
+        timing.append((run, est, time.perf_counter() - t0))
+        print(summarize([row], header=len(timing) == 1), flush=True)
+        write_results(out_dir, date, device, run["model"], results[run["model"]], args)
+    print("\n" + summarize([r for rows in results.values() for r in rows]))
+    print("\n| run | estimated s | actual s |\n|---|---|---|")
+    for run, est, wall in timing:
+        print(f"| {run['system']} {run['model']} {run['part']} micro {run['micro_batch']} | {est:.0f} | {wall:.0f} |")
+    print(f"total {time.perf_counter() - t_start:.0f} s; files in {out_dir}")
+
+
+def _cpu_adam_cached() -> bool:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
+    return any("cpu_adam.so" in files for _, _, files in os.walk(root))
+
+
+def _gpu_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, check=True).stdout.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "cuda"
+
+
+def _host_ram_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return int(next(x for x in f if x.startswith("MemTotal")).split()[1]) * 1024
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_command(args) -> str:
+    """The device tool's run() call for these arguments: install the carried .whl wheels, then this script."""
+    wheels = os.path.join(REPO, ".whl")
+    if not any(f.startswith("deepspeed-") for f in (os.listdir(wheels) if os.path.isdir(wheels) else ())):
+        print("# .whl lacks the deepspeed wheel: run ../shared/device-wheels/stage.sh in the repo root first")
+    dirty = subprocess.run(["git", "status", "--porcelain", "benchmarks/throughput.py", "lightning_megatrain"],
+                           capture_output=True, text=True, cwd=REPO, check=False).stdout.strip()
+    if dirty:
+        print(f"# uncommitted changes ({' '.join(dirty.split()[1::2])}): commit first so --commit names what ran")
+    options = f"--parts {args.parts}"
+    options += f" --models {args.models}" if args.models else ""
+    options += f" --systems {args.systems}" if args.systems != ",".join(SYSTEMS) else ""
+    command = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
+               "/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit; "
+               "export TORCH_EXTENSIONS_DIR=$PWD/.ext PYTHONUNBUFFERED=1; "
+               f"python3 benchmarks/throughput.py {options} --out $OUT --commit {args.commit or _git_commit()}")
+    return json.dumps({"kind": "nvidia-h200", "carry": [".whl"], "timeout_s": 600, "command": command}, indent=1)
+
+
+def device_slug(device: str) -> str:
+    return device.lower().replace("nvidia ", "").replace(" ", "-")
+
+
+def write_results(out_dir: str, date: str, device: str, model: str, rows: list[dict], args) -> str:
+    """Write <date>-<model>-<device>.json and .md into out_dir; return the JSON path."""
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    meta = {"date": date, "device": device, "git_commit": args.commit or _git_commit(), "torch": version("torch"),
+            "lightning": version("lightning"), "transformers": version("transformers"),
+            "deepspeed": version("deepspeed"),
+            "host_cpus": os.cpu_count(), "host_ram_gib": _host_ram_bytes() / GIB, "dry_run": args.dry_run,
+            "argv": sys.argv[1:], "results": rows}
+    return _dump(os.path.join(out_dir, f"{date}-{model}-{device_slug(device)}"), meta)
+
+
+def _dump(base: str, meta: dict) -> str:
+    with open(base + ".json", "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(f"Throughput on {meta['device']}, {meta['date']}, commit {meta['git_commit']}, torch {meta['torch']}, "
+                f"lightning {meta['lightning']}, transformers {meta['transformers']}, deepspeed {meta['deepspeed']}; "
+                "by `benchmarks/throughput.py` (MFU and breakdown definitions in its docstring).\n\n"
+                + summarize(meta["results"]) + "\n")
+    return base + ".json"
+
+
+def short_error(error: str) -> str:
+    """The parent's own reason (not run / timeout / exit code / cannot run on a CPU) and the exception line."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    own = lines[0] if lines[0].startswith(("not run", "timeout", "exit code", "cannot run")) else ""
+    text = own if len(lines) == 1 else f"{own} ... {lines[-1]}" if own else lines[-1]
+    return text[-300:].replace("|", "/")
+
+
+def summarize(rows: list[dict], header: bool = True) -> str:
+    head = ("| system | model | loss | micro x acc | tokens/step | tokens/s | vs megatrain | MFU | MFU+attn | "
+            "peak GPU GiB | peak host GiB | host B/param | step breakdown (median s) / error |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if header else []
+    ours = {(r["model"], r["tokens_per_step"], r.get("loss")): r["tokens_per_s"] for r in rows
+            if r["system"] == "megatrain" and not r.get("error")}
+    for r in rows:
+        base = (f"| {r['system']} | {r['model']} | {r.get('loss', '')} | {r['micro_batch']} x {r.get('accumulate', 1)}"
+                f" | {r['tokens_per_step']} |")
+        if r.get("error"):
+            lines.append(base + " | | | | | | | | " + short_error(r["error"]) + " |")
+            continue
+        ref = ours.get((r["model"], r["tokens_per_step"], r.get("loss")))
+        b = r["breakdown"]
+        text = " ".join([f"{k[:-2]}={b[k]:.2f}" for k in PHASES if k in b]
+                        + [f"{k}={b[k]:.0%}" for k in BUSY if k in b])
+        gpu = "" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
+        vs = "" if ref is None else f"{r['tokens_per_s'] / ref:.2f}"
+        lines.append(base + f" {r['tokens_per_s']:,.0f} | {vs} | "
+                     f"{r['mfu']:.1%} | {r['mfu_attn']:.1%} | {gpu} | {r['peak_host_gib']:.1f} | "
+                     f"{r['host_bytes_per_param']:.1f} | {text} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="results folder (default benchmarks/results; a new temp folder with --dry-run)")
+    parser.add_argument("--parts", default="32k", help=f"comma list of {list(PARTS)} (default 32k: one device call)")
+    parser.add_argument("--models", help=f"comma list of {list(MODELS)} (default llama-3.2-3b; tiny-llama if dry)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list (default: all four)")
+    parser.add_argument("--seq-len", type=int, help="default 1024 (64 with --dry-run)")
+    parser.add_argument("--micro-batch", type=int, help="override the per-model micro-batch choice")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of this call (default 9 min)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled extra step")
+    parser.add_argument("--no-sync", dest="sync", action="store_false",
+                        help="no torch.cuda.synchronize at phase marks (the breakdown becomes host-side times)")
+    parser.add_argument("--no-oom-retry", dest="oom_retry", action="store_false")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, 2 steps: check every code path")
+    parser.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="print one table for result files; with --out also write them merged per model there")
+    parser.add_argument("--wheels", action="store_true",
+                        help="print the device run() call (wheels from .whl, then this script with --parts etc.)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        try:
+            row = train(spec)
+        except Exception:  # noqa: BLE001  (any failure is a result row)
+            import traceback
+
+            traceback.print_exc()
+            row = error_row(spec, traceback.format_exc()[-2500:])
+        print("RESULT " + json.dumps(row), flush=True)
+        return
+    if args.wheels:
+        print(device_command(args))
+        return
+    if args.summarize:
+        files = []
+        for path in args.summarize:
+            with open(path) as f:
+                files.append(json.load(f))
+        rows = [r for f in files for r in f["results"]]
+        print(f"device: {files[0]['device']}, torch {files[0]['torch']}, commit {files[0]['git_commit']}\n")
+        print(summarize(rows))
+        for model in dict.fromkeys(r["model"] for r in rows) if args.out else ():
+            merged = dict(files[0], results=[r for r in rows if r["model"] == model],
+                          merged_from=[os.path.basename(p) for p in args.summarize])
+            name = f"{files[0]['date']}-{model}-{device_slug(files[0]['device'])}"
+            print(_dump(os.path.join(args.out, name), merged))
+        return
+    args.models = args.models or ("tiny-llama" if args.dry_run else "llama-3.2-3b")
+    args.seq_len = args.seq_len or (64 if args.dry_run else 1024)
+    run_all(args)
+
+
+if __name__ == "__main__":
+    main()

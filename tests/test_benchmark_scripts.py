@@ -1,0 +1,149 @@
+"""CPU smoke tests of the GPU benchmark scripts: their code paths, row schema, plans and summaries.
+
+The numbers themselves need the GPU machine; these tests catch the bugs that would waste a device call.
+`benchmarks/throughput.py --dry-run` runs each system on a tiny model in a subprocess (about 10 s each here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+throughput = _load("throughput")
+
+
+def _run(*args: str, timeout: float) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("throughput")
+    stdout = _run(str(BENCH / "throughput.py"), "--dry-run", "--systems", "megatrain,plain",
+                  "--parts", "32k,32k-chunked", "--out", str(out), timeout=180)
+    return out, stdout
+
+
+def test_throughput_dry_run_rows_have_every_key(dry_run):
+    out, stdout = dry_run
+    (path,) = out.glob("*-tiny-llama-cpu.json")
+    assert path.with_suffix(".md").read_text().count("| tiny-llama |") == 4
+    (log,) = out.glob("*-throughput-cpu-32k_32k-chunked.log")  # one log per call: the device returns <= 8 files
+    assert log.read_text().count("\n===== {") == 4
+    meta = json.loads(path.read_text())
+    assert meta["device"] == "cpu" and meta["dry_run"] is True
+    rows = meta["results"]
+    assert [(r["system"], r["loss"]) for r in rows] == [
+        ("megatrain", "hf"), ("plain", "hf"), ("megatrain", "chunked"), ("plain", "chunked")]
+    for r in rows:
+        assert set(throughput.ROW_KEYS) <= r.keys()
+        assert r["error"] is None, r["error"]
+        # 2 optimizer steps of 2 micro-batches of 2 x 64 tokens: accumulation is exercised
+        assert (r["micro_batch"], r["accumulate"], r["seq_len"], r["tokens_per_step"]) == (2, 2, 64, 256)
+        assert len(r["step_times_s"]) == 2 and [len(x) for x in r["losses"]] == [2, 2]
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < r["mfu_attn"]
+        assert r["peak_gpu_gib"] is None and r["peak_host_gib"] > r["host_baseline_gib"] > 0
+        assert r["host_bytes_per_param"] == pytest.approx(r["peak_host_gib"] * 2**30 / r["params"])
+        assert set(throughput.PHASES) | set(throughput.BUSY) <= r["breakdown"].keys()
+        assert r["breakdown"]["setup_s"] >= r["breakdown"]["build_s"] > 0
+    assert rows[0]["optimizer_class"] == "HostCPUAdam" or "fused" in str(rows[0]["notes"])
+    assert rows[1]["clip"] == 1.0 and rows[1]["optimizer_class"] == "AdamW"
+    # Same init and data in every system: the first micro-batch's loss agrees (bf16) and is ~ln(vocab) at std 0.02.
+    first = [r["losses"][0][0] for r in rows]
+    assert max(first) - min(first) < 1e-3 * min(first)
+    assert first[0] == pytest.approx(math.log(512), rel=0.01)
+    assert "| megatrain | tiny-llama | hf | 2 x 2 | 256 |" in stdout and "| estimated s | actual s |" in stdout
+
+
+def test_throughput_summarize_merges_files(dry_run, tmp_path):
+    out, _ = dry_run
+    (path,) = out.glob("*-tiny-llama-cpu.json")
+    stdout = _run(str(BENCH / "throughput.py"), "--summarize", str(path), str(path), "--out", str(tmp_path),
+                  timeout=60)
+    assert stdout.count("| megatrain | tiny-llama | hf | 2 x 2 | 256 |") == 2
+    merged = json.loads((tmp_path / path.name).read_text())
+    assert len(merged["results"]) == 8 and merged["merged_from"] == [path.name, path.name]
+    assert (tmp_path / path.name).with_suffix(".md").exists()
+
+
+def test_core_gpu_summarize_committed_results():
+    files = sorted((BENCH / "results").glob("2026-11-29-core-*.json"))
+    assert [f.name for f in files] == ["2026-11-29-core-depth-h200.json", "2026-11-29-core-parity-scale-h200.json"]
+    stdout = _run(str(BENCH / "core_gpu.py"), "--summarize", *map(str, files), timeout=60)
+    assert stdout.startswith("device: NVIDIA H200")
+    for row in ("| auto | llama-110m |", "| megatrain | llama-110m |", "| megatrain | llama-3.2-3b |",
+                "| megatrain | llama-3.2-3b-x2depth |"):
+        assert row in stdout
+    assert "bf16 parity, 50 steps: max relative loss difference" in stdout
+    assert "GPU peak at 2x depth: 27.35 GiB vs 27.35 GiB" in stdout
+
+
+def test_busy_fractions_count_overlap_once():
+    ms = 1_000_000  # ns
+    events = [("ampere_bf16_gemm", 0, 40 * ms), ("flash_fwd", 30 * ms, 60 * ms),  # overlapping kernels: 60 ms
+              ("Memcpy HtoD (Pinned -> Device)", 10 * ms, 30 * ms),
+              ("Memcpy DtoH (Device -> Pinned)", 70 * ms, 80 * ms), ("Memset (Device)", 90 * ms, 91 * ms)]
+    busy = throughput.busy_fractions(events, wall_s=0.1)
+    assert busy == pytest.approx({"gpu_compute_busy": 0.6, "h2d_busy": 0.2, "d2h_busy": 0.1, "gpu_idle": 0.29})
+    assert throughput.union_ns([(0, 5), (5, 7), (1, 2), (10, 11)]) == 8
+
+
+def test_throughput_plan_fits_one_device_call_per_part():
+    class Args:
+        models, systems, seq_len, micro_batch = "llama-3.2-3b", ",".join(throughput.SYSTEMS), 1024, None
+        profile, sync, dry_run = True, True, False
+
+    params = throughput.count_params(throughput.MODELS["llama-3.2-3b"]["config"])[0]
+    assert params == pytest.approx(3.21e9, rel=0.01)
+    for part, micro_acc in {"32k": (32, 1), "64k": (32, 2), "64k-chunked": (64, 1)}.items():
+        Args.parts = part
+        runs = throughput.plan(Args)
+        assert [r["system"] for r in runs] == list(throughput.SYSTEMS)
+        assert all((r["micro_batch"], r["accumulate"]) == micro_acc for r in runs)
+        assert all(r["micro_batch"] * r["accumulate"] * 1024 == throughput.PARTS[part][0] for r in runs)
+        jit_once = [throughput.estimate_s(r, params, jit=i == 0) for i, r in enumerate(runs)]
+        assert sum(jit_once) < 540, (part, jit_once)  # the default --budget-s: under 9 of the 10 device minutes
+    Args.models, Args.parts = "llama-2-7b", "32k"
+    assert {r["system"]: (r["micro_batch"], r["accumulate"]) for r in throughput.plan(Args)}["plain"] == (8, 4)
+
+
+def test_throughput_oom_is_a_row_and_is_retried_at_half_the_micro_batch(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_child(run, timeout_s, log_path):
+        calls.append((run["micro_batch"], run["accumulate"]))  # every run OOMs, the retry too
+        return throughput.error_row(run, "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of")
+
+    monkeypatch.setattr(throughput, "run_child", fake_child)
+    args = throughput.argparse.Namespace(
+        out=str(tmp_path), dry_run=True, models="tiny-llama", parts="32k", systems="plain", seq_len=64,
+        micro_batch=4, profile=True, sync=True, budget_s=100.0, oom_retry=True, commit="abc")
+    throughput.run_all(args)
+    assert calls == [(4, 1), (2, 2)]  # same tokens per step at half the micro-batch, and only once
+    (path,) = tmp_path.glob("*-tiny-llama-cpu.json")
+    meta = json.loads(path.read_text())
+    assert meta["git_commit"] == "abc"
+    rows = meta["results"]
+    assert [(r["micro_batch"], r["accumulate"], r["tokens_per_step"]) for r in rows] == [(4, 1, 256), (2, 2, 256)]
+    assert all("OutOfMemoryError" in r["error"] for r in rows)
+    assert all(set(throughput.ROW_KEYS) <= r.keys() for r in rows)
