@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import transformers
+
 from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
@@ -184,6 +186,26 @@ def gpt_oss() -> PretrainedConfig:
     )
 
 
+def qwen3_5() -> PretrainedConfig:
+    # Hybrid stack: Gated DeltaNet linear-attention layers (causal conv + recurrent delta rule, torch fallback on
+    # CPU) alternating with gated full-attention layers, per `layer_types`. Needs transformers with Qwen3.5.
+    from transformers import Qwen3_5TextConfig
+
+    return _cfg(
+        Qwen3_5TextConfig,
+        "sdpa",
+        intermediate_size=64,
+        head_dim=8,
+        num_hidden_layers=4,
+        full_attention_interval=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        tie_word_embeddings=True,
+    )
+
+
 FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     "llama_tied": llama_tied,
     "llama_untied": llama_untied,
@@ -197,5 +219,7 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3_moe": qwen3_moe,
     "gpt_oss": gpt_oss,
 }
+if hasattr(transformers, "Qwen3_5TextConfig"):  # newer than some supported transformers releases
+    FAMILIES["qwen3_5"] = qwen3_5
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
