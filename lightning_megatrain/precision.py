@@ -21,9 +21,10 @@ class MegaTrainPrecision(Precision):
     """Precision for :class:`~lightning_megatrain.MegaTrainStrategy`; masters, grads and optimizer states stay fp32.
 
     Args:
-        precision: ``"bf16-mixed"`` streams layer weights as bf16 and computes under ``torch.autocast`` (residents
-            stay fp32 on the device, as in Lightning's own bf16-mixed). ``"32-true"`` streams and computes in fp32:
-            true full precision, about 2x the PCIe bytes and much slower matmuls.
+        precision: ``"bf16-mixed"`` casts each layer's streamed fp32 weights to bf16 in its GPU slot and computes
+            under ``torch.autocast`` (residents stay fp32 on the device, as in Lightning's own bf16-mixed).
+            ``"32-true"`` computes in fp32: true full precision, with much slower matmuls. Both stream the fp32
+            masters over PCIe (no bf16 host copy to keep in sync, see engine/transfer.py).
         device_type: ``"cuda"`` or ``"cpu"``: where autocast applies.
     """
 

@@ -55,7 +55,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             ``"deepspeed"`` (fail if it does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
         checkpoint_io: Lightning checkpoint IO plugin.
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
-            grads and Adam, bf16 streaming and compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
+            grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
             ``"bf16-true"`` is mapped to ``"bf16-mixed"`` with a warning: masters are never kept in bf16.
 
     Note:
@@ -116,8 +116,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             self._precision_plugin = MegaTrainPrecision("bf16-mixed", device_type)
         elif isinstance(precision_plugin, HalfPrecision) and precision_plugin.precision == "bf16-true":
             warnings.warn(
-                "MegaTrainStrategy keeps fp32 masters: precision='bf16-true' runs as 'bf16-mixed' (bf16 compute "
-                "and streaming, fp32 masters, grads and Adam states).",
+                "MegaTrainStrategy keeps fp32 masters: precision='bf16-true' runs as 'bf16-mixed' (bf16 compute, "
+                "fp32 masters, grads and Adam states).",
                 stacklevel=2,
             )
             self._precision_plugin = MegaTrainPrecision("bf16-mixed", device_type)
