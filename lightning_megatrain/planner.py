@@ -53,11 +53,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_megatrain.callbacks import H100_BF16_PEAK_FLOPS
 from lightning_megatrain.engine.discovery import (
     check_layers_independent,
     find_layer_stack,
     tensor_slots,
 )
+from lightning_megatrain.engine.host_store import meminfo_bytes
 
 GIB = 1024**3
 
@@ -71,7 +73,7 @@ PCIE_DUPLEX_GBPS = 97.0  # both directions at once, GB/s in total
 # measured 425-437 for fwd+bwd on the H200 (benchmarks/planner_gpu_check.py, 2026-11-29, 5 iterations): 450 default.
 ACHIEVED_TFLOPS = 450.0
 FP32_TFLOPS = 50.0  # 32-true: H200 datasheet fp32 (non-tensor) ~67 TFLOP/s; assumed ~75% achieved, not measured
-PEAK_TFLOPS = 989.0  # H200 dense bf16 datasheet; MFU is quoted against it
+PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (H100/H200); MFU is quoted against it
 CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s (torch fused AdamW: 3.1)
 CPU_REF_CORES = 16
 HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s
@@ -535,11 +537,8 @@ def _largest(ok, hi: int = 1 << 24) -> int:
 
 
 def _mem_total_gib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 / GIB for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        return None
+    total = meminfo_bytes("MemTotal")
+    return None if total is None else total / GIB
 
 
 def _gpu_total_gib() -> float | None:

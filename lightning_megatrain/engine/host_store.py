@@ -48,12 +48,11 @@ class FlatGroup:
         """
         if packed is not None and all(g is not None for g in grads):
             if all(p.grad is None for p in self.params):
-                self.grad[: packed.numel()].copy_(packed)
-                for p, view in zip(self.params, self.views(self.grad)):
-                    p.grad = view
+                self.grad.copy_(packed)
+                self.attach_grads()
                 return
-            if all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in self._grad_pairs()):
-                self.grad[: packed.numel()].add_(packed)
+            if self.grads_are_views():
+                self.grad.add_(packed)
                 return
         for p, view, g in zip(self.params, self.views(self.grad), grads):
             if g is None:
@@ -64,12 +63,12 @@ class FlatGroup:
             else:
                 p.grad.add_(g)
 
-    def _grad_pairs(self) -> list[tuple[nn.Parameter, Tensor]]:
-        return list(zip(self.params, self.views(self.grad)))
-
     def grads_are_views(self) -> bool:
         """Every parameter's grad is its view of ``self.grad`` (so the flat buffer *is* the gradient)."""
-        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in self._grad_pairs())
+        return all(
+            p.grad is not None and p.grad.data_ptr() == self.grad.data_ptr() + o * self.grad.element_size()
+            for p, o in zip(self.params, self.offsets)
+        )
 
     def attach_grads(self) -> None:
         """Point every ``p.grad`` at its view of ``self.grad`` (after a D2H wrote the whole flat buffer)."""
@@ -135,16 +134,21 @@ def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:
     return FlatGroup(params=params, offsets=offsets, master=master, grad=grad, slot_index=slot_index)
 
 
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` from /proc/meminfo (None where unknown, e.g. not Linux)."""
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field (``"MemAvailable"``, ``"MemTotal"``) in bytes; None where unknown (e.g. not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable``: what this process may still allocate without swapping or being killed."""
+    return meminfo_bytes("MemAvailable")
 
 
 def pinned_block_bytes(nbytes: int) -> int:
