@@ -27,7 +27,7 @@ def layer_params(n_layers: int, per_layer: int) -> tuple[list[nn.Module], list[n
     """Layers of 4 matrices each, packed into flat host buffers exactly as the engine packs them."""
     side = int((per_layer / 4) ** 0.5)
     layers = [nn.ModuleList(nn.Linear(side, side, bias=False) for _ in range(4)) for _ in range(n_layers)]
-    groups = [pack_group(tensor_slots(layer), pin_memory=False) for layer in layers]
+    groups = [pack_group(tensor_slots(layer)) for layer in layers]
     for g in groups:
         g.grad.normal_()
         g.attach_grads()

@@ -42,6 +42,7 @@ convention: 6 * (non-embedding active params incl. the LM head matmul) * tokens 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -102,6 +103,20 @@ class _Layer:
     gated: bool
     moe: bool
     window: int | None  # sliding window, None = full causal attention
+    linear: bool = False  # token mixer is linear attention (Gated DeltaNet, layer_types "linear_attention")
+    out_gate: bool = False  # q_proj also computes a sigmoid gate on the attention output (Qwen3.5, Qwen3-Next)
+
+
+@dataclass
+class _LinearAttn:
+    """Gated DeltaNet shapes (config ``linear_*``); ``chunk`` is transformers' chunked delta rule block size."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv: int  # causal depthwise conv kernel over the q/k/v channels
+    chunk: int = 64
 
 
 @dataclass
@@ -124,6 +139,7 @@ class _Shape:
     attn: str
     attn_softcap: bool
     logit_softcap: bool
+    linear_attn: _LinearAttn | None = None
 
 
 @dataclass
@@ -238,13 +254,19 @@ def _unique_numel(params) -> int:
     return sum(p.numel() for p in {id(p): p for p in params}.values())
 
 
-def describe(model: Any, name: str = "") -> _Shape:
-    """Count parameters exactly on the ``meta`` device and read the layer shapes the formulas need."""
+def describe(model: Any, name: str = "", attn_implementation: str | None = None) -> _Shape:
+    """Count parameters exactly on the ``meta`` device and read the layer shapes the formulas need.
+
+    ``attn_implementation`` overrides the config's (as ``model.attn_implementation`` does in the CLI)."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(model)
+    kwargs = {}
+    if attn_implementation:
+        config = copy.deepcopy(config)  # from_config writes the implementation into the config it is given
+        kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config)
+        hf = AutoModelForCausalLM.from_config(config, **kwargs)
     text = config.get_text_config()
     _, stack = find_layer_stack(hf)
     residents = tensor_slots(hf, skip=stack)
@@ -258,6 +280,11 @@ def describe(model: Any, name: str = "") -> _Shape:
     expert_i = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0)
     layer_types = getattr(text, "layer_types", None) or []
     window = getattr(text, "sliding_window", None)
+    linear_attn = None
+    if "linear_attention" in layer_types:  # hybrid stack: Gated DeltaNet layers between full-attention layers
+        linear_attn = _LinearAttn(k_heads=text.linear_num_key_heads, v_heads=text.linear_num_value_heads,
+                                  k_dim=text.linear_key_head_dim, v_dim=text.linear_value_head_dim,
+                                  conv=text.linear_conv_kernel_dim)
     layers = []
     for i, layer in enumerate(stack):
         numel = _unique_numel(layer.parameters())
@@ -270,6 +297,7 @@ def describe(model: Any, name: str = "") -> _Shape:
             sliding = i < len(layer_types) and "sliding" in str(layer_types[i])
         else:
             sliding = bool(window) and getattr(text, "use_sliding_window", True) is not False
+        q_proj = next((m for n, m in linears if n.endswith("q_proj")), None)
         layers.append(_Layer(
             numel=numel,
             active=numel - expert + (expert * top_k // experts if experts else 0),
@@ -277,7 +305,9 @@ def describe(model: Any, name: str = "") -> _Shape:
             norms=sum(1 for _, m in layer.named_modules() if "norm" in type(m).__name__.lower()
                       and getattr(m, "weight", None) is not None and m.weight.numel() == hidden),
             qk_norm=any(n.endswith(("q_norm", "q_layernorm")) for n, _ in layer.named_modules()),
-            dense_i=dense_i, gated=gate_up >= 2 * dense_i > 0, moe=expert > 0, window=window if sliding else None))
+            dense_i=dense_i, gated=gate_up >= 2 * dense_i > 0, moe=expert > 0, window=window if sliding else None,
+            linear=i < len(layer_types) and layer_types[i] == "linear_attention",
+            out_gate=q_proj is not None and q_proj.out_features == 2 * heads * head_dim))
     embeddings, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     return _Shape(
         name=name or getattr(config, "name_or_path", "") or config.model_type,
@@ -289,9 +319,9 @@ def describe(model: Any, name: str = "") -> _Shape:
         hidden=hidden, vocab=text.vocab_size, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
         experts=experts, top_k=top_k, expert_i=expert_i,
-        attn=getattr(config, "_attn_implementation", None) or "sdpa",
+        attn=getattr(hf.config, "_attn_implementation", None) or "sdpa",
         attn_softcap=bool(getattr(text, "attn_logit_softcapping", None)),
-        logit_softcap=bool(getattr(text, "final_logit_softcapping", None)))
+        logit_softcap=bool(getattr(text, "final_logit_softcapping", None)), linear_attn=linear_attn)
 
 
 # ---------------------------------------------------------------------------------------------------- the formulas
@@ -307,11 +337,15 @@ def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int) -> tuple[fl
     H, A, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     saved = 4 * H + layer.norms * (4 * H + 4) + max(layer.norms - 2, 0) * 4 * H
     saved += layer.readers * 2 * H if c < 4 else 0
-    if s.attn == "eager":
+    if layer.linear:
+        saved += _linear_attn_saved(s.linear_attn, seq_len, c)
+    elif s.attn == "eager":
         # q, repeated k and v, output; fp32 softmax + low-precision probs over all T keys (+ tanh with softcap)
         saved += 4 * c * A + s.heads * seq_len * (4 + c + (c if s.attn_softcap else 0))
     else:
         saved += c * (2 * A + 2 * K) + 4 * s.heads
+    if layer.out_gate:  # sigmoid(gate) and the gated output that o_proj reads (else o_proj reads the attention output)
+        saved += 2 * c * A
     if layer.qk_norm:
         saved += (4 + c) * (A + K) + 4 * (s.heads + s.kv_heads)
     saved += (4 if layer.gated else 2) * c * layer.dense_i
@@ -323,8 +357,45 @@ def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int) -> tuple[fl
     return saved, 8 * H + 2 * c * widest
 
 
+def _linear_attn_saved(la: _LinearAttn, seq_len: int, c: int) -> float:
+    """Bytes per token that one Gated DeltaNet mixer saves for backward, op by op, in transformers' PyTorch chunked
+    delta rule (``torch_chunk_gated_delta_rule``, the path without flash-linear-attention / causal-conv1d; their
+    fused kernels save less). Checked against the tensors autograd saves (tests/test_planner.py).
+
+    q = k = v_heads * k_dim (q and k repeated to the value heads), v = v_heads * v_dim, C = chunk; under autocast
+    (c = 2) every matmul also saves compute-dtype copies of its inputs (no autocast cache), under 32-true it saves
+    the fp32 tensors, most of which are saved anyway."""
+    hv, C, autocast = la.v_heads, la.chunk, c < 4
+    q, v = hv * la.k_dim, hv * la.v_dim
+    chunks = -(-seq_len // C)
+    pad = chunks * C / seq_len  # tensors from the padding to whole chunks on are chunks * C long
+    later = (chunks - 1) / chunks  # chunk 0 reads a zero state, so its k_cumdecay/query products save no copy
+    state = hv * la.k_dim * la.v_dim / C  # one [v_heads, k_dim, v_dim] fp32 recurrent state per chunk
+    unpadded = (c * (2 * la.k_heads * la.k_dim + v) * (2 + (la.conv - 1) / seq_len)  # conv1d input, SiLU input
+                + c * hv + 8 * hv  # sigmoid(b); fp32 softplus input and output of the decay g
+                + 2 * (4 * q + 4 * hv)  # l2norm of q and of k: fp32 input, rsqrt
+                + (12 + 2 * c) * v + 4 * hv  # gated RMSNorm: fp32 input, rsqrt, normed, weighted, fp32 z, SiLU(z)
+                + c * v)  # out_proj input
+    padded = (4 * hv + 4 * v + 4 * q  # beta and value (v_beta), normalised key (k_beta)
+              + 4 * hv * C + 2 * c * hv * C  # exp of the pairwise decays [C, C]; k_beta k^T and q k^T products
+              + (8 * q if autocast else 0)  # copies of k_beta, key (twice) and query for those two matmuls
+              + 4 * hv + 4 * q  # exp(cumulative decay), fp32 k_beta (decayed_k_beta)
+              + 4 * hv * C + 4 * v + 4 * q  # triangular solves: the system, new values, k_cumdecay
+              + 8 * hv + 4 * q)  # decays applied to query and key, the scaled query
+    if autocast:  # chunk loop: copies of k_cumdecay, query, key, intra-chunk attention, v_new (twice), state (twice)
+        loop = c * q * (2 * later + 1) + c * hv * C + 2 * c * v + (2 * c + 4) * state
+    else:  # decayed query and key, intra-chunk attention, v_new, state
+        loop = 4 * q * (1 + (chunks > 1)) + 4 * hv * C + 4 * v + 4 * state
+    return unpadded + (padded + loop) * pad
+
+
 def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
-    """Forward attention FLOPs per token of one layer (QK^T and PV over the keys a causal mask leaves)."""
+    """Forward token-mixer FLOPs per token of one layer: attention QK^T and PV over the keys a causal mask leaves;
+    linear attention, per value head and chunk row: k_beta k^T and q k^T (4 C k_dim), the two triangular solves
+    (C (k_dim + v_dim)), the intra-chunk product (2 C v_dim) and three state matmuls (6 k_dim v_dim)."""
+    if layer.linear:
+        la = s.linear_attn
+        return la.v_heads * (5 * la.chunk * la.k_dim + 3 * la.chunk * la.v_dim + 6 * la.k_dim * la.v_dim)
     return 4 * s.heads * s.head_dim * _keys(seq_len, layer.window)
 
 

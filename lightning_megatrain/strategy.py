@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_megatrain.engine import MegaTrainEngine
+from lightning_megatrain.engine.recompute import KeepLayers
 from lightning_megatrain.optim.host_optimizer import CPU_ADAM_MODES, CpuAdamMode, rebind_scheduler, to_host_optimizer
 from lightning_megatrain.precision import MegaTrainPrecision
 
@@ -51,6 +52,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             same-class modules).
         num_slots: device buffers for layer weights, >= 2 (one computes while the next uploads). More slots cost
             one layer of GPU memory each and only help when layer sizes vary. Default 2.
+        keep_layers: decoder layers per training micro-batch whose activations stay on the GPU from forward to
+            backward instead of being recomputed (saves one forward of each). ``"auto"`` (default): the first
+            micro-batch recomputes every layer and measures one layer's activation memory and the step's peak, later
+            micro-batches keep as many layers as fit in 90% of the GPU. An int keeps exactly that many (the first
+            ones); ``0`` recomputes every layer, the least GPU memory (the paper's scheme). On a CPU compute device
+            ``"auto"`` keeps none.
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning),
             ``"deepspeed"`` (fail if it does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
         checkpoint_io: Lightning checkpoint IO plugin.
@@ -70,6 +77,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         accelerator: pl.accelerators.Accelerator | None = None,
         layers: str | None = None,
         num_slots: int = 2,
+        keep_layers: KeepLayers = "auto",
         cpu_adam: CpuAdamMode = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -77,6 +85,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         problems = []
         if not isinstance(num_slots, int) or num_slots < 2:
             problems.append(f"num_slots={num_slots!r}: need an int >= 2 (one slot computes while the next uploads)")
+        valid_keep = keep_layers == "auto" or (type(keep_layers) is int and keep_layers >= 0)
+        if not valid_keep:
+            problems.append(f"keep_layers={keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
         if cpu_adam not in CPU_ADAM_MODES:
             problems.append(f"cpu_adam={cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
         if problems:
@@ -86,6 +97,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         self.layers = layers
         self.num_slots = num_slots
+        self.keep_layers = keep_layers
         self.cpu_adam = cpu_adam
         self.engine: MegaTrainEngine | None = None
         if precision_plugin is not None:
@@ -148,6 +160,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             compute_dtype=precision.compute_dtype,
             layers=self.layers,
             num_slots=self.num_slots,
+            keep_layers=self.keep_layers,
         )
         self.engine.setup(fitting=fitting)
         precision.engine = self.engine

@@ -38,14 +38,24 @@ def _fit_cuda(strategy, module_factory, *, steps=3, precision="32-true", accumul
     return recorder.record, torch.cuda.max_memory_allocated()
 
 
+# keep "auto": the first micro-batch recomputes every layer, later ones keep all graphs (tiny models fit); 0: every
+# layer recomputed in every step; 1: layer 0 kept, the rest recomputed.
 @pytest.mark.parametrize(
-    ("family", "accumulate", "clip"),
-    [("llama_tied", 1, None), ("llama_untied", 2, 1.0), ("gemma2", 1, 1.0), ("mixtral", 1, None), ("gpt_oss", 1, None)],
+    ("family", "accumulate", "clip", "keep"),
+    [
+        ("llama_tied", 1, None, "auto"),
+        ("llama_untied", 2, 1.0, "auto"),
+        ("llama_untied", 2, 1.0, 0),
+        ("gemma2", 1, 1.0, 1),
+        ("mixtral", 1, None, "auto"),
+        ("gpt_oss", 1, None, 0),
+    ],
 )
-def test_cuda_fp32_parity(family, accumulate, clip):
+def test_cuda_fp32_parity(family, accumulate, clip, keep):
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, _ = _fit_cuda("auto", lambda: ParityLM(family), accumulate=accumulate, clip=clip)
-    got, _ = _fit_cuda(MegaTrainStrategy(cpu_adam="torch"), lambda: ParityLM(family), accumulate=accumulate, clip=clip)
+    strategy = MegaTrainStrategy(cpu_adam="torch", keep_layers=keep)
+    got, _ = _fit_cuda(strategy, lambda: ParityLM(family), accumulate=accumulate, clip=clip)
     # CUDA kernels may pick other reduction orders for the host-bound recompute: 1e-4 instead of CPU's 1e-5
     assert_records_close(got, ref, rtol=1e-4)
 
@@ -55,11 +65,34 @@ def test_cuda_masters_pinned_on_host():
         def on_train_start(self, trainer, pl_module):
             for p in pl_module.parameters():
                 assert p.device.type == "cpu" and p.dtype == torch.float32 and p.is_pinned()
-            self.checked = True
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads_pinned = all(p.grad.is_pinned() for p in pl_module.parameters())
 
     check = Check()
-    _fit_cuda(MegaTrainStrategy(), lambda: ParityLM("llama_tied"), steps=1, callbacks=[check])
-    assert check.checked
+    module = ParityLM("llama_tied")
+    _fit_cuda(MegaTrainStrategy(), lambda: module, steps=1, callbacks=[check])
+    assert check.grads_pinned
+    # teardown unregistered the page-locked regions; the parameters still hold their (now pageable) values
+    assert not any(p.is_pinned() for p in module.parameters())
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_auto_policy_keeps_every_layer_of_a_small_model_after_calibrating():
+    class Check(L.Callback):
+        def __init__(self):
+            self.kept = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            streamed = trainer.strategy.engine.streamed
+            self.kept.append((streamed.policy.calibrating, sorted(streamed.kept)))
+
+    check = Check()
+    module = ParityLM("llama_tied")
+    layers = module.model.config.num_hidden_layers
+    _fit_cuda(MegaTrainStrategy(), lambda: module, steps=3, callbacks=[check])
+    assert check.kept[0] == (False, [])  # step 1: calibrated while recomputing every layer
+    assert check.kept[1:] == [(False, list(range(layers)))] * 2
 
 
 def test_cuda_bf16_tracks_plain_bf16():
@@ -83,7 +116,8 @@ def test_gpu_memory_does_not_grow_with_depth():
 
     peaks = {}
     for layers in (4, 8):
-        _, peaks[layers] = _fit_cuda(MegaTrainStrategy(), lambda: Wide(layers), steps=2, precision="bf16-mixed")
+        strategy = MegaTrainStrategy(keep_layers=0)  # recompute every layer: the depth-independent mode
+        _, peaks[layers] = _fit_cuda(strategy, lambda: Wide(layers), steps=2, precision="bf16-mixed")
     plain = {}
     for layers in (4, 8):
         _, plain[layers] = _fit_cuda("auto", lambda: Wide(layers), steps=2, precision="bf16-mixed")

@@ -111,6 +111,36 @@ def test_dropout_replay():
     assert_records_close(megatrain_exact("llama_untied", seed=1), reference("llama_untied", seed=1))
 
 
+# Kept layers (engine/recompute.py) run with grad in forward and skip the recompute: the same numbers. keep_layers=1
+# mixes both paths in one model (layer 0 kept, the rest recomputed); the dropout family checks that a kept layer's
+# masks are the forward's own.
+@pytest.mark.parametrize(
+    ("family", "keep", "accumulate", "seed"),
+    [("llama_tied", 1, 1, 0), ("gemma2", 99, 1, 0), ("mixtral", 1, 2, 0), ("llama_untied", 2, 1, 1)]
+    + ([("qwen3_5", 1, 1, 0)] if "qwen3_5" in FAMILIES else []),
+)
+def test_kept_layers_parity(family, keep, accumulate, seed):
+    strategy = MegaTrainStrategy(cpu_adam="torch", keep_layers=keep)
+    rec = run(strategy, family, accumulate=accumulate, seed=seed)
+    assert_records_close(rec, reference(family, accumulate=accumulate, seed=seed))
+
+
+def test_kept_layers_skip_the_recompute(monkeypatch):
+    from lightning_megatrain.engine import streamed
+
+    calls = []
+    recompute = streamed._recompute
+
+    def counting(ctx, owner, index):
+        calls.append(index)
+        return recompute(ctx, owner, index)
+
+    monkeypatch.setattr(streamed, "_recompute", counting)
+    run(MegaTrainStrategy(cpu_adam="torch", keep_layers=1), "llama_tied", steps=1)
+    layers = FAMILIES["llama_tied"]().num_hidden_layers
+    assert sorted(calls) == list(range(1, layers))  # layer 0 kept its graph; every other layer recomputed once
+
+
 def test_harness_can_fail():
     # Different init seeds must be detected ...
     with pytest.raises(AssertionError):

@@ -57,6 +57,7 @@ def test_lightning_cli_class_path(tmp_path):
                 class_path: lightning_megatrain.MegaTrainStrategy
                 init_args:
                   num_slots: 3
+                  keep_layers: 2
                   cpu_adam: torch
             model:
               family: llama_tied
@@ -66,6 +67,7 @@ def test_lightning_cli_class_path(tmp_path):
     cli = LightningCLI(ParityLM, run=False, args=["--config", str(config)], save_config_callback=None)
     assert isinstance(cli.trainer.strategy, MegaTrainStrategy)
     assert cli.trainer.strategy.num_slots == 3 and cli.trainer.strategy.cpu_adam == "torch"
+    assert cli.trainer.strategy.keep_layers == 2
 
 
 @pytest.mark.parametrize(
@@ -89,8 +91,10 @@ def test_unsupported_precision_is_refused():
 
 
 def test_invalid_arguments_listed_together():
-    with pytest.raises(ValueError, match=r"num_slots=1(.|\n)*cpu_adam='gpu'"):
-        MegaTrainStrategy(num_slots=1, cpu_adam="gpu")
+    with pytest.raises(ValueError, match=r"num_slots=1(.|\n)*keep_layers=-1(.|\n)*cpu_adam='gpu'"):
+        MegaTrainStrategy(num_slots=1, keep_layers=-1, cpu_adam="gpu")
+    with pytest.raises(ValueError, match=r"keep_layers='all'"):
+        MegaTrainStrategy(keep_layers="all")
 
 
 def test_host_residency_after_setup():

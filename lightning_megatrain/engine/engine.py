@@ -11,6 +11,8 @@ from torch import nn
 
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, pack_group
+from lightning_megatrain.engine.pinned import HostRegistry
+from lightning_megatrain.engine.recompute import KeepLayers, RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
@@ -29,6 +31,8 @@ class MegaTrainEngine:
         compute_dtype: dtype layers are streamed and computed in (``bfloat16`` or ``float32``).
         layers: dotted path of the decoder-layer ``nn.ModuleList``; ``None`` discovers it.
         num_slots: device slots for layer weights (>= 2 so the next layer uploads while one computes).
+        keep_layers: layers per micro-batch whose graph stays on the device instead of being recomputed
+            (engine/recompute.py): an int, or ``"auto"`` (as many as fit, calibrated on the first micro-batch).
     """
 
     def __init__(
@@ -38,17 +42,20 @@ class MegaTrainEngine:
         compute_dtype: torch.dtype,
         layers: str | None = None,
         num_slots: int = 2,
+        keep_layers: KeepLayers = "auto",
     ) -> None:
         self.module = module
         self.device = device
         self.compute_dtype = compute_dtype
         self.layers_path = layers
         self.num_slots = num_slots
+        self.keep_layers = keep_layers
         self.groups: list[FlatGroup] = []  # one per layer of the stack
         self.resident_group: FlatGroup | None = None  # the residents' masters (CPU and CUDA backends alike)
         self.streamed: StreamedLayers | None = None
         self.residents: Residents | None = None
         self.transfer: HostTransfer | CudaTransfer | None = None
+        self.registry: HostRegistry | None = None  # page-locked host buffers (CUDA only)
 
     @property
     def on_cuda(self) -> bool:
@@ -82,18 +89,21 @@ class MegaTrainEngine:
             self._check_gpu_memory(max_layer, n_resident)
 
         pin = self.on_cuda
-        self.groups = [pack_group(slots, pin_memory=pin) for slots in layer_slots]
-        resident_group = self.resident_group = pack_group(resident_slots, pin_memory=pin)
+        registry = self.registry = HostRegistry() if pin else None
+        self.groups = [pack_group(slots, registry) for slots in layer_slots]
+        resident_group = self.resident_group = pack_group(resident_slots, registry)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
-        if self.on_cuda:
-            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.num_slots)
-            self.residents = Residents(resident_group, [s for s in resident_slots if not s.is_param], self.device)
+        if registry is not None:
+            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.num_slots, registry)
+            resident_buffers = [s for s in resident_slots if not s.is_param]
+            self.residents = Residents(resident_group, resident_buffers, self.device, registry)
             buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
         else:
             self.transfer = HostTransfer(self.groups, self.compute_dtype)
             buffers = [[] for _ in layer_buffers]
         self._disable_kv_cache()
-        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers)
+        policy = RecomputePolicy(self.keep_layers, self.device, max_layer * self.compute_dtype.itemsize)
+        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers, policy)
         self.streamed.install(self.device.type)
         log.info(
             "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
@@ -195,4 +205,7 @@ class MegaTrainEngine:
             self.streamed.uninstall()
         if self.transfer is not None:
             self.transfer.close()
-        self.transfer = self.residents = self.streamed = None
+        if self.registry is not None:
+            torch.cuda.synchronize(self.device)  # no copy may still touch a region being unregistered
+            self.registry.release()
+        self.transfer = self.residents = self.streamed = self.registry = None

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_megatrain.engine.discovery import TensorSlot
+from lightning_megatrain.engine.pinned import PAGE, HostRegistry, round_up
 
 
 @dataclass
@@ -104,10 +105,12 @@ def _flat_norm_sq(x: Tensor) -> Tensor:
     return head + x[cut:].square().sum()
 
 
-def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:
+def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None) -> FlatGroup:
     """Move the parameters named by ``slots`` into one flat fp32 host buffer (their ``.data`` become views).
 
-    Parameters are copied one at a time so host memory peaks at the model plus one group, never twice the model.
+    With a ``registry`` (CUDA compute) both flat buffers are page-locked at their exact size (engine/pinned.py), so the
+    H2D stream reads the masters and the D2H stream writes the grads at full PCIe speed. Parameters are copied one
+    at a time so host memory peaks at the model plus one group, never twice the model.
     """
     params: list[nn.Parameter] = []
     index_of: dict[int, int] = {}
@@ -124,13 +127,19 @@ def pack_group(slots: list[TensorSlot], pin_memory: bool) -> FlatGroup:
     for p in params:
         offsets.append(total)
         total += p.numel()
-    master = torch.empty(total, dtype=torch.float32, pin_memory=pin_memory)
-    for p, offset in zip(params, offsets):
-        view = master[offset : offset + p.numel()].view(p.shape)
-        view.copy_(p.detach())
+
+    def copy_params(flat: Tensor) -> None:
+        for p, offset in zip(params, offsets):
+            flat[offset : offset + p.numel()].view(p.shape).copy_(p.detach())
+
+    if registry is None:
+        master, grad = torch.empty(total, dtype=torch.float32), torch.empty(total, dtype=torch.float32)
+        copy_params(master)
+    else:
+        master = registry.empty(total, torch.float32, init=copy_params)
+        grad = registry.empty(total, torch.float32)
+    for p, view in zip(params, [master[o : o + p.numel()].view(p.shape) for p, o in zip(params, offsets)]):
         p.data = view  # the original storage is freed here unless the user holds another reference
-    # pinned too: when a layer's grads arrive and ``p.grad`` is None, the D2H stream writes straight into it
-    grad = torch.empty(total, dtype=torch.float32, pin_memory=pin_memory)
     return FlatGroup(params=params, offsets=offsets, master=master, grad=grad, slot_index=slot_index)
 
 
@@ -151,22 +160,13 @@ def available_host_bytes() -> int | None:
     return meminfo_bytes("MemAvailable")
 
 
-def pinned_block_bytes(nbytes: int) -> int:
-    """Bytes a pinned host allocation of ``nbytes`` really takes.
-
-    torch's caching host allocator rounds pinned blocks up to a power of two (measured on the H200, torch 2.11: a
-    384 MiB request took a 512 MiB block; benchmarks/results/planner_gpu_check_2026-11-29.json).
-    """
-    return 1 << max(nbytes - 1, 0).bit_length()
-
-
 def check_host_memory(group_numels: list[int], fitting: bool, pinned: bool, slab_bytes: int = 0) -> None:
     """Refuse to start when host RAM cannot hold the masters, grads, optimizer states and grad slabs.
 
     Args:
         group_numels: parameters per flat group (each layer, and the residents).
         fitting: Adam states (8 bytes/param) will be allocated.
-        pinned: the flat buffers are pinned (CUDA), so each block is rounded up to a power of two.
+        pinned: the flat buffers are page-locked (CUDA): exact sizes rounded to pages (engine/pinned.py).
         slab_bytes: bytes of each of the 3 pinned grad slabs (CUDA).
 
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
@@ -175,9 +175,9 @@ def check_host_memory(group_numels: list[int], fitting: bool, pinned: bool, slab
         RuntimeError: the estimate exceeds ``MemAvailable`` (set ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` to override).
     """
     n_params = sum(group_numels)
-    block = pinned_block_bytes if pinned else (lambda nbytes: nbytes)
+    block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
     flats = sum(2 * block(4 * n) for n in group_numels)  # fp32 master + fp32 grad per group
-    need = flats + (8 * n_params if fitting else 0) + (3 * block(slab_bytes) if slab_bytes else 0) - 4 * n_params
+    need = flats + (8 * n_params if fitting else 0) + 3 * block(slab_bytes) - 4 * n_params
     available = available_host_bytes()
     if available is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return

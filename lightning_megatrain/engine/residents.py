@@ -18,19 +18,22 @@ from torch import Tensor
 
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.streamed import bind
 
 
 class Residents:
     """GPU compute copies of the residents (see module docstring)."""
 
-    def __init__(self, group: FlatGroup, buffer_slots: list[TensorSlot], device: torch.device) -> None:
+    def __init__(
+        self, group: FlatGroup, buffer_slots: list[TensorSlot], device: torch.device, registry: HostRegistry
+    ) -> None:
         self.group = group
         self.buffer_slots = buffer_slots
         self.device = device
         self._copies: list[Tensor] | None = None  # one fp32 device leaf per unique parameter, or None when stale
         self._buffers = [(slot, slot.get().to(device)) for slot in buffer_slots]
-        self._grad_staging = torch.empty(group.numel, dtype=torch.float32, pin_memory=True) if group.numel else None
+        self._grad_staging = registry.empty(group.numel, torch.float32) if group.numel else None
 
     def _upload(self) -> list[Tensor]:
         flat = self.group.master.to(self.device, non_blocking=True)  # [numel] fp32, from pinned host memory

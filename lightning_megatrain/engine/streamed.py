@@ -7,8 +7,10 @@ Forward (training): acquire layer i's weights from its slot, prefetch i+1, run t
 host memory on CUDA, see [Note: activation offload] in transfer.py), masks and rotary tables shared by all layers
 are saved as they are. No graph of the layer's internals exists after forward.
 Backward: acquire layer i again (usually still in a slot from forward or prefetched by layer i+1's backward),
-prefetch i-1 and its stashed input, re-run the layer with grad under the saved RNG/autocast state, ``torch.autograd.grad`` w.r.t. the
-inputs and one leaf per weight, drain the weight grads to the host and return the input grads. Plain
+prefetch i-1 and its stashed input, re-run the layer with grad under the saved RNG/autocast state,
+``torch.autograd.grad`` w.r.t. the inputs and one leaf per weight, drain the weight grads to the host and return the
+input grads. A layer the recompute policy *keeps* (engine/recompute.py, [Note: keep or recompute]) instead runs with
+grad in forward on a private copy of its weights and keeps its graph; its backward is the ``autograd.grad`` alone. Plain
 ``loss.backward()`` therefore walks the layers in reverse and Lightning's loops, the user's loss and manual
 optimization stay untouched. Without grad (validation, predict) the layer simply runs on bound weights.
 """
@@ -25,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.engine.recompute import RecomputePolicy
 
 # Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
 _TENSOR = object()
@@ -49,15 +52,26 @@ def bind(bindings: list[tuple[TensorSlot, Tensor]]) -> Iterator[None]:
 class StreamedLayers:
     """Runs the layers of one stack through the transfer backend; installed as each layer's ``forward``."""
 
-    def __init__(self, stack: nn.ModuleList, groups: list[FlatGroup], transfer: Any, buffers: list[list]) -> None:
+    def __init__(
+        self,
+        stack: nn.ModuleList,
+        groups: list[FlatGroup],
+        transfer: Any,
+        buffers: list[list],
+        policy: RecomputePolicy,
+    ) -> None:
         self.stack = stack
         self.groups = groups
         self.transfer = transfer
         self.buffers = buffers  # per layer: [(TensorSlot, device tensor)] for the layer's buffers
+        self.policy = policy
         self.device_type = "cpu"
         # Latest stashed inputs per layer, so layer i's backward can prefetch layer i-1's input (a hint only: the
         # authoritative handle lives on each autograd node).
         self.stashed: dict[int, list] = {}
+        # Layers of the current micro-batch that kept their graph, so backward does not prefetch their weights or
+        # inputs (a hint, like ``stashed``).
+        self.kept: set[int] = set()
 
     def install(self, device_type: str) -> None:
         self.device_type = device_type
@@ -123,83 +137,141 @@ class StreamedLayerFunction(torch.autograd.Function):
     def forward(ctx, owner: StreamedLayers, index: int, spec, out_box: list, anchor: Tensor, *leaves: Any):
         transfer = owner.transfer
         ctx.owner, ctx.index, ctx.spec = owner, index, spec
-        ctx.rng = _capture_rng(owner.device_type)
-        ctx.autocast = (
-            torch.is_autocast_enabled(owner.device_type),
-            torch.get_autocast_dtype(owner.device_type),
-        )
-        # Inputs on the activation path (they require grad) are stashed (offloaded on CUDA, see
-        # [Note: activation offload]); the rest (masks, rotary tables) are shared by all layers and saved as is.
+        # Inputs on the activation path (they require grad) are the ones backward differentiates: stashed
+        # (offloaded on CUDA, see [Note: activation offload]) for a recompute, or kept in the graph. The rest (masks,
+        # rotary tables) are shared by all layers and saved as they are.
         tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
         ctx.stashed_positions = [i for i in tensor_positions if leaves[i].requires_grad]
         ctx.saved_positions = [i for i in tensor_positions if not leaves[i].requires_grad]
-        ctx.other_leaves = [None if isinstance(x, Tensor) else x for x in leaves]
-        ctx.save_for_backward(*(leaves[i] for i in ctx.saved_positions))
-        ctx.stashed = [transfer.stash(leaves[i].detach()) for i in ctx.stashed_positions]
+        input_bytes = sum(leaves[i].numel() * leaves[i].element_size() for i in ctx.stashed_positions)
+        if index == 0:
+            owner.policy.start_forward()
+            owner.kept.clear()
+        ctx.kept = None
+        ctx.stashed = []
+        if owner.policy.keep(input_bytes):
+            output = _forward_kept(ctx, owner, index, leaves)
+        else:
+            output = _forward_recomputable(ctx, owner, index, leaves)
         owner.stashed[index] = ctx.stashed
-
-        flat = transfer.acquire(index)
-        transfer.prefetch(index + 1)
-        with torch.profiler.record_function(f"megatrain::forward_layer_{index}"):
-            args, kwargs = pytree.tree_unflatten(list(leaves), spec)
-            output = owner.run_layer(index, owner.groups[index].views(flat), args, kwargs)
-        transfer.release(index)
 
         out_leaves, out_spec = pytree.tree_flatten(output)
         out_box.extend([out_spec, [_TENSOR if isinstance(x, Tensor) else x for x in out_leaves]])
-        return tuple(x for x in out_leaves if isinstance(x, Tensor))
+        # kept: detached aliases, the graph's own outputs stay in ctx.kept for backward
+        return tuple(x.detach() for x in out_leaves if isinstance(x, Tensor))
 
     @staticmethod
     def backward(ctx, *grad_outputs: Tensor):
         owner, index = ctx.owner, ctx.index
-        transfer = owner.transfer
-        group = owner.groups[index]
-
-        leaves = list(ctx.other_leaves)
-        for pos, saved in zip(ctx.saved_positions, ctx.saved_tensors):
-            leaves[pos] = saved
-        inputs_needing_grad: list[tuple[int, Tensor]] = []
-        for pos, stashed in zip(ctx.stashed_positions, ctx.stashed):
-            x = transfer.unstash(stashed)
-            if ctx.needs_input_grad[5 + pos]:  # forward's first five arguments are not leaves
-                x.requires_grad_(True)
-                inputs_needing_grad.append((pos, x))
-            leaves[pos] = x
-        ctx.stashed = None
-        if owner.stashed.get(index) is not None:
-            del owner.stashed[index]
-
-        flat = transfer.acquire(index)
-        transfer.prefetch(index - 1)
-        for stashed in owner.stashed.get(index - 1, ()):
-            transfer.prefetch_stash(stashed)
-        trainable = [p.requires_grad for p in group.params]
-        weights = [w.detach().requires_grad_(t) for w, t in zip(group.views(flat), trainable)]
-        cpu_rng, device_rng = ctx.rng
-        enabled, dtype = ctx.autocast
-        with (
-            torch.profiler.record_function(f"megatrain::recompute_layer_{index}"),
-            torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_rng is not None else []),
-            torch.enable_grad(),
-            torch.autocast(owner.device_type, dtype=dtype, enabled=enabled),
-        ):
-            torch.set_rng_state(cpu_rng)
-            if device_rng is not None:
-                torch.cuda.set_rng_state(device_rng)
-            args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
-            output = owner.run_layer(index, weights, args, kwargs)
-            outs = [x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)]
-            pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
-            wrt = [x for _, x in inputs_needing_grad] + [w for w in weights if w.requires_grad]
-            grads = torch.autograd.grad(
-                [o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs], allow_unused=True
-            )
+        kept = ctx.kept is not None
+        if kept:
+            outs, inputs, weights = ctx.kept
+            ctx.kept = None
+            inputs_needing_grad = [(pos, x) for pos, x in inputs if ctx.needs_input_grad[5 + pos]]
+        else:
+            outs, inputs_needing_grad, weights = _recompute(ctx, owner, index)
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+        wrt = [x for _, x in inputs_needing_grad] + [w for w in weights if w.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs], allow_unused=True)
         input_grads = grads[: len(inputs_needing_grad)]
         weight_grads = iter(grads[len(inputs_needing_grad) :])
-        transfer.drain(index, [next(weight_grads) if t else None for t in trainable])
-        transfer.release(index)
+        owner.transfer.drain(index, [next(weight_grads) if w.requires_grad else None for w in weights])
+        if not kept:  # a kept layer released its slot in forward
+            owner.transfer.release(index)
+        if index == 0:
+            owner.policy.end_backward()
 
-        result: list[Tensor | None] = [None] * (5 + len(leaves))
+        result: list[Tensor | None] = [None] * (5 + len(ctx.other_leaves))
         for (pos, _), g in zip(inputs_needing_grad, input_grads):
             result[5 + pos] = g
         return tuple(result)
+
+
+def _weight_leaves(group: FlatGroup, flat: Tensor) -> list[Tensor]:
+    """Per-parameter leaves over a 1D compute-dtype weight buffer; frozen parameters stay frozen."""
+    return [w.detach().requires_grad_(p.requires_grad) for w, p in zip(group.views(flat), group.params)]
+
+
+def _forward_kept(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> Any:
+    """Run layer ``index`` with grad and keep its graph for backward (see [Note: keep or recompute])."""
+    transfer = owner.transfer
+    flat = transfer.acquire(index)
+    transfer.prefetch(index + 1)
+    weights = _weight_leaves(owner.groups[index], flat.clone())  # private copy: the slot is refilled after release
+    transfer.release(index)
+    leaves = list(leaves)
+    inputs = []
+    for pos in ctx.stashed_positions:
+        leaves[pos] = leaves[pos].detach().requires_grad_(True)
+        inputs.append((pos, leaves[pos]))
+    ctx.other_leaves = leaves  # only its length is used in backward
+    with torch.profiler.record_function(f"megatrain::forward_layer_{index}_kept"), torch.enable_grad():
+        args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
+        output = owner.run_layer(index, weights, args, kwargs)
+    ctx.kept = ([x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)], inputs, weights)
+    owner.kept.add(index)
+    return output
+
+
+def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> Any:
+    """Run layer ``index`` without a graph; keep only what a recompute needs (see [Note: streamed layer])."""
+    transfer = owner.transfer
+    ctx.rng = _capture_rng(owner.device_type)
+    ctx.autocast = (torch.is_autocast_enabled(owner.device_type), torch.get_autocast_dtype(owner.device_type))
+    ctx.other_leaves = [None if isinstance(x, Tensor) else x for x in leaves]
+    ctx.save_for_backward(*(leaves[i] for i in ctx.saved_positions))
+    ctx.stashed = [transfer.stash(leaves[i].detach()) for i in ctx.stashed_positions]
+    flat = transfer.acquire(index)
+    transfer.prefetch(index + 1)
+    with torch.profiler.record_function(f"megatrain::forward_layer_{index}"):
+        args, kwargs = pytree.tree_unflatten(list(leaves), ctx.spec)
+        output = owner.run_layer(index, owner.groups[index].views(flat), args, kwargs)
+    transfer.release(index)
+    return output
+
+
+def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], list[tuple[int, Tensor]], list[Tensor]]:
+    """Re-run layer ``index`` with grad under its forward's RNG and autocast state: (outputs, inputs, weights).
+
+    The caller owns the layer's slot until it releases it after the gradients are computed.
+    """
+    transfer = owner.transfer
+    leaves = list(ctx.other_leaves)
+    for pos, saved in zip(ctx.saved_positions, ctx.saved_tensors):
+        leaves[pos] = saved
+    inputs_needing_grad: list[tuple[int, Tensor]] = []
+    for pos, stashed in zip(ctx.stashed_positions, ctx.stashed):
+        x = transfer.unstash(stashed)
+        if ctx.needs_input_grad[5 + pos]:  # forward's first five arguments are not leaves
+            x.requires_grad_(True)
+            inputs_needing_grad.append((pos, x))
+        leaves[pos] = x
+    ctx.stashed = None
+    if owner.stashed.get(index) is not None:
+        del owner.stashed[index]
+
+    flat = transfer.acquire(index)
+    if index - 1 not in owner.kept:  # a kept layer needs neither weights nor input in backward
+        transfer.prefetch(index - 1)
+        for stashed in owner.stashed.get(index - 1, ()):
+            transfer.prefetch_stash(stashed)
+    weights = _weight_leaves(owner.groups[index], flat)
+    policy = owner.policy
+    input_bytes = sum(leaves[pos].numel() * leaves[pos].element_size() for pos in ctx.stashed_positions)
+    before = torch.cuda.memory_allocated(transfer.device) if policy.calibrating else 0
+    cpu_rng, device_rng = ctx.rng
+    enabled, dtype = ctx.autocast
+    with (
+        torch.profiler.record_function(f"megatrain::recompute_layer_{index}"),
+        torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_rng is not None else []),
+        torch.enable_grad(),
+        torch.autocast(owner.device_type, dtype=dtype, enabled=enabled),
+    ):
+        torch.set_rng_state(cpu_rng)
+        if device_rng is not None:
+            torch.cuda.set_rng_state(device_rng)
+        args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
+        output = owner.run_layer(index, weights, args, kwargs)
+    if policy.calibrating:
+        policy.measure_recompute(torch.cuda.memory_allocated(transfer.device) - before, input_bytes)
+    return [x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)], inputs_needing_grad, weights

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.engine.pinned import HostRegistry
 
 
 class HostTransfer:
@@ -126,7 +127,12 @@ class CudaTransfer:
     """GPU backend: S slots fed by an H2D stream, grads returned on a D2H stream into pinned slabs."""
 
     def __init__(
-        self, groups: list[FlatGroup], device: torch.device, compute_dtype: torch.dtype, num_slots: int
+        self,
+        groups: list[FlatGroup],
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        num_slots: int,
+        registry: HostRegistry,
     ) -> None:
         self.groups = groups
         self.device = device
@@ -146,7 +152,7 @@ class CudaTransfer:
         # Slabs let the D2H of layer i overlap the host accumulation of earlier layers; three absorb jitter.
         self._free_slabs: queue.Queue[Tensor] = queue.Queue()
         for _ in range(3):
-            self._free_slabs.put(torch.empty(max_numel, dtype=compute_dtype, pin_memory=True))
+            self._free_slabs.put(registry.empty(max_numel, compute_dtype))
         self._pending: queue.Queue[_Drain | None] = queue.Queue()
         self._in_flight: dict[int, int] = {}  # layer index -> drains queued and not yet accumulated
         self._lock = threading.Lock()  # guards _in_flight between the training and the worker thread

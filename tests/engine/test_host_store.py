@@ -13,7 +13,7 @@ from lightning_megatrain.engine.host_store import pack_group
 def _group(*shapes):
     module = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in shapes)
     values = [p.detach().clone() for p in module]
-    return pack_group(tensor_slots(module), pin_memory=False), values
+    return pack_group(tensor_slots(module)), values
 
 
 def test_pack_keeps_values_and_makes_views():
@@ -52,15 +52,66 @@ def test_norm_skips_parameters_without_grad():
     torch.testing.assert_close(group.grad_norm_sq(), g.square().sum())
 
 
-def test_pinned_block_rounding_and_host_check(monkeypatch):
+def test_host_check_counts_page_locked_buffers_at_their_size(monkeypatch):
     from lightning_megatrain.engine import host_store
 
-    assert host_store.pinned_block_bytes(402_653_184) == 536_870_912  # the H200 measurement
-    assert host_store.pinned_block_bytes(1 << 20) == 1 << 20
     gib = 1024**3
-    # 1.5 GiB of fp32 per group: 2 groups x (master + grad) = 6 GiB pageable, 8 GiB once rounded to 2 GiB blocks
+    # 1.5 GiB of fp32 per group: 2 groups x (master + grad) = 6 GiB, minus the 3 GiB model already loaded
     numels = [(3 * gib // 2) // 4] * 2
     monkeypatch.setattr(host_store, "available_host_bytes", lambda: 4 * gib)
-    host_store.check_host_memory(numels, fitting=False, pinned=False)  # needs 6 - 3 = 3 GiB
-    with pytest.raises(RuntimeError, match=r"needs about 5.0 GiB more host RAM(.|\n)*pinned"):
-        host_store.check_host_memory(numels, fitting=False, pinned=True)
+    host_store.check_host_memory(numels, fitting=False, pinned=True)  # 3 GiB + a few pages: no power-of-two blocks
+    with pytest.raises(RuntimeError, match=r"needs about 9.0 GiB more host RAM(.|\n)*pinned(.|\n)*Adam"):
+        host_store.check_host_memory(numels, fitting=True, pinned=True)  # + 8 bytes/param of Adam moments: 6 + 6 - 3
+
+
+class _FakeCudart:
+    """Records cudaHostRegister/Unregister calls (no CUDA on the test machine)."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        assert ptr not in self.registered
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        del self.registered[ptr]
+        return 0
+
+
+def test_registry_page_locks_whole_pages_of_exact_size(monkeypatch):
+    from lightning_megatrain.engine.pinned import PAGE, HostRegistry
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    registry = HostRegistry()
+    values = torch.arange(1000, dtype=torch.float32)
+    a = registry.empty(1000, torch.float32, init=lambda t: t.copy_(values))
+    b = registry.empty(3, torch.bfloat16)
+    torch.testing.assert_close(a, values)
+    assert b.dtype == torch.bfloat16 and b.shape == (3,) and not b.any()  # zero-filled by default
+    spans = sorted(cudart.registered.items())
+    assert [ptr % PAGE for ptr, _ in spans] == [0, 0]
+    assert sorted(size for _, size in spans) == [PAGE, PAGE]  # 4000 and 6 bytes: one page each, not 2^k blocks
+    assert {a.data_ptr(), b.data_ptr()} == set(cudart.registered)
+    # regions never share a page, so each registration is independent
+    (p0, s0), (p1, _) = spans
+    assert p0 + s0 <= p1
+    registry.release()
+    assert cudart.registered == {}
+    torch.testing.assert_close(a, values)  # the memory stays valid (pageable) for the parameters viewing it
+
+
+def test_pack_group_with_registry_makes_parameters_views_of_locked_masters(monkeypatch):
+    from lightning_megatrain.engine.pinned import HostRegistry
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    expected = [p.detach().clone() for p in module.parameters()]
+    group = pack_group(tensor_slots(module), HostRegistry())
+    assert set(cudart.registered) == {group.master.data_ptr(), group.grad.data_ptr()}
+    for p, want in zip(module.parameters(), expected):
+        torch.testing.assert_close(p.detach(), want)
+        assert group.master.data_ptr() <= p.data_ptr() < group.master.data_ptr() + 4 * group.numel

@@ -1,0 +1,94 @@
+"""Which layers keep their activations on the device from forward to backward, and which are recomputed.
+
+[Note: keep or recompute]
+Recomputing a layer in backward costs one more forward of it (backward becomes ~3x forward instead of 2x). With the
+weights off the GPU most of its memory is free, so the engine keeps the full autograd graph of the *first* ``k``
+layers of each training micro-batch (plus a private copy of their compute-dtype weights: the slot is refilled) and
+recomputes only the rest. ``k`` is:
+
+- an ``int``: exactly that many (``0`` recomputes every layer: the least GPU memory, the paper's scheme);
+- ``"auto"`` on CUDA: the first training micro-batch runs with ``k = 0`` and calibrates from the allocator's own
+  counters (host-side bookkeeping, no device sync): ``A``, the bytes one layer's graph holds (measured around a
+  recompute, which builds exactly the graph a kept layer keeps), per byte of the layer's input, and ``P``, the peak
+  allocated bytes of that micro-batch. A kept layer then costs ``(A/x1 + 1) * x + W`` (``x`` its input bytes, kept
+  too; ``W`` its weights in the compute dtype) on top of a peak that scales at most with the tokens, so later
+  micro-batches keep ``k = (budget - P * max(1, x/x1)) // ((A/x1 + 1) * x + W)`` layers, ``budget`` being
+  :data:`DEVICE_FRACTION` of the device. On a CPU compute device ``"auto"`` keeps none.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KeepLayers = int | Literal["auto"]
+
+# Share of the device's memory the auto policy plans to fill: the rest absorbs allocator fragmentation and kernels'
+# workspaces that the allocated-bytes counters do not see.
+DEVICE_FRACTION = 0.9
+
+
+class RecomputePolicy:
+    """Decides per layer forward whether to keep its graph (see [Note: keep or recompute])."""
+
+    def __init__(self, keep_layers: KeepLayers, device: torch.device, layer_weight_bytes: int) -> None:
+        self.fixed = keep_layers if isinstance(keep_layers, int) else None
+        self.device = device
+        self.weight_bytes = layer_weight_bytes  # W: the largest layer's weights in the compute dtype
+        self.calibrating = self.fixed is None and device.type == "cuda"
+        self._peak_before = 0
+        self.graph_bytes_per_input_byte: float | None = None  # A / x1, set when calibration ends
+        self.peak_bytes = 0  # P
+        self.input_bytes = 0  # x1
+        self._ratio = 0.0  # largest A / x measured so far
+        self._kept = 0  # kept so far in the current micro-batch's forward
+
+    def start_forward(self) -> None:
+        """The first layer of a training micro-batch's forward is about to run."""
+        self._kept = 0
+        if self.calibrating and self.graph_bytes_per_input_byte is None:
+            self._peak_before = torch.cuda.max_memory_allocated(self.device)
+
+    def keep(self, input_bytes: int) -> bool:
+        """Whether the next layer (input of ``input_bytes`` on the activation path) keeps its graph."""
+        if self._kept < self.limit(input_bytes):
+            self._kept += 1
+            return True
+        return False
+
+    def limit(self, input_bytes: int) -> int:
+        """Layers to keep in a micro-batch whose layer inputs are ``input_bytes`` each."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.graph_bytes_per_input_byte is None:
+            return 0  # CPU, or CUDA before calibration
+        budget = DEVICE_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
+        scale = max(1.0, input_bytes / self.input_bytes)
+        # the graph, the input it saves (not offloaded when kept) and the private weight copy
+        per_layer = (self.graph_bytes_per_input_byte + 1) * input_bytes + self.weight_bytes
+        return max(0, int((budget - self.peak_bytes * scale) // per_layer))
+
+    def measure_recompute(self, graph_bytes: int, input_bytes: int) -> None:
+        """A recompute of a layer with ``input_bytes`` of input held ``graph_bytes`` (calibration only)."""
+        if self.calibrating and input_bytes:
+            self.input_bytes = max(self.input_bytes, input_bytes)
+            self._ratio = max(self._ratio, graph_bytes / input_bytes)
+
+    def end_backward(self) -> None:
+        """The first layer's backward finished: the micro-batch's peak is known; calibration ends."""
+        if not self.calibrating or not self.input_bytes:
+            return
+        self.peak_bytes = max(torch.cuda.max_memory_allocated(self.device), self._peak_before)
+        self.graph_bytes_per_input_byte = self._ratio
+        self.calibrating = False
+        log.info(
+            "MegaTrain: a layer's graph holds %.2f GiB at this micro-batch size, the recompute-all peak is %.1f GiB: "
+            "keeping the graphs of %d layers per micro-batch from the next one on, recomputing the rest",
+            self._ratio * self.input_bytes / 2**30,
+            self.peak_bytes / 2**30,
+            self.limit(self.input_bytes),
+        )

@@ -1,0 +1,67 @@
+"""The auto keep/recompute policy's arithmetic, with the CUDA allocator counters mocked (no GPU here)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from lightning_megatrain.engine.recompute import DEVICE_FRACTION, RecomputePolicy
+
+GIB = 1024**3
+
+
+def _cuda_counters(peak: list[int], total: int = 100 * GIB):
+    return (
+        mock.patch.object(torch.cuda, "max_memory_allocated", lambda device=None: peak[0]),
+        mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=total)),
+    )
+
+
+def test_fixed_count_keeps_the_first_layers_of_every_micro_batch():
+    policy = RecomputePolicy(2, torch.device("cpu"), layer_weight_bytes=0)
+    for _ in range(2):  # two micro-batches
+        policy.start_forward()
+        assert [policy.keep(1) for _ in range(4)] == [True, True, False, False]
+
+
+def test_auto_keeps_none_on_cpu():
+    policy = RecomputePolicy("auto", torch.device("cpu"), layer_weight_bytes=0)
+    policy.start_forward()
+    assert not policy.calibrating and not any(policy.keep(1) for _ in range(4))
+
+
+def test_auto_calibrates_on_the_first_micro_batch_then_fills_the_budget():
+    peak = [10 * GIB]
+    patches = _cuda_counters(peak)
+    with patches[0], patches[1]:
+        policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB // 2)
+        x = GIB // 4  # each layer's input
+        policy.start_forward()
+        assert not any(policy.keep(x) for _ in range(8))  # first micro-batch: recompute everything
+        peak[0] = 30 * GIB  # this micro-batch's peak
+        for _ in range(8):
+            policy.measure_recompute(graph_bytes=2 * GIB, input_bytes=x)  # A = 2 GiB: 8 bytes per input byte
+        policy.end_backward()
+        assert not policy.calibrating
+        budget = DEVICE_FRACTION * 100 * GIB
+        per_layer = (8 + 1) * x + GIB // 2  # graph + kept input + private weights = 2.75 GiB
+        want = int((budget - 30 * GIB) // per_layer)
+        assert want == 21
+        policy.start_forward()
+        assert sum(policy.keep(x) for _ in range(40)) == want
+        # twice the tokens: the peak scales up and each kept layer costs twice the activations
+        assert policy.limit(2 * x) == int((budget - 60 * GIB) // ((8 + 1) * 2 * x + GIB // 2))
+        assert policy.limit(2 * x) < want
+
+
+def test_auto_never_plans_past_the_device():
+    peak = [95 * GIB]
+    patches = _cuda_counters(peak)
+    with patches[0], patches[1]:
+        policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
+        policy.start_forward()
+        policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)
+        policy.end_backward()
+        assert policy.limit(GIB) == 0  # 95 GiB peak already above 90% of 100 GiB: recompute everything
