@@ -1,8 +1,12 @@
 """Throughput of `Trainer(strategy="megatrain")` against the peers a Lightning user would pick, on one GPU.
 
 Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a row with "error"):
-  megatrain                MegaTrainStrategy, bf16-mixed, AdamW (mapped to DeepSpeedCPUAdam on the host), clip 1.0;
-                           every layer is recomputed in backward by design.
+  megatrain                MegaTrainStrategy() defaults, bf16-mixed, AdamW (mapped to DeepSpeedCPUAdam on the host),
+                           clip 1.0; keep_layers="auto": the graphs of the layers that fit stay on the GPU, the rest
+                           are recomputed in backward (all are on the first, calibrating, micro-batch).
+  megatrain_overlap        the same with overlap_optimizer=True: step N's host Adam (and the clip scaling) runs layer
+                           by layer on a worker thread while step N+1's forward starts (engine/overlap.py).
+  megatrain_recompute_all  keep_layers=0: every layer recomputed (the paper's scheme; the engine before this option).
   plain                    Lightning strategy "auto" on the GPU: fp32 params, bf16-mixed autocast, torch AdamW
                            fused on the GPU, clip 1.0 (by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping:
                            Lightning's MixedPrecision refuses gradient_clip_val with a fused optimizer), HF
@@ -92,7 +96,8 @@ from statistics import median
 GIB = 1024**3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAK_FLOPS = 989e12  # dense bf16 tensor-core peak of one H100/H200 SXM (NVIDIA data sheet), as in BENCHMARKS.md
-SYSTEMS = ("megatrain", "plain", "deepspeed_zero3_offload", "fsdp_cpu_offload")
+DEFAULT_SYSTEMS = ("megatrain", "plain", "deepspeed_zero3_offload", "fsdp_cpu_offload")  # one device call per part
+SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_recompute_all")
 PARTS = {"32k": (32768, "hf"), "64k": (65536, "hf"), "32k-chunked": (32768, "chunked"),
          "64k-chunked": (65536, "chunked")}
 ROW_KEYS = ("system", "model", "micro_batch", "seq_len", "tokens_per_step", "tokens_per_s", "mfu", "peak_gpu_gib",
@@ -142,7 +147,9 @@ MODELS = {
 # build 40 s on the CPU, ~5 s drawn on the GPU) and BENCHMARKS.md (full-recompute ceiling 18.6K tokens/s, CPU Adam
 # 3.6 Gparam/s, pinning 1.5 GiB/s, ZeRO-3 ~12.9K tokens/s at 64K tokens/step).
 _EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
-    "megatrain": (55.0, 1.5, 2.6),
+    "megatrain": (55.0, 1.0, 2.0),
+    "megatrain_overlap": (55.0, 0.4, 2.0),
+    "megatrain_recompute_all": (55.0, 1.0, 2.6),
     "plain": (20.0, 0.05, 2.15),
     "deepspeed_zero3_offload": (80.0, 2.0, 2.2),
     "fsdp_cpu_offload": (35.0, 1.5, 2.6),
@@ -322,10 +329,14 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
     """(strategy, gradient_clip_val, optimizer, activation checkpointing, notes) of one system."""
     import torch
 
-    if system == "megatrain":
+    if system.startswith("megatrain"):
         from lightning_megatrain import MegaTrainStrategy
 
-        return MegaTrainStrategy(), 1.0, "adamw", "megatrain layer recompute (built in)", []
+        if system == "megatrain_recompute_all":
+            return MegaTrainStrategy(keep_layers=0), 1.0, "adamw", "megatrain: every layer recomputed", []
+        overlap = system == "megatrain_overlap"
+        return (MegaTrainStrategy(overlap_optimizer=overlap), 1.0, "adamw",
+                "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", [])
     if system == "plain":
         notes = [("clipped by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping: Lightning's "
                   "MixedPrecision refuses gradient_clip_val with a fused optimizer")]
@@ -600,7 +611,7 @@ def run_all(args) -> None:
     jit_pending = not args.dry_run and not _cpu_adam_cached()
     queue = []
     for r in runs:
-        uses_cpu_adam = r["system"] in ("megatrain", "deepspeed_zero3_offload")
+        uses_cpu_adam = r["system"].startswith("megatrain") or r["system"] == "deepspeed_zero3_offload"
         queue.append((r, estimate_s(r, params[r["model"]], jit_pending and uses_cpu_adam)))
         jit_pending = jit_pending and not uses_cpu_adam
     print(f"device: {device}; out: {out_dir}; --budget-s {args.budget_s:.0f}; plan, estimated seconds:", flush=True)
@@ -760,7 +771,8 @@ def main() -> None:
     parser.add_argument("--out", help="results folder (default benchmarks/results; a new temp folder with --dry-run)")
     parser.add_argument("--parts", default="32k", help=f"comma list of {list(PARTS)} (default 32k: one device call)")
     parser.add_argument("--models", help=f"comma list of {list(MODELS)} (default llama-3.2-3b; tiny-llama if dry)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list (default: all four)")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma list of {list(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
     parser.add_argument("--seq-len", type=int, help="default 1024 (64 with --dry-run)")
     parser.add_argument("--micro-batch", type=int, help="override the per-model micro-batch choice")
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of this call (default 9 min)")

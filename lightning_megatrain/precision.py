@@ -66,15 +66,30 @@ class MegaTrainPrecision(Precision):
         return closure_result
 
     @override
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        # The engine clips the flat host grad buffers in two vectorized passes; torch's per-tensor path otherwise.
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
+        # The backward's drains write the host grads that an overlapped optimizer step may still be reading.
         assert self.engine is not None
-        if not self.engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val)):
+        self.engine.wait_for_optimizer()
+        return super().pre_backward(tensor, module)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        # The engine clips the flat host grad buffers (norms from the device); torch's per-tensor path otherwise.
+        engine = self.engine
+        assert engine is not None
+        if not engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), engine.overlaps(optimizer)):
             super().clip_grad_by_norm(optimizer, clip_val)
 
     @override
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        result = super().optimizer_step(optimizer, model, closure, **kwargs)
-        assert self.engine is not None
-        self.engine.masters_updated()
+        engine = self.engine
+        assert engine is not None
+        if engine.overlaps(optimizer) and not kwargs:
+            # forward/backward/clipping now; the update runs on the overlap worker (engine/overlap.py)
+            with torch.enable_grad():
+                result = self._wrap_closure(model, optimizer, closure)
+            engine.launch_optimizer_step(optimizer)
+        else:
+            result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        engine.masters_updated()
         return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Generator, Mapping
 from typing import Any
@@ -58,6 +59,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             micro-batches keep as many layers as fit in 90% of the GPU. An int keeps exactly that many (the first
             ones); ``0`` recomputes every layer, the least GPU memory (the paper's scheme). On a CPU compute device
             ``"auto"`` keeps none.
+        overlap_optimizer: run the host Adam step of step N layer by layer on a worker thread while step N+1's
+            forward starts (each layer's upload waits for that layer's update), instead of between the steps with the
+            GPU idle. The step's parameters and optimizer states are final at the next forward, ``zero_grad``,
+            backward, checkpoint save or load, validation, epoch end and train end, which all wait for it; a callback
+            that reads parameters in ``on_train_batch_end`` would see them mid-update, hence off by default.
+            Applies to the host Adam/AdamW (other optimizers step synchronously).
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning),
             ``"deepspeed"`` (fail if it does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
         checkpoint_io: Lightning checkpoint IO plugin.
@@ -78,6 +85,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         layers: str | None = None,
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
+        overlap_optimizer: bool = False,
         cpu_adam: CpuAdamMode = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -98,6 +106,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.layers = layers
         self.num_slots = num_slots
         self.keep_layers = keep_layers
+        self.overlap_optimizer = overlap_optimizer
         self.cpu_adam = cpu_adam
         self.engine: MegaTrainEngine | None = None
         if precision_plugin is not None:
@@ -161,6 +170,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             layers=self.layers,
             num_slots=self.num_slots,
             keep_layers=self.keep_layers,
+            overlap_optimizer=self.overlap_optimizer,
         )
         self.engine.setup(fitting=fitting)
         precision.engine = self.engine
@@ -168,6 +178,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._to_host_optimizers()
+            if self.engine.overlap is not None:
+                trainer.callbacks.insert(0, _OptimizerBarrier())  # before any callback's hook reads parameters
         self.setup_precision_plugin()
         # no _optimizers_to_device: optimizer states live with the host masters
 
@@ -179,6 +191,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             replaced[id(optimizer)] = host
             optimizers.append(host)
         self.optimizers = optimizers
+        if self.engine is not None and self.engine.overlap is not None:
+            for optimizer in optimizers:
+                _wait_before_zero_grad(optimizer, self.engine)
         for config in self.lr_scheduler_configs:
             scheduler_optimizer = getattr(config.scheduler, "optimizer", None)
             host = replaced.get(id(scheduler_optimizer))
@@ -198,8 +213,28 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             yield
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._wait_for_optimizer()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        self._wait_for_optimizer()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._wait_for_optimizer()
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    def _wait_for_optimizer(self) -> None:
+        if self.engine is not None:
+            self.engine.wait_for_optimizer()
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The base class would move the states to root_device; they belong with the host masters.
+        self._wait_for_optimizer()
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
 
@@ -243,3 +278,24 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+
+
+class _OptimizerBarrier(pl.Callback):
+    """Waits for an overlapped optimizer step before other callbacks' and the module's hooks read parameters."""
+
+    def _wait(self, trainer: pl.Trainer, *_: Any) -> None:
+        trainer.strategy._wait_for_optimizer()
+
+    on_train_epoch_end = on_train_end = on_validation_start = on_exception = _wait
+
+
+def _wait_before_zero_grad(optimizer: torch.optim.Optimizer, engine: MegaTrainEngine) -> None:
+    """``zero_grad`` (``set_to_none=False`` zeroes in place) must not race the overlapped step reading the grads."""
+    zero_grad = optimizer.zero_grad
+
+    @functools.wraps(zero_grad)
+    def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
+        engine.wait_for_optimizer()
+        zero_grad(*args, **kwargs)
+
+    optimizer.zero_grad = waiting_zero_grad  # type: ignore[method-assign]

@@ -110,7 +110,7 @@ def test_busy_fractions_count_overlap_once():
 
 def test_throughput_plan_fits_one_device_call_per_part():
     class Args:
-        models, systems, seq_len, micro_batch = "llama-3.2-3b", ",".join(throughput.SYSTEMS), 1024, None
+        models, systems, seq_len, micro_batch = "llama-3.2-3b", ",".join(throughput.DEFAULT_SYSTEMS), 1024, None
         profile, sync, dry_run = True, True, False
 
     params = throughput.count_params(throughput.MODELS["llama-3.2-3b"]["config"])[0]
@@ -118,7 +118,7 @@ def test_throughput_plan_fits_one_device_call_per_part():
     for part, micro_acc in {"32k": (32, 1), "64k": (32, 2), "64k-chunked": (64, 1)}.items():
         Args.parts = part
         runs = throughput.plan(Args)
-        assert [r["system"] for r in runs] == list(throughput.SYSTEMS)
+        assert [r["system"] for r in runs] == list(throughput.DEFAULT_SYSTEMS)
         assert all((r["micro_batch"], r["accumulate"]) == micro_acc for r in runs)
         assert all(r["micro_batch"] * r["accumulate"] * 1024 == throughput.PARTS[part][0] for r in runs)
         jit_once = [throughput.estimate_s(r, params, jit=i == 0) for i, r in enumerate(runs)]

@@ -60,6 +60,15 @@ def test_cuda_fp32_parity(family, accumulate, clip, keep):
     assert_records_close(got, ref, rtol=1e-4)
 
 
+def test_cuda_overlapped_optimizer_step_parity():
+    # step N's host AdamW on the worker thread while step N+1's uploads wait per layer (engine/overlap.py)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref, _ = _fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0)
+    strategy = MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True)
+    got, _ = _fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0)
+    assert_records_close(got, ref, rtol=1e-4)
+
+
 def test_cuda_masters_pinned_on_host():
     class Check(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -97,7 +106,9 @@ def test_auto_policy_keeps_every_layer_of_a_small_model_after_calibrating():
 
 def test_cuda_bf16_tracks_plain_bf16():
     ref, _ = _fit_cuda("auto", lambda: ParityLM("qwen3"), precision="bf16-mixed", steps=5)
-    got, _ = _fit_cuda(MegaTrainStrategy(), lambda: ParityLM("qwen3"), precision="bf16-mixed", steps=5)
+    # DeepSpeedCPUAdam, overlapped with the next forward
+    strategy = MegaTrainStrategy(overlap_optimizer=True)
+    got, _ = _fit_cuda(strategy, lambda: ParityLM("qwen3"), precision="bf16-mixed", steps=5)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=2e-2, atol=0)
 
 

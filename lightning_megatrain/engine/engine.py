@@ -11,11 +11,13 @@ from torch import nn
 
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, pack_group
+from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.recompute import KeepLayers, RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
+from lightning_megatrain.optim.host_optimizer import overlappable, snapshot_update
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ class MegaTrainEngine:
         num_slots: device slots for layer weights (>= 2 so the next layer uploads while one computes).
         keep_layers: layers per micro-batch whose graph stays on the device instead of being recomputed
             (engine/recompute.py): an int, or ``"auto"`` (as many as fit, calibrated on the first micro-batch).
+        overlap_optimizer: run the host Adam step of step N layer by layer while step N+1's forward starts
+            (engine/overlap.py).
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class MegaTrainEngine:
         layers: str | None = None,
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
+        overlap_optimizer: bool = False,
     ) -> None:
         self.module = module
         self.device = device
@@ -50,6 +55,9 @@ class MegaTrainEngine:
         self.layers_path = layers
         self.num_slots = num_slots
         self.keep_layers = keep_layers
+        self.overlap: OverlappedStep | None = None  # set up when overlap_optimizer
+        self._overlap_requested = overlap_optimizer
+        self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the overlapped step applies
         self.groups: list[FlatGroup] = []  # one per layer of the stack
         self.resident_group: FlatGroup | None = None  # the residents' masters (CPU and CUDA backends alike)
         self.streamed: StreamedLayers | None = None
@@ -93,13 +101,16 @@ class MegaTrainEngine:
         self.groups = [pack_group(slots, registry) for slots in layer_slots]
         resident_group = self.resident_group = pack_group(resident_slots, registry)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
+        # the order the next forward reads masters in: residents (the embedding) first, then the layers
+        self.overlap = OverlappedStep([resident_group, *self.groups]) if self._overlap_requested else None
+        gate = self.overlap.wait if self.overlap is not None else None
         if registry is not None:
-            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.num_slots, registry)
+            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.num_slots, registry, gate)
             resident_buffers = [s for s in resident_slots if not s.is_param]
-            self.residents = Residents(resident_group, resident_buffers, self.device, registry)
+            self.residents = Residents(resident_group, resident_buffers, self.device, registry, gate)
             buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
         else:
-            self.transfer = HostTransfer(self.groups, self.compute_dtype)
+            self.transfer = HostTransfer(self.groups, self.compute_dtype, gate)
             buffers = [[] for _ in layer_buffers]
         self._disable_kv_cache()
         policy = RecomputePolicy(self.keep_layers, self.device, max_layer * self.compute_dtype.itemsize)
@@ -156,24 +167,35 @@ class MegaTrainEngine:
         assert self.transfer is not None
         self.transfer.invalidate()  # the user may have changed masters between steps (callbacks, load_state_dict)
         if self.residents is None:
+            if self.overlap is not None and self.resident_group is not None:
+                self.overlap.wait(self.resident_group)  # the CPU backend computes on the resident masters
             yield
             return
         with self.residents.bound():
             yield
 
+    def wait_for_optimizer(self) -> None:
+        """Block until an overlapped optimizer step in flight has updated every master and optimizer state."""
+        if self.overlap is not None:
+            self.overlap.wait_all()
+
     def finalize_gradients(self) -> None:
         """Make every host fp32 grad final: wait for the layer drains, then drain the residents."""
         assert self.transfer is not None
+        self._deferred_grad_scale = None
+        self.wait_for_optimizer()  # the residents' drain below writes grads an overlapped step may still read
         self.transfer.wait_drained()
         if self.residents is not None:
             self.residents.drain()
 
-    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> bool:
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, defer: bool = False) -> bool:
         """Clip the host grads of ``params`` to a global L2 norm of ``max_norm``, as ``clip_grad_norm_`` does.
 
-        One vectorized pass over each layer's flat grad buffer for the norm and one for the scaling, instead of
-        per-tensor foreach ops. Returns False (nothing done) when ``params`` is not exactly the set of parameters
-        the engine holds grads for, so the caller falls back to torch.
+        The norm comes from the per-layer norms taken on the device during backward (a host pass only where those
+        are not valid); the scaling is one vectorized pass per flat grad buffer, or, with ``defer`` (the optimizer
+        step will be overlapped), left to the overlapped step, group by group. Returns False (nothing done) when
+        ``params`` is not exactly the set of parameters the engine holds grads for, so the caller falls back to
+        torch.
         """
         groups = self.groups + ([self.resident_group] if self.resident_group is not None else [])
         held = {id(p) for g in groups for p in g.params}
@@ -189,9 +211,25 @@ class MegaTrainEngine:
         # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total + 1e-6), clamped to 1 (a no-op multiply we skip)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if coef.item() != 1.0:  # host tensors: no device sync
-            for g in groups:
-                g.scale_grads(coef)
+            if defer:
+                self._deferred_grad_scale = coef
+            else:
+                for g in groups:
+                    g.scale_grads(coef)
         return True
+
+    def overlaps(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`launch_optimizer_step` can run ``optimizer``'s step overlapped with the next forward."""
+        return self.overlap is not None and overlappable(optimizer)
+
+    def launch_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Start ``optimizer``'s step (with the deferred clipping) on the overlap worker; see engine/overlap.py."""
+        assert self.overlap is not None
+        update = snapshot_update(optimizer, self._deferred_grad_scale)
+        assert update is not None
+        self._deferred_grad_scale = None
+        self.overlap.launch(update)
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check (optimizer.step ran)
 
     def masters_updated(self) -> None:
         """The optimizer stepped the host masters: slots and resident compute copies are stale."""
@@ -201,6 +239,7 @@ class MegaTrainEngine:
             self.residents.invalidate()
 
     def teardown(self) -> None:
+        self.wait_for_optimizer()
         if self.streamed is not None:
             self.streamed.uninstall()
         if self.transfer is not None:

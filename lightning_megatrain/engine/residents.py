@@ -11,7 +11,7 @@ masters are the compute tensors: nothing is bound, and autograd writes ``p.grad`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -26,9 +26,15 @@ class Residents:
     """GPU compute copies of the residents (see module docstring)."""
 
     def __init__(
-        self, group: FlatGroup, buffer_slots: list[TensorSlot], device: torch.device, registry: HostRegistry
+        self,
+        group: FlatGroup,
+        buffer_slots: list[TensorSlot],
+        device: torch.device,
+        registry: HostRegistry,
+        gate: Callable[[FlatGroup], None] | None = None,
     ) -> None:
         self.group = group
+        self.gate = gate
         self.buffer_slots = buffer_slots
         self.device = device
         self._copies: list[Tensor] | None = None  # one fp32 device leaf per unique parameter, or None when stale
@@ -36,6 +42,8 @@ class Residents:
         self._grad_staging = registry.empty(group.numel, torch.float32) if group.numel else None
 
     def _upload(self) -> list[Tensor]:
+        if self.gate is not None:
+            self.gate(self.group)  # an overlapped optimizer step may still be updating these masters
         flat = self.group.master.to(self.device, non_blocking=True)  # [numel] fp32, from pinned host memory
         return [v.detach().requires_grad_(p.requires_grad) for v, p in zip(self.group.views(flat), self.group.params)]
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,18 +48,27 @@ from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.pinned import HostRegistry
 
 
+Gate = Callable[[FlatGroup], None]  # blocks until a group's masters are final (engine/overlap.py)
+
+
+def _no_gate(group: FlatGroup) -> None:
+    """No optimizer step runs concurrently: masters are always final."""
+
+
 class HostTransfer:
     """CPU backend: compute runs on the host, so a *slot* is the master itself (fp32) or a cast copy of it."""
 
-    def __init__(self, groups: list[FlatGroup], compute_dtype: torch.dtype) -> None:
+    def __init__(self, groups: list[FlatGroup], compute_dtype: torch.dtype, gate: Gate | None = None) -> None:
         self.groups = groups
         self.compute_dtype = compute_dtype
+        self.gate = gate or _no_gate
 
     def prefetch(self, index: int) -> None:
         """Nothing to prefetch: the host masters are already where compute runs."""
 
     def acquire(self, index: int) -> Tensor:
         """1D weights of layer ``index`` in the compute dtype (the fp32 master itself, no copy, under 32-true)."""
+        self.gate(self.groups[index])
         master = self.groups[index].master
         return master if master.dtype == self.compute_dtype else master.to(self.compute_dtype)
 
@@ -133,8 +143,10 @@ class CudaTransfer:
         compute_dtype: torch.dtype,
         num_slots: int,
         registry: HostRegistry,
+        gate: Gate | None = None,
     ) -> None:
         self.groups = groups
+        self.gate = gate or _no_gate
         self.device = device
         self.compute_dtype = compute_dtype
         max_numel = max(g.numel for g in groups)
@@ -177,6 +189,7 @@ class CudaTransfer:
             )
         slot = min(candidates, key=lambda s: s.last_use)
         group = self.groups[index]
+        self.gate(group)  # an overlapped optimizer step may still be updating these masters
         n = group.numel
         with torch.cuda.stream(self.h2d_stream), torch.profiler.record_function("megatrain::h2d"):
             self.h2d_stream.wait_event(slot.free)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.adam import adam as adam_functional  # what Adam/AdamW.step() call after _init_group
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +124,76 @@ def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
 
     tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = tracked_step  # type: ignore[method-assign]
+
+
+def overlappable(optimizer: Optimizer) -> bool:
+    """One of the two host Adam implementations :func:`to_host_optimizer` produces (DeepSpeed or torch fused)."""
+    if hasattr(optimizer, "ds_opt_adam"):
+        return True
+    return _is_adam(optimizer) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def snapshot_update(optimizer: Optimizer, grad_scale: Tensor | None = None) -> Callable[[list[Tensor]], None] | None:
+    """``optimizer``'s update as a function of a subset of its parameters, with its state of *now*.
+
+    The overlapped step (engine/overlap.py) applies it layer by layer on a worker thread while the LR scheduler may
+    already have moved ``lr`` on for the next step; each call updates the given parameters exactly as
+    ``optimizer.step()`` would (same kernel, same state entries, so checkpoints are interchangeable). Gradients are
+    read now too (a ``zero_grad`` may drop ``p.grad`` before the update of ``p`` runs) and multiplied by
+    ``grad_scale`` (deferred clipping) right before their update; parameters without one, or not in the optimizer,
+    are skipped. ``None`` when :func:`overlappable` is False (the optimizer then steps synchronously).
+    """
+    if not overlappable(optimizer):
+        return None
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    hyper = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
+    grads = {id(p): p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+
+    def present_and_scaled(params: list[Tensor]) -> list[Tensor]:
+        present = [p for p in params if id(p) in grads]
+        if grad_scale is not None:
+            for p in present:
+                grads[id(p)].mul_(grad_scale)
+        return present
+
+    if hasattr(optimizer, "ds_opt_adam"):  # DeepSpeedCPUAdam: its step() body, one parameter at a time
+
+        def update_deepspeed(params: list[Tensor]) -> None:
+            for p in present_and_scaled(params):
+                h = hyper[id(group_of[id(p)])]
+                state = optimizer.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p.data, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p.data, dtype=torch.float32)
+                state["step"] += 1
+                beta1, beta2 = h["betas"]
+                optimizer.ds_opt_adam.adam_update(
+                    optimizer.opt_id, state["step"], h["lr"], beta1, beta2, h["eps"], h["weight_decay"],
+                    h["bias_correction"], p.data, grads[id(p)], state["exp_avg"], state["exp_avg_sq"],
+                )
+
+        return update_deepspeed
+    decoupled = _decoupled(optimizer)
+
+    def update_fused(params: list[Tensor]) -> None:
+        by_group: dict[int, list[Tensor]] = {}
+        for p in present_and_scaled(params):
+            by_group.setdefault(id(group_of[id(p)]), []).append(p)
+        for key, ps in by_group.items():
+            h = hyper[key]
+            for p in ps:  # torch.optim.Adam._init_group's state for fused=True
+                state = optimizer.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            states = [optimizer.state[p] for p in ps]
+            adam_functional(
+                ps, [grads[id(p)] for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+                [s["step"] for s in states], fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
+                beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
+                eps=h["eps"], maximize=False,
+            )
+
+    return update_fused
