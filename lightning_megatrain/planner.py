@@ -3,9 +3,9 @@
 ``plan(model, seq_len=..., micro_batch=...)`` builds the model on the ``meta`` device (no allocation), splits it into
 the streamed layer stack and the residents exactly as the engine does (``engine.discovery``), and models:
 
-- host RAM (bytes): fp32 masters 4 + fp32 grads 4 (both pinned) + optimizer states (AdamW 8, SGD 0, SGD+momentum 4)
-  per parameter, 3 pinned grad slabs, the pinned staging buffer of the residents' grads, offloaded layer inputs, the
-  pinned allocator's power-of-two rounding and the process itself (engine as of commit 45dffe1);
+- host RAM (bytes): fp32 masters 4 + fp32 grads 4 (both page-locked at their exact size) + optimizer states (AdamW 8,
+  SGD 0, SGD+momentum 4) per parameter, 3 grad slabs, the staging buffer of the residents' grads, offloaded layer
+  inputs (pinned through torch's caching allocator, so rounded up to a power of two) and the process itself;
 - GPU memory (bytes): slots, residents, saved layer inputs, the runtime reserve, plus the larger of two phases that
   never overlap: the backward of one layer (its recompute activations and grads) and the loss;
 - time (seconds) per optimizer step: GPU compute, PCIe transfers (busy and exposed), host optimizer, resident traffic.
@@ -22,6 +22,8 @@ op by op from HF's Llama/Qwen/Gemma/Mixtral layers and checked against the tenso
           + c*(2A + 2K) + 4*nh         sdpa/flash inputs q,k,v and output, fp32 logsumexp
             [eager: 4cA + nh*T*(4 + c (+c with attention logit softcap)): probabilities over all T keys]
           + (4 + c)*(A + K) + 4(nh+nkv) q/k RMSNorm over head_dim (Qwen3, Gemma3)
+          + 2cA                        output gate (Qwen3.5): sigmoid(gate) and the gated output o_proj reads
+            [linear attention (Gated DeltaNet layers of Qwen3.5) instead of sdpa/eager: ``_linear_attn_saved``]
           + 4cI (gated MLP: gate, act, up, product) or 2cI (fc1/act/fc2)
           + MoE: 4E + 12k + k*(H(c + 4) + 5cI_e + 20)   router logits/top-k, per routed token gathered input,
                                                          expert intermediates, weighted fp32 output
@@ -363,13 +365,15 @@ def _linear_attn_saved(la: _LinearAttn, seq_len: int, c: int) -> float:
     fused kernels save less). Checked against the tensors autograd saves (tests/test_planner.py).
 
     q = k = v_heads * k_dim (q and k repeated to the value heads), v = v_heads * v_dim, C = chunk; under autocast
-    (c = 2) every matmul also saves compute-dtype copies of its inputs (no autocast cache), under 32-true it saves
-    the fp32 tensors, most of which are saved anyway."""
+    (c = 2) every matmul in the chunk loop saves compute-dtype copies of its inputs (no autocast cache), under
+    32-true the fp32 tensors, most of which are saved anyway."""
     hv, C, autocast = la.v_heads, la.chunk, c < 4
     q, v = hv * la.k_dim, hv * la.v_dim
     chunks = -(-seq_len // C)
     pad = chunks * C / seq_len  # tensors from the padding to whole chunks on are chunks * C long
-    later = (chunks - 1) / chunks  # chunk 0 reads a zero state, so its k_cumdecay/query products save no copy
+    # chunk 0 reads a zero state (its k_cumdecay and query products save no copy); the state update after the last
+    # chunk feeds nothing, so autograd frees what it saved
+    later = (chunks - 1) / chunks
     state = hv * la.k_dim * la.v_dim / C  # one [v_heads, k_dim, v_dim] fp32 recurrent state per chunk
     unpadded = (c * (2 * la.k_heads * la.k_dim + v) * (2 + (la.conv - 1) / seq_len)  # conv1d input, SiLU input
                 + c * hv + 8 * hv  # sigmoid(b); fp32 softplus input and output of the decay g
@@ -378,14 +382,15 @@ def _linear_attn_saved(la: _LinearAttn, seq_len: int, c: int) -> float:
                 + c * v)  # out_proj input
     padded = (4 * hv + 4 * v + 4 * q  # beta and value (v_beta), normalised key (k_beta)
               + 4 * hv * C + 2 * c * hv * C  # exp of the pairwise decays [C, C]; k_beta k^T and q k^T products
-              + (8 * q if autocast else 0)  # copies of k_beta, key (twice) and query for those two matmuls
+              + 4 * c * q  # copies of k_beta, key (twice) and query that those two 5-D matmuls save
               + 4 * hv + 4 * q  # exp(cumulative decay), fp32 k_beta (decayed_k_beta)
               + 4 * hv * C + 4 * v + 4 * q  # triangular solves: the system, new values, k_cumdecay
               + 8 * hv + 4 * q)  # decays applied to query and key, the scaled query
-    if autocast:  # chunk loop: copies of k_cumdecay, query, key, intra-chunk attention, v_new (twice), state (twice)
-        loop = c * q * (2 * later + 1) + c * hv * C + 2 * c * v + (2 * c + 4) * state
+    if autocast:  # chunk loop: copies of k_cumdecay, query, key, intra-chunk attention, v_new (twice), state (twice);
+        # the fp32 state itself is saved only by its decay product, so not the last chunk's
+        loop = 3 * c * q * later + c * hv * C + c * v * (1 + later) + (2 * c + 4 * later) * state
     else:  # decayed query and key, intra-chunk attention, v_new, state
-        loop = 4 * q * (1 + (chunks > 1)) + 4 * hv * C + 4 * v + 4 * state
+        loop = 8 * q * (chunks > 1) + 4 * hv * C + 4 * v + 4 * state
     return unpadded + (padded + loop) * pad
 
 
@@ -437,9 +442,10 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     """Host items in bytes (engine/host_store.py, transfer.py, residents.py)."""
     n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
     groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
-    pinned = groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3
     stash = 4 * s.hidden * micro_batch * seq_len if offload else 0
-    pinned += [stash] * len(s.layers) if offload else []
+    # page-locked at their exact size since engine/pinned.py; through torch's power-of-two allocator before that
+    rounded = [stash] * len(s.layers) if offload else []
+    rounded += groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3 if pinned_pow2 else []
     pow2 = lambda b: 1 << (int(b) - 1).bit_length() if b > 0 else 0
     return {
         "masters": 4 * n,
@@ -448,7 +454,7 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
         "grad slabs": 3 * max_layer * c,
         "resident grad staging": 4 * s.resident_params,
         "activation offload": stash * len(s.layers),
-        "pinned pow2 rounding": sum(pow2(b) - b for b in pinned) if pinned_pow2 else 0,
+        "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
         "process": int(process_gib * GIB),
     }
 
@@ -498,7 +504,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
          num_slots: int = 2, loss_chunk_size: int = 4096, achieved_tflops: float | None = None,
          pcie_h2d_gbps: float = PCIE_H2D_GBPS, pcie_d2h_gbps: float = PCIE_D2H_GBPS,
          pcie_duplex_gbps: float = PCIE_DUPLEX_GBPS, process_gib: float = PROCESS_GIB,
-         gpu_reserve_gib: float = GPU_RESERVE_GIB, pinned_pow2_rounding: bool = True) -> Plan:
+         gpu_reserve_gib: float = GPU_RESERVE_GIB, pinned_pow2_rounding: bool = False,
+         attn_implementation: str | None = None) -> Plan:
     """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
 
     Args:
@@ -510,14 +517,19 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
         cpu_cores: cores for the host optimizer (default this machine's); its rate scales linearly from 16 cores.
         offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying.
         achieved_tflops: sustained rate on executed FLOPs (default 450 under bf16, 50 under 32-true).
-        pinned_pow2_rounding: torch's caching host allocator rounds every pinned block up to a power of two.
+        pinned_pow2_rounding: model the engine before engine/pinned.py (commit b0ea63e), which took every pinned
+            buffer (masters, grads, slabs) from torch's caching host allocator, rounded up to a power of two, as the
+            2026-11-29 core runs measured. Now only the offloaded layer inputs are rounded.
+        attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
+            config's (transformers picks sdpa where the model supports it).
     """
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
                          f"['chunked', 'naive']; got {precision!r}, {optimizer!r}, {loss!r}")
     if seq_len < 1 or micro_batch < 1 or grad_accum < 1:
         raise ValueError(f"seq_len, micro_batch, grad_accum must be >= 1; got {seq_len}, {micro_batch}, {grad_accum}")
-    s = describe(model, "" if not isinstance(model, (str, Path)) or str(model).lstrip().startswith("{") else str(model))
+    s = describe(model, "" if not isinstance(model, (str, Path)) or str(model).lstrip().startswith("{") else str(model),
+                 attn_implementation)
     c = PRECISIONS[precision]
     tflops = achieved_tflops or (ACHIEVED_TFLOPS if c < 4 else FP32_TFLOPS)
     cores = cpu_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
@@ -591,6 +603,10 @@ def _warnings(p: Plan, s: _Shape) -> list[str]:
                    "use CausalLMModule's chunked loss")
     if s.attn == "eager":
         out.append("eager attention keeps [heads, T, T] probabilities per layer: activations grow with seq_len^2")
+    if any(ly.linear for ly in s.layers):
+        out.append(f"{sum(ly.linear for ly in s.layers)} linear-attention (Gated DeltaNet) layers are modelled as "
+                   "transformers' PyTorch fallback of the chunked delta rule (used when flash-linear-attention is not "
+                   "installed): fla's kernels save fewer activations; the time assumes fused kernels throughout")
     return out
 
 
@@ -632,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
     ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     ap.add_argument("--loss", choices=["chunked", "naive"], default="chunked")
+    ap.add_argument("--attn-implementation", help="as model.attn_implementation, e.g. eager (default: the config's)")
     ap.add_argument("--host-ram", type=float, help="GiB (default: this machine's)")
     ap.add_argument("--gpu-mem", type=float, help="GiB (default: this machine's GPU, else 139 as on an H200)")
     ap.add_argument("--cpu-cores", type=int)
@@ -644,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     p = plan(a.model, seq_len=a.seq_len, micro_batch=a.micro_batch, grad_accum=a.grad_accum, precision=a.precision,
              optimizer=a.optimizer, loss=a.loss, host_ram_gib=a.host_ram, gpu_mem_gib=a.gpu_mem,
              cpu_cores=a.cpu_cores, achieved_tflops=a.tflops, offload_activations=not a.no_offload,
-             num_slots=a.num_slots, loss_chunk_size=a.loss_chunk_size)
+             num_slots=a.num_slots, loss_chunk_size=a.loss_chunk_size, attn_implementation=a.attn_implementation)
     print(json.dumps(p.to_dict(), indent=2) if a.json else p.report())
     return 0
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_megatrain import planner
@@ -24,6 +26,13 @@ CONFIGS = {
 LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
                 "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
 BIG = {"host_ram_gib": 1024, "gpu_mem_gib": 139, "cpu_cores": 16}
+# Qwen3.5 hybrid stack: Gated DeltaNet (linear attention) layers and gated full-attention layers. Value head dim !=
+# key head dim != hidden, so that every term of the formula has its own size.
+HYBRID = dict(model_type="qwen3_5_text", intermediate_size=176, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=24, tie_word_embeddings=False,
+              layer_types=["linear_attention", "full_attention", "linear_attention"], **_COMMON)
+needs_qwen3_5 = pytest.mark.skipif(not hasattr(transformers, "Qwen3_5TextConfig"),
+                                   reason="this transformers has no Qwen3.5 (qwen3_5_text)")
 
 
 def _config(d: dict, **overrides):
@@ -85,16 +94,19 @@ def test_gpu_independent_of_depth_host_linear():
     assert no[4].host["activation offload"] == 0
 
 
-def _saved_bytes_of_one_layer(config, batch: int, seq: int) -> int:
-    """Bytes autograd saves inside decoder layer 0 (bf16 weights as in a slot, fp32 stream, CPU autocast), excluding
-    the layer's inputs and the weights: the recompute's activations."""
+def _saved_bytes_of_one_layer(config, batch: int, seq: int, bf16: bool = True) -> int:
+    """Bytes autograd saves inside decoder layer 0 (bf16 weights as in a slot, fp32 stream, CPU autocast; or fp32
+    throughout), excluding the layer's inputs and the weights: the recompute's activations. Counted once the forward
+    is done, over the saved tensors the graph still holds: a branch whose result nothing uses frees what it saved
+    (and a later tensor may then reuse its address)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).train()
     layer = model.model.layers[0]
-    for p in layer.parameters():
-        p.data = p.data.to(torch.bfloat16)
+    if bf16:
+        for p in layer.parameters():
+            p.data = p.data.to(torch.bfloat16)
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    packed: list[weakref.ref] = []
     inside = [False]
 
     def pre(module, args, kwargs):
@@ -106,16 +118,19 @@ def _saved_bytes_of_one_layer(config, batch: int, seq: int) -> int:
 
     def pack(t):
         if inside[0] and t.untyped_storage().data_ptr() not in exclude:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            packed.append(weakref.ref(t))
         return t
 
     layer.register_forward_pre_hook(pre, with_kwargs=True)
     layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
     ids = torch.randint(3, config.vocab_size, (batch, seq))
     with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-          torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)):
-        model.model(input_ids=ids, use_cache=False)
-    return sum(seen.values())
+          torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=bf16)):
+        out = model.model(input_ids=ids, use_cache=False)  # keeps the graph, and so its saved tensors, alive
+    alive = [t for t in (ref() for ref in packed) if t is not None]
+    saved = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
+    del out
+    return sum(saved.values())
 
 
 @pytest.mark.parametrize("name, attn, tolerance", [
@@ -129,6 +144,57 @@ def test_activation_formula_matches_saved_tensors(name, attn, tolerance):
     measured = _saved_bytes_of_one_layer(config, batch, seq) / (batch * seq)
     p = planner.plan(_config(d), seq_len=seq, micro_batch=batch, **BIG)
     assert p.activation_per_token["saved"] == pytest.approx(measured, rel=tolerance)
+
+
+@needs_qwen3_5
+@pytest.mark.parametrize("layer_type, precision, seq, tolerance", [
+    ("linear_attention", "bf16-mixed", 128, 0.005),
+    ("linear_attention", "bf16-mixed", 100, 0.005),  # padded to 2 chunks of 64
+    ("linear_attention", "32-true", 128, 0.05),
+    ("full_attention", "bf16-mixed", 128, 0.1),  # output gate; q/k norms compute in fp32 (not modelled)
+])
+def test_hybrid_activation_formula_matches_saved_tensors(layer_type, precision, seq, tolerance):
+    d = HYBRID | {"num_hidden_layers": 1, "layer_types": [layer_type], "attn_implementation": "sdpa"}
+    batch = 2
+    measured = _saved_bytes_of_one_layer(_config(d), batch, seq, bf16=precision == "bf16-mixed") / (batch * seq)
+    p = planner.plan(_config(d), seq_len=seq, micro_batch=batch, precision=precision, **BIG)
+    assert p.activation_per_token["saved"] == pytest.approx(measured, rel=tolerance)
+
+
+@needs_qwen3_5
+def test_hybrid_stack_layers_counts_and_flops():
+    model = AutoModelForCausalLM.from_config(_config(HYBRID))
+    _, stack = find_layer_stack(model)
+    s = planner.describe(_config(HYBRID))
+    assert s.n_params == _unique(model.parameters())
+    assert [ly.numel for ly in s.layers] == [_unique(layer.parameters()) for layer in stack]
+    assert [ly.linear for ly in s.layers] == [True, False, True]
+    assert [ly.out_gate for ly in s.layers] == [False, True, False]  # q_proj is 2 x heads x head_dim wide
+    assert (s.linear_attn.k_heads, s.linear_attn.v_heads, s.linear_attn.k_dim, s.linear_attn.v_dim) == (2, 4, 16, 24)
+    # linear attention costs the same per token at any length, full causal attention grows with it
+    linear, full = s.layers[0], s.layers[1]
+    assert planner._attn_flops(s, linear, 512) == planner._attn_flops(s, linear, 8192) > 0
+    assert planner._attn_flops(s, full, 8192) == 16 * planner._attn_flops(s, full, 512)
+    # the larger of the two layer kinds sets the GPU activation phase
+    p = planner.plan(_config(HYBRID), seq_len=256, micro_batch=2, **BIG)
+    per_kind = [sum(planner.layer_activation(s, ly, 256, 2)) for ly in (linear, full)]
+    assert sum(p.activation_per_token.values()) == max(per_kind) == per_kind[0]
+    assert any("linear-attention (Gated DeltaNet)" in w for w in p.warnings)
+    assert not any("Gated DeltaNet" in w for w in planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, **BIG).warnings)
+
+
+def test_attn_implementation_override():
+    d = CONFIGS["qwen3"]
+    config = _config(d)
+    eager = planner.plan(config, seq_len=256, micro_batch=2, attn_implementation="eager", **BIG)
+    sdpa = planner.plan(config, seq_len=256, micro_batch=2, **BIG)
+    assert eager.assumptions["attn_implementation"] == "eager" and sdpa.assumptions["attn_implementation"] == "sdpa"
+    # eager keeps fp32 scores and bf16 probabilities over all T keys (heads * T * 6 bytes per token) and 4 bf16
+    # [A]-wide tensors, sdpa q, k, v, output and a fp32 logsumexp (A = 4 x 16, K = 2 x 16)
+    A, K, heads, T = 64, 32, 4, 256
+    assert (eager.activation_per_token["saved"] - sdpa.activation_per_token["saved"]
+            == 4 * 2 * A + heads * T * 6 - (2 * (2 * A + 2 * K) + 4 * heads))
+    assert config._attn_implementation == "sdpa"  # the caller's config is not changed
 
 
 def test_llama_3b_shape_counts_and_calibration():
@@ -215,10 +281,14 @@ def test_formula_matches_h200_measurement_of_the_3b_layer():
 
 def test_pinned_rounding():
     # torch's caching host allocator gives a 402,653,184-byte pinned request a 536,870,912-byte block (measured on
-    # the H200): a 3B layer's fp32 master flat pays 1/3 more.
-    p = planner.plan(LLAMA_3B | {"num_hidden_layers": 2}, seq_len=4096, micro_batch=8, **BIG)
-    q = planner.plan(LLAMA_3B | {"num_hidden_layers": 2}, seq_len=4096, micro_batch=8, pinned_pow2_rounding=False,
-                     **BIG)
-    assert q.host["pinned pow2 rounding"] == 0
-    per_layer = 2**29 - 4 * p.max_layer_params
-    assert p.host["pinned pow2 rounding"] >= 2 * per_layer  # masters; plus offload blocks, slabs, residents
+    # the H200): before engine/pinned.py a 3B layer's fp32 master and grad flats paid 1/3 more each. Now only the
+    # offloaded layer inputs go through that allocator.
+    shape = LLAMA_3B | {"num_hidden_layers": 2}
+    old = planner.plan(shape, seq_len=4096, micro_batch=8, pinned_pow2_rounding=True, **BIG)
+    new = planner.plan(shape, seq_len=4096, micro_batch=8, **BIG)
+    stash = 4 * 3072 * 8 * 4096  # 384 MiB per layer input -> a 512 MiB block
+    assert new.host["pinned pow2 rounding"] == 2 * (2**29 - stash)
+    per_layer = 2**29 - 4 * old.max_layer_params
+    assert old.host["pinned pow2 rounding"] >= new.host["pinned pow2 rounding"] + 4 * per_layer  # masters + grads
+    no_offload = planner.plan(shape, seq_len=4096, micro_batch=8, offload_activations=False, **BIG)
+    assert no_offload.host["pinned pow2 rounding"] == 0

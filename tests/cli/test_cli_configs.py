@@ -1,14 +1,18 @@
-"""The ready configs parse (``--print_config``) and instantiate with a tiny ``model.config`` (no Hub access)."""
+"""The ready configs parse (``--print_config``), instantiate with a tiny ``model.config`` and size their batches
+with the planner (no Hub access)."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 import pytest
+import transformers
 import yaml
-from cli_paths import CONFIGS, DEMO_CONFIG
+from cli_paths import CONFIGS, DEMO_CONFIG, REPO
 
-from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy
+from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy, planner
 from lightning_megatrain.callbacks import ThroughputLogger
 from lightning_megatrain.cli import MegaTrainCLI, main
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
@@ -35,6 +39,7 @@ READY = {
         {"model_type": "mixtral", **_TINY, "num_local_experts": 4, "output_router_logits": False},
     ),
     "gpt-oss-20b": ("openai/gpt-oss-20b", "eager", {"model_type": "gpt_oss", **_TINY, "num_local_experts": 4}),
+    "gpt-oss-120b": ("openai/gpt-oss-120b", "eager", {"model_type": "gpt_oss", **_TINY, "num_local_experts": 4}),
     # The Hub checkpoint is the multimodal Gemma3ForConditionalGeneration (text_config + vision_config).
     "gemma3-27b": (
         "google/gemma-3-27b-it",
@@ -50,14 +55,35 @@ READY = {
             "image_token_index": 1022,
         },
     ),
+    # Also multimodal on the Hub (Qwen3_5ForConditionalGeneration); AutoModelForCausalLM builds the text model.
+    "qwen3.5-27b": (
+        "Qwen/Qwen3.5-27B",
+        "sdpa",
+        {
+            "model_type": "qwen3_5",
+            "text_config": {**_TINY, "layer_types": ["linear_attention", "full_attention"],
+                            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                            "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+            "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                              "out_hidden_size": 32},
+        },
+    ),
 }
+# Families that need a newer transformers than some supported releases: their tests skip there.
+_NEEDS = {"qwen3_5": "Qwen3_5TextConfig"}
+READY_NAMES = [
+    pytest.param(name, marks=pytest.mark.skipif(not hasattr(transformers, _NEEDS[tiny["model_type"]]),
+                                                 reason=f"this transformers has no {tiny['model_type']}"))
+    if tiny["model_type"] in _NEEDS else name
+    for name, (_, _, tiny) in sorted(READY.items())
+]
 
 
 def test_every_config_is_covered():
     assert {path.stem for path in CONFIGS.glob("*.yaml")} == {"demo", *READY}
 
 
-@pytest.mark.parametrize("name", sorted(READY))
+@pytest.mark.parametrize("name", READY_NAMES)
 def test_ready_config_parses(name, capsys):
     hub_id, attn, _ = READY[name]
     with pytest.raises(SystemExit) as done:
@@ -72,7 +98,7 @@ def test_ready_config_parses(name, capsys):
     assert config["data"]["micro_batch_size"] >= 1 and config["data"]["cutoff_len"] >= 1024
 
 
-@pytest.mark.parametrize("name", sorted(READY))
+@pytest.mark.parametrize("name", READY_NAMES)
 def test_ready_config_instantiates_with_tiny_model(name, in_tmp):
     _, attn, tiny = READY[name]
     cli = MegaTrainCLI(
@@ -94,6 +120,52 @@ def test_ready_config_instantiates_with_tiny_model(name, in_tmp):
     assert isinstance(strategy.precision_plugin, MegaTrainPrecision)
     assert strategy.precision_plugin.precision == "bf16-mixed"
     assert any(isinstance(cb, ThroughputLogger) for cb in cli.trainer.callbacks)
+
+
+# The machine the ready configs are sized for: one H200 (planner.GPU_REF_GIB usable) and its 16 host cores.
+H200_GIB, H200_CORES = 139, 16
+
+
+def _header_plan(text: str) -> tuple[list[str], float, float]:
+    """The ``megatrain plan`` arguments in a config's header comment and the GPU / host GiB it says they predict."""
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    flat = re.sub(r"\s*\\?\n#\s*", " ", header)  # one line; continued command lines joined
+    found = re.search(r"megatrain plan (--model configs/hf/.*?) -> GPU peak ([\d.]+) GiB, host RAM ([\d.]+) GiB", flat)
+    assert found, "the header needs the plan command, then '-> GPU peak X GiB, host RAM Y GiB'"
+    return shlex.split(found.group(1)), float(found.group(2)), float(found.group(3))
+
+
+@pytest.mark.parametrize("name", READY_NAMES)
+def test_ready_config_sizes_come_from_the_planner(name, capsys):
+    """micro_batch_size is the largest micro-batch the planner fits on one H200 at the config's cutoff_len,
+    accumulate_grad_batches the fewest steps that keep the host optimizer under a quarter of the step, and the header
+    holds the plan command for exactly these values with what it predicts."""
+    text = (CONFIGS / f"{name}.yaml").read_text()
+    config = yaml.safe_load(text)
+    trainer, model, data = config["trainer"], config["model"], config["data"]
+    micro_batch, accum = data["micro_batch_size"], trainer["accumulate_grad_batches"]
+    shape = CONFIGS / "hf" / f"{name}.json"  # the numbers of the Hub's config.json
+    kwargs = dict(seq_len=data["cutoff_len"], grad_accum=accum, precision=trainer["precision"],
+                  loss_chunk_size=model["loss_chunk_size"], attn_implementation=model["attn_implementation"],
+                  num_slots=trainer["strategy"]["init_args"]["num_slots"], gpu_mem_gib=H200_GIB,
+                  cpu_cores=H200_CORES, host_ram_gib=1 << 20)
+    p = planner.plan(shape, micro_batch=micro_batch, **kwargs)
+    assert p.gpu_total <= p.gpu_limit and p.max_micro_batch == micro_batch
+    assert planner.plan(shape, micro_batch=micro_batch + 1, **kwargs).gpu_total > p.gpu_limit
+    cpu_bound = lambda q: any("CPU optimizer" in w for w in q.warnings)
+    assert not cpu_bound(p)
+    assert accum == 1 or cpu_bound(planner.plan(shape, micro_batch=micro_batch, **(kwargs | {"grad_accum": accum - 1})))
+    # the header's Host RAM line counts the parameters the planner counts
+    assert f"{p.n_params / 1e9:.3g}B parameters x 16 bytes" in text
+    args, gpu_gib, host_gib = _header_plan(text)
+    assert (gpu_gib, host_gib) == (round(p.gpu_total / 2**30, 1), round(p.host_total / 2**30, 1))
+    args[args.index("--model") + 1] = str(REPO / args[args.index("--model") + 1])
+    assert planner.main([*args, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert run["n_params"] == p.n_params and run["gpu_total"] == p.gpu_total and run["host_total"] == p.host_total
+    assert (run["seq_len"], run["micro_batch"], run["grad_accum"], run["precision"], run["gpu_limit"]) == (
+        p.seq_len, p.micro_batch, p.grad_accum, p.precision, p.gpu_limit)
+    assert run["assumptions"] == p.assumptions
 
 
 def test_demo_config_parses(capsys):
