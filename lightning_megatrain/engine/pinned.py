@@ -36,13 +36,13 @@ class HostRegistry:
     def empty(self, numel: int, dtype: torch.dtype, init: Callable[[Tensor], None] | None = None) -> Tensor:
         """A 1D host tensor of ``numel`` elements, written by ``init`` (default: zeros), then page-locked.
 
-        The registered range is whole pages inside this allocation, so two regions never share a page.
+        The memory is its own anonymous mapping (whole pages, page-aligned), so the registered range is exactly the
+        tensor's storage: no page is shared with another allocation, and ``Tensor.is_pinned()`` (which asks the
+        driver about the storage's first byte) is True.
         """
         nbytes = numel * dtype.itemsize
         span = round_up(max(nbytes, 1), PAGE)
-        raw = torch.empty(span + PAGE, dtype=torch.uint8)  # + one page of slack for the alignment below
-        start = (-raw.data_ptr()) % PAGE
-        region = raw[start : start + span]
+        region = torch.frombuffer(mmap.mmap(-1, span), dtype=torch.uint8)  # the tensor keeps the mapping alive
         out = region[:nbytes].view(dtype)
         # Touch every page here (torch's parallel copy/fill) rather than one by one inside the driver's registration.
         if init is not None:
