@@ -693,7 +693,7 @@ def device_command(args) -> str:
         print(f"# uncommitted changes ({' '.join(dirty.split()[1::2])}): commit first so --commit names what ran")
     options = f"--parts {args.parts}"
     options += f" --models {args.models}" if args.models else ""
-    options += f" --systems {args.systems}" if args.systems != ",".join(SYSTEMS) else ""
+    options += f" --systems {args.systems}" if args.systems != ",".join(DEFAULT_SYSTEMS) else ""
     command = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
                "/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit; "
                "export TORCH_EXTENSIONS_DIR=$PWD/.ext PYTHONUNBUFFERED=1; "
@@ -749,7 +749,8 @@ def summarize(rows: list[dict], header: bool = True) -> str:
     ours = {(r["model"], r["tokens_per_step"], r.get("loss")): r["tokens_per_s"] for r in rows
             if r["system"] == "megatrain" and not r.get("error")}
     for r in rows:
-        base = (f"| {r['system']} | {r['model']} | {r.get('loss', '')} | {r['micro_batch']} x {r.get('accumulate', 1)}"
+        commit = f" @{r['git_commit'][:7]}" if "git_commit" in r else ""
+        base = (f"| {r['system']}{commit} | {r['model']} | {r.get('loss', '')} | {r['micro_batch']} x {r.get('accumulate', 1)}"
                 f" | {r['tokens_per_step']} |")
         if r.get("error"):
             lines.append(base + " | | | | | | | | " + short_error(r["error"]) + " |")
@@ -807,12 +808,14 @@ def main() -> None:
         for path in args.summarize:
             with open(path) as f:
                 files.append(json.load(f))
-        rows = [r for f in files for r in f["results"]]
-        print(f"device: {files[0]['device']}, torch {files[0]['torch']}, commit {files[0]['git_commit']}\n")
+        rows = [dict(r, git_commit=r.get("git_commit", f["git_commit"])) for f in files for r in f["results"]]
+        commits = sorted({f["git_commit"] for f in files})
+        print(f"device: {files[0]['device']}, torch {files[0]['torch']}, commits {', '.join(commits)}\n")
         print(summarize(rows))
         for model in dict.fromkeys(r["model"] for r in rows) if args.out else ():
             merged = dict(files[0], results=[r for r in rows if r["model"] == model],
-                          merged_from=[os.path.basename(p) for p in args.summarize])
+                          merged_from=[os.path.basename(p) for p in args.summarize],
+                          git_commit=commits[0] if len(commits) == 1 else "per row (git_commit)")
             name = f"{files[0]['date']}-{model}-{device_slug(files[0]['device'])}"
             print(_dump(os.path.join(args.out, name), merged))
         return

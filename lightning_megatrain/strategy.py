@@ -35,15 +35,18 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     - **forward**: residents (embeddings, norm, lm_head) are uploaded as device compute copies; each layer's
       weights arrive in a slot one layer ahead on the H2D stream, the layer runs without building a graph and only
       its input is kept.
-    - **backward**: ``loss.backward()`` reaches each layer in reverse; the layer's weights are fetched again
-      (i-1 prefetched), it is recomputed with grad, and its weight grads go to the host on the D2H stream into
-      pinned slabs, accumulated in fp32 by a worker thread.
+    - **backward**: ``loss.backward()`` reaches each layer in reverse; a kept layer is differentiated from its
+      graph, any other has its weights fetched again (i-1 prefetched) and is recomputed with grad; its weight grads
+      go to the host on the D2H stream, straight into the fp32 host grads or through pinned slabs that a worker
+      thread accumulates in fp32.
     - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
-      optimizer run on the host fp32 masters.
+      optimizer run on the host fp32 masters (with ``overlap_optimizer=True`` layer by layer on a worker thread,
+      while the next step's forward waits for each layer's update before uploading it).
 
     GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
-    inputs (the others wait in pinned host memory): independent of depth. Host memory is 16 bytes per parameter
-    with Adam (master, grad, two moments).
+    inputs (the others wait in pinned host memory), independent of depth, plus the full activations and a weight
+    copy of each layer ``keep_layers`` keeps (by default as many as fit in 90% of the GPU). Host memory is 16 bytes
+    per parameter with Adam (master, grad, two moments), page-locked at its exact size.
 
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with

@@ -80,9 +80,11 @@ def test_throughput_summarize_merges_files(dry_run, tmp_path):
     (path,) = out.glob("*-tiny-llama-cpu.json")
     stdout = _run(str(BENCH / "throughput.py"), "--summarize", str(path), str(path), "--out", str(tmp_path),
                   timeout=60)
-    assert stdout.count("| megatrain | tiny-llama | hf | 2 x 2 | 256 |") == 2
+    commit = json.loads(path.read_text())["git_commit"]
+    assert stdout.count(f"| megatrain @{commit[:7]} | tiny-llama | hf | 2 x 2 | 256 |") == 2  # rows name their commit
     merged = json.loads((tmp_path / path.name).read_text())
     assert len(merged["results"]) == 8 and merged["merged_from"] == [path.name, path.name]
+    assert merged["git_commit"] == commit and all(r["git_commit"] == commit for r in merged["results"])
     assert (tmp_path / path.name).with_suffix(".md").exists()
 
 
