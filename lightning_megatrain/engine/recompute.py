@@ -40,6 +40,8 @@ class RecomputePolicy:
         self.device = device
         self.weight_bytes = layer_weight_bytes  # W: the largest layer's weights in the compute dtype
         self.calibrating = self.fixed is None and device.type == "cuda"
+        # read once: limit() runs at every layer's forward
+        self.budget = DEVICE_FRACTION * torch.cuda.get_device_properties(device).total_memory if self.calibrating else 0
         self._peak_before = 0
         self.graph_bytes_per_input_byte: float | None = None  # A / x1, set when calibration ends
         self.peak_bytes = 0  # P
@@ -66,11 +68,10 @@ class RecomputePolicy:
             return self.fixed
         if self.graph_bytes_per_input_byte is None:
             return 0  # CPU, or CUDA before calibration
-        budget = DEVICE_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
         scale = max(1.0, input_bytes / self.input_bytes)
         # the graph, the input it saves (not offloaded when kept) and the private weight copy
         per_layer = (self.graph_bytes_per_input_byte + 1) * input_bytes + self.weight_bytes
-        return max(0, int((budget - self.peak_bytes * scale) // per_layer))
+        return max(0, int((self.budget - self.peak_bytes * scale) // per_layer))
 
     def measure_recompute(self, graph_bytes: int, input_bytes: int) -> None:
         """A recompute of a layer with ``input_bytes`` of input held ``graph_bytes`` (calibration only)."""
