@@ -5,7 +5,9 @@ Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a 
                            clip 1.0; keep_layers="auto": the graphs of the layers that fit stay on the GPU, the rest
                            are recomputed in backward (all are on the first, calibrating, micro-batch).
   megatrain_overlap        the same with overlap_optimizer=True: step N's host Adam (and the clip scaling) runs layer
-                           by layer on a worker thread while step N+1's forward starts (engine/overlap.py).
+                           by layer on a worker thread while step N+1's forward starts (engine/overlap.py); the
+                           host AdamW is then torch's fused one (cpu_adam="auto" with the overlap).
+  megatrain_overlap_deepspeed  overlap_optimizer=True with cpu_adam="deepspeed" (DeepSpeedCPUAdam holds the GIL).
   megatrain_recompute_all  keep_layers=0: every layer recomputed (the paper's scheme; the engine before this option).
   plain                    Lightning strategy "auto" on the GPU: fp32 params, bf16-mixed autocast, torch AdamW
                            fused on the GPU, clip 1.0 (by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping:
@@ -97,7 +99,7 @@ GIB = 1024**3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAK_FLOPS = 989e12  # dense bf16 tensor-core peak of one H100/H200 SXM (NVIDIA data sheet), as in BENCHMARKS.md
 DEFAULT_SYSTEMS = ("megatrain", "plain", "deepspeed_zero3_offload", "fsdp_cpu_offload")  # one device call per part
-SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_recompute_all")
+SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_overlap_deepspeed", "megatrain_recompute_all")
 PARTS = {"32k": (32768, "hf"), "64k": (65536, "hf"), "32k-chunked": (32768, "chunked"),
          "64k-chunked": (65536, "chunked")}
 ROW_KEYS = ("system", "model", "micro_batch", "seq_len", "tokens_per_step", "tokens_per_s", "mfu", "peak_gpu_gib",
@@ -149,6 +151,7 @@ MODELS = {
 _EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
     "megatrain": (55.0, 1.0, 2.0),
     "megatrain_overlap": (55.0, 0.4, 2.0),
+    "megatrain_overlap_deepspeed": (55.0, 0.4, 2.0),
     "megatrain_recompute_all": (55.0, 1.0, 2.6),
     "plain": (20.0, 0.05, 2.15),
     "deepspeed_zero3_offload": (80.0, 2.0, 2.2),
@@ -334,8 +337,9 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
 
         if system == "megatrain_recompute_all":
             return MegaTrainStrategy(keep_layers=0), 1.0, "adamw", "megatrain: every layer recomputed", []
-        overlap = system == "megatrain_overlap"
-        return (MegaTrainStrategy(overlap_optimizer=overlap), 1.0, "adamw",
+        overlap = system.startswith("megatrain_overlap")
+        cpu_adam = "deepspeed" if system == "megatrain_overlap_deepspeed" else "auto"
+        return (MegaTrainStrategy(overlap_optimizer=overlap, cpu_adam=cpu_adam), 1.0, "adamw",
                 "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", [])
     if system == "plain":
         notes = [("clipped by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping: Lightning's "

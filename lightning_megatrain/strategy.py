@@ -68,8 +68,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             backward, checkpoint save or load, validation, epoch end and train end, which all wait for it; a callback
             that reads parameters in ``on_train_batch_end`` would see them mid-update, hence off by default.
             Applies to the host Adam/AdamW (other optimizers step synchronously).
-        cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning),
-            ``"deepspeed"`` (fail if it does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
+        cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
+            with ``overlap_optimizer=True`` always torch fused AdamW, which releases the GIL while the forward thread
+            issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
+            build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
         checkpoint_io: Lightning checkpoint IO plugin.
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
@@ -189,8 +191,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def _to_host_optimizers(self) -> None:
         replaced = {}
         optimizers = []
+        # DeepSpeedCPUAdam holds the GIL for each parameter's update, stalling the forward it overlaps with.
+        mode = "torch" if self.overlap_optimizer and self.cpu_adam == "auto" else self.cpu_adam
         for optimizer in self.optimizers:
-            host = to_host_optimizer(optimizer, self.cpu_adam)
+            host = to_host_optimizer(optimizer, mode)
             replaced[id(optimizer)] = host
             optimizers.append(host)
         self.optimizers = optimizers

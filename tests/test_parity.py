@@ -176,10 +176,17 @@ def test_overlapped_step_failure_surfaces_on_the_training_thread(monkeypatch):
     assert isinstance(info.value.__cause__, ValueError)
 
 
-def test_overlapped_default_host_adam_parity():
+# cpu_adam="auto" overlaps torch fused AdamW (it releases the GIL; clipping folded into its pass as grad_scale);
+# DeepSpeedCPUAdam overlaps when asked for.
+@pytest.mark.parametrize(("cpu_adam", "deepspeed"), [("auto", False), ("deepspeed", True)])
+def test_overlapped_host_adam_parity(cpu_adam, deepspeed):
     ref = reference("llama_untied", optimizer="adamw", clip=1.0)
-    rec = run(MegaTrainStrategy(overlap_optimizer=True), "llama_untied", clip=1.0)
+    strategy = MegaTrainStrategy(overlap_optimizer=True, cpu_adam=cpu_adam)
+    rec = run(strategy, "llama_untied", clip=1.0)
     assert_records_close(rec, ref, rtol_updated=HOST_ADAM_RTOL)
+    (optimizer,) = strategy.optimizers
+    assert hasattr(optimizer, "ds_opt_adam") == deepspeed
+    assert deepspeed or all(group["fused"] for group in optimizer.param_groups)
 
 
 def test_kept_layers_skip_the_recompute(monkeypatch):

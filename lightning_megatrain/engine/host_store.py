@@ -27,8 +27,9 @@ class FlatGroup:
     master: Tensor  # 1D fp32 host, [numel]; the parameters' storage
     grad: Tensor  # 1D fp32 host, [numel]; storage of ``p.grad`` views
     slot_index: list[tuple[TensorSlot, int]] = field(default_factory=list)  # parameter slot -> index into params
-    # Squared norm of the grads as they arrived on the device (0-dim device tensor), valid while ``self.grad`` holds
-    # exactly that one arrival; it spares clipping a pass over host memory. Set and cleared by the transfer layer.
+    # Squared norm of ``self.grad`` as the device last wrote it whole (0-dim device tensor: one arrival, or the
+    # device-side sum of all arrivals); it spares clipping a pass over host memory. Set and cleared by the transfer
+    # layer, None whenever a host-side add changed ``self.grad`` afterwards.
     device_norm_sq: Tensor | None = None
 
     @property

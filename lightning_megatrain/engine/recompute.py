@@ -79,10 +79,10 @@ class RecomputePolicy:
             self.input_bytes = max(self.input_bytes, input_bytes)
             self._ratio = max(self._ratio, graph_bytes / input_bytes)
 
-    def end_backward(self) -> None:
-        """The first layer's backward finished: the micro-batch's peak is known; calibration ends."""
+    def end_backward(self) -> bool:
+        """The first layer's backward finished: the micro-batch's peak is known. True when calibration ends here."""
         if not self.calibrating or not self.input_bytes:
-            return
+            return False
         self.peak_bytes = max(torch.cuda.max_memory_allocated(self.device), self._peak_before)
         self.graph_bytes_per_input_byte = self._ratio
         self.calibrating = False
@@ -93,3 +93,4 @@ class RecomputePolicy:
             self.peak_bytes / 2**30,
             self.limit(self.input_bytes),
         )
+        return True

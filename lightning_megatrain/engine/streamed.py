@@ -178,8 +178,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         owner.transfer.drain(index, [next(weight_grads) if w.requires_grad else None for w in weights])
         if not kept:  # a kept layer released its slot in forward
             owner.transfer.release(index)
-        if index == 0:
-            owner.policy.end_backward()
+        if index == 0 and owner.policy.end_backward():
+            owner.transfer.trim_stash_cache()  # the calibrating micro-batch's offloaded inputs are all restored
 
         result: list[Tensor | None] = [None] * (5 + len(ctx.other_leaves))
         for (pos, _), g in zip(inputs_needing_grad, input_grads):

@@ -15,13 +15,21 @@ without a second upload.
 
 [Note: gradient drain]
 ``drain(i, grads)`` packs layer i's weight grads into one contiguous device buffer on the compute stream (one D2H
-per layer, not one per parameter). When the layer has no host grads yet (the first micro-batch after
-``zero_grad``) and every parameter got a gradient, the buffer is cast to fp32 and the D2H stream writes it straight
-into the layer's pinned fp32 grad buffer: no host pass at all. Otherwise (accumulation, an expert without tokens)
-it goes into a free pinned *grad slab* and a worker thread adds the slab into the fp32 host grads. Either way the
-worker waits for the copy's event and then owns the host side. Holding the packed device buffer in the worker's
-queue entry until the copy's event has completed is what keeps the caching allocator from reusing it while the D2H
-stream still reads it: a structural invariant, not bookkeeping (tests/test_gpu.py runs both paths against plain
+per layer, not one per parameter). When every parameter got a gradient, the fp32 host grads end up written by one
+D2H straight into the layer's pinned grad buffer, with no host pass at all:
+
+- *first arrival* (no host grads since ``zero_grad``): the buffer is cast to fp32 on the compute stream;
+- *accumulation* (the host grads are complete from earlier micro-batches): the H2D stream uploads them, the D2H
+  stream waits for that upload and for the packed buffer, adds the two in fp32 and writes the sum back. The
+  upload rides behind the weight prefetches, the add runs beside the compute stream, and nothing waits on the
+  host, so accumulated micro-batches cost PCIe time only.
+
+Either way the per-layer squared norm is taken on the device from the fp32 buffer written back, so clipping needs
+no pass over host memory. Otherwise (an expert without tokens, or a layer whose host grads are partial) the packed
+buffer goes into a free pinned *grad slab* and a worker thread adds the slab into the fp32 host grads. In every case
+the worker waits for the copy's event and then owns the host side. Holding the device buffers in the worker's queue
+entry until the copy's event has completed is what keeps the caching allocator from reusing them while the D2H
+stream still reads them: a structural invariant, not bookkeeping (tests/test_gpu.py runs every path against plain
 training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step.
 
 [Note: activation offload]
@@ -85,6 +93,9 @@ class HostTransfer:
     def unstash(self, stashed: Tensor) -> Tensor:
         return stashed
 
+    def trim_stash_cache(self) -> None:
+        """No pinned blocks on the host backend."""
+
     def prefetch_stash(self, stashed: Tensor | None) -> None:
         """Nothing to prefetch on the host."""
 
@@ -117,7 +128,7 @@ class _Drain:
 
     index: int
     present: list[bool]  # which parameters had a gradient, in layout order
-    packed: Tensor  # 1D on device: compute dtype (into a slab) or fp32 (straight into the host grads)
+    device: tuple[Tensor, ...]  # 1D device buffers the copy reads (the packed grads, the device-side sum)
     slab: Tensor | None  # 1D pinned host, [max layer numel]; None when the copy went straight into the grads
     done: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the drain worker
 
@@ -253,6 +264,17 @@ class CudaTransfer:
             stashed.device.copy_(stashed.host, non_blocking=True)
             stashed.restored.record(self.h2d_stream)
 
+    def trim_stash_cache(self) -> None:
+        """Return torch's cached pinned blocks to the OS once the auto recompute policy has calibrated.
+
+        The calibrating micro-batch offloads every layer's input; torch's caching host allocator keeps those blocks
+        (rounded up to powers of two) for the rest of the run although later micro-batches keep most layers on the
+        device and stash few inputs. Freeing them here keeps the process near 16 host bytes per parameter.
+        """
+        empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:  # torch < 2.5 has neither: the blocks stay cached
+            empty()
+
     def unstash(self, stashed: _Stashed) -> Tensor:
         """The offloaded input on the device, ready for the compute stream."""
         self.prefetch_stash(stashed)
@@ -270,29 +292,53 @@ class CudaTransfer:
             return
         group = self.groups[index]
         with self._lock:
-            idle = self._in_flight.get(index, 0) == 0
+            idle = self._in_flight.get(index, 0) == 0  # the worker is done with this layer's host grads
             self._in_flight[index] = self._in_flight.get(index, 0) + 1
-        # First gradient of this layer since zero_grad, complete: D2H in fp32 straight into the pinned host grads,
-        # no host pass at all. Otherwise (accumulation, parameters without grad) a slab and a host add.
-        direct = idle and all(present) and all(p.grad is None for p in group.params) and group.grad.is_pinned()
+        # See [Note: gradient drain] for the three paths.
+        whole = idle and all(present) and group.grad.is_pinned()
+        first = whole and all(p.grad is None for p in group.params)
+        accumulate = whole and not first and group.grads_are_views()
+        compute = torch.cuda.current_stream(self.device)
+        done = torch.cuda.Event()  # recorded by the D2H stream after the copy; waited on by the drain worker
         with torch.profiler.record_function("megatrain::d2h"):
             packed = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] on the compute stream
-            if direct:
+            if first:
                 packed = packed.float()
-                # per-layer partial norm for clipping, on the device: no pass over host memory later
-                group.device_norm_sq = torch.dot(packed, packed)
-            else:
-                group.device_norm_sq = None
-            packed_ready = torch.cuda.Event()
-            packed_ready.record(torch.cuda.current_stream(self.device))
-            slab = None if direct else self._free_slabs.get()  # blocks only when the worker is 3 layers behind
+                group.device_norm_sq = torch.dot(packed, packed)  # the per-layer partial norm clipping will read
+            packed_ready = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
+            packed_ready.record(compute)
+            if accumulate:
+                self._drain_accumulating(index, packed, packed_ready, done)
+                return
+            if not first:
+                group.device_norm_sq = None  # the host add below makes it stale: clipping takes a host pass
+            slab = None if first else self._free_slabs.get()  # blocks only when the worker is 3 layers behind
             target = group.grad if slab is None else slab
-            done = torch.cuda.Event()
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(packed_ready)
                 target[: packed.numel()].copy_(packed, non_blocking=True)
                 done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, present, packed, slab, done))
+        self._pending.put(_Drain(index, present, (packed,), slab, done))
+
+    def _drain_accumulating(
+        self, index: int, packed: Tensor, packed_ready: torch.cuda.Event, done: torch.cuda.Event
+    ) -> None:
+        """Add ``packed`` to layer ``index``'s complete host grads on the device and write the fp32 sum back."""
+        group = self.groups[index]
+        with torch.cuda.stream(self.h2d_stream):
+            total = torch.empty(group.numel, dtype=torch.float32, device=self.device)  # [numel] fp32
+            total.copy_(group.grad, non_blocking=True)  # behind the weight prefetches already queued
+            uploaded = torch.cuda.Event()  # recorded by the H2D stream; waited on by the D2H stream
+            uploaded.record(self.h2d_stream)
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(uploaded)
+            self.d2h_stream.wait_event(packed_ready)
+            total.add_(packed)  # fp32 += compute dtype, the same sum the slab path's host add makes
+            # Read by clip_grad_norm_ on the compute stream only after wait_drained() synchronized on ``done``.
+            group.device_norm_sq = torch.dot(total, total)
+            group.grad.copy_(total, non_blocking=True)
+            done.record(self.d2h_stream)
+        self._pending.put(_Drain(index, [True] * len(group.params), (packed, total), None, done))
 
     def _drain_worker(self) -> None:
         while True:
@@ -301,7 +347,7 @@ class CudaTransfer:
                 return
             try:
                 item.done.synchronize()
-                del item.packed  # the D2H has completed: the allocator may reuse the device buffer now
+                del item.device  # the D2H has completed: the allocator may reuse the device buffers now
                 group = self.groups[item.index]
                 if item.slab is None:
                     group.attach_grads()

@@ -149,17 +149,15 @@ def snapshot_update(optimizer: Optimizer, grad_scale: Tensor | None = None) -> C
     hyper = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
     grads = {id(p): p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
 
-    def present_and_scaled(params: list[Tensor]) -> list[Tensor]:
-        present = [p for p in params if id(p) in grads]
-        if grad_scale is not None:
-            for p in present:
-                grads[id(p)].mul_(grad_scale)
-        return present
+    def present(params: list[Tensor]) -> list[Tensor]:
+        return [p for p in params if id(p) in grads]
 
     if hasattr(optimizer, "ds_opt_adam"):  # DeepSpeedCPUAdam: its step() body, one parameter at a time
 
         def update_deepspeed(params: list[Tensor]) -> None:
-            for p in present_and_scaled(params):
+            for p in present(params):
+                if grad_scale is not None:
+                    grads[id(p)].mul_(grad_scale)
                 h = hyper[id(group_of[id(p)])]
                 state = optimizer.state[p]
                 if not state:
@@ -175,10 +173,13 @@ def snapshot_update(optimizer: Optimizer, grad_scale: Tensor | None = None) -> C
 
         return update_deepspeed
     decoupled = _decoupled(optimizer)
+    # The fused kernel divides each grad by ``grad_scale`` in place, inside the update's own pass over memory: the
+    # clipping costs no separate pass (the AMP unscale argument; grads end up scaled exactly as clipping leaves them).
+    unscale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
 
     def update_fused(params: list[Tensor]) -> None:
         by_group: dict[int, list[Tensor]] = {}
-        for p in present_and_scaled(params):
+        for p in present(params):
             by_group.setdefault(id(group_of[id(p)]), []).append(p)
         for key, ps in by_group.items():
             h = hyper[key]
@@ -193,7 +194,7 @@ def snapshot_update(optimizer: Optimizer, grad_scale: Tensor | None = None) -> C
                 ps, [grads[id(p)] for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
                 [s["step"] for s in states], fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
                 beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
-                eps=h["eps"], maximize=False,
+                eps=h["eps"], maximize=False, grad_scale=unscale,
             )
 
     return update_fused
