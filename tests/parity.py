@@ -7,7 +7,7 @@ Lightning strategy and record losses, per-step gradients and final weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -141,7 +141,7 @@ class ExpertUsage(Callback):
 
 def run(
     strategy: str | Strategy,
-    family: str,
+    family: str | None,
     *,
     steps: int = 3,
     accumulate: int = 1,
@@ -151,13 +151,16 @@ def run(
     precision: str = "32-true",
     seed: int = 0,
     callbacks: Sequence[Callback] = (),
+    accelerator: str = "cpu",
+    module: Callable[[], LightningModule] | None = None,
 ) -> Record:
-    """Train ``family`` for ``steps`` optimizer steps under ``strategy`` and return its Record."""
+    """Train ``family`` (or what ``module`` builds, after seeding) for ``steps`` optimizer steps under ``strategy``
+    on ``accelerator`` and return its Record."""
     seed_everything(seed, workers=True, verbose=False)
-    module = ParityLM(family, seed=seed, optimizer=optimizer, scheduler=scheduler)
+    module = module() if module is not None else ParityLM(family, seed=seed, optimizer=optimizer, scheduler=scheduler)
     recorder = Recorder()
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         strategy=strategy,
         max_steps=steps,
@@ -170,7 +173,7 @@ def run(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        deterministic=True,
+        deterministic=accelerator == "cpu",  # deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA init
     )
     trainer.fit(module)
     rec = recorder.record

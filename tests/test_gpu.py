@@ -8,34 +8,18 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from parity import ParityLM, Recorder, assert_records_close
+from parity import ParityLM, assert_records_close, run
 
 from lightning_megatrain import MegaTrainStrategy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _fit_cuda(strategy, module_factory, *, steps=3, precision="32-true", accumulate=1, clip=None, callbacks=()):
-    L.seed_everything(0, verbose=False)
-    module = module_factory()
-    recorder = Recorder()
-    trainer = L.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        precision=precision,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-        callbacks=[recorder, *callbacks],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+def _fit_cuda(strategy, module_factory, **kwargs):
+    """``parity.run`` on the GPU: the record and the peak allocated GPU memory."""
     torch.cuda.reset_peak_memory_stats()
-    trainer.fit(module)
-    return recorder.record, torch.cuda.max_memory_allocated()
+    record = run(strategy, None, accelerator="cuda", module=module_factory, **kwargs)
+    return record, torch.cuda.max_memory_allocated()
 
 
 # keep "auto": the first micro-batch recomputes every layer, later ones keep all graphs (tiny models fit); 0: every
