@@ -20,6 +20,7 @@ BENCH = ROOT / "benchmarks"
 
 
 def _load(name: str):
+    sys.path.insert(0, str(BENCH))  # as when run as a script: the benchmarks import each other
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
