@@ -77,7 +77,8 @@ PCIE_DUPLEX_GBPS = 97.0  # both directions at once, GB/s in total
 ACHIEVED_TFLOPS = 450.0
 FP32_TFLOPS = 50.0  # 32-true: H200 datasheet fp32 (non-tensor) ~67 TFLOP/s; assumed ~75% achieved, not measured
 PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (H100/H200); MFU is quoted against it
-CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s (torch fused AdamW: 3.1)
+CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s
+TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the overlapped step runs)
 CPU_REF_CORES = 16
 HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s
 HOST_REF_GIB = 128.0  # host RAM of the lent nvidia-h200 machine
@@ -460,40 +461,46 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
 
 
 def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,
-              h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float) -> dict[str, float]:
-    """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it)."""
+              h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float,
+              overlap_optimizer: bool = False) -> dict[str, float]:
+    """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
+    ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
+    when it is the slower of the two."""
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
     bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
     up = [4 * ly.numel / (h2d * 1e9) for ly in s.layers]  # fp32 masters stream and are cast on the GPU
     act = 4 * H * tok if offload else 0
-    # 1st micro-batch of a step: grads go D2H in fp32 straight into the pinned host grads, no host pass; later ones
-    # go D2H in the compute dtype into a slab, then the drain worker adds it into the fp32 grads on the host.
-    grads = [[4 * ly.numel for ly in s.layers], [c * ly.numel for ly in s.layers]]
-    accum = [[0.0] * len(s.layers), [ly.numel * (c + 8) / (HOST_COPY_GBPS * 1e9) for ly in s.layers]]
+    # Grads go D2H in fp32 straight into the pinned host grads. The 1st micro-batch of a step writes them; later ones
+    # first upload them (H2D, fp32) and write back the sum made on the device (transfer.py [Note: gradient drain]).
+    grads = [4 * ly.numel for ly in s.layers]
+    grads_up = [[0] * len(s.layers), grads]
     L, exposed, fill = len(s.layers), 0.0, 0.0
     for m in range(grad_accum):
-        g, a = grads[min(m, 1)], accum[min(m, 1)]
         for i in range(L):  # forward: upload i+1 and offload input i while i computes
             exposed += max(0.0, max(up[i + 1] if i + 1 < L else 0, act / (d2h * 1e9)) - fwd[i])
         for i in reversed(range(L)):  # backward: upload i-1 (not for the layers still in slots), restore its input
             load = (4 * s.layers[i - 1].numel if i > 0 and i - 1 < L - num_slots else 0) + (act if i > 0 else 0)
-            exposed += max(0.0, max(load / both, g[i] / both, a[i]) - bwd[i])
-        fill += up[0] + g[0] / (d2h * 1e9) + a[0]  # the first upload and the last drain are never hidden
+            load += grads_up[min(m, 1)][i]
+            exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
+        fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
     head = 6 * s.vocab * H * tok / rate
     compute = sum(fwd) + sum(bwd) + head
     r = s.resident_params
+    optimizer_s = s.n_params / (opt_rate * 1e9)
     return {
         "GPU compute": grad_accum * compute,
         "  of which layers": grad_accum * (sum(fwd) + sum(bwd)),
         "  of which LM head + loss": grad_accum * head,
-        "H2D busy": grad_accum * (sum(up) + sum(up[: max(L - num_slots, 0)]) + act * L / (h2d * 1e9)),
-        "D2H busy": (sum(grads[0]) + (grad_accum - 1) * sum(grads[1]) + grad_accum * act * L) / (d2h * 1e9),
+        "H2D busy": grad_accum * (sum(up) + sum(up[: max(L - num_slots, 0)]) + act * L / (h2d * 1e9))
+        + (grad_accum - 1) * sum(grads) / (h2d * 1e9),
+        "D2H busy": grad_accum * (sum(grads) + act * L) / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
         "residents up + drain (serial)": r * 4 / (h2d * 1e9) + r * 4 / (d2h * 1e9) + r * 12 / (HOST_COPY_GBPS * 1e9),
-        "CPU optimizer (serial)": s.n_params / (opt_rate * 1e9),
+        **({"CPU optimizer (beyond the next forward)": max(0.0, optimizer_s - sum(fwd) - head / 3)}
+           if overlap_optimizer else {"CPU optimizer (serial)": optimizer_s}),
     }
 
 
@@ -505,7 +512,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
          pcie_h2d_gbps: float = PCIE_H2D_GBPS, pcie_d2h_gbps: float = PCIE_D2H_GBPS,
          pcie_duplex_gbps: float = PCIE_DUPLEX_GBPS, process_gib: float = PROCESS_GIB,
          gpu_reserve_gib: float = GPU_RESERVE_GIB, pinned_pow2_rounding: bool = False,
-         attn_implementation: str | None = None) -> Plan:
+         attn_implementation: str | None = None, overlap_optimizer: bool = False) -> Plan:
     """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
 
     Args:
@@ -522,6 +529,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
             2026-11-29 core runs measured. Now only the offloaded layer inputs are rounded.
         attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
             config's (transformers picks sdpa where the model supports it).
+        overlap_optimizer: as ``MegaTrainStrategy(overlap_optimizer=True)``: Adam (torch fused) runs beside the next
+            step's forward and only the part that outlasts it counts.
     """
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
@@ -537,9 +546,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
     gpu_limit = int((gpu_mem_gib or _gpu_total_gib() or GPU_REF_GIB) * GIB)
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size, "num_slots": num_slots,
                "reserve_gib": gpu_reserve_gib}
+    opt_rate = TORCH_ADAM_GPARAMS if overlap_optimizer and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": pcie_h2d_gbps,
                "d2h": pcie_d2h_gbps, "duplex": pcie_duplex_gbps, "num_slots": num_slots,
-               "opt_rate": OPTIMIZERS[optimizer][1] * cores / CPU_REF_CORES}
+               "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap_optimizer}
     gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": process_gib,
                "pinned_pow2": pinned_pow2_rounding}
@@ -572,7 +582,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
         assumptions={"achieved_tflops": tflops, "pcie_h2d_gbps": pcie_h2d_gbps, "pcie_d2h_gbps": pcie_d2h_gbps,
                          "pcie_duplex_gbps": pcie_duplex_gbps, "cpu_cores": cores, "num_slots": num_slots,
                          "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
-                         "optimizer_overlaps_gpu": False, "pinned_pow2_rounding": pinned_pow2_rounding})
+                         "optimizer_overlaps_gpu": overlap_optimizer, "pinned_pow2_rounding": pinned_pow2_rounding})
     p.warnings = _warnings(p, s)
     return p
 
@@ -594,10 +604,10 @@ def _warnings(p: Plan, s: _Shape) -> list[str]:
                "not even micro-batch 1 fits: shorten the sequence, use loss='chunked' or a larger GPU")
         out.append(f"GPU memory too small: micro-batch {p.micro_batch} x {p.seq_len} needs "
                    f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
-    if t["CPU optimizer (serial)"] > 0.25 * t["step total"]:
+    if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
         out.append(f"the CPU optimizer ({t['CPU optimizer (serial)']:.2f} s on {p.assumptions['cpu_cores']} cores) "
                    f"is {t['CPU optimizer (serial)'] / t['step total']:.0%} of the step: it does not overlap the GPU "
-                   "yet; raise tokens per step (grad_accum) to amortise it")
+                   "(overlap_optimizer=True lets the next forward hide it); or raise tokens per step to amortise it")
     if p.loss == "naive" and p.gpu["phase loss: head + loss"] > 0.25 * p.gpu_limit:
         out.append(f"HF's loss materialises [B, T, V] logits ({p.gpu['phase loss: head + loss'] / GIB:.1f} GiB): "
                    "use CausalLMModule's chunked loss")
@@ -655,13 +665,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tflops", type=float, help="achieved TFLOP/s on executed FLOPs (default 450 bf16)")
     ap.add_argument("--no-offload", action="store_true", help="keep every layer's input on the GPU")
     ap.add_argument("--num-slots", type=int, default=2)
+    ap.add_argument("--overlap-optimizer", action="store_true",
+                    help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
     ap.add_argument("--loss-chunk-size", type=int, default=4096)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
     p = plan(a.model, seq_len=a.seq_len, micro_batch=a.micro_batch, grad_accum=a.grad_accum, precision=a.precision,
              optimizer=a.optimizer, loss=a.loss, host_ram_gib=a.host_ram, gpu_mem_gib=a.gpu_mem,
              cpu_cores=a.cpu_cores, achieved_tflops=a.tflops, offload_activations=not a.no_offload,
-             num_slots=a.num_slots, loss_chunk_size=a.loss_chunk_size, attn_implementation=a.attn_implementation)
+             num_slots=a.num_slots, loss_chunk_size=a.loss_chunk_size, attn_implementation=a.attn_implementation,
+             overlap_optimizer=a.overlap_optimizer)
     print(json.dumps(p.to_dict(), indent=2) if a.json else p.report())
     return 0
 
