@@ -178,6 +178,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             overlap_optimizer=self.overlap_optimizer,
         )
         self.engine.setup(fitting=fitting)
+        self._metrics_to_device()
         precision.engine = self.engine
         self.model = self._setup_model(self.model)
         if fitting:
@@ -206,6 +207,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             host = replaced.get(id(scheduler_optimizer))
             if host is not None and host is not scheduler_optimizer:
                 rebind_scheduler(config.scheduler, host)
+
+    def _metrics_to_device(self) -> None:
+        """torchmetrics metrics hold no parameters, only states that ``update`` combines with the step's outputs,
+        which live on the compute device: move them there, as Lightning's ``model_to_device`` would have."""
+        from torchmetrics import Metric
+
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.to(self.root_device)
 
     @override
     def model_to_device(self) -> None:

@@ -149,3 +149,19 @@ def test_gpu_memory_does_not_grow_with_depth():
     # 12.6M params/layer: plain training grows ~200 MB per 4 layers (weights, grads, Adam); ours holds 2 slots
     assert peaks[8] <= 1.10 * peaks[4], peaks
     assert plain[8] > 1.5 * plain[4], plain
+
+
+def test_causal_lm_module_validates_on_the_gpu(tmp_path):
+    # CausalLMModule's torchmetrics MeanMetric states must follow the loss to the GPU (the module stays on the host)
+    from lightning_megatrain.models import CausalLMModule
+
+    config = dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    module = CausalLMModule(config=config)
+    data = torch.utils.data.DataLoader([{"input_ids": torch.randint(3, 128, (16,))} for _ in range(8)], batch_size=2)
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy="megatrain", max_steps=2, limit_val_batches=2,
+                        val_check_interval=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(module, data, data)
+    assert module.val_loss_mean.device.type == "cuda"
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
