@@ -159,9 +159,14 @@ def test_causal_lm_module_validates_on_the_gpu(tmp_path):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     module = CausalLMModule(config=config)
     data = torch.utils.data.DataLoader([{"input_ids": torch.randint(3, 128, (16,))} for _ in range(8)], batch_size=2)
+    class Check(L.Callback):
+        def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+            self.device = pl_module.val_loss_mean.device  # Lightning's teardown moves the module to the CPU after
+
+    check = Check()
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy="megatrain", max_steps=2, limit_val_batches=2,
                         val_check_interval=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        default_root_dir=tmp_path)
+                        default_root_dir=tmp_path, callbacks=[check])
     trainer.fit(module, data, data)
-    assert module.val_loss_mean.device.type == "cuda"
+    assert check.device.type == "cuda"
     assert torch.isfinite(trainer.callback_metrics["val_loss"])

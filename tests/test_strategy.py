@@ -46,6 +46,22 @@ def test_root_device_follows_parallel_devices():
     assert strategy.root_device == torch.device("cuda", 0)
 
 
+def test_metrics_follow_the_compute_device():
+    # the module stays on the host, but torchmetrics states must meet the step's outputs on the compute device
+    # (CausalLMModule's validation on the GPU crashed without this); "meta" stands in for the GPU here
+    from lightning_megatrain.models import CausalLMModule
+
+    module = CausalLMModule(config=dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32))
+    module.configure_model()
+    strategy = MegaTrainStrategy()
+    strategy.parallel_devices = [torch.device("meta")]
+    strategy.connect(module)
+    strategy._metrics_to_device()
+    assert module.val_loss_mean.device.type == "meta" and module.test_loss_mean.device.type == "meta"
+    assert all(p.device.type == "cpu" for p in module.parameters())
+
+
 def test_lightning_cli_class_path(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
