@@ -202,6 +202,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if self.engine is not None and self.engine.overlap is not None:
             for optimizer in optimizers:
                 _wait_before_zero_grad(optimizer, self.engine)
+                if not self.engine.overlaps(optimizer):
+                    warnings.warn(
+                        f"MegaTrainStrategy(overlap_optimizer=True) overlaps the host Adam/AdamW step only; "
+                        f"{type(optimizer).__name__} steps synchronously between steps (amsgrad, maximize, "
+                        "capturable and differentiable Adam variants too).",
+                        stacklevel=2,
+                    )
         for config in self.lr_scheduler_configs:
             scheduler_optimizer = getattr(config.scheduler, "optimizer", None)
             host = replaced.get(id(scheduler_optimizer))

@@ -138,6 +138,13 @@ def test_overlapped_optimizer_step_parity(family, accumulate, clip, scheduler):
     assert_records_close(rec, ref)
 
 
+def test_overlap_with_sgd_warns_and_steps_synchronously():
+    ref = reference("qwen2", optimizer="sgd", scheduler=True)
+    with pytest.warns(UserWarning, match="SGD steps synchronously"):
+        rec = run(MegaTrainStrategy(overlap_optimizer=True), "qwen2", optimizer="sgd", scheduler=True)
+    assert_records_close(rec, ref)
+
+
 def test_overlapped_step_gates_every_reader(monkeypatch):
     # A slow update per group: the next forward must wait for each layer's (and the embedding's) update, the next
     # zero_grad/backward and the final parameters for the whole step, or the records differ.
