@@ -269,7 +269,8 @@ class CudaTransfer:
 
         The calibrating micro-batch offloads every layer's input; torch's caching host allocator keeps those blocks
         (rounded up to powers of two) for the rest of the run although later micro-batches keep most layers on the
-        device and stash few inputs. Freeing them here keeps the process near 16 host bytes per parameter.
+        device and stash few inputs. Freed here, before the first optimizer step allocates the Adam states, they no
+        longer add to the peak host RSS (3B at 32 x 1024 tokens: 59.1 GiB instead of 65.6).
         """
         empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
         if empty is not None:  # torch < 2.5 has neither: the blocks stay cached
