@@ -15,7 +15,7 @@ host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss,
                (Chowdhery et al. 2022) appendix B, H = heads * head_dim, T = seq_len (full, not causal-halved).
   peak_host_gib  peak RSS of the run's subprocess (resource.getrusage ru_maxrss): includes pinned memory and the
                process baseline (host_baseline_gib), so host_bytes_per_param is an upper bound.
-  host_steady_gib  RSS after the last measured step (/proc/self/statm), past one-off peaks of the first steps.
+  host_steady_gib  RSS after the last measured step (VmRSS), past one-off peaks of the first steps.
   breakdown    medians per optimizer step, summed over its micro-batches, with torch.cuda.synchronize at each mark:
                forward, backward, grad_finalize (backward end -> on_before_optimizer_step), clip_and_optimizer,
                other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
@@ -153,15 +153,11 @@ def busy_fractions(events: list[tuple[str, int, int]], wall_s: float) -> dict[st
 # Child: one (system, model, tokens, loss) run in a fresh process.
 
 
-def _rss_bytes() -> int:
-    """The process's resident set now (/proc/self/statm: pages), pinned memory included."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def make_recorder(profile_step: int | None, sync: bool):
     import lightning as L
     import torch
+
+    from lightning_megatrain.callbacks import host_rss_gib
 
     class StepRecorder(L.Callback):
         """Phase times per optimizer step (summed over its micro-batches) and the GPU busy fractions of one step."""
@@ -222,7 +218,7 @@ def make_recorder(profile_step: int | None, sync: bool):
             step["end"] = self._mark
             step["step_s"] = step["end"] - step["start"]
             step["other_s"] = step["step_s"] - sum(step[k] for k in PHASES[:-1])
-            step["rss"] = _rss_bytes()
+            step["rss_gib"] = host_rss_gib()  # pinned memory included
             self.steps.append(step)
             if self._prof is not None:
                 prof, self._prof = self._prof, None
@@ -303,7 +299,8 @@ def train(spec: dict) -> dict:
         "mfu_attn": (6 * params + attention_flops_per_token(config, seq)) * tokens_per_s / PEAK_FLOPS,
         "model_tflops": 6 * params * tokens_per_s / 1e12,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
-        "host_steady_gib": measured[-1]["rss"] / GIB, "host_steady_bytes_per_param": measured[-1]["rss"] / params,
+        "host_steady_gib": measured[-1]["rss_gib"],
+        "host_steady_bytes_per_param": measured[-1]["rss_gib"] * GIB / params,
         "host_baseline_gib": baseline / GIB, "host_bytes_per_param_above_baseline": (peak_host - baseline) / params,
         "clip": clip, "optimizer": optimizer, "optimizer_class": type(trainer.optimizers[0]).__name__,
         "activation_checkpointing": act_ckpt, "precision": "bf16-mixed", "warmup_steps": spec["warmup"],

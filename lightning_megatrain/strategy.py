@@ -67,7 +67,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             GPU idle. The step's parameters and optimizer states are final at the next forward, ``zero_grad``,
             backward, checkpoint save or load, validation, epoch end and train end, which all wait for it; a callback
             that reads parameters in ``on_train_batch_end`` would see them mid-update, hence off by default.
-            Applies to the host Adam/AdamW (other optimizers step synchronously).
+            Applies to the host Adam/AdamW (other optimizers step synchronously, with a warning).
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
             with ``overlap_optimizer=True`` always torch fused AdamW, which releases the GIL while the forward thread
             issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
@@ -178,7 +178,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             overlap_optimizer=self.overlap_optimizer,
         )
         self.engine.setup(fitting=fitting)
-        self._metrics_to_device()
+        self.model_to_device()
         precision.engine = self.engine
         self.model = self._setup_model(self.model)
         if fitting:
@@ -215,19 +215,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             if host is not None and host is not scheduler_optimizer:
                 rebind_scheduler(config.scheduler, host)
 
-    def _metrics_to_device(self) -> None:
-        """torchmetrics metrics hold no parameters, only states that ``update`` combines with the step's outputs,
-        which live on the compute device: move them there, as Lightning's ``model_to_device`` would have."""
+    @override
+    def model_to_device(self) -> None:
+        """Parameters and buffers stay in host RAM (the engine moves each layer to the device only while it
+        computes). torchmetrics metrics go to the compute device: their states meet the step's outputs there."""
         from torchmetrics import Metric
 
         for module in self.lightning_module.modules():
             if isinstance(module, Metric):
                 module.to(self.root_device)
-
-    @override
-    def model_to_device(self) -> None:
-        # The engine moves each layer to the device only while it computes; parameters stay in host RAM.
-        pass
 
     @override
     @contextlib.contextmanager

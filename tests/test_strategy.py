@@ -57,7 +57,7 @@ def test_metrics_follow_the_compute_device():
     strategy = MegaTrainStrategy()
     strategy.parallel_devices = [torch.device("meta")]
     strategy.connect(module)
-    strategy._metrics_to_device()
+    strategy.model_to_device()
     assert module.val_loss_mean.device.type == "meta" and module.test_loss_mean.device.type == "meta"
     assert all(p.device.type == "cpu" for p in module.parameters())
 
