@@ -76,6 +76,7 @@ from workloads import (
     hf_config,
     make_module,
     make_strategy,
+    split_system,
 )
 
 GIB = 1024**3
@@ -112,7 +113,7 @@ _CPU_LIMITS = {"FSDP needs a non-CPU accelerator device": "torch FSDP needs an a
 def estimate_s(run: dict, params: int, jit: bool) -> float:
     if run["dry_run"]:
         return 15.0
-    fixed, host, gpu = _EST[run["system"]]
+    fixed, host, gpu = _EST[split_system(run["system"])[0]]
     scale = params / _REF_PARAMS
     steps = run["warmup"] + run["measured"] + run["profile"] + 1  # +1: the first step's extra cost
     step_s = host * scale + gpu * scale * run["tokens_per_step"] / 32768
@@ -326,8 +327,8 @@ def plan(args) -> list[dict]:
             if args.dry_run:
                 tokens = 4 * args.seq_len  # 2 micro-batches of 2 sequences: exercises accumulation
             for system in args.systems.split(","):
-                if system not in SYSTEMS:
-                    raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS}")
+                if split_system(system)[0] not in SYSTEMS:
+                    raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS} (megatrain ones take _gpuN)")
                 cap = spec["micro_batch_cap"][loss]
                 if system == "plain":
                     cap = min(cap, spec.get("plain_cap", cap))

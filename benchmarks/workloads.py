@@ -8,6 +8,9 @@ Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a 
                            by layer on a worker thread while step N+1's forward starts (engine/overlap.py); the
                            host AdamW is then torch's fused one (cpu_adam="auto" with the overlap).
   megatrain_overlap_deepspeed  overlap_optimizer=True with cpu_adam="deepspeed" (DeepSpeedCPUAdam holds the GIL).
+  megatrain_overlap_gpuN   megatrain_overlap with gpu_optimizer_groups=N (any megatrain system takes the _gpuN
+                           suffix): the residents and the first N-1 layers keep fp32 master, grad and Adam states
+                           on the GPU too and step there (engine/device_state.py), the rest on the host.
   megatrain_recompute_all  keep_layers=0: every layer recomputed (the paper's scheme; the engine before this option).
   plain                    Lightning strategy "auto" on the GPU: fp32 params, bf16-mixed autocast, torch AdamW
                            fused on the GPU, clip 1.0 (by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping:
@@ -36,10 +39,19 @@ Models (--models; random-init, from the published configs):
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 DEFAULT_SYSTEMS = ("megatrain", "plain", "deepspeed_zero3_offload", "fsdp_cpu_offload")  # one device call per part
 SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_overlap_deepspeed", "megatrain_recompute_all")
+
+
+
+def split_system(system: str) -> tuple[str, int]:
+    """``"megatrain_overlap_gpu12"`` -> ``("megatrain_overlap", 12)``: the base system and gpu_optimizer_groups."""
+    match = re.fullmatch(r"(megatrain\w*?)_gpu(\d+)", system)
+    return (match.group(1), int(match.group(2))) if match else (system, 0)
+
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, use_cache=False)
 _QWEN3_MOE = dict(model_type="qwen3_moe", norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -204,12 +216,16 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
     if system.startswith("megatrain"):
         from lightning_megatrain import MegaTrainStrategy
 
+        system, groups = split_system(system)
         if system == "megatrain_recompute_all":
-            return MegaTrainStrategy(keep_layers=0), 1.0, "adamw", "megatrain: every layer recomputed", []
+            return (MegaTrainStrategy(keep_layers=0, gpu_optimizer_groups=groups), 1.0, "adamw",
+                    "megatrain: every layer recomputed", [])
         overlap = system.startswith("megatrain_overlap")
         cpu_adam = "deepspeed" if system == "megatrain_overlap_deepspeed" else "auto"
-        return (MegaTrainStrategy(overlap_optimizer=overlap, cpu_adam=cpu_adam), 1.0, "adamw",
-                "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", [])
+        strategy = MegaTrainStrategy(overlap_optimizer=overlap, cpu_adam=cpu_adam, gpu_optimizer_groups=groups)
+        notes = [f"gpu_optimizer_groups={groups}: the residents and {groups - 1} layers step on the GPU"] if groups else []
+        return (strategy, 1.0, "adamw",
+                "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", notes)
     if system == "plain":
         notes = [("clipped by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping: Lightning's "
                   "MixedPrecision refuses gradient_clip_val with a fused optimizer")]

@@ -77,19 +77,36 @@ class MegaTrainPrecision(Precision):
         # The engine clips the flat host grad buffers (norms from the device); torch's per-tensor path otherwise.
         engine = self.engine
         assert engine is not None
-        if not engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), engine.overlaps(optimizer)):
+        if not engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), engine.takes_step(optimizer)):
+            _refuse_with_device_groups(engine, "clipping an optimizer that holds only part of the model's parameters")
             super().clip_grad_by_norm(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        assert self.engine is not None
+        _refuse_with_device_groups(self.engine, "gradient_clip_algorithm='value'")
+        super().clip_grad_by_value(optimizer, clip_val)
 
     @override
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
         engine = self.engine
         assert engine is not None
-        if engine.overlaps(optimizer) and not kwargs:
-            # forward/backward/clipping now; the update runs on the overlap worker (engine/overlap.py)
+        if engine.takes_step(optimizer) and not kwargs:
+            # forward/backward/clipping now; the update runs on the device and/or the overlap worker
             with torch.enable_grad():
                 result = self._wrap_closure(model, optimizer, closure)
-            engine.launch_optimizer_step(optimizer)
+            engine.optimizer_step(optimizer)
         else:
+            _refuse_with_device_groups(engine, f"optimizer.step() with arguments {sorted(kwargs)}")
             result = super().optimizer_step(optimizer, model, closure, **kwargs)
         engine.masters_updated()
         return result
+
+
+def _refuse_with_device_groups(engine: MegaTrainEngine, what: str) -> None:
+    """The host-side fallbacks do not see the grads and states that device groups keep on the GPU."""
+    if engine.device_groups:
+        raise RuntimeError(
+            f"MegaTrainStrategy(gpu_optimizer_groups={len(engine.device_groups)}) does not support {what}: those "
+            "groups' gradients and Adam states live on the GPU. HINT: use gpu_optimizer_groups=0."
+        )

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -68,6 +69,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             backward, checkpoint save or load, validation, epoch end and train end, which all wait for it; a callback
             that reads parameters in ``on_train_batch_end`` would see them mid-update, hence off by default.
             Applies to the host Adam/AdamW (other optimizers step synchronously, with a warning).
+        gpu_optimizer_groups: how many parameter groups, in the order the forward reads them (first the residents:
+            embeddings, final norm, head; then decoder layers 0, 1, ...), also keep their fp32 master, fp32 grad and
+            Adam moments on the GPU and take their optimizer step there (torch's fused AdamW kernel): no host Adam
+            and no weight upload for them. Costs 18 bytes of GPU memory per layer parameter (16 per resident one),
+            taken from the activations ``keep_layers="auto"`` keeps, and saves 8 bytes/param of host RAM. Pays when
+            the host Adam step outlasts a forward (``megatrain plan`` says so); the host masters stay the parameters
+            and checkpoints are unchanged. Needs a CUDA device and Adam/AdamW, norm clipping or none. Default 0.
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
             with ``overlap_optimizer=True`` always torch fused AdamW, which releases the GIL while the forward thread
             issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
@@ -91,6 +99,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
         overlap_optimizer: bool = False,
+        gpu_optimizer_groups: int = 0,
         cpu_adam: CpuAdamMode = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -101,6 +110,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         valid_keep = keep_layers == "auto" or (type(keep_layers) is int and keep_layers >= 0)
         if not valid_keep:
             problems.append(f"keep_layers={keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
+        if type(gpu_optimizer_groups) is not int or gpu_optimizer_groups < 0:
+            problems.append(f"gpu_optimizer_groups={gpu_optimizer_groups!r}: need an int >= 0")
         if cpu_adam not in CPU_ADAM_MODES:
             problems.append(f"cpu_adam={cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
         if problems:
@@ -112,6 +123,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.num_slots = num_slots
         self.keep_layers = keep_layers
         self.overlap_optimizer = overlap_optimizer
+        self.gpu_optimizer_groups = gpu_optimizer_groups
         self.cpu_adam = cpu_adam
         self.engine: MegaTrainEngine | None = None
         if precision_plugin is not None:
@@ -168,6 +180,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.gpu_optimizer_groups and fitting and trainer.gradient_clip_algorithm == "value":
+            raise ValueError(
+                "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
+                "got gradient_clip_algorithm='value'. HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
+            )
         self.engine = MegaTrainEngine(
             self.lightning_module,
             device=self.root_device,
@@ -176,6 +193,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             num_slots=self.num_slots,
             keep_layers=self.keep_layers,
             overlap_optimizer=self.overlap_optimizer,
+            gpu_optimizer_groups=self.gpu_optimizer_groups if fitting else 0,
         )
         self.engine.setup(fitting=fitting)
         self.model_to_device()
@@ -184,7 +202,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._to_host_optimizers()
-            if self.engine.overlap is not None:
+            if self.engine.overlap is not None or self.engine.device_groups:
                 trainer.callbacks.insert(0, _OptimizerBarrier())  # before any callback's hook reads parameters
         self.setup_precision_plugin()
         # no _optimizers_to_device: optimizer states live with the host masters
@@ -199,10 +217,18 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             replaced[id(optimizer)] = host
             optimizers.append(host)
         self.optimizers = optimizers
+        if self.engine is not None and self.engine.device_groups:
+            refused = [type(o).__name__ for o in optimizers if not self.engine.takes_step(o)]
+            if refused:
+                raise ValueError(
+                    f"MegaTrainStrategy(gpu_optimizer_groups={self.gpu_optimizer_groups}) steps Adam/AdamW on the "
+                    f"GPU, got {', '.join(refused)} (or an Adam variant: amsgrad, maximize, capturable, "
+                    "differentiable). HINT: use torch.optim.AdamW, or gpu_optimizer_groups=0."
+                )
         if self.engine is not None and self.engine.overlap is not None:
             for optimizer in optimizers:
                 _wait_before_zero_grad(optimizer, self.engine)
-                if not self.engine.overlaps(optimizer):
+                if not self.engine.takes_step(optimizer):
                     warnings.warn(
                         f"MegaTrainStrategy(overlap_optimizer=True) overlaps the host Adam/AdamW step only; "
                         f"{type(optimizer).__name__} steps synchronously between steps (amsgrad, maximize, "
@@ -240,12 +266,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         self._wait_for_optimizer()
-        return super().optimizer_state(optimizer)
+        # gpu_optimizer_groups keep some states on the GPU: checkpoints hold CPU tensors, as without them
+        return apply_to_collection(super().optimizer_state(optimizer), torch.Tensor, lambda t: t.cpu())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._wait_for_optimizer()
         super().load_model_state_dict(checkpoint, strict=strict)
+        if self.engine is not None:
+            self.engine.reload_masters()
 
     def _wait_for_optimizer(self) -> None:
         if self.engine is not None:

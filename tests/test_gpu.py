@@ -170,3 +170,73 @@ def test_causal_lm_module_validates_on_the_gpu(tmp_path):
     trainer.fit(module, data, data)
     assert check.device.type == "cuda"
     assert torch.isfinite(trainer.callback_metrics["val_loss"])
+
+
+# gpu_optimizer_groups (engine/device_state.py): the residents and the first layers step on the GPU, the rest on
+# the host; 2 = residents + layer 0; 4 = every group of a 3-layer model; mixtral's experts without tokens keep
+# grad=None through the device sum.
+@pytest.mark.parametrize(
+    ("family", "groups", "accumulate", "clip", "overlap"),
+    [
+        ("llama_untied", 2, 2, 1.0, False),
+        ("llama_tied", 4, 1, 1.0, True),
+        ("llama_untied", 3, 2, None, True),
+        ("mixtral", 3, 2, 1.0, False),
+    ],
+)
+def test_gpu_optimizer_groups_parity(family, groups, accumulate, clip, overlap):
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    class Check(L.Callback):
+        def on_train_end(self, trainer, pl_module):  # after the barrier: host masters hold the last update
+            engine = trainer.strategy.engine
+            optimizer = trainer.optimizers[0]
+            on_gpu = {id(p) for d in engine.device_groups for p in d.group.params}
+            self.placement = {
+                (id(p) in on_gpu, optimizer.state[p]["exp_avg"].device.type)
+                for p in pl_module.parameters()
+                if p in optimizer.state
+            }
+            self.mirrors_equal = all(torch.equal(d.master.cpu(), d.group.master) for d in engine.device_groups)
+            self.n_device = len(engine.device_groups)
+
+    check = Check()
+    ref, _ = _fit_cuda("auto", lambda: ParityLM(family), accumulate=accumulate, clip=clip)
+    strategy = MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=groups, overlap_optimizer=overlap)
+    got, _ = _fit_cuda(strategy, lambda: ParityLM(family), accumulate=accumulate, clip=clip, callbacks=[check])
+    assert_records_close(got, ref, rtol=1e-4)
+    assert check.n_device == groups
+    assert check.placement == {(True, "cuda"), (False, "cpu")} if groups < 4 else {(True, "cuda")}
+    assert check.mirrors_equal
+
+
+def test_gpu_optimizer_groups_resume_exactly(tmp_path):
+    """Save after 2 steps with states on the GPU, resume to 4: the checkpoint holds CPU tensors and the resumed run
+    equals the uninterrupted one."""
+
+    def fit(steps, root, ckpt_path=None, callbacks=()):
+        L.seed_everything(0)
+        module = ParityLM("qwen3")
+        trainer = L.Trainer(
+            accelerator="cuda", devices=1, strategy=MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=2),
+            max_steps=steps, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=root, callbacks=list(callbacks),
+        )
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return module
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(2, tmp_path, callbacks=[checkpoint])
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    tensors = [t for s in saved["optimizer_states"][0]["state"].values() for t in s.values()]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    resumed = fit(4, tmp_path / "resumed", ckpt_path=str(tmp_path / "last.ckpt"))
+    straight = fit(4, tmp_path / "straight")
+    for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gpu_optimizer_groups_refuse_other_optimizers():
+    with pytest.raises(ValueError, match="gpu_optimizer_groups=1. steps Adam/AdamW on the GPU, got SGD"):
+        _fit_cuda(MegaTrainStrategy(gpu_optimizer_groups=1), lambda: ParityLM("llama_tied", optimizer="sgd"))

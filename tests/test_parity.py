@@ -154,8 +154,8 @@ def test_overlapped_step_gates_every_reader(monkeypatch):
 
     snapshot = engine_module.snapshot_update
 
-    def slow_snapshot(optimizer, grad_scale=None):
-        update = snapshot(optimizer, grad_scale)
+    def slow_snapshot(optimizer, grad_scale=None, skip=frozenset()):
+        update = snapshot(optimizer, grad_scale, skip)
 
         def slow_update(params):
             time.sleep(0.05)
@@ -171,7 +171,7 @@ def test_overlapped_step_gates_every_reader(monkeypatch):
 def test_overlapped_step_failure_surfaces_on_the_training_thread(monkeypatch):
     from lightning_megatrain.engine import engine as engine_module
 
-    def failing_snapshot(optimizer, grad_scale=None):
+    def failing_snapshot(optimizer, grad_scale=None, skip=frozenset()):
         def update(params):
             raise ValueError("boom")
 

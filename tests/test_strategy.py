@@ -178,7 +178,55 @@ def test_too_little_gpu_memory_error():
     engine = MegaTrainEngine(nn.Linear(1, 1), torch.device("cuda", 0), torch.bfloat16)
     with mock.patch.object(torch.cuda, "mem_get_info", return_value=(2 * 1024**3, 80 * 1024**3)):
         with pytest.raises(RuntimeError, match=r"one decoder layer must fit on the GPU"):
-            engine._check_gpu_memory(max_layer=1_000_000_000, n_resident=0)
+            engine._check_gpu_memory(max_layer=1_000_000_000, n_resident=0, device_numel=[])
+        engine._check_gpu_memory(max_layer=10_000_000, n_resident=50_000_000, device_numel=[])  # 0.6 GiB: fits
+        # the same plus the residents' moments (8 B/param) and 10 layers' device state (18 B/param): 2.2 GB more
+        with pytest.raises(RuntimeError, match=r"2.6 GiB .* 11 groups with their optimizer on the GPU"):
+            engine._check_gpu_memory(
+                max_layer=10_000_000, n_resident=50_000_000, device_numel=[50_000_000] + [10_000_000] * 10
+            )
+
+
+def test_gpu_optimizer_groups_validated_up_front():
+    with pytest.raises(ValueError, match=r"gpu_optimizer_groups=-1: need an int >= 0"):
+        MegaTrainStrategy(gpu_optimizer_groups=-1)
+    with pytest.raises(ValueError, match=r"keeps optimizer states on a CUDA device, but the compute device is cpu"):
+        _trainer(strategy=MegaTrainStrategy(gpu_optimizer_groups=1)).fit(ParityLM("llama_tied"))
+    with pytest.raises(ValueError, match=r"clips by norm only"):
+        trainer = _trainer(strategy=MegaTrainStrategy(gpu_optimizer_groups=1), gradient_clip_val=1.0,
+                           gradient_clip_algorithm="value")
+        trainer.fit(ParityLM("llama_tied"))
+
+
+def test_device_update_is_the_adamw_step_with_clipping():
+    """engine/device_state.py's update (here on CPU tensors) equals AdamW.step() on grads scaled by the clip factor,
+    per param group (weight decay on one, not the other), with the moments held apart from the parameters, and
+    skips a parameter without a gradient as step() does."""
+    from lightning_megatrain.optim.host_optimizer import device_update
+
+    torch.manual_seed(0)
+    shapes = [(8, 4), (4,), (3, 5), (2,)]
+    ref_params = [torch.randn(s) for s in shapes]
+    params = [p.clone() for p in ref_params]  # keys of the optimizer state, as the host masters are
+    mirrors = [p.clone() for p in ref_params]  # what the update writes, as the device mirrors are
+
+    def adamw(ps):
+        return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=1e-2,
+                                 weight_decay=0.1, fused=True)
+
+    ref, opt = adamw(ref_params), adamw(params)
+    for p, m in zip(params, mirrors):
+        opt.state[p].update(step=torch.zeros(()), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+    for step in range(3):
+        grads = [torch.randn(s) for s in shapes[:3]] + [None]
+        coef = None if step == 0 else torch.tensor(0.5)
+        for p, g in zip(ref_params, grads):
+            p.grad = None if g is None else g * (1.0 if coef is None else coef)
+        ref.step()
+        device_update(opt, coef)(params, mirrors, grads)
+    for k, (a, b) in enumerate(zip(mirrors, ref_params)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"param {k}")
+    assert torch.equal(mirrors[3], params[3])  # never had a gradient: untouched
 
 
 def test_more_than_one_device_refused():

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from lightning_megatrain.engine.device_state import LAYER_BYTES_PER_PARAM, RESIDENT_BYTES_PER_PARAM, DeviceGroup
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, pack_group
 from lightning_megatrain.engine.overlap import OverlappedStep
@@ -17,7 +18,7 @@ from lightning_megatrain.engine.recompute import KeepLayers, RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
-from lightning_megatrain.optim.host_optimizer import overlappable, snapshot_update
+from lightning_megatrain.optim.host_optimizer import device_update, overlappable, snapshot_update
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class MegaTrainEngine:
             (engine/recompute.py): an int, or ``"auto"`` (as many as fit, calibrated on the first micro-batch).
         overlap_optimizer: run the host Adam step of step N layer by layer while step N+1's forward starts
             (engine/overlap.py).
+        gpu_optimizer_groups: how many groups, in the order the forward reads them (the residents, then layers
+            0, 1, ...), keep their fp32 master, grad and Adam states on the device and step there
+            (engine/device_state.py). CUDA only.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class MegaTrainEngine:
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
         overlap_optimizer: bool = False,
+        gpu_optimizer_groups: int = 0,
     ) -> None:
         self.module = module
         self.device = device
@@ -57,7 +62,10 @@ class MegaTrainEngine:
         self.keep_layers = keep_layers
         self.overlap: OverlappedStep | None = None  # set up when overlap_optimizer
         self._overlap_requested = overlap_optimizer
-        self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the overlapped step applies
+        self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the optimizer step applies
+        self.gpu_optimizer_groups = gpu_optimizer_groups
+        self.device_groups: list[DeviceGroup] = []  # in forward order: the residents' (if any) first
+        self._device_param_ids: frozenset[int] = frozenset()
         self.groups: list[FlatGroup] = []  # one per layer of the stack
         self.resident_group: FlatGroup | None = None  # the residents' masters (CPU and CUDA backends alike)
         self.streamed: StreamedLayers | None = None
@@ -87,14 +95,17 @@ class MegaTrainEngine:
         layer_numels = [sum(p.numel() for p in layer.parameters()) for layer in stack]
         max_layer = max(layer_numels)
         n_resident = sum(p.numel() for p in {id(s.get()): s.get() for s in resident_slots if s.is_param}.values())
+        n_device = self._check_gpu_optimizer_groups(len(stack))
+        device_numel = ([n_resident] + layer_numels)[:n_device]
         check_host_memory(
             layer_numels + [n_resident],
             fitting=fitting,
             pinned=self.on_cuda,
             slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
+            device_numel=sum(device_numel),
         )
         if self.on_cuda:
-            self._check_gpu_memory(max_layer, n_resident)
+            self._check_gpu_memory(max_layer, n_resident, device_numel)
 
         pin = self.on_cuda
         registry = self.registry = HostRegistry() if pin else None
@@ -102,12 +113,26 @@ class MegaTrainEngine:
         resident_group = self.resident_group = pack_group(resident_slots, registry)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
         # the order the next forward reads masters in: residents (the embedding) first, then the layers
-        self.overlap = OverlappedStep([resident_group, *self.groups]) if self._overlap_requested else None
+        forward_order = [resident_group, *self.groups]
+        self.device_groups = [
+            DeviceGroup(g, self.device, torch.float32 if g is resident_group else self.compute_dtype,
+                        own_grad=g is not resident_group)
+            for g in forward_order[:n_device]
+        ]
+        on_device = {id(d.group): d for d in self.device_groups}
+        self._device_param_ids = frozenset(id(p) for d in self.device_groups for p in d.group.params)
+        host_order = [g for g in forward_order if id(g) not in on_device]
+        self.overlap = OverlappedStep(host_order) if self._overlap_requested else None
         gate = self.overlap.wait if self.overlap is not None else None
         if registry is not None:
-            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.num_slots, registry, gate)
+            layer_device_groups = {i: on_device[id(g)] for i, g in enumerate(self.groups) if id(g) in on_device}
+            self.transfer = CudaTransfer(
+                self.groups, self.device, self.compute_dtype, self.num_slots, registry, gate, layer_device_groups
+            )
             resident_buffers = [s for s in resident_slots if not s.is_param]
-            self.residents = Residents(resident_group, resident_buffers, self.device, registry, gate)
+            self.residents = Residents(
+                resident_group, resident_buffers, self.device, registry, gate, on_device.get(id(resident_group))
+            )
             buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
         else:
             self.transfer = HostTransfer(self.groups, self.compute_dtype, gate)
@@ -116,6 +141,14 @@ class MegaTrainEngine:
         policy = RecomputePolicy(self.keep_layers, self.device, max_layer * self.compute_dtype.itemsize)
         self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers, policy)
         self.streamed.install(self.device.type)
+        if self.device_groups:
+            log.info(
+                "MegaTrain: %d groups (%.2fB params) keep their fp32 master, grad and Adam states on %s too and take "
+                "their optimizer step there",
+                n_device,
+                sum(device_numel) / 1e9,
+                self.device,
+            )
         log.info(
             "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
             "%.2fB params in host RAM (%s), compute %s on %s with %d slots",
@@ -139,17 +172,39 @@ class MegaTrainEngine:
                     "strategy moves each layer to the GPU only while it computes."
                 )
 
-    def _check_gpu_memory(self, max_layer: int, n_resident: int) -> None:
+    def _check_gpu_optimizer_groups(self, n_layers: int) -> int:
+        """Validate ``gpu_optimizer_groups`` against the device and the model; returns it."""
+        n = self.gpu_optimizer_groups
+        if n and not self.on_cuda:
+            raise ValueError(
+                f"MegaTrainStrategy(gpu_optimizer_groups={n}) keeps optimizer states on a CUDA device, but the compute "
+                f"device is {self.device}. HINT: use accelerator='cuda', or gpu_optimizer_groups=0."
+            )
+        if n > n_layers + 1:
+            raise ValueError(
+                f"MegaTrainStrategy(gpu_optimizer_groups={n}): the model has {n_layers + 1} groups (the residents and "
+                f"{n_layers} decoder layers). HINT: use at most {n_layers + 1}."
+            )
+        return n
+
+    def _check_gpu_memory(self, max_layer: int, n_resident: int, device_numel: list[int]) -> None:
         free, _ = torch.cuda.mem_get_info(self.device)
         per_slot = max_layer * (4 + (self.compute_dtype.itemsize if self.compute_dtype != torch.float32 else 0))
         # slots + resident compute copies and their grads (fp32) + a packed grad buffer for one layer
         need = self.num_slots * per_slot + n_resident * 8 + max_layer * self.compute_dtype.itemsize
-        if need > free:
+        # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
+        device_bytes = sum(
+            (RESIDENT_BYTES_PER_PARAM - 8) * n if k == 0 else LAYER_BYTES_PER_PARAM[self.compute_dtype] * n
+            for k, n in enumerate(device_numel)
+        )
+        if need + device_bytes > free:
             raise RuntimeError(
-                f"MegaTrainStrategy needs {need / _GIB:.1f} GiB of GPU memory for {self.num_slots} layer slots of "
-                f"{max_layer / 1e6:.0f}M parameters and {n_resident / 1e6:.0f}M resident parameters, before any "
-                f"activations, but only {free / _GIB:.1f} GiB is free on {self.device}. HINT: one decoder layer "
-                "must fit on the GPU; use precision='bf16-mixed', fewer slots (num_slots=2) or a smaller model."
+                f"MegaTrainStrategy needs {(need + device_bytes) / _GIB:.1f} GiB of GPU memory for {self.num_slots} "
+                f"layer slots of {max_layer / 1e6:.0f}M parameters, {n_resident / 1e6:.0f}M resident parameters"
+                f"{f' and {len(device_numel)} groups with their optimizer on the GPU' if device_numel else ''}, "
+                f"before any activations, but only {free / _GIB:.1f} GiB is free on {self.device}. HINT: one decoder "
+                "layer must fit on the GPU; use precision='bf16-mixed', fewer slots (num_slots=2), fewer "
+                "gpu_optimizer_groups or a smaller model."
             )
 
     def _disable_kv_cache(self) -> None:
@@ -175,9 +230,11 @@ class MegaTrainEngine:
             yield
 
     def wait_for_optimizer(self) -> None:
-        """Block until an overlapped optimizer step in flight has updated every master and optimizer state."""
+        """Block until the optimizer step in flight has updated every host master and optimizer state."""
         if self.overlap is not None:
             self.overlap.wait_all()
+        for device_group in self.device_groups:
+            device_group.wait_written_back()
 
     def finalize_gradients(self) -> None:
         """Make every host fp32 grad final: wait for the layer drains, then drain the residents."""
@@ -218,18 +275,48 @@ class MegaTrainEngine:
                     g.scale_grads(coef)
         return True
 
-    def overlaps(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`launch_optimizer_step` can run ``optimizer``'s step overlapped with the next forward."""
-        return self.overlap is not None and overlappable(optimizer)
+    def takes_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`optimizer_step` runs ``optimizer``'s step (overlapped and/or split with the device)."""
+        return (self.overlap is not None or bool(self.device_groups)) and overlappable(optimizer)
 
-    def launch_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Start ``optimizer``'s step (with the deferred clipping) on the overlap worker; see engine/overlap.py."""
-        assert self.overlap is not None
-        update = snapshot_update(optimizer, self._deferred_grad_scale)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer``'s step with the deferred clipping: device groups on the compute stream now, the host
+        groups on the overlap worker (engine/overlap.py) or now."""
+        scale, self._deferred_grad_scale = self._deferred_grad_scale, None
+        if self.device_groups:
+            self._device_step(optimizer, scale)
+        update = snapshot_update(optimizer, scale, skip=self._device_param_ids)
         assert update is not None
-        self._deferred_grad_scale = None
-        self.overlap.launch(update)
+        if self.overlap is not None:
+            self.overlap.launch(update)
+        else:
+            with torch.no_grad():
+                update([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check (optimizer.step ran)
+
+    def _device_step(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
+        """The update of every device group, queued on the compute stream (see [Note: device groups])."""
+        assert isinstance(self.transfer, CudaTransfer)
+        update = device_update(optimizer, grad_scale)
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        compute = torch.cuda.current_stream(self.device)
+        with torch.no_grad(), torch.profiler.record_function("megatrain::device_optimizer_step"):
+            for device_group in self.device_groups:
+                resident = self.residents is not None and self.residents.device_group is device_group
+                grads = self.residents.grads() if resident else device_group.present_grads()
+                bind = [g is not None and id(p) in in_optimizer for p, g in zip(device_group.group.params, grads)]
+                device_group.bind_states(optimizer, bind)
+                compute.wait_event(device_group.written_back)  # the last write-back may still read the mirror
+                update(device_group.group.params, device_group.group.views(device_group.master), grads)
+                device_group.write_back(self.transfer.d2h_stream)
+        if self.residents is not None:
+            self.residents.clear_grads()
+
+    def reload_masters(self) -> None:
+        """The host masters were loaded (``load_state_dict``): refresh everything derived from them."""
+        for device_group in self.device_groups:
+            device_group.upload()
+        self.masters_updated()
 
     def masters_updated(self) -> None:
         """The optimizer stepped the host masters: slots and resident compute copies are stale."""

@@ -72,10 +72,12 @@ class FlatGroup:
             for p, o in zip(self.params, self.offsets)
         )
 
-    def attach_grads(self) -> None:
-        """Point every ``p.grad`` at its view of ``self.grad`` (after a D2H wrote the whole flat buffer)."""
-        for p, view in zip(self.params, self.views(self.grad)):
-            p.grad = view
+    def attach_grads(self, present: list[bool] | None = None) -> None:
+        """Point every ``p.grad`` (or those flagged in ``present``) at its view of ``self.grad`` (after a D2H wrote
+        the whole flat buffer)."""
+        for k, (p, view) in enumerate(zip(self.params, self.views(self.grad))):
+            if present is None or present[k]:
+                p.grad = view
 
     def grad_norm_sq(self) -> Tensor:
         """Squared L2 norm of all present grads (fp32 0-dim; on the device when measured there during backward)."""
@@ -161,7 +163,9 @@ def available_host_bytes() -> int | None:
     return meminfo_bytes("MemAvailable")
 
 
-def check_host_memory(group_numels: list[int], fitting: bool, pinned: bool, slab_bytes: int = 0) -> None:
+def check_host_memory(
+    group_numels: list[int], fitting: bool, pinned: bool, slab_bytes: int = 0, device_numel: int = 0
+) -> None:
     """Refuse to start when host RAM cannot hold the masters, grads, optimizer states and grad slabs.
 
     Args:
@@ -169,6 +173,7 @@ def check_host_memory(group_numels: list[int], fitting: bool, pinned: bool, slab
         fitting: Adam states (8 bytes/param) will be allocated.
         pinned: the flat buffers are page-locked (CUDA): exact sizes rounded to pages (engine/pinned.py).
         slab_bytes: bytes of each of the 3 pinned grad slabs (CUDA).
+        device_numel: parameters whose Adam states live on the GPU (engine/device_state.py), not in host RAM.
 
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
@@ -178,7 +183,8 @@ def check_host_memory(group_numels: list[int], fitting: bool, pinned: bool, slab
     n_params = sum(group_numels)
     block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
     flats = sum(2 * block(4 * n) for n in group_numels)  # fp32 master + fp32 grad per group
-    need = flats + (8 * n_params if fitting else 0) + 3 * block(slab_bytes) - 4 * n_params
+    adam = 8 * (n_params - device_numel) if fitting else 0
+    need = flats + adam + 3 * block(slab_bytes) - 4 * n_params
     available = available_host_bytes()
     if available is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
@@ -187,7 +193,7 @@ def check_host_memory(group_numels: list[int], fitting: bool, pinned: bool, slab
         raise RuntimeError(
             f"MegaTrainStrategy needs about {need / gib:.1f} GiB more host RAM for {n_params / 1e9:.2f}B parameters "
             f"(fp32 master and grad: {flats / gib:.1f} GiB{' pinned' if pinned else ''}"
-            f"{f', Adam exp_avg and exp_avg_sq: {8 * n_params / gib:.1f} GiB' if fitting else ''}, minus the "
+            f"{f', Adam exp_avg and exp_avg_sq: {adam / gib:.1f} GiB' if fitting else ''}, minus the "
             f"model already loaded) but only {available / gib:.1f} GiB is available. HINT: use a machine with more "
             "RAM, a smaller model, or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know better."
         )

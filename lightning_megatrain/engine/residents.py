@@ -4,7 +4,9 @@ On a CUDA compute device the residents' fp32 masters are uploaded as *compute co
 grad) when a step first needs them, bound into the module for the duration of each ``*_step`` call, and take part
 in the normal autograd graph. Their grads are drained into the host fp32 grads once per optimizer step
 (:meth:`Residents.drain`), and the copies are refreshed after the optimizer changed the masters
-(:meth:`Residents.invalidate`). Tied weights are one master, one compute copy and one grad. On the CPU backend the
+(:meth:`Residents.invalidate`). When the residents are a device group (engine/device_state.py) the copies are views
+of its mirror, updated in place on the device, and their grads stay for the device step until
+:meth:`Residents.clear_grads`. Tied weights are one master, one compute copy and one grad. On the CPU backend the
 masters are the compute tensors: nothing is bound, and autograd writes ``p.grad`` directly.
 """
 
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from lightning_megatrain.engine.device_state import DeviceGroup
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.pinned import HostRegistry
@@ -32,9 +35,11 @@ class Residents:
         device: torch.device,
         registry: HostRegistry,
         gate: Callable[[FlatGroup], None] | None = None,
+        device_group: DeviceGroup | None = None,
     ) -> None:
         self.group = group
         self.gate = gate
+        self.device_group = device_group
         self.buffer_slots = buffer_slots
         self.device = device
         self._copies: list[Tensor] | None = None  # one fp32 device leaf per unique parameter, or None when stale
@@ -42,6 +47,9 @@ class Residents:
         self._grad_staging = registry.empty(group.numel, torch.float32) if group.numel else None
 
     def _upload(self) -> list[Tensor]:
+        if self.device_group is not None:  # the mirror is always current on the device
+            flat = self.device_group.master
+            return [v.detach().requires_grad_(p.requires_grad) for v, p in zip(self.group.views(flat), self.group.params)]
         if self.gate is not None:
             self.gate(self.group)  # an overlapped optimizer step may still be updating these masters
         flat = self.group.master.to(self.device, non_blocking=True)  # [numel] fp32, from pinned host memory
@@ -75,9 +83,18 @@ class Residents:
             views.append(None if g is None else host[offset : offset + p.numel()].view(p.shape))
             offset += 0 if g is None else p.numel()
         self.group.accumulate(views, packed=host)
-        for c in self._copies:
+        if self.device_group is None:
+            self.clear_grads()
+
+    def grads(self) -> list[Tensor | None]:
+        """The compute copies' grads (device), one per parameter: what a device-group step reads."""
+        return [None] * len(self.group.params) if self._copies is None else [c.grad for c in self._copies]
+
+    def clear_grads(self) -> None:
+        for c in self._copies or ():
             c.grad = None
 
     def invalidate(self) -> None:
         """The optimizer changed the masters: upload fresh compute copies before the next step."""
-        self._copies = None
+        if self.device_group is None:
+            self._copies = None

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_megatrain.engine.device_state import DeviceGroup
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.pinned import HostRegistry
 
@@ -155,9 +156,12 @@ class CudaTransfer:
         num_slots: int,
         registry: HostRegistry,
         gate: Gate | None = None,
+        device_groups: dict[int, DeviceGroup] | None = None,
     ) -> None:
         self.groups = groups
         self.gate = gate or _no_gate
+        # layers whose weights live on the device for good (engine/device_state.py): no slot, no upload
+        self.device_groups = device_groups or {}
         self.device = device
         self.compute_dtype = compute_dtype
         max_numel = max(g.numel for g in groups)
@@ -189,7 +193,7 @@ class CudaTransfer:
 
     def prefetch(self, index: int) -> None:
         """Start uploading layer ``index`` into a slot unless it is already in one (see [Note: slot lifecycle])."""
-        if not 0 <= index < len(self.groups) or self._slot_of(index) is not None:
+        if not 0 <= index < len(self.groups) or index in self.device_groups or self._slot_of(index) is not None:
             return
         candidates = [s for s in self.slots if s.layer not in self._in_use]
         if not candidates:
@@ -212,6 +216,8 @@ class CudaTransfer:
 
     def acquire(self, index: int) -> Tensor:
         """Layer ``index``'s weights as a 1D compute-dtype device tensor, usable on the current (compute) stream."""
+        if index in self.device_groups:
+            return self.device_groups[index].compute  # written on the compute stream only
         self.prefetch(index)
         slot = self._slot_of(index)
         assert slot is not None
@@ -223,6 +229,8 @@ class CudaTransfer:
 
     def release(self, index: int) -> None:
         """The compute stream has issued its last kernel reading layer ``index``: the slot may be refilled after."""
+        if index in self.device_groups:
+            return
         slot = self._slot_of(index)
         assert slot is not None
         slot.free.record(torch.cuda.current_stream(self.device))
@@ -295,6 +303,9 @@ class CudaTransfer:
         with self._lock:
             idle = self._in_flight.get(index, 0) == 0  # the worker is done with this layer's host grads
             self._in_flight[index] = self._in_flight.get(index, 0) + 1
+        if index in self.device_groups:
+            self._drain_device_group(index, grads, first=idle and all(p.grad is None for p in group.params))
+            return
         # See [Note: gradient drain] for the three paths.
         whole = idle and all(present) and group.grad.is_pinned()
         first = whole and all(p.grad is None for p in group.params)
@@ -341,6 +352,27 @@ class CudaTransfer:
             done.record(self.d2h_stream)
         self._pending.put(_Drain(index, [True] * len(group.params), (packed, total), None, done))
 
+    def _drain_device_group(self, index: int, grads: list[Tensor | None], first: bool) -> None:
+        """Sum layer ``index``'s grads into its device group's fp32 grad, then copy that sum to the host grads.
+
+        The device sum is what the device optimizer step reads; the host copy keeps ``p.grad`` what it is without
+        device groups (engine/device_state.py). Parameters without a gradient in any micro-batch keep ``grad=None``.
+        """
+        group, device_group = self.groups[index], self.device_groups[index]
+        compute = torch.cuda.current_stream(self.device)
+        done = torch.cuda.Event()  # recorded by the D2H stream after the copy; waited on by the drain worker
+        with torch.profiler.record_function("megatrain::d2h"):
+            device_group.add_grads(grads, first)
+            group.device_norm_sq = torch.dot(device_group.grad, device_group.grad)  # absent grads are zeros
+            summed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
+            summed.record(compute)
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(summed)
+                group.grad.copy_(device_group.grad, non_blocking=True)
+                device_group.grad_read.record(self.d2h_stream)
+                done.record(self.d2h_stream)
+        self._pending.put(_Drain(index, list(device_group.present), (), None, done))
+
     def _drain_worker(self) -> None:
         while True:
             item = self._pending.get()
@@ -351,7 +383,7 @@ class CudaTransfer:
                 del item.device  # the D2H has completed: the allocator may reuse the device buffers now
                 group = self.groups[item.index]
                 if item.slab is None:
-                    group.attach_grads()
+                    group.attach_grads(item.present)
                     continue
                 host = item.slab[: sum(p.numel() for p, ok in zip(group.params, item.present) if ok)]
                 grads: list[Tensor | None] = []

@@ -36,6 +36,8 @@ def _is_adam(optimizer: Optimizer) -> bool:
 
 
 def _decoupled(optimizer: Optimizer) -> bool:
+    if hasattr(optimizer, "ds_opt_adam"):
+        return bool(optimizer.adam_w_mode)
     return isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay", False))
 
 
@@ -133,21 +135,47 @@ def overlappable(optimizer: Optimizer) -> bool:
     return _is_adam(optimizer) and all(g.get("fused") for g in optimizer.param_groups)
 
 
-def snapshot_update(optimizer: Optimizer, grad_scale: Tensor | None = None) -> Callable[[list[Tensor]], None] | None:
+def _hyper_snapshot(optimizer: Optimizer) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(param id -> its param group, group id -> the group's hyperparameters now)."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    hyper = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
+    return group_of, hyper
+
+
+def _fused_adam(
+    params: list[Tensor], grads: list[Tensor], states: list[dict], h: dict, decoupled: bool, unscale: Tensor | None
+) -> None:
+    """torch's fused Adam/AdamW kernel over tensors of one device and one param group (``Adam.step``'s call)."""
+    adam_functional(
+        params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+        [s["step"] for s in states], fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
+        beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
+        eps=h["eps"], maximize=False, grad_scale=unscale,
+    )
+
+
+def snapshot_update(
+    optimizer: Optimizer, grad_scale: Tensor | None = None, skip: frozenset[int] = frozenset()
+) -> Callable[[list[Tensor]], None] | None:
     """``optimizer``'s update as a function of a subset of its parameters, with its state of *now*.
 
     The overlapped step (engine/overlap.py) applies it layer by layer on a worker thread while the LR scheduler may
     already have moved ``lr`` on for the next step; each call updates the given parameters exactly as
     ``optimizer.step()`` would (same kernel, same state entries, so checkpoints are interchangeable). Gradients are
     read now too (a ``zero_grad`` may drop ``p.grad`` before the update of ``p`` runs) and multiplied by
-    ``grad_scale`` (deferred clipping) right before their update; parameters without one, or not in the optimizer,
-    are skipped. ``None`` when :func:`overlappable` is False (the optimizer then steps synchronously).
+    ``grad_scale`` (deferred clipping) right before their update; parameters without one, not in the optimizer, or
+    in ``skip`` (ids of parameters updated on the device, engine/device_state.py) are skipped. ``None`` when
+    :func:`overlappable` is False (the optimizer then steps synchronously).
     """
     if not overlappable(optimizer):
         return None
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    hyper = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
-    grads = {id(p): p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+    group_of, hyper = _hyper_snapshot(optimizer)
+    grads = {
+        id(p): p.grad
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.grad is not None and id(p) not in skip
+    }
 
     def present(params: list[Tensor]) -> list[Tensor]:
         return [p for p in params if id(p) in grads]
@@ -182,19 +210,43 @@ def snapshot_update(optimizer: Optimizer, grad_scale: Tensor | None = None) -> C
         for p in present(params):
             by_group.setdefault(id(group_of[id(p)]), []).append(p)
         for key, ps in by_group.items():
-            h = hyper[key]
             for p in ps:  # torch.optim.Adam._init_group's state for fused=True
                 state = optimizer.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            states = [optimizer.state[p] for p in ps]
-            adam_functional(
-                ps, [grads[id(p)] for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-                [s["step"] for s in states], fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
-                beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
-                eps=h["eps"], maximize=False, grad_scale=unscale,
+            _fused_adam(
+                ps, [grads[id(p)] for p in ps], [optimizer.state[p] for p in ps], hyper[key], decoupled, unscale
             )
 
     return update_fused
+
+
+def device_update(
+    optimizer: Optimizer, grad_scale: Tensor | None = None
+) -> Callable[[list[Tensor], list[Tensor], list[Tensor | None]], None]:
+    """The Adam/AdamW update of device mirrors, with ``optimizer``'s hyperparameters of *now*.
+
+    ``update(params, mirrors, grads)``: for each host parameter ``p`` (the key of its state in ``optimizer``) its
+    device fp32 mirror and device grad (``None``: no gradient, skipped, as ``optimizer.step()`` skips ``p``), with
+    ``optimizer.state[p]`` already holding device tensors (engine/device_state.py). Runs torch's fused kernel on the
+    current stream; grads are divided in place by ``1/grad_scale`` (deferred clipping) inside it.
+    """
+    group_of, hyper = _hyper_snapshot(optimizer)
+    decoupled = _decoupled(optimizer)
+    unscale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
+
+    def update(params: list[Tensor], mirrors: list[Tensor], grads: list[Tensor | None]) -> None:
+        by_group: dict[int, list[int]] = {}
+        for k, (p, g) in enumerate(zip(params, grads)):
+            if g is not None and id(p) in group_of:
+                by_group.setdefault(id(group_of[id(p)]), []).append(k)
+        device_unscale = None if unscale is None or not mirrors else unscale.to(mirrors[0].device, non_blocking=True)
+        for key, ks in by_group.items():
+            _fused_adam(
+                [mirrors[k] for k in ks], [grads[k] for k in ks], [optimizer.state[params[k]] for k in ks],
+                hyper[key], decoupled, device_unscale,
+            )
+
+    return update

@@ -1,0 +1,135 @@
+"""Device groups: parameter groups whose fp32 master, grad and Adam states are mirrored on the GPU.
+
+[Note: device groups]
+The host Adam step moves 28 bytes per parameter through host memory (reads master, grad and both moments, writes
+master and moments): 0.73 s for 3.2B parameters on the lent H200's 16 cores, longer than one 32K-token forward
+(0.56 s), so even the overlapped step holds the next forward back, and it runs slower beside the forward's H2D
+traffic (benchmarks/results/2026-11-29-llama-3.2-3b-h200.json). A *device group* trades GPU memory for that host
+work: the first groups the forward reads (the residents, then layers 0, 1, ...) keep a device mirror of their fp32
+master, their fp32 grad and both Adam moments, and take their optimizer step on the GPU with torch's fused AdamW
+kernel (the same update the host fused path runs, to fp32 rounding). Their weights cross PCIe only as grads (for
+the host grads) and as the updated master written back.
+
+The host master stays the parameter (DESIGN principle 1): after every step the D2H stream writes the updated
+mirror back, and the layer's fp32 grad reaches the host grads as for any other layer, so ``state_dict()``,
+checkpoints, clipping and hooks read the same tensors as without device groups. The optimizer's state entries for
+these parameters are the device moments (``optimizer.state[p]`` holds views of them); the strategy saves them as
+CPU tensors, and states loaded from a checkpoint are copied in at the next step (:meth:`DeviceGroup.bind_states`).
+Parameters written directly on the host between steps (not through ``load_state_dict``) are not seen by the mirror.
+
+Streams and events (all of a device group's own kernels run on the compute stream, so they are ordered among
+themselves and with the layer's forward and backward):
+
+- ``grad_read``: recorded by the D2H stream after copying ``grad`` to the host grads; the compute stream waits on
+  it before the next micro-batch's backward writes ``grad`` again.
+- ``written_back``: recorded by the D2H stream after copying the updated ``master`` to the host master; the compute
+  stream waits on it before the next update writes ``master``, and host readers synchronize on it
+  (:meth:`DeviceGroup.wait_written_back`, from the engine's ``wait_for_optimizer``).
+
+GPU memory: 18 bytes per layer parameter (mirror, grad, two moments and a compute-dtype copy under bf16), 16 per
+resident parameter (their fp32 compute copies are the mirror). Host memory saves the 8 bytes/param of moments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_megatrain.engine.host_store import FlatGroup
+
+# bytes of GPU memory per parameter of a device group (see the module note)
+LAYER_BYTES_PER_PARAM = {torch.bfloat16: 18, torch.float32: 16}
+RESIDENT_BYTES_PER_PARAM = 16
+
+
+class DeviceGroup:
+    """The device mirror of one :class:`FlatGroup` and its Adam states (see [Note: device groups])."""
+
+    def __init__(
+        self, group: FlatGroup, device: torch.device, compute_dtype: torch.dtype, own_grad: bool = True
+    ) -> None:
+        self.group = group
+        self.device = device
+        n = group.numel
+        self.master = torch.empty(n, dtype=torch.float32, device=device)  # [numel] fp32 mirror of group.master
+        # [numel] the weights forward and backward read: the mirror itself under fp32, else a cast refreshed per step
+        self.compute = self.master if compute_dtype == torch.float32 else torch.empty(n, dtype=compute_dtype, device=device)
+        # [numel] fp32, the sum over micro-batches; None for the residents, whose autograd leaves hold their grads
+        self.grad = torch.empty(n, dtype=torch.float32, device=device) if own_grad else None
+        self.present = [False] * len(group.params)  # which parameters have a gradient in ``grad`` this step
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
+        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in group.params]  # fused Adam's
+        # - CUDA events for stream synchronization (see the module note)
+        self.grad_read = torch.cuda.Event()  # recorded by D2H after reading ``grad``; waited on by compute
+        self.written_back = torch.cuda.Event()  # recorded by D2H after reading ``master``; waited on by compute, host
+        self.upload()
+
+    def upload(self) -> None:
+        """Copy the host master into the mirror (setup, ``load_state_dict``): blocks, never in the hot path."""
+        self.master.copy_(self.group.master)
+        self._refresh()
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def _refresh(self) -> None:
+        if self.compute is not self.master:
+            self.compute.copy_(self.master)
+
+    def add_grads(self, grads: list[Tensor | None], first: bool) -> None:
+        """Add one micro-batch's weight grads (device, compute dtype) into ``grad`` on the compute stream.
+
+        ``first``: no gradient arrived since ``zero_grad``, so the grads are copied, not added (no zeroing pass).
+        """
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(self.grad_read)  # the previous micro-batch's D2H may still read ``grad``
+        if first:
+            self.present = [False] * len(grads)
+        if first and all(g is not None for g in grads):
+            torch.cat([g.reshape(-1) for g in grads], out=self.grad)  # fp32 <- compute dtype, one kernel
+        else:
+            if first:
+                self.grad.zero_()  # absent grads read as zeros in the layer's norm
+            for k, (view, g) in enumerate(zip(self.group.views(self.grad), grads)):
+                if g is None:
+                    continue
+                if self.present[k]:
+                    view.add_(g)
+                else:
+                    view.copy_(g)
+        self.present = [p or g is not None for p, g in zip(self.present, grads)]
+
+    def present_grads(self) -> list[Tensor | None]:
+        """``grad`` as one view per parameter, ``None`` where no micro-batch produced a gradient."""
+        return [v if ok else None for v, ok in zip(self.group.views(self.grad), self.present)]
+
+    def bind_states(self, optimizer: torch.optim.Optimizer, which: list[bool]) -> None:
+        """Make ``optimizer.state[p]`` hold this group's device moments for the parameters flagged in ``which`` (those
+        about to be updated), copying in states loaded from a checkpoint or left by the host optimizer."""
+        views = zip(self.group.params, self.group.views(self.exp_avg), self.group.views(self.exp_avg_sq), self.steps)
+        for (p, m, v, step), bind in zip(views, which):
+            if not bind:
+                continue
+            state = optimizer.state[p]
+            bound = state.get("exp_avg")
+            if bound is not None and bound.device == m.device and bound.data_ptr() == m.data_ptr():
+                continue
+            if state:  # loaded from a checkpoint (CPU tensors) or written by a host optimizer
+                m.copy_(state["exp_avg"])
+                v.copy_(state["exp_avg_sq"])
+                step.fill_(float(state["step"]))
+            state.update(step=step, exp_avg=m, exp_avg_sq=v)
+
+    def write_back(self, d2h_stream: torch.cuda.Stream) -> None:
+        """The update ran on the compute stream: refresh the compute copy, copy the new master to the host."""
+        compute = torch.cuda.current_stream(self.device)
+        self._refresh()
+        updated = torch.cuda.Event()  # recorded by the compute stream after the update; waited on by the D2H stream
+        updated.record(compute)
+        with torch.cuda.stream(d2h_stream):
+            d2h_stream.wait_event(updated)
+            self.group.master.copy_(self.master, non_blocking=True)
+            self.written_back.record(d2h_stream)
+
+    def wait_written_back(self) -> None:
+        """Block until the host master holds the last update."""
+        self.written_back.synchronize()
