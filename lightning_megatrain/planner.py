@@ -180,6 +180,8 @@ class Plan:
     mfu_with_attention: float
     assumptions: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # overlap_optimizer only: the fewest gpu_optimizer_groups whose host Adam no longer outlasts the next forward
+    suggested_gpu_optimizer_groups: int | None = None
 
     @property
     def host_total(self) -> int:
@@ -229,6 +231,10 @@ class Plan:
             (f"  Throughput {self.tokens_per_s:,.0f} tokens/s, {self.model_tflops:.0f} model TFLOP/s, "
             f"MFU {self.mfu:.1%} ({self.mfu_with_attention:.1%} with attention) vs {PEAK_TFLOPS:.0f} TFLOP/s"),
         ]
+        suggested = self.suggested_gpu_optimizer_groups
+        if suggested is not None and suggested != self.assumptions.get("gpu_optimizer_groups"):
+            lines.append(f"  gpu_optimizer_groups={suggested} is the fewest with which the host Adam no longer "
+                         "outlasts the next forward")
         lines += [f"  WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -405,6 +411,11 @@ def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
     return 4 * s.heads * s.head_dim * _keys(seq_len, layer.window)
 
 
+def _device_numels(s: _Shape, groups: int) -> tuple[int, list[int]]:
+    """(resident params, [params of each layer]) that ``gpu_optimizer_groups=groups`` keeps on the GPU."""
+    return (s.resident_params if groups >= 1 else 0), [ly.numel for ly in s.layers[: max(groups - 1, 0)]]
+
+
 def _gpu_peak(gpu: dict[str, int]) -> int:
     persistent = sum(v for k, v in gpu.items() if not k.startswith("phase"))
     backward = sum(v for k, v in gpu.items() if k.startswith("phase backward"))
@@ -413,7 +424,7 @@ def _gpu_peak(gpu: dict[str, int]) -> int:
 
 
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
-              num_slots: int, reserve_gib: float) -> tuple[dict[str, int], tuple[float, float]]:
+              num_slots: int, reserve_gib: float, gpu_groups: int = 0) -> tuple[dict[str, int], tuple[float, float]]:
     """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token."""
     tokens, H, V = micro_batch * seq_len, s.hidden, s.vocab
     max_layer = max(layer.numel for layer in s.layers)
@@ -427,6 +438,9 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
     gpu = {
         f"slots ({num_slots} x largest layer)": num_slots * max_layer * (4 + (c if c < 4 else 0)),
         "residents (fp32 copy + grad)": 8 * s.resident_params + s.resident_buffer_bytes,
+        # engine/device_state.py: the residents' two moments; a layer's fp32 mirror, grad, moments (+ compute copy)
+        "optimizer groups on the GPU": 8 * _device_numels(s, gpu_groups)[0]
+        + (16 + (c if c < 4 else 0)) * sum(_device_numels(s, gpu_groups)[1]),
         "saved layer inputs": (2 if offload else len(s.layers)) * stream + 8 * s.head_dim * tokens,
         "runtime reserve": int(reserve_gib * GIB),
         "phase backward: one layer's activations": int(sum(act) * tokens),
@@ -439,7 +453,7 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
 
 
 def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: str, offload: bool,
-               process_gib: float, pinned_pow2: bool) -> dict[str, int]:
+               process_gib: float, pinned_pow2: bool, gpu_groups: int = 0) -> dict[str, int]:
     """Host items in bytes (engine/host_store.py, transfer.py, residents.py)."""
     n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
     groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
@@ -451,7 +465,8 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     return {
         "masters": 4 * n,
         "grads": 4 * n,
-        "optimizer states": OPTIMIZERS[optimizer][0] * n,
+        "optimizer states": OPTIMIZERS[optimizer][0] * (n - _device_numels(s, gpu_groups)[0]
+                                                        - sum(_device_numels(s, gpu_groups)[1])),
         "grad slabs": 3 * max_layer * c,
         "resident grad staging": 4 * s.resident_params,
         "activation offload": stash * len(s.layers),
@@ -462,33 +477,37 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
 
 def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,
               h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float,
-              overlap_optimizer: bool = False) -> dict[str, float]:
+              overlap_optimizer: bool = False, gpu_groups: int = 0) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
-    when it is the slower of the two."""
+    when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
+    nor step on the host (their GPU step, ~28 B/param at HBM speed, is not counted)."""
+    on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
     bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
     up = [4 * ly.numel / (h2d * 1e9) for ly in s.layers]  # fp32 masters stream and are cast on the GPU
+    up = [0.0] * len(on_gpu_layers) + up[len(on_gpu_layers):]
     act = 4 * H * tok if offload else 0
     # Grads go D2H in fp32 straight into the pinned host grads. The 1st micro-batch of a step writes them; later ones
     # first upload them (H2D, fp32) and write back the sum made on the device (transfer.py [Note: gradient drain]).
     grads = [4 * ly.numel for ly in s.layers]
-    grads_up = [[0] * len(s.layers), grads]
+    grads_up = [[0] * len(s.layers), [0] * len(on_gpu_layers) + grads[len(on_gpu_layers):]]  # device groups sum there
     L, exposed, fill = len(s.layers), 0.0, 0.0
     for m in range(grad_accum):
         for i in range(L):  # forward: upload i+1 and offload input i while i computes
             exposed += max(0.0, max(up[i + 1] if i + 1 < L else 0, act / (d2h * 1e9)) - fwd[i])
         for i in reversed(range(L)):  # backward: upload i-1 (not for the layers still in slots), restore its input
-            load = (4 * s.layers[i - 1].numel if i > 0 and i - 1 < L - num_slots else 0) + (act if i > 0 else 0)
+            load = (4 * s.layers[i - 1].numel if len(on_gpu_layers) <= i - 1 < L - num_slots else 0)
+            load += act if i > 0 else 0
             load += grads_up[min(m, 1)][i]
             exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
         fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
     head = 6 * s.vocab * H * tok / rate
     compute = sum(fwd) + sum(bwd) + head
     r = s.resident_params
-    optimizer_s = s.n_params / (opt_rate * 1e9)
+    optimizer_s = (s.n_params - on_gpu_resident - sum(on_gpu_layers)) / (opt_rate * 1e9)
     return {
         "GPU compute": grad_accum * compute,
         "  of which layers": grad_accum * (sum(fwd) + sum(bwd)),
@@ -498,7 +517,8 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         "D2H busy": grad_accum * (sum(grads) + act * L) / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
-        "residents up + drain (serial)": r * 4 / (h2d * 1e9) + r * 4 / (d2h * 1e9) + r * 12 / (HOST_COPY_GBPS * 1e9),
+        "residents up + drain (serial)": (0 if on_gpu_resident else r * 4 / (h2d * 1e9)) + r * 4 / (d2h * 1e9)
+        + r * 12 / (HOST_COPY_GBPS * 1e9),
         **({"CPU optimizer (beyond the next forward)": max(0.0, optimizer_s - sum(fwd) - head / 3)}
            if overlap_optimizer else {"CPU optimizer (serial)": optimizer_s}),
     }
@@ -512,7 +532,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
          pcie_h2d_gbps: float = PCIE_H2D_GBPS, pcie_d2h_gbps: float = PCIE_D2H_GBPS,
          pcie_duplex_gbps: float = PCIE_DUPLEX_GBPS, process_gib: float = PROCESS_GIB,
          gpu_reserve_gib: float = GPU_RESERVE_GIB, pinned_pow2_rounding: bool = False,
-         attn_implementation: str | None = None, overlap_optimizer: bool = False) -> Plan:
+         attn_implementation: str | None = None, overlap_optimizer: bool = False,
+         gpu_optimizer_groups: int = 0) -> Plan:
     """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
 
     Args:
@@ -531,6 +552,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
             config's (transformers picks sdpa where the model supports it).
         overlap_optimizer: as ``MegaTrainStrategy(overlap_optimizer=True)``: Adam (torch fused) runs beside the next
             step's forward and only the part that outlasts it counts.
+        gpu_optimizer_groups: as ``MegaTrainStrategy(gpu_optimizer_groups=...)``: the residents and the first
+            ``gpu_optimizer_groups - 1`` layers keep their optimizer state on the GPU (engine/device_state.py).
     """
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
@@ -539,20 +562,26 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
         raise ValueError(f"seq_len, micro_batch, grad_accum must be >= 1; got {seq_len}, {micro_batch}, {grad_accum}")
     s = describe(model, "" if not isinstance(model, (str, Path)) or str(model).lstrip().startswith("{") else str(model),
                  attn_implementation)
+    if not 0 <= gpu_optimizer_groups <= 1 + len(s.layers):
+        raise ValueError(f"gpu_optimizer_groups must be in [0, {1 + len(s.layers)}] (the residents and {len(s.layers)} "
+                         f"layers); got {gpu_optimizer_groups}")
+    if gpu_optimizer_groups and optimizer not in ("adamw", "adam"):
+        raise ValueError(f"gpu_optimizer_groups steps Adam/AdamW on the GPU; got optimizer={optimizer!r}")
     c = PRECISIONS[precision]
     tflops = achieved_tflops or (ACHIEVED_TFLOPS if c < 4 else FP32_TFLOPS)
     cores = cpu_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     host_limit = int((host_ram_gib or _mem_total_gib() or HOST_REF_GIB) * GIB)
     gpu_limit = int((gpu_mem_gib or _gpu_total_gib() or GPU_REF_GIB) * GIB)
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size, "num_slots": num_slots,
-               "reserve_gib": gpu_reserve_gib}
+               "reserve_gib": gpu_reserve_gib, "gpu_groups": gpu_optimizer_groups}
     opt_rate = TORCH_ADAM_GPARAMS if overlap_optimizer and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": pcie_h2d_gbps,
                "d2h": pcie_d2h_gbps, "duplex": pcie_duplex_gbps, "num_slots": num_slots,
-               "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap_optimizer}
+               "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap_optimizer,
+               "gpu_groups": gpu_optimizer_groups}
     gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": process_gib,
-               "pinned_pow2": pinned_pow2_rounding}
+               "pinned_pow2": pinned_pow2_rounding, "gpu_groups": gpu_optimizer_groups}
     host = host_bytes(s, micro_batch, seq_len, **hkw)
     t = step_time(s, micro_batch, seq_len, **tkw)
     max_host = _largest(lambda b: sum(host_bytes(s, b, seq_len, **hkw).values()) <= host_limit)
@@ -582,9 +611,27 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
         assumptions={"achieved_tflops": tflops, "pcie_h2d_gbps": pcie_h2d_gbps, "pcie_d2h_gbps": pcie_d2h_gbps,
                          "pcie_duplex_gbps": pcie_duplex_gbps, "cpu_cores": cores, "num_slots": num_slots,
                          "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
-                         "optimizer_overlaps_gpu": overlap_optimizer, "pinned_pow2_rounding": pinned_pow2_rounding})
+                         "optimizer_overlaps_gpu": overlap_optimizer, "pinned_pow2_rounding": pinned_pow2_rounding,
+                         "gpu_optimizer_groups": gpu_optimizer_groups})
     p.warnings = _warnings(p, s)
+    if overlap_optimizer and optimizer in ("adamw", "adam"):
+        p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
+
+
+def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
+                              gpu_limit: int) -> int | None:
+    """The fewest ``gpu_optimizer_groups`` with which the overlapped host Adam no longer outlasts the next forward
+    and the GPU still fits one micro-batch; None when none does."""
+    for groups in range(len(s.layers) + 2):
+        hidden = step_time(s, micro_batch, seq_len, **{**tkw, "gpu_groups": groups})[
+            "CPU optimizer (beyond the next forward)"] <= 0.0
+        fits = _gpu_peak(gpu_bytes(s, micro_batch, seq_len, **{**gkw, "gpu_groups": groups})[0]) <= gpu_limit
+        if not fits:
+            return None
+        if hidden:
+            return groups
+    return None
 
 
 def _warnings(p: Plan, s: _Shape) -> list[str]:
@@ -667,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-slots", type=int, default=2)
     ap.add_argument("--overlap-optimizer", action="store_true",
                     help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
+    ap.add_argument("--gpu-optimizer-groups", type=int, default=0,
+                    help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU")
     ap.add_argument("--loss-chunk-size", type=int, default=4096)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
@@ -674,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
              optimizer=a.optimizer, loss=a.loss, host_ram_gib=a.host_ram, gpu_mem_gib=a.gpu_mem,
              cpu_cores=a.cpu_cores, achieved_tflops=a.tflops, offload_activations=not a.no_offload,
              num_slots=a.num_slots, loss_chunk_size=a.loss_chunk_size, attn_implementation=a.attn_implementation,
-             overlap_optimizer=a.overlap_optimizer)
+             overlap_optimizer=a.overlap_optimizer, gpu_optimizer_groups=a.gpu_optimizer_groups)
     print(json.dumps(p.to_dict(), indent=2) if a.json else p.report())
     return 0
 

@@ -292,3 +292,23 @@ def test_pinned_rounding():
     assert old.host["pinned pow2 rounding"] >= new.host["pinned pow2 rounding"] + 4 * per_layer  # masters + grads
     no_offload = planner.plan(shape, seq_len=4096, micro_batch=8, offload_activations=False, **BIG)
     assert no_offload.host["pinned pow2 rounding"] == 0
+
+
+def test_gpu_optimizer_groups_move_state_and_adam_to_the_gpu():
+    kw = dict(seq_len=1024, micro_batch=32, loss="naive", overlap_optimizer=True, **BIG)
+    base = planner.plan(LLAMA_3B, **kw)
+    p = planner.plan(LLAMA_3B, gpu_optimizer_groups=6, **kw)  # residents (394M) + 5 layers (100.7M each)
+    on_gpu = p.resident_params + 5 * 100_669_440
+    assert base.host["optimizer states"] - p.host["optimizer states"] == 8 * on_gpu
+    assert p.gpu["optimizer groups on the GPU"] == 8 * p.resident_params + 18 * 5 * 100_669_440
+    hidden = lambda plan: plan.time["CPU optimizer (beyond the next forward)"]
+    assert hidden(base) - hidden(p) == pytest.approx(on_gpu / (planner.TORCH_ADAM_GPARAMS * 1e9), rel=1e-6)
+    assert p.time["transfers exposed"] <= base.time["transfers exposed"]  # 5 layers fewer to upload
+    # the suggestion is the first count that hides the host Adam
+    g = base.suggested_gpu_optimizer_groups
+    assert g is not None and hidden(planner.plan(LLAMA_3B, gpu_optimizer_groups=g, **kw)) == 0.0
+    assert hidden(planner.plan(LLAMA_3B, gpu_optimizer_groups=g - 1, **kw)) > 0.0
+    with pytest.raises(ValueError, match=r"gpu_optimizer_groups must be in \[0, 29\]"):
+        planner.plan(LLAMA_3B, gpu_optimizer_groups=30, **kw)
+    with pytest.raises(ValueError, match="steps Adam/AdamW on the GPU"):
+        planner.plan(LLAMA_3B, gpu_optimizer_groups=1, optimizer="sgd", seq_len=1024)
