@@ -211,29 +211,45 @@ def test_gpu_optimizer_groups_parity(family, groups, accumulate, clip, overlap):
 
 
 def test_gpu_optimizer_groups_resume_exactly(tmp_path):
-    """Save after 2 steps with states on the GPU, resume to 4: the checkpoint holds CPU tensors and the resumed run
-    equals the uninterrupted one."""
+    """Save after 2 steps with states on the GPU, resume to 4: the checkpoint holds CPU tensors, the restored masters,
+    device mirrors and Adam states equal it bit for bit, and the resumed run matches the same resume with every
+    state on the host (gpu_optimizer_groups=0; the dataloader restarts its epoch in both)."""
 
-    def fit(steps, root, ckpt_path=None, callbacks=()):
+    def fit(groups, steps, root, ckpt_path=None, callbacks=()):
         L.seed_everything(0)
-        module = ParityLM("qwen3")
+        module = ParityLM("qwen3")  # no dropout: Lightning checkpoints do not restore RNG states
         trainer = L.Trainer(
-            accelerator="cuda", devices=1, strategy=MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=2),
+            accelerator="cuda", devices=1, strategy=MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=groups),
             max_steps=steps, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
             enable_model_summary=False, default_root_dir=root, callbacks=list(callbacks),
         )
         trainer.fit(module, ckpt_path=ckpt_path)
         return module
 
+    class CheckRestored(L.Callback):
+        def __init__(self, saved):
+            self.saved = saved
+
+        def on_train_start(self, trainer, pl_module):
+            for name, p in pl_module.named_parameters():
+                torch.testing.assert_close(p, self.saved["state_dict"][name], rtol=0, atol=0, msg=name)
+            for d in trainer.strategy.engine.device_groups:
+                assert torch.equal(d.master.cpu(), d.group.master)
+            saved = self.saved["optimizer_states"][0]["state"]
+            for k, state in trainer.optimizers[0].state_dict()["state"].items():
+                torch.testing.assert_close(state["exp_avg_sq"], saved[k]["exp_avg_sq"], rtol=0, atol=0)
+            self.checked = True
+
     torch.backends.cuda.matmul.allow_tf32 = False
-    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    fit(2, tmp_path, callbacks=[checkpoint])
+    fit(2, 2, tmp_path, callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)])
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     tensors = [t for s in saved["optimizer_states"][0]["state"].values() for t in s.values()]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
-    resumed = fit(4, tmp_path / "resumed", ckpt_path=str(tmp_path / "last.ckpt"))
-    straight = fit(4, tmp_path / "straight")
-    for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
+    check = CheckRestored(saved)
+    resumed = fit(2, 4, tmp_path / "on_gpu", ckpt_path=str(tmp_path / "last.ckpt"), callbacks=[check])
+    assert check.checked
+    on_host = fit(0, 4, tmp_path / "on_host", ckpt_path=str(tmp_path / "last.ckpt"))
+    for (name, a), b in zip(resumed.named_parameters(), on_host.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
 
 
