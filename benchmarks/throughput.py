@@ -528,6 +528,7 @@ def summarize(rows: list[dict], header: bool = True) -> str:
             if r["system"] == "megatrain" and not r.get("error")}
     for r in rows:
         commit = f" @{r['git_commit'][:7]}" if "git_commit" in r else ""
+        commit += " (no sync marks)" if r.get("breakdown", {}).get("sync_marks") is False else ""
         base = (f"| {r['system']}{commit} | {r['model']} | {r.get('loss', '')} | "
                 f"{r['micro_batch']} x {r.get('accumulate', 1)} | {r['tokens_per_step']} |")
         if r.get("error"):
