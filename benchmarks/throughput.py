@@ -19,7 +19,8 @@ host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss,
   breakdown    medians per optimizer step, summed over its micro-batches, with torch.cuda.synchronize at each mark:
                forward, backward, grad_finalize (backward end -> on_before_optimizer_step), clip_and_optimizer,
                other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
-               profiled step (torch.profiler; union of kernel / memcpy intervals over all streams).
+               profiled step (torch.profiler; union of kernel / memcpy intervals over all streams); kernels sums
+               that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels.
 
 Seconds per run on the lent H200, estimated (fixed = start-up, build, pinning, first-step extra; steps at 32K / 64K
 tokens; from benchmarks/results/2026-11-29-core-*-h200.json and shared/BENCHMARKS.md; 8 optimizer steps a run):
@@ -150,6 +151,29 @@ def busy_fractions(events: list[tuple[str, int, int]], wall_s: float) -> dict[st
     return out
 
 
+def kernel_seconds(events: list[tuple[str, int, int]], top: int = 12) -> dict:
+    """Summed GPU kernel time of one step by kind (matmuls, attention, the rest) and the ``top`` kernels by time.
+
+    Sums, not unions: kernels of different streams may run at once. Kinds by kernel name: cuBLAS/CUTLASS matmuls
+    ("gemm", "nvjet", "cutlass", "xmma"), attention ("flash", "fmha", "attention"); copies and memsets are left out.
+    """
+    kinds = {"matmul_s": ("gemm", "nvjet", "cutlass", "xmma"), "attention_s": ("flash", "fmha", "attention")}
+    out = dict.fromkeys([*kinds, "other_kernels_s"], 0.0)
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in events:
+        if name.startswith(("Memcpy", "Memset")):
+            continue
+        seconds = (end - start) / 1e9
+        low = name.lower()
+        kind = next((k for k, keys in kinds.items() if any(key in low for key in keys)), "other_kernels_s")
+        out[kind] += seconds
+        entry = by_name.setdefault(name[:90], [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+    out["top"] = [[n, round(t, 4), c] for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Child: one (system, model, tokens, loss) run in a fresh process.
 
@@ -229,7 +253,8 @@ def make_recorder(profile_step: int | None, sync: bool):
 
                     events = [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
                               if e.device_type() == DeviceType.CUDA]
-                    self.busy = {**busy_fractions(events, step["step_s"]), "profiled_step_s": step["step_s"]}
+                    self.busy = {**busy_fractions(events, step["step_s"]), "profiled_step_s": step["step_s"],
+                                 "kernels": kernel_seconds(events)}
                 except Exception as e:  # noqa: BLE001
                     self.busy = {"profile_error": f"{type(e).__name__}: {e}"}
 

@@ -468,7 +468,8 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
         "optimizer states": OPTIMIZERS[optimizer][0] * (n - _device_numels(s, gpu_groups)[0]
                                                         - sum(_device_numels(s, gpu_groups)[1])),
         "grad slabs": 3 * max_layer * c,
-        "resident grad staging": 4 * s.resident_params,
+        # the residents' grads go straight into their host grads; a staging buffer exists only in the old engine
+        "resident grad staging": 4 * s.resident_params if pinned_pow2 else 0,
         "activation offload": stash * len(s.layers),
         "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
         "process": int(process_gib * GIB),

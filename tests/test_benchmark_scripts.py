@@ -150,3 +150,14 @@ def test_throughput_oom_is_a_row_and_is_retried_at_half_the_micro_batch(tmp_path
     assert [(r["micro_batch"], r["accumulate"], r["tokens_per_step"]) for r in rows] == [(4, 1, 256), (2, 2, 256)]
     assert all("OutOfMemoryError" in r["error"] for r in rows)
     assert all(set(throughput.ROW_KEYS) <= r.keys() for r in rows)
+
+
+def test_kernel_seconds_by_kind():
+    ms = 1_000_000
+    events = [("ampere_bf16_gemm", 0, 40 * ms), ("nvjet_tst_128x256", 40 * ms, 50 * ms),
+              ("flash_fwd_kernel", 30 * ms, 60 * ms), ("Memcpy HtoD (Pinned -> Device)", 0, 20 * ms),
+              ("vectorized_elementwise_kernel", 60 * ms, 65 * ms), ("vectorized_elementwise_kernel", 70 * ms, 71 * ms)]
+    k = throughput.kernel_seconds(events, top=2)
+    assert k["matmul_s"] == pytest.approx(0.05) and k["attention_s"] == pytest.approx(0.03)
+    assert k["other_kernels_s"] == pytest.approx(0.006)  # copies are not kernels
+    assert k["top"] == [["ampere_bf16_gemm", 0.04, 1], ["flash_fwd_kernel", 0.03, 1]]

@@ -44,15 +44,17 @@ class Residents:
         self.device = device
         self._copies: list[Tensor] | None = None  # one fp32 device leaf per unique parameter, or None when stale
         self._buffers = [(slot, slot.get().to(device)) for slot in buffer_slots]
-        self._grad_staging = registry.empty(group.numel, torch.float32) if group.numel else None
+        self._registry = registry
+        # pinned landing buffer for grads that must be *added* to host grads; allocated on first need (rare)
+        self._grad_staging: Tensor | None = None
 
     def _upload(self) -> list[Tensor]:
-        if self.device_group is not None:  # the mirror is always current on the device
-            flat = self.device_group.master
-            return [v.detach().requires_grad_(p.requires_grad) for v, p in zip(self.group.views(flat), self.group.params)]
-        if self.gate is not None:
-            self.gate(self.group)  # an overlapped optimizer step may still be updating these masters
-        flat = self.group.master.to(self.device, non_blocking=True)  # [numel] fp32, from pinned host memory
+        if self.device_group is not None:
+            flat = self.device_group.master  # [numel] fp32, always current on the device: views, no upload
+        else:
+            if self.gate is not None:
+                self.gate(self.group)  # an overlapped optimizer step may still be updating these masters
+            flat = self.group.master.to(self.device, non_blocking=True)  # [numel] fp32, from pinned host memory
         return [v.detach().requires_grad_(p.requires_grad) for v, p in zip(self.group.views(flat), self.group.params)]
 
     @contextlib.contextmanager
@@ -66,7 +68,7 @@ class Residents:
 
     def drain(self) -> None:
         """Add the compute copies' grads into the host fp32 grads and clear them (blocks: once per step)."""
-        if self._copies is None or self._grad_staging is None:
+        if self._copies is None or not self.group.numel:
             return
         grads = [c.grad for c in self._copies]
         if all(g is None for g in grads):
@@ -75,6 +77,14 @@ class Residents:
         # host grads will equal the device grads exactly when they start empty and all are present
         exact = all(g is not None for g in grads) and all(p.grad is None for p in self.group.params)
         self.group.device_norm_sq = torch.dot(present, present) if exact else None
+        if exact:  # one D2H straight into the pinned host grads: no staging buffer, no host pass
+            self.group.grad.copy_(present, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            self.group.attach_grads()
+            self._after_drain()
+            return
+        if self._grad_staging is None:
+            self._grad_staging = self._registry.empty(self.group.numel, torch.float32)
         host = self._grad_staging[: present.numel()]
         host.copy_(present, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
@@ -83,8 +93,11 @@ class Residents:
             views.append(None if g is None else host[offset : offset + p.numel()].view(p.shape))
             offset += 0 if g is None else p.numel()
         self.group.accumulate(views, packed=host)
+        self._after_drain()
+
+    def _after_drain(self) -> None:
         if self.device_group is None:
-            self.clear_grads()
+            self.clear_grads()  # a device group's step reads them first
 
     def grads(self) -> list[Tensor | None]:
         """The compute copies' grads (device), one per parameter: what a device-group step reads."""
