@@ -19,7 +19,8 @@ host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss,
   breakdown    medians per optimizer step, summed over its micro-batches, with torch.cuda.synchronize at each mark:
                forward, backward, grad_finalize (backward end -> on_before_optimizer_step), clip_and_optimizer,
                other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
-               profiled step (torch.profiler; union of kernel / memcpy intervals over all streams); kernels sums
+               profiled step (torch.profiler; union of kernel / memcpy intervals over all streams, record_function
+               ranges excluded since 2026-11-29 session 8: earlier megatrain and FSDP rows count them); kernels sums
                that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels.
 
 Seconds per run on the lent H200, estimated (fixed = start-up, build, pinning, first-step extra; steps at 32K / 64K
@@ -151,6 +152,23 @@ def busy_fractions(events: list[tuple[str, int, int]], wall_s: float) -> dict[st
     return out
 
 
+def gpu_events(kineto_events) -> list[tuple[str, int, int]]:
+    """(name, start_ns, end_ns) of the CUDA kernels, copies and memsets of a profile.
+
+    Kineto also draws every ``record_function`` range that launched GPU work on the GPU timeline (as a
+    "gpu_user_annotation" from its first to its last GPU op); those are not GPU work and are left out: by name when
+    the same range exists as a CPU user annotation, and the engine's ``megatrain::`` ranges always. (Profiled rows
+    before this filter counted them: their gpu_compute_busy included copy time and gaps inside the engine's ranges.)
+    """
+    from torch.autograd import DeviceType
+
+    annotations = {e.name() for e in kineto_events
+                   if e.device_type() == DeviceType.CPU and getattr(e, "is_user_annotation", lambda: False)()}
+    return [(e.name(), e.start_ns(), e.end_ns()) for e in kineto_events
+            if e.device_type() == DeviceType.CUDA and e.name() not in annotations
+            and not e.name().startswith("megatrain::")]
+
+
 def kernel_seconds(events: list[tuple[str, int, int]], top: int = 12) -> dict:
     """Summed GPU kernel time of one step by kind (matmuls, attention, the rest) and the ``top`` kernels by time.
 
@@ -249,12 +267,9 @@ def make_recorder(profile_step: int | None, sync: bool):
                 prof, self._prof = self._prof, None
                 prof.__exit__(None, None, None)
                 try:  # the profile is a bonus: the timing rows stand without it
-                    from torch.autograd import DeviceType
-
-                    events = [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
-                              if e.device_type() == DeviceType.CUDA]
+                    events = gpu_events(prof.profiler.kineto_results.events())
                     self.busy = {**busy_fractions(events, step["step_s"]), "profiled_step_s": step["step_s"],
-                                 "kernels": kernel_seconds(events)}
+                                 "kernels": kernel_seconds(events), "annotations_excluded": True}
                 except Exception as e:  # noqa: BLE001
                     self.busy = {"profile_error": f"{type(e).__name__}: {e}"}
 
@@ -561,8 +576,9 @@ def summarize(rows: list[dict], header: bool = True) -> str:
             continue
         ref = ours.get((r["model"], r["tokens_per_step"], r.get("loss")))
         b = r["breakdown"]
-        text = " ".join([f"{k[:-2]}={b[k]:.2f}" for k in PHASES if k in b]
-                        + [f"{k}={b[k]:.0%}" for k in BUSY if k in b])
+        # busy fractions profiled before gpu_events() counted record_function ranges: not shown (kept in the JSON)
+        busy = [f"{k}={b[k]:.0%}" for k in BUSY if k in b and b.get("annotations_excluded")]
+        text = " ".join([f"{k[:-2]}={b[k]:.2f}" for k in PHASES if k in b] + busy)
         gpu = "" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
         vs = "" if ref is None else f"{r['tokens_per_s'] / ref:.2f}"
         lines.append(base + f" {r['tokens_per_s']:,.0f} | {vs} | "

@@ -161,3 +161,33 @@ def test_kernel_seconds_by_kind():
     assert k["matmul_s"] == pytest.approx(0.05) and k["attention_s"] == pytest.approx(0.03)
     assert k["other_kernels_s"] == pytest.approx(0.006)  # copies are not kernels
     assert k["top"] == [["ampere_bf16_gemm", 0.04, 1], ["flash_fwd_kernel", 0.03, 1]]
+
+
+def test_gpu_events_leave_out_record_function_ranges():
+    from torch.autograd import DeviceType
+
+    class Event:
+        def __init__(self, name, device, annotation=False):
+            self._name, self._device, self._annotation = name, device, annotation
+
+        def name(self):
+            return self._name
+
+        def device_type(self):
+            return self._device
+
+        def is_user_annotation(self):
+            return self._annotation
+
+        def start_ns(self):
+            return 0
+
+        def end_ns(self):
+            return 1
+
+    events = [Event("[pl][profile]run_training_batch", DeviceType.CPU, annotation=True),
+              Event("[pl][profile]run_training_batch", DeviceType.CUDA),  # its range on the GPU timeline
+              Event("megatrain::recompute_layer_3", DeviceType.CUDA), Event("aten::mm", DeviceType.CPU),
+              Event("nvjet_sm90_tst_192x192", DeviceType.CUDA), Event("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA)]
+    assert [n for n, _, _ in throughput.gpu_events(events)] == ["nvjet_sm90_tst_192x192",
+                                                                  "Memcpy HtoD (Pinned -> Device)"]
