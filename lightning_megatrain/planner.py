@@ -4,10 +4,11 @@
 the streamed layer stack and the residents exactly as the engine does (``engine.discovery``), and models:
 
 - host RAM (bytes): fp32 masters 4 + fp32 grads 4 (both page-locked at their exact size) + optimizer states (AdamW 8,
-  SGD 0, SGD+momentum 4) per parameter, 3 grad slabs, the staging buffer of the residents' grads, offloaded layer
-  inputs (pinned through torch's caching allocator, so rounded up to a power of two) and the process itself;
-- GPU memory (bytes): slots, residents, saved layer inputs, the runtime reserve, plus the larger of two phases that
-  never overlap: the backward of one layer (its recompute activations and grads) and the loss;
+  SGD 0, SGD+momentum 4; none for ``gpu_optimizer_groups``) per parameter, 3 grad slabs, offloaded layer inputs
+  (pinned through torch's caching allocator, so rounded up to a power of two) and the process itself;
+- GPU memory (bytes): slots, residents, ``gpu_optimizer_groups`` state, saved layer inputs, the runtime reserve, plus
+  the larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and
+  the loss;
 - time (seconds) per optimizer step: GPU compute, PCIe transfers (busy and exposed), host optimizer, resident traffic.
 
 Activation bytes per token of one decoder layer recomputed with grad (``c`` = compute itemsize, 2 under bf16-mixed,
