@@ -347,3 +347,23 @@ def test_clipping_uses_the_engine_path():
         got = run(MegaTrainStrategy(cpu_adam="torch"), "llama_tied", clip=1.0, steps=2)
     ref = run("auto", "llama_tied", clip=1.0, steps=2)
     assert_records_close(got, ref)
+
+
+def test_host_update_skips_parameters_stepped_on_the_gpu():
+    """snapshot_update(skip=...) leaves the parameters of gpu_optimizer_groups (and their states) to the device step."""
+    from lightning_megatrain.optim.host_optimizer import snapshot_update
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, r in zip(params, ref):
+        p.grad = torch.randn_like(p)
+        r.grad = p.grad.clone()
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    reference = torch.optim.AdamW(ref[:1], lr=1e-2, fused=True)
+    before = params[1].detach().clone()
+    with torch.no_grad():
+        snapshot_update(opt, None, skip=frozenset({id(params[1])}))(params)
+    reference.step()
+    torch.testing.assert_close(params[0], ref[0], rtol=0, atol=0)
+    assert torch.equal(params[1], before) and params[1] not in opt.state
