@@ -42,7 +42,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
       thread accumulates in fp32.
     - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
       optimizer run on the host fp32 masters (with ``overlap_optimizer=True`` layer by layer on a worker thread,
-      while the next step's forward waits for each layer's update before uploading it).
+      while the next step's forward waits for each layer's update before uploading it); the groups
+      ``gpu_optimizer_groups`` names step on the GPU instead and write their masters back.
 
     GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
     inputs (the others wait in pinned host memory), independent of depth, plus the full activations and a weight
