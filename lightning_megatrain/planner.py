@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.callbacks import H100_BF16_PEAK_FLOPS
+from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import (
     check_layers_independent,
     find_layer_stack,
@@ -440,8 +441,8 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
         f"slots ({num_slots} x largest layer)": num_slots * max_layer * (4 + (c if c < 4 else 0)),
         "residents (fp32 copy + grad)": 8 * s.resident_params + s.resident_buffer_bytes,
         # engine/device_state.py: the residents' two moments; a layer's fp32 mirror, grad, moments (+ compute copy)
-        "optimizer groups on the GPU": 8 * _device_numels(s, gpu_groups)[0]
-        + (16 + (c if c < 4 else 0)) * sum(_device_numels(s, gpu_groups)[1]),
+        "optimizer groups on the GPU": gpu_bytes_per_param(c, resident=True) * _device_numels(s, gpu_groups)[0]
+        + gpu_bytes_per_param(c, resident=False) * sum(_device_numels(s, gpu_groups)[1]),
         "saved layer inputs": (2 if offload else len(s.layers)) * stream + 8 * s.head_dim * tokens,
         "runtime reserve": int(reserve_gib * GIB),
         "phase backward: one layer's activations": int(sum(act) * tokens),

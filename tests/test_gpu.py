@@ -206,7 +206,8 @@ def test_gpu_optimizer_groups_parity(family, groups, accumulate, clip, overlap):
     got, _ = _fit_cuda(strategy, lambda: ParityLM(family), accumulate=accumulate, clip=clip, callbacks=[check])
     assert_records_close(got, ref, rtol=1e-4)
     assert check.n_device == groups
-    assert check.placement == {(True, "cuda"), (False, "cpu")} if groups < 4 else {(True, "cuda")}
+    # every group of the 3-layer llama_tied is on the GPU at groups=4; the others keep some on the host
+    assert check.placement == ({(True, "cuda"), (False, "cpu")} if groups < 4 else {(True, "cuda")})
     assert check.mirrors_equal
 
 

@@ -37,9 +37,12 @@ from torch import Tensor
 
 from lightning_megatrain.engine.host_store import FlatGroup
 
-# bytes of GPU memory per parameter of a device group (see the module note)
-LAYER_BYTES_PER_PARAM = {torch.bfloat16: 18, torch.float32: 16}
-RESIDENT_BYTES_PER_PARAM = 16
+
+def gpu_bytes_per_param(compute_itemsize: int, resident: bool) -> int:
+    """GPU memory a device group adds per parameter (see the module note): a layer's fp32 mirror, fp32 grad, two
+    moments and, below fp32, a compute-dtype copy; the residents' moments only (their fp32 copy and grad exist
+    without device groups)."""
+    return 8 if resident else 16 + (compute_itemsize if compute_itemsize < 4 else 0)
 
 
 class DeviceGroup:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from lightning_megatrain.engine.device_state import LAYER_BYTES_PER_PARAM, RESIDENT_BYTES_PER_PARAM, DeviceGroup
+from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, pack_group
 from lightning_megatrain.engine.overlap import OverlappedStep
@@ -193,10 +193,8 @@ class MegaTrainEngine:
         # slots + resident compute copies and their grads (fp32) + a packed grad buffer for one layer
         need = self.num_slots * per_slot + n_resident * 8 + max_layer * self.compute_dtype.itemsize
         # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
-        device_bytes = sum(
-            (RESIDENT_BYTES_PER_PARAM - 8) * n if k == 0 else LAYER_BYTES_PER_PARAM[self.compute_dtype] * n
-            for k, n in enumerate(device_numel)
-        )
+        itemsize = self.compute_dtype.itemsize
+        device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
         if need + device_bytes > free:
             raise RuntimeError(
                 f"MegaTrainStrategy needs {(need + device_bytes) / _GIB:.1f} GiB of GPU memory for {self.num_slots} "

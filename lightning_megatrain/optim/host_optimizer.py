@@ -154,6 +154,11 @@ def _fused_adam(
     )
 
 
+def _unscale(grad_scale: Tensor | None) -> Tensor | None:
+    """The fused kernel's ``grad_scale`` argument (it divides grads by it) for a clip factor to multiply by."""
+    return None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
+
+
 def snapshot_update(
     optimizer: Optimizer, grad_scale: Tensor | None = None, skip: frozenset[int] = frozenset()
 ) -> Callable[[list[Tensor]], None] | None:
@@ -203,7 +208,7 @@ def snapshot_update(
     decoupled = _decoupled(optimizer)
     # The fused kernel divides each grad by ``grad_scale`` in place, inside the update's own pass over memory: the
     # clipping costs no separate pass (the AMP unscale argument; grads end up scaled exactly as clipping leaves them).
-    unscale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
+    unscale = _unscale(grad_scale)
 
     def update_fused(params: list[Tensor]) -> None:
         by_group: dict[int, list[Tensor]] = {}
@@ -235,14 +240,20 @@ def device_update(
     """
     group_of, hyper = _hyper_snapshot(optimizer)
     decoupled = _decoupled(optimizer)
-    unscale = None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
+    unscale = _unscale(grad_scale)
+    on_device: dict[torch.device, Tensor] = {}  # one (host-blocking, pageable) copy per step, not one per group
 
     def update(params: list[Tensor], mirrors: list[Tensor], grads: list[Tensor | None]) -> None:
         by_group: dict[int, list[int]] = {}
         for k, (p, g) in enumerate(zip(params, grads)):
             if g is not None and id(p) in group_of:
                 by_group.setdefault(id(group_of[id(p)]), []).append(k)
-        device_unscale = None if unscale is None or not mirrors else unscale.to(mirrors[0].device, non_blocking=True)
+        device_unscale = None
+        if unscale is not None and mirrors:
+            device = mirrors[0].device
+            if device not in on_device:
+                on_device[device] = unscale.to(device)
+            device_unscale = on_device[device]
         for key, ks in by_group.items():
             _fused_adam(
                 [mirrors[k] for k in ks], [grads[k] for k in ks], [optimizer.state[params[k]] for k in ks],
