@@ -52,7 +52,7 @@ def _row(r: dict, core: bool, commit: str) -> str:
     config = dict(model_type="llama", tie_word_embeddings=True) | CONFIGS[r["model"]]
     # the core runs predate the exact-size page-locked buffers (engine/pinned.py)
     system = r.get("system", "")
-    base, groups = split_system(system)
+    base, groups, _ = split_system(system)
     p = plan(config, seq_len=r["seq_len"], micro_batch=r["micro_batch"], grad_accum=r.get("accumulate", 1),
              optimizer=r.get("optimizer", "adamw"), loss="chunked" if r.get("loss") == "chunked" else "naive",
              host_ram_gib=125, gpu_mem_gib=139, cpu_cores=16, pinned_pow2_rounding=core,

@@ -107,6 +107,7 @@ _EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
 }
 _JIT_S = 46.0  # first DeepSpeedCPUAdam build on a fresh machine (BENCHMARKS.md); kept in $TORCH_EXTENSIONS_DIR
 _REF_PARAMS = 3.21e9
+_COMPILE_S = 90.0  # torch.compile of a decoder layer's graphs in the first step (a guess until measured)
 _HOST_B_PER_PARAM = {"deepspeed_zero3_offload": 27.0}  # measured (BENCHMARKS.md): refuse runs that cannot fit
 # Dry run: errors that mean "this system cannot run on a CPU at all", with the reason shown in the row.
 _CPU_LIMITS = {"FSDP needs a non-CPU accelerator device": "torch FSDP needs an accelerator device"}
@@ -115,7 +116,9 @@ _CPU_LIMITS = {"FSDP needs a non-CPU accelerator device": "torch FSDP needs an a
 def estimate_s(run: dict, params: int, jit: bool) -> float:
     if run["dry_run"]:
         return 15.0
-    fixed, host, gpu = _EST[split_system(run["system"])[0]]
+    base, _, compiled = split_system(run["system"])
+    fixed, host, gpu = _EST[base]
+    fixed += _COMPILE_S if compiled else 0.0
     scale = params / _REF_PARAMS
     steps = run["warmup"] + run["measured"] + run["profile"] + 1  # +1: the first step's extra cost
     step_s = host * scale + gpu * scale * run["tokens_per_step"] / 32768
@@ -262,6 +265,9 @@ def make_recorder(profile_step: int | None, sync: bool):
             step["step_s"] = step["end"] - step["start"]
             step["other_s"] = step["step_s"] - sum(step[k] for k in PHASES[:-1])
             step["rss_gib"] = host_rss_gib()  # pinned memory included
+            streamed = getattr(getattr(trainer.strategy, "engine", None), "streamed", None)
+            if streamed is not None:  # megatrain: layers whose graph this step's last micro-batch kept
+                step["kept_layers"] = len(streamed.kept)
             self.steps.append(step)
             if self._prof is not None:
                 prof, self._prof = self._prof, None
@@ -300,8 +306,10 @@ def train(spec: dict) -> dict:
     notes += [model_spec["note"]] if "note" in model_spec else []
     if spec["loss"] == "chunked" and spec["system"] == "deepspeed_zero3_offload":
         notes.append("chunked loss: lm_head.weight registered with deepspeed.zero.register_external_parameter")
-    module = make_module(config, spec["loss"], optimizer, direct_clip=spec["system"] == "plain",
-                         grad_ckpt=spec["system"] in ("plain", "deepspeed_zero3_offload"))
+    base, _, compiled = split_system(spec["system"])
+    module = make_module(config, spec["loss"], optimizer, direct_clip=base == "plain",
+                         grad_ckpt=base in ("plain", "deepspeed_zero3_offload"),
+                         compile_layers=compiled and not base.startswith("megatrain"))
     mb, acc, seq = spec["micro_batch"], spec["accumulate"], spec["seq_len"]
     # real runs profile one extra step after the measured ones; dry runs profile their last step
     total_steps = spec["warmup"] + spec["measured"] + (spec["profile"] and not spec["dry_run"])
@@ -329,7 +337,8 @@ def train(spec: dict) -> dict:
     breakdown = {k: median(s[k] for s in measured) for k in PHASES}
     # setup_s: fit() start -> first micro-batch (model build, strategy setup, pinning, optimizer creation)
     breakdown.update(recorder.busy, setup_s=recorder.first_batch_t - t_fit, first_step_s=steps[0]["step_s"],
-                     build_s=getattr(module, "build_s", None), sync_marks=spec["sync"])
+                     build_s=getattr(module, "build_s", None), sync_marks=spec["sync"],
+                     kept_layers=measured[-1].get("kept_layers"))
     row = {
         "system": spec["system"], "model": spec["model"], "micro_batch": mb, "seq_len": seq,
         "tokens_per_step": tokens, "tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / PEAK_FLOPS,
@@ -368,9 +377,10 @@ def plan(args) -> list[dict]:
                 tokens = 4 * args.seq_len  # 2 micro-batches of 2 sequences: exercises accumulation
             for system in args.systems.split(","):
                 if split_system(system)[0] not in SYSTEMS:
-                    raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS} (megatrain ones take _gpuN)")
+                    raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS} (megatrain ones take _gpuN, "
+                                     "megatrain and plain _compiled)")
                 cap = spec["micro_batch_cap"][loss]
-                if system == "plain":
+                if split_system(system)[0] == "plain":
                     cap = min(cap, spec.get("plain_cap", cap))
                 mb = min(args.micro_batch or cap, tokens // args.seq_len)
                 if tokens % (mb * args.seq_len):

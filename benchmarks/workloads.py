@@ -12,6 +12,9 @@ Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a 
                            suffix): the residents and the first N-1 layers keep fp32 master, grad and Adam states
                            on the GPU too and step there (engine/device_state.py), the rest on the host.
   megatrain_recompute_all  keep_layers=0: every layer recomputed (the paper's scheme; the engine before this option).
+  ..._compiled             any megatrain system or plain with every decoder layer run through torch.compile
+                           (megatrain: compile_layers=True; plain: each HF decoder layer's ``.compile()``, inside HF's
+                           gradient checkpointing).
   plain                    Lightning strategy "auto" on the GPU: fp32 params, bf16-mixed autocast, torch AdamW
                            fused on the GPU, clip 1.0 (by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping:
                            Lightning's MixedPrecision refuses gradient_clip_val with a fused optimizer), HF
@@ -47,10 +50,13 @@ SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_overlap_deepspeed",
 
 
 
-def split_system(system: str) -> tuple[str, int]:
-    """``"megatrain_overlap_gpu12"`` -> ``("megatrain_overlap", 12)``: the base system and gpu_optimizer_groups."""
+def split_system(system: str) -> tuple[str, int, bool]:
+    """``"megatrain_overlap_gpu12_compiled"`` -> ``("megatrain_overlap", 12, True)``: the base system,
+    gpu_optimizer_groups and whether the decoder layers run through torch.compile."""
+    compiled = system.endswith("_compiled")
+    system = system.removesuffix("_compiled")
     match = re.fullmatch(r"(megatrain\w*?)_gpu(\d+)", system)
-    return (match.group(1), int(match.group(2))) if match else (system, 0)
+    return (match.group(1), int(match.group(2)), compiled) if match else (system, 0, compiled)
 
 
 _LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, attention_bias=False, use_cache=False)
@@ -148,7 +154,8 @@ def fill_like_hf_init_(model, std: float, seed: int) -> None:
                     chunk.copy_(torch.empty(chunk.numel(), device=gen_device).normal_(0.0, std, generator=generator))
 
 
-def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct_clip: bool, lr: float = 1e-4):
+def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct_clip: bool, lr: float = 1e-4,
+                compile_layers: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -176,6 +183,9 @@ def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct
             fill_like_hf_init_(model, std=self.hf_config.initializer_range, seed=0)
             if grad_ckpt:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if compile_layers:  # plain_compiled: what a user of plain training would compile
+                for layer in model.model.layers:
+                    layer.compile()
             self.model = model
             if loss == "chunked" and any(hasattr(p, "ds_id") for p in model.parameters()):
                 import deepspeed
@@ -216,17 +226,18 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
     if system.startswith("megatrain"):
         from lightning_megatrain import MegaTrainStrategy
 
-        system, groups = split_system(system)
+        system, groups, compiled = split_system(system)
         if system == "megatrain_recompute_all":
-            return (MegaTrainStrategy(keep_layers=0, gpu_optimizer_groups=groups), 1.0, "adamw",
-                    "megatrain: every layer recomputed", [])
+            return (MegaTrainStrategy(keep_layers=0, gpu_optimizer_groups=groups, compile_layers=compiled), 1.0,
+                    "adamw", "megatrain: every layer recomputed", [])
         overlap = system.startswith("megatrain_overlap")
         cpu_adam = "deepspeed" if system == "megatrain_overlap_deepspeed" else "auto"
-        strategy = MegaTrainStrategy(overlap_optimizer=overlap, cpu_adam=cpu_adam, gpu_optimizer_groups=groups)
+        strategy = MegaTrainStrategy(overlap_optimizer=overlap, cpu_adam=cpu_adam, gpu_optimizer_groups=groups,
+                                     compile_layers=compiled)
         notes = [f"gpu_optimizer_groups={groups}: the residents and {groups - 1} layers step on the GPU"] if groups else []
         return (strategy, 1.0, "adamw",
                 "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", notes)
-    if system == "plain":
+    if split_system(system)[0] == "plain":
         notes = [("clipped by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping: Lightning's "
                   "MixedPrecision refuses gradient_clip_val with a fused optimizer")]
         return "auto", 1.0, "adamw_fused", "hf gradient_checkpointing_enable(use_reentrant=False)", notes

@@ -69,7 +69,7 @@ class MegaTrainPrecision(Precision):
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
         # The backward's drains write the host grads that an overlapped optimizer step may still be reading.
         assert self.engine is not None
-        self.engine.wait_for_optimizer()
+        self.engine.wait_for_host_step()
         return super().pre_backward(tensor, module)
 
     @override

@@ -77,6 +77,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             taken from the activations ``keep_layers="auto"`` keeps, and saves 8 bytes/param of host RAM. Pays when
             the host Adam step outlasts a forward (``megatrain plan`` says so); the host masters stay the parameters
             and checkpoints are unchanged. Needs a CUDA device and Adam/AdamW, norm clipping or none. Default 0.
+        compile_layers: run every decoder layer through ``torch.compile`` (inductor): the elementwise work between
+            the matmuls fuses into few kernels and a kept layer saves fewer activations. One graph per layer class
+            and grad mode, compiled during the first step (tens of seconds for a large layer on a GPU); dropout masks
+            are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
+            Triton on CUDA). Default False.
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
             with ``overlap_optimizer=True`` always torch fused AdamW, which releases the GIL while the forward thread
             issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
@@ -101,6 +106,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         keep_layers: KeepLayers = "auto",
         overlap_optimizer: bool = False,
         gpu_optimizer_groups: int = 0,
+        compile_layers: bool = False,
         cpu_adam: CpuAdamMode = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -113,6 +119,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             problems.append(f"keep_layers={keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
         if type(gpu_optimizer_groups) is not int or gpu_optimizer_groups < 0:
             problems.append(f"gpu_optimizer_groups={gpu_optimizer_groups!r}: need an int >= 0")
+        if not isinstance(compile_layers, bool):
+            problems.append(f"compile_layers={compile_layers!r}: need True or False")
         if cpu_adam not in CPU_ADAM_MODES:
             problems.append(f"cpu_adam={cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
         if problems:
@@ -125,6 +133,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.keep_layers = keep_layers
         self.overlap_optimizer = overlap_optimizer
         self.gpu_optimizer_groups = gpu_optimizer_groups
+        self.compile_layers = compile_layers
         self.cpu_adam = cpu_adam
         self.engine: MegaTrainEngine | None = None
         if precision_plugin is not None:
@@ -195,6 +204,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             keep_layers=self.keep_layers,
             overlap_optimizer=self.overlap_optimizer,
             gpu_optimizer_groups=self.gpu_optimizer_groups if fitting else 0,
+            compile_layers=self.compile_layers,
         )
         self.engine.setup(fitting=fitting)
         self.model_to_device()
@@ -345,7 +355,7 @@ def _wait_before_zero_grad(optimizer: torch.optim.Optimizer, engine: MegaTrainEn
 
     @functools.wraps(zero_grad)
     def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
-        engine.wait_for_optimizer()
+        engine.wait_for_host_step()
         zero_grad(*args, **kwargs)
 
     optimizer.zero_grad = waiting_zero_grad  # type: ignore[method-assign]

@@ -111,6 +111,8 @@ def test_invalid_arguments_listed_together():
         MegaTrainStrategy(num_slots=1, keep_layers=-1, cpu_adam="gpu")
     with pytest.raises(ValueError, match=r"keep_layers='all'"):
         MegaTrainStrategy(keep_layers="all")
+    with pytest.raises(ValueError, match=r"compile_layers='yes': need True or False"):
+        MegaTrainStrategy(compile_layers="yes")
 
 
 def test_host_residency_after_setup():

@@ -24,7 +24,8 @@ themselves and with the layer's forward and backward):
   it before the next micro-batch's backward writes ``grad`` again.
 - ``written_back``: recorded by the D2H stream after copying the updated ``master`` to the host master; the compute
   stream waits on it before the next update writes ``master``, and host readers synchronize on it
-  (:meth:`DeviceGroup.wait_written_back`, from the engine's ``wait_for_optimizer``).
+  (:meth:`DeviceGroup.wait_written_back`, from the engine's ``wait_for_optimizer``, which checkpoints, barrier
+  hooks and teardown call; backward, ``zero_grad`` and gradient finalization touch grads only and skip it).
 
 GPU memory: 18 bytes per layer parameter (mirror, grad, two moments and a compute-dtype copy under bf16), 16 per
 resident parameter (their fp32 compute copies are the mirror). Host memory saves the 8 bytes/param of moments.

@@ -41,6 +41,8 @@ class MegaTrainEngine:
         gpu_optimizer_groups: how many groups, in the order the forward reads them (the residents, then layers
             0, 1, ...), keep their fp32 master, grad and Adam states on the device and step there
             (engine/device_state.py). CUDA only.
+        compile_layers: run each decoder layer's forward through ``torch.compile`` (engine/streamed.py,
+            [Note: compiled layers]).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class MegaTrainEngine:
         keep_layers: KeepLayers = "auto",
         overlap_optimizer: bool = False,
         gpu_optimizer_groups: int = 0,
+        compile_layers: bool = False,
     ) -> None:
         self.module = module
         self.device = device
@@ -64,6 +67,7 @@ class MegaTrainEngine:
         self._overlap_requested = overlap_optimizer
         self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the optimizer step applies
         self.gpu_optimizer_groups = gpu_optimizer_groups
+        self.compile_layers = compile_layers
         self.device_groups: list[DeviceGroup] = []  # in forward order: the residents' (if any) first
         self._device_param_ids: frozenset[int] = frozenset()
         self.groups: list[FlatGroup] = []  # one per layer of the stack
@@ -138,8 +142,9 @@ class MegaTrainEngine:
             self.transfer = HostTransfer(self.groups, self.compute_dtype, gate)
             buffers = [[] for _ in layer_buffers]
         self._disable_kv_cache()
-        policy = RecomputePolicy(self.keep_layers, self.device, max_layer * self.compute_dtype.itemsize)
-        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers, policy)
+        persistent = sum(1 for i in range(len(stack)) if self.transfer.persistent(i))  # the first layers, if any
+        policy = RecomputePolicy(self.keep_layers, self.device, max_layer * self.compute_dtype.itemsize, persistent)
+        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers, policy, self.compile_layers)
         self.streamed.install(self.device.type)
         if self.device_groups:
             log.info(
@@ -151,7 +156,7 @@ class MegaTrainEngine:
             )
         log.info(
             "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
-            "%.2fB params in host RAM (%s), compute %s on %s with %d slots",
+            "%.2fB params in host RAM (%s), compute %s on %s with %d slots%s",
             len(stack),
             path,
             max_layer / 1e6,
@@ -161,6 +166,7 @@ class MegaTrainEngine:
             str(self.compute_dtype).replace("torch.", ""),
             self.device,
             self.num_slots,
+            ", layers compiled (torch.compile)" if self.compile_layers else "",
         )
 
     def _check_placement(self) -> None:
@@ -227,10 +233,19 @@ class MegaTrainEngine:
         with self.residents.bound():
             yield
 
-    def wait_for_optimizer(self) -> None:
-        """Block until the optimizer step in flight has updated every host master and optimizer state."""
+    def wait_for_host_step(self) -> None:
+        """Block until the overlapped host optimizer step is done with the host grads and the host groups' masters.
+
+        What backward's drains, ``zero_grad`` and gradient finalization wait for: they write host grads, which only
+        the host step reads (device groups step from their device grads).
+        """
         if self.overlap is not None:
             self.overlap.wait_all()
+
+    def wait_for_optimizer(self) -> None:
+        """Block until the optimizer step in flight has updated every host master and optimizer state: the host
+        step, and the device groups' masters written back (for readers of host parameters: checkpoints, hooks)."""
+        self.wait_for_host_step()
         for device_group in self.device_groups:
             device_group.wait_written_back()
 
@@ -238,7 +253,7 @@ class MegaTrainEngine:
         """Make every host fp32 grad final: wait for the layer drains, then drain the residents."""
         assert self.transfer is not None
         self._deferred_grad_scale = None
-        self.wait_for_optimizer()  # the residents' drain below writes grads an overlapped step may still read
+        self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
         self.transfer.wait_drained()
         if self.residents is not None:
             self.residents.drain()

@@ -13,7 +13,9 @@ recomputes only the rest. ``k`` is:
   allocated bytes of that micro-batch. A kept layer then costs ``(A/x1 + 1) * x + W`` (``x`` its input bytes, kept
   too; ``W`` its weights in the compute dtype) on top of a peak that scales at most with the tokens, so later
   micro-batches keep ``k = (budget - P * max(1, x/x1)) // ((A/x1 + 1) * x + W)`` layers, ``budget`` being
-  :data:`DEVICE_FRACTION` of the device. On a CPU compute device ``"auto"`` keeps none.
+  :data:`DEVICE_FRACTION` of the device. The first layers whose weights stay on the device anyway
+  (``gpu_optimizer_groups``, engine/device_state.py) need no private copy and cost ``W`` less each. On a CPU compute
+  device ``"auto"`` keeps none.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ DEVICE_FRACTION = 0.9
 class RecomputePolicy:
     """Decides per layer forward whether to keep its graph (see [Note: keep or recompute])."""
 
-    def __init__(self, keep_layers: KeepLayers, device: torch.device, layer_weight_bytes: int) -> None:
+    def __init__(
+        self, keep_layers: KeepLayers, device: torch.device, layer_weight_bytes: int, persistent_layers: int = 0
+    ) -> None:
         self.fixed = keep_layers if isinstance(keep_layers, int) else None
         self.device = device
         self.weight_bytes = layer_weight_bytes  # W: the largest layer's weights in the compute dtype
+        self.persistent_layers = persistent_layers  # the first layers, whose weights a kept graph uses in place
         self.calibrating = self.fixed is None and device.type == "cuda"
         # read once: limit() runs at every layer's forward
         self.budget = DEVICE_FRACTION * torch.cuda.get_device_properties(device).total_memory if self.calibrating else 0
@@ -69,9 +74,11 @@ class RecomputePolicy:
         if self.graph_bytes_per_input_byte is None:
             return 0  # CPU, or CUDA before calibration
         scale = max(1.0, input_bytes / self.input_bytes)
-        # the graph, the input it saves (not offloaded when kept) and the private weight copy
-        per_layer = (self.graph_bytes_per_input_byte + 1) * input_bytes + self.weight_bytes
-        return max(0, int((self.budget - self.peak_bytes * scale) // per_layer))
+        free = self.budget - self.peak_bytes * scale
+        # the graph and the input it saves (not offloaded when kept), plus a private weight copy past the persistent
+        graph = (self.graph_bytes_per_input_byte + 1) * input_bytes
+        in_place = min(self.persistent_layers, max(0, int(free // graph)))
+        return in_place + max(0, int((free - in_place * graph) // (graph + self.weight_bytes)))
 
     def measure_recompute(self, graph_bytes: int, input_bytes: int) -> None:
         """A recompute of a layer with ``input_bytes`` of input held ``graph_bytes`` (calibration only)."""

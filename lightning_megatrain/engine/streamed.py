@@ -13,12 +13,21 @@ input grads. A layer the recompute policy *keeps* (engine/recompute.py, [Note: k
 grad in forward on a private copy of its weights and keeps its graph; its backward is the ``autograd.grad`` alone. Plain
 ``loss.backward()`` therefore walks the layers in reverse and Lightning's loops, the user's loss and manual
 optimization stay untouched. Without grad (validation, predict) the layer simply runs on bound weights.
+
+[Note: compiled layers]
+With ``compile_layers`` every layer runs its class's ``forward`` through ``torch.compile`` (inductor): the
+elementwise work between the matmuls (RMSNorm in fp32, SiLU x up, rotary, residual adds) fuses into few kernels, and
+AOTAutograd's partitioner saves fewer tensors for backward than eager autograd, so a kept layer holds less memory.
+One compiled function serves every layer of a class: dynamo lifts the weights a layer reads (bound by ``bind``
+to slot views) to graph inputs instead of specializing on them, so a 28-layer stack compiles one graph per grad mode
+(no-grad forward, forward with grad), not one per layer. ``fallback_random`` keeps torch's eager RNG for dropout,
+so a recompute under the forward's saved RNG state replays the same masks, exactly as without compile.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +43,11 @@ _TENSOR = object()
 
 # kwargs through which HF layers receive a KV cache; a recompute would append to it twice, so training drops them
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def _compile(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile`` a layer class's ``forward`` (see [Note: compiled layers])."""
+    return torch.compile(forward, options={"fallback_random": True})
 
 
 @contextlib.contextmanager
@@ -59,6 +73,7 @@ class StreamedLayers:
         transfer: Any,
         buffers: list[list],
         policy: RecomputePolicy,
+        compile_layers: bool = False,
     ) -> None:
         self.stack = stack
         self.groups = groups
@@ -72,6 +87,12 @@ class StreamedLayers:
         # Layers of the current micro-batch that kept their graph, so backward does not prefetch their weights or
         # inputs (a hint, like ``stashed``).
         self.kept: set[int] = set()
+        # The function each layer runs: its class's own ``forward``, or that function compiled once per class (see
+        # [Note: compiled layers]).
+        self.forwards: dict[type, Callable[..., Any]] = {}
+        for layer in stack:
+            forward = type(layer).forward
+            self.forwards.setdefault(type(layer), _compile(forward) if compile_layers else forward)
 
     def install(self, device_type: str) -> None:
         self.device_type = device_type
@@ -90,7 +111,7 @@ class StreamedLayers:
     def run_layer(self, index: int, weights: list[Tensor], args: tuple, kwargs: dict) -> Any:
         layer = self.stack[index]
         with bind(self.bindings(index, weights)):
-            return type(layer).forward(layer, *args, **kwargs)
+            return self.forwards[type(layer)](layer, *args, **kwargs)
 
 
 class _LayerForward:
@@ -197,7 +218,9 @@ def _forward_kept(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> Any:
     transfer = owner.transfer
     flat = transfer.acquire(index)
     transfer.prefetch(index + 1)
-    weights = _weight_leaves(owner.groups[index], flat.clone())  # private copy: the slot is refilled after release
+    if not transfer.persistent(index):
+        flat = flat.clone()  # private copy: the slot is refilled after release
+    weights = _weight_leaves(owner.groups[index], flat)
     transfer.release(index)
     leaves = list(leaves)
     inputs = []

@@ -87,6 +87,10 @@ class HostTransfer:
     def invalidate(self) -> None:
         """Nothing cached: :meth:`acquire` always reads the current masters."""
 
+    def persistent(self, index: int) -> bool:
+        """Whether :meth:`acquire`'s weights stay unchanged until the optimizer step: never assumed on the host."""
+        return False
+
     def stash(self, x: Tensor) -> Tensor:
         """Keep a saved layer input as is: host memory is where it lives anyway."""
         return x
@@ -235,6 +239,11 @@ class CudaTransfer:
         assert slot is not None
         slot.free.record(torch.cuda.current_stream(self.device))
         self._in_use.discard(index)
+
+    def persistent(self, index: int) -> bool:
+        """Whether layer ``index``'s weights stay where :meth:`acquire` put them until the optimizer step: a device
+        group's compute copy does, a slot is refilled after :meth:`release`."""
+        return index in self.device_groups
 
     def invalidate(self) -> None:
         """Masters may have changed (optimizer step, load_state_dict): the next acquire uploads again."""

@@ -65,3 +65,22 @@ def test_auto_never_plans_past_the_device():
         policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)
         policy.end_backward()
         assert policy.limit(GIB) == 0  # 95 GiB peak already above 90% of 100 GiB: recompute everything
+
+
+def test_auto_counts_no_weight_copy_for_layers_whose_weights_persist():
+    # gpu_optimizer_groups: the first layers' compute weights stay on the device, a kept graph uses them in place
+    peak = [10 * GIB]
+    patches = _cuda_counters(peak)
+    with patches[0], patches[1]:
+        policies = [
+            RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB, persistent_layers=n)
+            for n in (0, 3, 100)
+        ]
+        for policy in policies:
+            policy.start_forward()
+            policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)  # A = 1 GiB per input GiB: 2 GiB a layer
+            policy.end_backward()
+        free = DEVICE_FRACTION * 100 * GIB - 10 * GIB  # 80 GiB
+        assert policies[0].limit(GIB) == int(free // (3 * GIB))  # 26: graph, input and weights
+        assert policies[1].limit(GIB) == 3 + int((free - 3 * 2 * GIB) // (3 * GIB))  # 27
+        assert policies[2].limit(GIB) == int(free // (2 * GIB))  # 40: every kept layer persists
