@@ -223,10 +223,10 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
     """(strategy, gradient_clip_val, optimizer, activation checkpointing, notes) of one system."""
     import torch
 
+    system, groups, compiled = split_system(system)  # plain, ZeRO-3 and FSDP compile in make_module
     if system.startswith("megatrain"):
         from lightning_megatrain import MegaTrainStrategy
 
-        system, groups, compiled = split_system(system)
         if system == "megatrain_recompute_all":
             return (MegaTrainStrategy(keep_layers=0, gpu_optimizer_groups=groups, compile_layers=compiled), 1.0,
                     "adamw", "megatrain: every layer recomputed", [])
@@ -237,7 +237,7 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
         notes = [f"gpu_optimizer_groups={groups}: the residents and {groups - 1} layers step on the GPU"] if groups else []
         return (strategy, 1.0, "adamw",
                 "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", notes)
-    if split_system(system)[0] == "plain":
+    if system == "plain":
         notes = [("clipped by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping: Lightning's "
                   "MixedPrecision refuses gradient_clip_val with a fused optimizer")]
         return "auto", 1.0, "adamw_fused", "hf gradient_checkpointing_enable(use_reentrant=False)", notes
