@@ -47,8 +47,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
     inputs (the others wait in pinned host memory), independent of depth, plus the full activations and a weight
-    copy of each layer ``keep_layers`` keeps (by default as many as fit in 90% of the GPU). Host memory is 16 bytes
-    per parameter with Adam (master, grad, two moments), page-locked at its exact size.
+    copy (none for ``gpu_optimizer_groups`` layers) of each layer ``keep_layers`` keeps (by default as many as fit
+    in 90% of the GPU). Host memory is 16 bytes per parameter with Adam (master, grad, two moments), page-locked at
+    its exact size.
 
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with

@@ -10,9 +10,9 @@ Backward: acquire layer i again (usually still in a slot from forward or prefetc
 prefetch i-1 and its stashed input, re-run the layer with grad under the saved RNG/autocast state,
 ``torch.autograd.grad`` w.r.t. the inputs and one leaf per weight, drain the weight grads to the host and return the
 input grads. A layer the recompute policy *keeps* (engine/recompute.py, [Note: keep or recompute]) instead runs with
-grad in forward on a private copy of its weights and keeps its graph; its backward is the ``autograd.grad`` alone. Plain
-``loss.backward()`` therefore walks the layers in reverse and Lightning's loops, the user's loss and manual
-optimization stay untouched. Without grad (validation, predict) the layer simply runs on bound weights.
+grad in forward on a private copy of its weights (a device group's weights stay put: no copy) and keeps its graph;
+its backward is the ``autograd.grad`` alone. Plain ``loss.backward()`` therefore walks the layers in reverse and
+Lightning's loops, the user's loss and manual optimization stay untouched. Without grad (validation, predict) the layer simply runs on bound weights.
 
 [Note: compiled layers]
 With ``compile_layers`` every layer runs its class's ``forward`` through ``torch.compile`` (inductor): the
