@@ -7,7 +7,7 @@ Core runs (benchmarks/core_gpu.py) predate the exact-size page-locked buffers an
 runs (benchmarks/throughput.py, megatrain rows) use the current engine. Their GPU memory is compared only for
 megatrain_recompute_all (keep_layers=0, what the planner models): keep_layers="auto" fills up to 90% of the GPU by
 design. Rows of the overlapped optimizer step are planned with overlap_optimizer=True, rows of a system with the
-_gpuN suffix with gpu_optimizer_groups=N.
+_gpuN suffix with gpu_optimizer_groups=N, _compiled rows with compile_layers=True.
 """
 
 from __future__ import annotations
@@ -52,11 +52,12 @@ def _row(r: dict, core: bool, commit: str) -> str:
     config = dict(model_type="llama", tie_word_embeddings=True) | CONFIGS[r["model"]]
     # the core runs predate the exact-size page-locked buffers (engine/pinned.py)
     system = r.get("system", "")
-    base, groups, _ = split_system(system)
+    base, groups, compiled = split_system(system)
     p = plan(config, seq_len=r["seq_len"], micro_batch=r["micro_batch"], grad_accum=r.get("accumulate", 1),
              optimizer=r.get("optimizer", "adamw"), loss="chunked" if r.get("loss") == "chunked" else "naive",
              host_ram_gib=125, gpu_mem_gib=139, cpu_cores=16, pinned_pow2_rounding=core,
-             overlap_optimizer=base.startswith("megatrain_overlap"), gpu_optimizer_groups=groups).to_dict()
+             overlap_optimizer=base.startswith("megatrain_overlap"), gpu_optimizer_groups=groups,
+             compile_layers=compiled).to_dict()
     host_measured = r["peak_host_rss_gib"] if core else r["peak_host_gib"]
     host = p["host_total"] / GIB
     host_cell = f"{host:.1f} / {host_measured:.1f} ({host / host_measured - 1:+.0%})"

@@ -77,6 +77,10 @@ PCIE_DUPLEX_GBPS = 97.0  # both directions at once, GB/s in total
 # way (457 counting 6N only). The engine's own path (fp32 residual stream, autocast without cache, bf16 slot weights)
 # measured 425-437 for fwd+bwd on the H200 (benchmarks/planner_gpu_check.py, 2026-11-29, 5 iterations): 450 default.
 ACHIEVED_TFLOPS = 450.0
+# compile_layers: plain GPU training with every decoder layer compiled ran 1.29x its eager rate on the same FLOPs
+# (3.21B on the H200: 21,459 / 16,589 tokens/s at 32K tokens, 21,672 / 16,802 at 64K with the chunked loss;
+# benchmarks/results/2026-11-29-llama-3.2-3b-h200.json); applied to the whole step: 450 x 1.29.
+COMPILED_TFLOPS = 580.0
 FP32_TFLOPS = 50.0  # 32-true: H200 datasheet fp32 (non-tensor) ~67 TFLOP/s; assumed ~75% achieved, not measured
 PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (H100/H200); MFU is quoted against it
 CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s
@@ -536,7 +540,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
          pcie_duplex_gbps: float = PCIE_DUPLEX_GBPS, process_gib: float = PROCESS_GIB,
          gpu_reserve_gib: float = GPU_RESERVE_GIB, pinned_pow2_rounding: bool = False,
          attn_implementation: str | None = None, overlap_optimizer: bool = False,
-         gpu_optimizer_groups: int = 0) -> Plan:
+         gpu_optimizer_groups: int = 0, compile_layers: bool = False) -> Plan:
     """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
 
     Args:
@@ -547,7 +551,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
         optimizer: "adamw", "adam", "sgd", "sgd_momentum". loss: "chunked" (CausalLMModule) or "naive" (HF).
         cpu_cores: cores for the host optimizer (default this machine's); its rate scales linearly from 16 cores.
         offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying.
-        achieved_tflops: sustained rate on executed FLOPs (default 450 under bf16, 50 under 32-true).
+        achieved_tflops: sustained rate on executed FLOPs (default 450 under bf16, 580 under bf16 with
+            ``compile_layers``, 50 under 32-true).
         pinned_pow2_rounding: model the engine before engine/pinned.py (commit b0ea63e), which took every pinned
             buffer (masters, grads, slabs) from torch's caching host allocator, rounded up to a power of two, as the
             2026-11-29 core runs measured. Now only the offloaded layer inputs are rounded.
@@ -557,6 +562,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
             step's forward and only the part that outlasts it counts.
         gpu_optimizer_groups: as ``MegaTrainStrategy(gpu_optimizer_groups=...)``: the residents and the first
             ``gpu_optimizer_groups - 1`` layers keep their optimizer state on the GPU (engine/device_state.py).
+        compile_layers: as ``MegaTrainStrategy(compile_layers=True)``: the bf16 rate becomes
+            :data:`COMPILED_TFLOPS`. Memory stays planned for eager layers (compiled ones save less).
     """
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
@@ -571,7 +578,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
     if gpu_optimizer_groups and optimizer not in ("adamw", "adam"):
         raise ValueError(f"gpu_optimizer_groups steps Adam/AdamW on the GPU; got optimizer={optimizer!r}")
     c = PRECISIONS[precision]
-    tflops = achieved_tflops or (ACHIEVED_TFLOPS if c < 4 else FP32_TFLOPS)
+    tflops = achieved_tflops or (FP32_TFLOPS if c >= 4 else COMPILED_TFLOPS if compile_layers else ACHIEVED_TFLOPS)
     cores = cpu_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     host_limit = int((host_ram_gib or _mem_total_gib() or HOST_REF_GIB) * GIB)
     gpu_limit = int((gpu_mem_gib or _gpu_total_gib() or GPU_REF_GIB) * GIB)
@@ -615,7 +622,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
                          "pcie_duplex_gbps": pcie_duplex_gbps, "cpu_cores": cores, "num_slots": num_slots,
                          "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
                          "optimizer_overlaps_gpu": overlap_optimizer, "pinned_pow2_rounding": pinned_pow2_rounding,
-                         "gpu_optimizer_groups": gpu_optimizer_groups})
+                         "gpu_optimizer_groups": gpu_optimizer_groups, "compile_layers": compile_layers})
     p.warnings = _warnings(p, s)
     if overlap_optimizer and optimizer in ("adamw", "adam"):
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
@@ -712,13 +719,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-ram", type=float, help="GiB (default: this machine's)")
     ap.add_argument("--gpu-mem", type=float, help="GiB (default: this machine's GPU, else 139 as on an H200)")
     ap.add_argument("--cpu-cores", type=int)
-    ap.add_argument("--tflops", type=float, help="achieved TFLOP/s on executed FLOPs (default 450 bf16)")
+    ap.add_argument("--tflops", type=float,
+                    help="achieved TFLOP/s on executed FLOPs (default 450 bf16, 580 with --compile-layers)")
     ap.add_argument("--no-offload", action="store_true", help="keep every layer's input on the GPU")
     ap.add_argument("--num-slots", type=int, default=2)
     ap.add_argument("--overlap-optimizer", action="store_true",
                     help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
     ap.add_argument("--gpu-optimizer-groups", type=int, default=0,
                     help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
     ap.add_argument("--loss-chunk-size", type=int, default=4096)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
@@ -726,7 +736,8 @@ def main(argv: list[str] | None = None) -> int:
              optimizer=a.optimizer, loss=a.loss, host_ram_gib=a.host_ram, gpu_mem_gib=a.gpu_mem,
              cpu_cores=a.cpu_cores, achieved_tflops=a.tflops, offload_activations=not a.no_offload,
              num_slots=a.num_slots, loss_chunk_size=a.loss_chunk_size, attn_implementation=a.attn_implementation,
-             overlap_optimizer=a.overlap_optimizer, gpu_optimizer_groups=a.gpu_optimizer_groups)
+             overlap_optimizer=a.overlap_optimizer, gpu_optimizer_groups=a.gpu_optimizer_groups,
+             compile_layers=a.compile_layers)
     print(json.dumps(p.to_dict(), indent=2) if a.json else p.report())
     return 0
 

@@ -312,3 +312,17 @@ def test_gpu_optimizer_groups_move_state_and_adam_to_the_gpu():
         planner.plan(LLAMA_3B, gpu_optimizer_groups=30, **kw)
     with pytest.raises(ValueError, match="steps Adam/AdamW on the GPU"):
         planner.plan(LLAMA_3B, gpu_optimizer_groups=1, optimizer="sgd", seq_len=1024)
+
+
+def test_compile_layers_plans_the_compiled_rate():
+    kw = dict(seq_len=1024, micro_batch=32, loss="naive", **BIG)
+    eager = planner.plan(LLAMA_3B, **kw)
+    compiled = planner.plan(LLAMA_3B, compile_layers=True, **kw)
+    assert compiled.assumptions["achieved_tflops"] == planner.COMPILED_TFLOPS > planner.ACHIEVED_TFLOPS
+    ratio = planner.ACHIEVED_TFLOPS / planner.COMPILED_TFLOPS
+    assert compiled.time["GPU compute"] == pytest.approx(eager.time["GPU compute"] * ratio, rel=1e-9)
+    assert compiled.gpu == eager.gpu and compiled.host == eager.host  # memory stays planned for eager layers
+    # an explicit rate and 32-true are left alone
+    assert planner.plan(LLAMA_3B, compile_layers=True, achieved_tflops=300, **kw).assumptions["achieved_tflops"] == 300
+    fp32 = planner.plan(LLAMA_3B, compile_layers=True, precision="32-true", **kw)
+    assert fp32.assumptions["achieved_tflops"] == planner.FP32_TFLOPS
