@@ -82,7 +82,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             the matmuls fuses into few kernels and a kept layer saves fewer activations. One graph per layer class
             and grad mode, compiled during the first step (tens of seconds for a large layer on a GPU); dropout masks
             are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
-            Triton on CUDA). Default False.
+            Triton on CUDA), checked at setup. Default False.
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
             with ``overlap_optimizer=True`` always torch fused AdamW, which releases the GIL while the forward thread
             issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not

@@ -268,6 +268,7 @@ def test_compiled_layers_parity():
     counters.clear()
     strategy = MegaTrainStrategy(cpu_adam="torch", keep_layers=1, compile_layers=True)
     rec = run(strategy, "llama_untied", accumulate=2, seed=1)
-    # compiled, and once per grad mode for all layers (no-grad forward, forward with grad), not once per layer
-    assert counters["stats"]["unique_graphs"] == 2
+    # compiled, and once per grad mode for all layers (no-grad forward, forward with grad), not once per layer; plus
+    # the setup's probe that torch.compile works here (engine/streamed.py, check_compilable)
+    assert counters["stats"]["unique_graphs"] == 2 + 1
     assert_records_close(rec, reference("llama_untied", accumulate=2, seed=1), rtol=1e-4, rtol_updated=HOST_ADAM_RTOL)

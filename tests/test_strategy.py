@@ -369,3 +369,26 @@ def test_host_update_skips_parameters_stepped_on_the_gpu():
     reference.step()
     torch.testing.assert_close(params[0], ref[0], rtol=0, atol=0)
     assert torch.equal(params[1], before) and params[1] not in opt.state
+
+
+def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
+    # checked before the parameters are packed into host flats: a 100B model would otherwise fail in its first step
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    from lightning_megatrain.engine import streamed
+
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise InvalidCxxCompiler()
+
+        return run
+
+    module = ParityLM("llama_tied")
+    storage = [p.data_ptr() for p in module.parameters()]  # packing moves every parameter into a host flat
+    with mock.patch.object(streamed.torch, "compile", broken_compile):
+        with pytest.raises(RuntimeError, match=r"cannot build CPU kernels here \(InvalidCxxCompiler\)(.|\n)*HINT"):
+            _trainer(strategy=MegaTrainStrategy(compile_layers=True)).fit(module)
+    assert [p.data_ptr() for p in module.parameters()] == storage  # refused before packing
+    with mock.patch("torch.utils._triton.has_triton", lambda: False):
+        with pytest.raises(RuntimeError, match=r"needs Triton for torch.compile on CUDA"):
+            streamed.check_compilable(torch.device("cuda", 0))

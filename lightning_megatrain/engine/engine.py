@@ -16,7 +16,7 @@ from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.recompute import KeepLayers, RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
-from lightning_megatrain.engine.streamed import StreamedLayers
+from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
 from lightning_megatrain.optim.host_optimizer import device_update, overlappable, snapshot_update
 
@@ -86,13 +86,16 @@ class MegaTrainEngine:
 
         Raises:
             ValueError: no layer stack, shared layer weights, or parameters placed off the host by the user.
-            RuntimeError: host RAM or GPU memory too small (before any large allocation).
+            RuntimeError: host RAM or GPU memory too small, or ``compile_layers`` without a working
+                ``torch.compile`` (before any large allocation).
         """
         module = self.module
         path, stack = find_layer_stack(module, self.layers_path)
         resident_slots = tensor_slots(module, skip=stack)
         check_layers_independent(stack, resident_slots)
         self._check_placement()
+        if self.compile_layers:
+            check_compilable(self.device)
 
         n_params = sum(p.numel() for p in module.parameters())
         layer_slots = [tensor_slots(layer) for layer in stack]

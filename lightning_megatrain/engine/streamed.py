@@ -50,6 +50,33 @@ def _compile(forward: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(forward, options={"fallback_random": True})
 
 
+def _probe(x: Tensor) -> Tensor:
+    return x * 2 + 1
+
+
+def check_compilable(device: torch.device) -> None:
+    """Fail at setup, before the model is packed, where ``torch.compile`` cannot build kernels for ``device``:
+    inductor needs Triton on CUDA and a C++ compiler on the CPU, and would otherwise fail in the first step."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise RuntimeError(
+                "MegaTrainStrategy(compile_layers=True) needs Triton for torch.compile on CUDA, and it is not usable "
+                "here. HINT: install the triton that matches your torch (it ships with torch's CUDA wheels), or use "
+                "compile_layers=False."
+            )
+        return
+    try:
+        torch.compile(_probe)(torch.ones(2))
+    except Exception as e:  # inductor raises its own types (InvalidCxxCompiler, BackendCompilerFailed, ...)
+        raise RuntimeError(
+            f"MegaTrainStrategy(compile_layers=True): torch.compile cannot build CPU kernels here "
+            f"({type(e).__name__}). HINT: install a C++ compiler (g++ or clang++; or point CXX at one), or use "
+            "compile_layers=False."
+        ) from e
+
+
 @contextlib.contextmanager
 def bind(bindings: list[tuple[TensorSlot, Tensor]]) -> Iterator[None]:
     """Temporarily put compute tensors into parameter/buffer slots (the stateless parameter swap)."""
