@@ -107,8 +107,8 @@ _EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
 }
 _JIT_S = 46.0  # first DeepSpeedCPUAdam build on a fresh machine (BENCHMARKS.md); kept in $TORCH_EXTENSIONS_DIR
 _REF_PARAMS = 3.21e9
-# torch.compile of a decoder layer's graphs in the first step: 21.4 s against 2.8 s for the second step (3.21B,
-# 32 x 1024, megatrain_overlap_gpu12_compiled, benchmarks/results/2026-11-29-llama-3.2-3b-h200.json)
+# torch.compile of a decoder layer's graphs in the first step: megatrain's first step took 21-31 s compiled against
+# 8-15 s eager (3.21B, 32 x 1024, benchmarks/results/2026-11-29-llama-3.2-3b-h200.json, breakdown.first_step_s)
 _COMPILE_S = 20.0
 _HOST_B_PER_PARAM = {"deepspeed_zero3_offload": 27.0}  # measured (BENCHMARKS.md): refuse runs that cannot fit
 # Dry run: errors that mean "this system cannot run on a CPU at all", with the reason shown in the row.

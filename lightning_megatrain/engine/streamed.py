@@ -16,8 +16,8 @@ Lightning's loops, the user's loss and manual optimization stay untouched. Witho
 
 [Note: compiled layers]
 With ``compile_layers`` every layer runs its class's ``forward`` through ``torch.compile`` (inductor): the
-elementwise work between the matmuls (RMSNorm in fp32, SiLU x up, rotary, residual adds) fuses into few kernels, and
-AOTAutograd's partitioner saves fewer tensors for backward than eager autograd, so a kept layer holds less memory.
+elementwise work between the matmuls (RMSNorm in fp32, SiLU x up, rotary, residual adds) fuses into few kernels.
+The auto recompute policy calibrates on the compiled layers, so it counts what their graphs really save.
 One compiled function serves every layer of a class: dynamo lifts the weights a layer reads (bound by ``bind``
 to slot views) to graph inputs instead of specializing on them, so a 28-layer stack compiles one graph per grad mode
 (no-grad forward, forward with grad), not one per layer. ``fallback_random`` keeps torch's eager RNG for dropout,
