@@ -21,7 +21,9 @@ host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss,
                other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
                profiled step (torch.profiler; union of kernel / memcpy intervals over all streams, record_function
                ranges excluded since 2026-11-29 session 8: earlier megatrain and FSDP rows count them); kernels sums
-               that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels.
+               that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels;
+               kernel_gaps (since session 10) sums that step's stretches with no kernel running and names what the
+               training thread was doing in each (kernel_gaps()).
 
 Seconds per run on the lent H200, estimated (fixed = start-up, build, pinning, first-step extra; steps at 32K / 64K
 tokens; from benchmarks/results/2026-11-29-core-*-h200.json and shared/BENCHMARKS.md; 8 optimizer steps a run):
@@ -197,6 +199,63 @@ def kernel_seconds(events: list[tuple[str, int, int]], top: int = 12) -> dict:
     return out
 
 
+def cpu_spans(kineto_events) -> list[tuple[str, int, int, int]]:
+    """(name, start_ns, end_ns, thread) of the host-side events of a profile: ops, ``record_function`` ranges and
+    CUDA runtime calls (``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ...)."""
+    from torch.autograd import DeviceType
+
+    return [(e.name(), e.start_ns(), e.end_ns(), e.start_thread_id()) for e in kineto_events
+            if e.device_type() == DeviceType.CPU]
+
+
+def kernel_gaps(events: list[tuple[str, int, int]], spans: list[tuple[str, int, int, int]],
+                min_ns: int = 100_000, top: int = 12) -> dict:
+    """Where the GPU ran no kernel during a profiled step, and what the training thread was doing meanwhile.
+
+    A gap is a stretch of at least ``min_ns`` with no kernel on any stream (copies may run: they are not compute),
+    from the first host or GPU event of the profile to the last. Its cause is the chain of host spans of the
+    training thread (the thread with the most events) that cover the gap's midpoint, outermost first, annotations
+    and the innermost span only, e.g. ``[pl][profile]run_training_batch > aten::item > cudaStreamSynchronize``.
+    Returns the summed gap seconds, the seconds per cause, and the ``top`` longest gaps as
+    [offset_ms from the profile start, length_ms, cause].
+    """
+    kernels = sorted((s, e) for n, s, e in events if not n.startswith(("Memcpy", "Memset")))
+    if not kernels:
+        return {}
+    threads: dict[int, int] = {}
+    for *_, thread in spans:
+        threads[thread] = threads.get(thread, 0) + 1
+    main = max(threads, key=threads.get) if threads else None
+    mine = [(n, s, e) for n, s, e, t in spans if t == main]
+    begin = min([kernels[0][0]] + [s for _, s, _ in mine])
+    finish = max([max(e for _, e in kernels)] + [e for _, _, e in mine])
+    gaps, end = [], begin
+    for s, e in kernels + [(finish, finish)]:
+        if s - end >= min_ns:
+            gaps.append((end, s))
+        end = max(end, e)
+
+    def cause(mid: int) -> str:
+        covering = sorted(((s, -e, n) for n, s, e in mine if s <= mid < e))
+        if not covering:
+            return "(no host span)"
+        names = [n for _, _, n in covering]
+        chain = [n for n in names[:-1] if n.startswith(("[pl]", "megatrain::", "## "))] + [names[-1]]
+        return " > ".join(n[:60] for n in chain)
+
+    by_cause: dict[str, float] = {}
+    listed = []
+    for s, e in gaps:
+        c = cause((s + e) // 2)
+        by_cause[c] = by_cause.get(c, 0.0) + (e - s) / 1e9
+        listed.append([round((s - begin) / 1e6, 1), round((e - s) / 1e6, 2), c])
+    return {
+        "gap_s": round(sum(e - s for s, e in gaps) / 1e9, 4),
+        "by_cause": [[c, round(t, 4)] for c, t in sorted(by_cause.items(), key=lambda kv: -kv[1])[:top]],
+        "longest": sorted(listed, key=lambda g: -g[1])[:top],
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Child: one (system, model, tokens, loss) run in a fresh process.
 
@@ -275,9 +334,11 @@ def make_recorder(profile_step: int | None, sync: bool):
                 prof, self._prof = self._prof, None
                 prof.__exit__(None, None, None)
                 try:  # the profile is a bonus: the timing rows stand without it
-                    events = gpu_events(prof.profiler.kineto_results.events())
+                    kineto = prof.profiler.kineto_results.events()
+                    events = gpu_events(kineto)
                     self.busy = {**busy_fractions(events, step["step_s"]), "profiled_step_s": step["step_s"],
-                                 "kernels": kernel_seconds(events), "annotations_excluded": True}
+                                 "kernels": kernel_seconds(events), "annotations_excluded": True,
+                                 "kernel_gaps": kernel_gaps(events, cpu_spans(kineto))}
                 except Exception as e:  # noqa: BLE001
                     self.busy = {"profile_error": f"{type(e).__name__}: {e}"}
 

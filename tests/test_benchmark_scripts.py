@@ -191,3 +191,23 @@ def test_gpu_events_leave_out_record_function_ranges():
               Event("nvjet_sm90_tst_192x192", DeviceType.CUDA), Event("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA)]
     assert [n for n, _, _ in throughput.gpu_events(events)] == ["nvjet_sm90_tst_192x192",
                                                                   "Memcpy HtoD (Pinned -> Device)"]
+
+
+def test_kernel_gaps_name_what_the_training_thread_did():
+    ms = 1_000_000
+    events = [("nvjet_a", 0, 10 * ms), ("Memcpy DtoH (Device -> Pinned)", 10 * ms, 14 * ms),
+              ("flash_fwd", 14 * ms, 20 * ms), ("nvjet_b", 19 * ms, 30 * ms), ("nvjet_c", 30 * ms + 50_000, 40 * ms)]
+    main, worker = 1, 2
+    spans = [("[pl][profile]run_training_batch", 0, 50 * ms, main),
+             ("aten::item", 10 * ms, 14 * ms, main), ("cudaStreamSynchronize", 11 * ms, 14 * ms, main),
+             ("aten::mm", 20 * ms, 21 * ms, main),
+             ("megatrain::forward_layer_0", 40 * ms, 50 * ms, main), ("aten::copy_", 41 * ms, 50 * ms, main),
+             ("cpu_adam_step", 9 * ms, 49 * ms, worker)]
+    gaps = throughput.kernel_gaps(events, spans)
+    # the 4 ms sync gap (the D2H copy is not compute) and the 10 ms tail; the 0.05 ms gap is under the threshold
+    assert gaps["gap_s"] == pytest.approx(0.014)
+    assert gaps["longest"] == [
+        [40.0, 10.0, "[pl][profile]run_training_batch > megatrain::forward_layer_0 > aten::copy_"],
+        [10.0, 4.0, "[pl][profile]run_training_batch > cudaStreamSynchronize"]]
+    assert [c for c, _ in gaps["by_cause"]][0].endswith("aten::copy_")
+    assert throughput.kernel_gaps([("Memcpy HtoD", 0, 1)], spans) == {}
