@@ -17,8 +17,9 @@ host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss,
                process baseline (host_baseline_gib), so host_bytes_per_param is an upper bound.
   host_steady_gib  RSS after the last measured step (VmRSS), past one-off peaks of the first steps.
   breakdown    medians per optimizer step, summed over its micro-batches, with torch.cuda.synchronize at each mark:
-               forward, backward, grad_finalize (backward end -> on_before_optimizer_step), clip_and_optimizer,
-               other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
+               forward, backward, grad_finalize (backward end -> on_before_optimizer_step; with sync marks only,
+               since session 10: without them the hook is left out and that time counts in clip_and_optimizer),
+               clip_and_optimizer, other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
                profiled step (torch.profiler; union of kernel / memcpy intervals over all streams, record_function
                ranges excluded since 2026-11-29 session 8: earlier megatrain and FSDP rows count them); kernels sums
                that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels;
@@ -329,6 +330,11 @@ def make_recorder(profile_step: int | None, sync: bool):
             streamed = getattr(getattr(trainer.strategy, "engine", None), "streamed", None)
             if streamed is not None:  # megatrain: layers whose graph this step's last micro-batch kept
                 step["kept_layers"] = len(streamed.kept)
+                policy = streamed.policy  # what the auto policy calibrated (engine/recompute.py)
+                if policy.graph_bytes_per_input_byte is not None:
+                    step["policy_gib"] = {"layer_graph": policy.graph_bytes_per_input_byte * policy.input_bytes / GIB,
+                                          "recompute_all_peak": policy.peak_bytes / GIB,
+                                          "budget": policy.budget / GIB}
             self.steps.append(step)
             if self._prof is not None:
                 prof, self._prof = self._prof, None
@@ -342,6 +348,10 @@ def make_recorder(profile_step: int | None, sync: bool):
                 except Exception as e:  # noqa: BLE001
                     self.busy = {"profile_error": f"{type(e).__name__}: {e}"}
 
+    if not sync:
+        # No mark between backward and the optimizer step: a module or callback with this hook may read p.grad, so
+        # megatrain would wait for the grads to land before the step (engine/engine.py, [Note: late grads]).
+        StepRecorder.on_before_optimizer_step = L.Callback.on_before_optimizer_step
     return StepRecorder()
 
 
@@ -401,7 +411,7 @@ def train(spec: dict) -> dict:
     # setup_s: fit() start -> first micro-batch (model build, strategy setup, pinning, optimizer creation)
     breakdown.update(recorder.busy, setup_s=recorder.first_batch_t - t_fit, first_step_s=steps[0]["step_s"],
                      build_s=getattr(module, "build_s", None), sync_marks=spec["sync"],
-                     kept_layers=measured[-1].get("kept_layers"))
+                     kept_layers=measured[-1].get("kept_layers"), policy_gib=measured[-1].get("policy_gib"))
     row = {
         "system": spec["system"], "model": spec["model"], "micro_batch": mb, "seq_len": seq,
         "tokens_per_step": tokens, "tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / PEAK_FLOPS,

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -59,9 +60,11 @@ class MegaTrainPrecision(Precision):
     @override
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
-        # Host grads must be final before hooks, clipping and the step read them.
-        assert self.engine is not None
-        self.engine.finalize_gradients()
+        # Host grads must be final before hooks, clipping and the step read them; with nothing reading them before an
+        # overlapped step, that step's worker waits for them instead (engine/engine.py, [Note: late grads]).
+        engine = self.engine
+        assert engine is not None
+        engine.finalize_gradients(grads_read=not engine.takes_step(optimizer) or grads_read_by_hooks(model))
         self._after_closure(model, optimizer)
         return closure_result
 
@@ -101,6 +104,14 @@ class MegaTrainPrecision(Precision):
             result = super().optimizer_step(optimizer, model, closure, **kwargs)
         engine.masters_updated()
         return result
+
+
+def grads_read_by_hooks(model: pl.LightningModule) -> bool:
+    """Whether user code runs between backward and the optimizer step where it may read ``p.grad``: an
+    ``on_before_optimizer_step`` of the module or of a callback, or the module's own ``configure_gradient_clipping``."""
+    if is_overridden("on_before_optimizer_step", model) or is_overridden("configure_gradient_clipping", model):
+        return True
+    return any(is_overridden("on_before_optimizer_step", callback) for callback in model.trainer.callbacks)
 
 
 def _refuse_with_device_groups(engine: MegaTrainEngine, what: str) -> None:

@@ -108,6 +108,13 @@ class Recorder(Callback):
         self.record.params = {n: _cpu32(p) for n, p in pl_module.named_parameters()}
 
 
+class LossAndWeightRecorder(Recorder):
+    """A :class:`Recorder` without the ``on_before_optimizer_step`` hook (no grads, no learning rates): a run in
+    which nothing reads ``p.grad`` before the optimizer step."""
+
+    on_before_optimizer_step = Callback.on_before_optimizer_step
+
+
 class ExpertUsage(Callback):
     """Counts, per router call, how many token slots each expert received.
 
@@ -153,12 +160,13 @@ def run(
     callbacks: Sequence[Callback] = (),
     accelerator: str = "cpu",
     module: Callable[[], LightningModule] | None = None,
+    record_grads: bool = True,
 ) -> Record:
     """Train ``family`` (or what ``module`` builds, after seeding) for ``steps`` optimizer steps under ``strategy``
-    on ``accelerator`` and return its Record."""
+    on ``accelerator`` and return its Record (without grads and learning rates unless ``record_grads``)."""
     seed_everything(seed, workers=True, verbose=False)
     module = module() if module is not None else ParityLM(family, seed=seed, optimizer=optimizer, scheduler=scheduler)
-    recorder = Recorder()
+    recorder = Recorder() if record_grads else LossAndWeightRecorder()
     trainer = Trainer(
         accelerator=accelerator,
         devices=1,
@@ -178,7 +186,8 @@ def run(
     trainer.fit(module)
     rec = recorder.record
     rec.accumulate = accumulate
-    assert len(rec.grads) == steps, f"{strategy}/{family}: {len(rec.grads)} optimizer steps recorded, want {steps}"
+    want = steps if record_grads else 0
+    assert len(rec.grads) == want, f"{strategy}/{family}: {len(rec.grads)} optimizer steps recorded, want {want}"
     assert rec.params, f"{strategy}/{family}: final parameters were not recorded"
     return rec
 

@@ -54,6 +54,28 @@ def test_cuda_overlapped_optimizer_step_parity():
     assert_records_close(got, ref, rtol=1e-4)
 
 
+# Nothing reads p.grad before the optimizer step: the last grads and the clip factor (computed on the device) land
+# while the next step starts, and the host step's worker waits for them (engine/engine.py, [Note: late grads]).
+# groups=0: the residents are a host group (their copy is awaited on the worker); 2: the device step reads the factor
+# on the device.
+@pytest.mark.parametrize("groups", [0, 2])
+def test_cuda_late_grads_parity(groups):
+    from unittest import mock
+
+    from lightning_megatrain.engine import MegaTrainEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref, _ = _fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False)
+    strategy = MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True, gpu_optimizer_groups=groups)
+    landed = mock.patch.object(MegaTrainEngine, "_landed_update", autospec=True,
+                               side_effect=MegaTrainEngine._landed_update)
+    with landed as spy:
+        got, _ = _fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False)
+    assert spy.call_count == 3  # every step took the late path
+    assert all(call.args[3] is not None for call in spy.call_args_list)  # with the device clip factor
+    assert_records_close(got, ref, rtol=1e-4)
+
+
 def test_cuda_masters_pinned_on_host():
     class Check(L.Callback):
         def on_train_start(self, trainer, pl_module):

@@ -392,3 +392,28 @@ def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
     with mock.patch("torch.utils._triton.has_triton", lambda: False):
         with pytest.raises(RuntimeError, match=r"needs Triton for torch.compile on CUDA"):
             streamed.check_compilable(torch.device("cuda", 0))
+
+
+def test_grads_read_by_hooks_sees_modules_and_callbacks():
+    # what decides whether host grads may land after the optimizer step starts (engine/engine.py, [Note: late grads])
+    from lightning_megatrain.precision import grads_read_by_hooks
+
+    class Quiet(L.Callback):
+        def on_train_batch_end(self, *args):
+            pass
+
+    class Reads(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            pass
+
+    class ClipsItself(ParityLM):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            pass
+
+    def attached(module, callbacks):
+        module.trainer = L.Trainer(callbacks=callbacks, logger=False, enable_progress_bar=False)
+        return module
+
+    assert not grads_read_by_hooks(attached(ParityLM("llama_tied"), [Quiet()]))
+    assert grads_read_by_hooks(attached(ParityLM("llama_tied"), [Quiet(), Reads()]))
+    assert grads_read_by_hooks(attached(ClipsItself("llama_tied"), []))

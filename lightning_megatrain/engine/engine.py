@@ -1,10 +1,31 @@
-"""The engine facade the strategy talks to: setup, per-step binding, gradient finalization, teardown."""
+"""The engine facade the strategy talks to: setup, per-step binding, gradient finalization, teardown.
+
+[Note: late grads]
+At the end of backward the last layers' grads (and the residents', one ~1.6 GB D2H at 3B) are still on their way
+to the host. Waiting for them on the training thread idles the GPU (~0.1 s per step at 3B, 64K tokens/step,
+benchmarks/results kernel_gaps) and then the host queues the next forward into an empty GPU. When nothing can read
+``p.grad`` before the optimizer step (no ``on_before_optimizer_step`` hook in the module or a callback and no
+``configure_gradient_clipping`` of its own: precision.py ``grads_read_by_hooks``) and the host step is overlapped,
+:meth:`MegaTrainEngine.finalize_gradients` leaves them landing instead:
+
+- the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``);
+- clipping takes the global norm from the per-layer norms measured on the device and computes the factor there;
+  the device groups' step reads it on the device, and one 4-byte D2H into a pinned scalar (its event
+  ``copied``, recorded by the compute stream) hands it to the host step;
+- the host step's worker (engine/overlap.py) first waits for every drain and the residents' copy, then for that
+  factor, and only then reads ``p.grad``;
+- the next ``zero_grad`` and backward wait for the whole host step, as always, so they find the grads landed.
+
+Where a drain left a host add behind (an expert without tokens, a busy layer under accumulation) the device norms
+are incomplete and the step waits as before.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -18,7 +39,7 @@ from lightning_megatrain.engine.recompute import KeepLayers, RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
-from lightning_megatrain.optim.host_optimizer import device_update, overlappable, snapshot_update
+from lightning_megatrain.optim.host_optimizer import Hyper, device_update, hyper_snapshot, overlappable, snapshot_update
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +87,10 @@ class MegaTrainEngine:
         self.overlap: OverlappedStep | None = None  # set up when overlap_optimizer
         self._overlap_requested = overlap_optimizer
         self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the optimizer step applies
+        self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
+        self._clip_host: torch.Tensor | None = None  # pinned 0-dim fp32: the device clip factor, for the host step
+        # - CUDA event for stream synchronization
+        self._clip_copied: torch.cuda.Event | None = None  # recorded by compute after the factor's D2H; host waits
         self.gpu_optimizer_groups = gpu_optimizer_groups
         self.compile_layers = compile_layers
         self.device_groups: list[DeviceGroup] = []  # in forward order: the residents' (if any) first
@@ -138,7 +163,8 @@ class MegaTrainEngine:
             )
             resident_buffers = [s for s in resident_slots if not s.is_param]
             self.residents = Residents(
-                resident_group, resident_buffers, self.device, registry, gate, on_device.get(id(resident_group))
+                resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream, gate,
+                on_device.get(id(resident_group)),
             )
             buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
         else:
@@ -252,14 +278,31 @@ class MegaTrainEngine:
         for device_group in self.device_groups:
             device_group.wait_written_back()
 
-    def finalize_gradients(self) -> None:
-        """Make every host fp32 grad final: wait for the layer drains, then drain the residents."""
+    def finalize_gradients(self, grads_read: bool = True) -> None:
+        """Drain the residents and make every host fp32 grad final, or leave the last copies landing for the
+        overlapped host step when nothing reads them before it ([Note: late grads]).
+
+        Args:
+            grads_read: code may read ``p.grad`` before the optimizer step (hooks, or a step that is not overlapped).
+        """
         assert self.transfer is not None
-        self._deferred_grad_scale = None
+        self._deferred_grad_scale = self._clip_copied = None
         self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
+        host_added = isinstance(self.transfer, CudaTransfer) and self.transfer.host_added
+        if isinstance(self.transfer, CudaTransfer):
+            self.transfer.host_added = False
+        self._late_grads = self.overlap is not None and self.on_cuda and not grads_read and not host_added
+        if self.residents is not None:
+            self.residents.drain(wait=not self._late_grads)
+        if not self._late_grads:
+            self.transfer.wait_drained()
+
+    def _land_grads(self) -> None:
+        """Wait for the host grads left landing by :meth:`finalize_gradients` (any thread; no-op when none)."""
+        assert self.transfer is not None
         self.transfer.wait_drained()
         if self.residents is not None:
-            self.residents.drain()
+            self.residents.wait_landed()
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, defer: bool = False) -> bool:
         """Clip the host grads of ``params`` to a global L2 norm of ``max_norm``, as ``clip_grad_norm_`` does.
@@ -273,8 +316,14 @@ class MegaTrainEngine:
         groups = self.groups + ([self.resident_group] if self.resident_group is not None else [])
         held = {id(p) for g in groups for p in g.params}
         wanted = {id(p) for p in params}
+        if self._late_grads and wanted != held:
+            self._late_grads = False  # torch's clipping may read p.grad below: land them now
+            self._land_grads()
         if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
             return False
+        if self._late_grads:
+            self._clip_on_device(groups, max_norm)
+            return True
         partial = [g.grad_norm_sq() for g in groups]  # device norms from backward where valid, else host passes
         on_device = [n for n in partial if n.device.type != "cpu"]
         on_host = [n for n in partial if n.device.type == "cpu"]
@@ -291,6 +340,40 @@ class MegaTrainEngine:
                     g.scale_grads(coef)
         return True
 
+    def _clip_on_device(self, groups: list[FlatGroup], max_norm: float) -> None:
+        """The clipping factor from the device norms, left on the device with a copy on its way to the host.
+
+        Grads still landing have their norm measured on the device (a group with a host add makes the grads wait,
+        :meth:`finalize_gradients`); a group without one has no grads this step, or grads final on the host (the
+        residents' host add). See [Note: late grads].
+        """
+        device_sq = [g.device_norm_sq for g in groups if g.device_norm_sq is not None]
+        host_sq = [g.grad_norm_sq() for g in groups if g.device_norm_sq is None]  # zeros where there are no grads
+        total_sq = torch.stack(device_sq).sum() if device_sq else torch.zeros((), device=self.device)
+        total = (total_sq + float(torch.stack(host_sq).sum()) if host_sq else total_sq).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_, on the device
+        self._deferred_grad_scale = coef  # the device step reads it there
+        if self._clip_host is None:
+            self._clip_host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        self._clip_host.copy_(coef, non_blocking=True)
+        self._clip_copied = torch.cuda.Event()
+        self._clip_copied.record(torch.cuda.current_stream(self.device))
+
+    def _landed_update(
+        self, optimizer: torch.optim.Optimizer, hyper: Hyper, clip_copied: torch.cuda.Event | None
+    ) -> Callable[[list[torch.Tensor]], None]:
+        """The host step's update, built on its worker once the grads and the clipping factor have landed."""
+        self._land_grads()
+        scale = None
+        if clip_copied is not None:
+            assert self._clip_host is not None
+            clip_copied.synchronize()
+            if self._clip_host.item() != 1.0:  # a pinned host scalar: no device sync
+                scale = self._clip_host.clone()
+        update = snapshot_update(optimizer, scale, skip=self._device_param_ids, snapshot=hyper)
+        assert update is not None
+        return update
+
     def takes_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`optimizer_step` runs ``optimizer``'s step (overlapped and/or split with the device)."""
         return (self.overlap is not None or bool(self.device_groups)) and overlappable(optimizer)
@@ -301,13 +384,19 @@ class MegaTrainEngine:
         scale, self._deferred_grad_scale = self._deferred_grad_scale, None
         if self.device_groups:
             self._device_step(optimizer, scale)
-        update = snapshot_update(optimizer, scale, skip=self._device_param_ids)
-        assert update is not None
-        if self.overlap is not None:
-            self.overlap.launch(update)
+        copied, self._clip_copied = self._clip_copied, None
+        if self._late_grads:
+            assert self.overlap is not None
+            self._late_grads = False  # the worker waits for them; zero_grad and backward wait for the worker
+            self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper_snapshot(optimizer), copied))
         else:
-            with torch.no_grad():
-                update([p for group in optimizer.param_groups for p in group["params"]])
+            update = snapshot_update(optimizer, scale, skip=self._device_param_ids)
+            assert update is not None
+            if self.overlap is not None:
+                self.overlap.launch(lambda: update)
+            else:
+                with torch.no_grad():
+                    update([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check (optimizer.step ran)
 
     def _device_step(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
@@ -335,7 +424,10 @@ class MegaTrainEngine:
         self.masters_updated()
 
     def masters_updated(self) -> None:
-        """The optimizer stepped the host masters: slots and resident compute copies are stale."""
+        """The optimizer stepped the host masters: slots and resident compute copies are stale, and so are the
+        grads' device norms (the next step measures its own)."""
+        for group in self.groups + ([self.resident_group] if self.resident_group is not None else []):
+            group.device_norm_sq = None
         if self.transfer is not None:
             self.transfer.invalidate()
         if self.residents is not None:

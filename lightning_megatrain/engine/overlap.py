@@ -11,6 +11,10 @@ before that group's update. Everything that reads or writes masters, grads or op
 waits for the whole step (:meth:`wait_all`): the next backward (its drains write the grads), checkpointing,
 validation, the end of training and teardown. Hyperparameters are read when the step is launched, so the LR
 scheduler may step meanwhile (optim/host_optimizer.py ``snapshot_update``).
+
+The worker first builds the update (``launch(make_update)``): that is where it waits for what the training thread
+no longer waits for when grads land late (engine/engine.py, [Note: late grads]): the last D2H copies into the host
+grads and the clipping factor computed on the device.
 """
 
 from __future__ import annotations
@@ -34,20 +38,25 @@ class OverlappedStep:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def launch(self, update: Callable[[list[Tensor]], None]) -> None:
-        """Start ``update(group.params)`` for every group, in order."""
+    def launch(self, make_update: Callable[[], Callable[[list[Tensor]], None]]) -> None:
+        """Start ``update = make_update()`` on the worker, then ``update(group.params)`` for every group, in order."""
         self.wait_all()
         for event in self._done.values():
             event.clear()
         self._thread = threading.Thread(
-            target=self._run, args=(update,), name="megatrain-optimizer-step", daemon=True
+            target=self._run, args=(make_update,), name="megatrain-optimizer-step", daemon=True
         )
         self._thread.start()
 
-    def _run(self, update: Callable[[list[Tensor]], None]) -> None:
+    def _run(self, make_update: Callable[[], Callable[[list[Tensor]], None]]) -> None:
+        update = None
+        try:
+            update = make_update()
+        except BaseException as e:  # surfaced on the training thread by wait / wait_all
+            self._error = e
         for group in self.groups:
             try:
-                if self._error is None:
+                if update is not None and self._error is None:
                     update(group.params)
             except BaseException as e:  # surfaced on the training thread by wait / wait_all
                 self._error = e

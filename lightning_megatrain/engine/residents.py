@@ -3,7 +3,8 @@
 On a CUDA compute device the residents' fp32 masters are uploaded as *compute copies* (leaf tensors that require
 grad) when a step first needs them, bound into the module for the duration of each ``*_step`` call, and take part
 in the normal autograd graph. Their grads are drained into the host fp32 grads once per optimizer step
-(:meth:`Residents.drain`), and the copies are refreshed after the optimizer changed the masters
+(:meth:`Residents.drain`, one D2H on the D2H stream, waited for at once or later: [Note: late grads] in
+engine/engine.py), and the copies are refreshed after the optimizer changed the masters
 (:meth:`Residents.invalidate`). When the residents are a device group (engine/device_state.py) the copies are views
 of its mirror, updated in place on the device, and their grads stay for the device step until
 :meth:`Residents.clear_grads`. Tied weights are one master, one compute copy and one grad. On the CPU backend the
@@ -34,10 +35,12 @@ class Residents:
         buffer_slots: list[TensorSlot],
         device: torch.device,
         registry: HostRegistry,
+        d2h_stream: torch.cuda.Stream,
         gate: Callable[[FlatGroup], None] | None = None,
         device_group: DeviceGroup | None = None,
     ) -> None:
         self.group = group
+        self.d2h_stream = d2h_stream  # the transfer layer's: the grads' D2H queues behind the layers' drains
         self.gate = gate
         self.device_group = device_group
         self.buffer_slots = buffer_slots
@@ -47,6 +50,8 @@ class Residents:
         self._registry = registry
         # pinned landing buffer for grads that must be *added* to host grads; allocated on first need (rare)
         self._grad_staging: Tensor | None = None
+        # - CUDA event for stream synchronization
+        self._landed: torch.cuda.Event | None = None  # recorded by D2H after the grads' copy; waited on by the host
 
     def _upload(self) -> list[Tensor]:
         if self.device_group is not None:
@@ -66,34 +71,56 @@ class Residents:
         with bind(bindings):
             yield
 
-    def drain(self) -> None:
-        """Add the compute copies' grads into the host fp32 grads and clear them (blocks: once per step)."""
+    def drain(self, wait: bool = True) -> None:
+        """Add the compute copies' grads into the host fp32 grads and clear them (once per optimizer step).
+
+        Usually (every parameter has a gradient, the host grads are empty) that is one D2H on the D2H stream
+        straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`. Otherwise
+        the grads are added on the host, which waits for the copy.
+        """
         if self._copies is None or not self.group.numel:
             return
         grads = [c.grad for c in self._copies]
         if all(g is None for g in grads):
             return
+        compute = torch.cuda.current_stream(self.device)
         present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] fp32 on device
         # host grads will equal the device grads exactly when they start empty and all are present
         exact = all(g is not None for g in grads) and all(p.grad is None for p in self.group.params)
         self.group.device_norm_sq = torch.dot(present, present) if exact else None
         if exact:  # one D2H straight into the pinned host grads: no staging buffer, no host pass
-            self.group.grad.copy_(present, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            self.group.attach_grads()
-            self._after_drain()
+            packed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
+            packed.record(compute)
+            self._landed = torch.cuda.Event()
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(packed)
+                self.group.grad.copy_(present, non_blocking=True)
+                self._landed.record(self.d2h_stream)
+            present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
+            self._after_drain()  # the copy reads ``present``: the device step may change the grads meanwhile
+            if wait:
+                self.wait_landed()
             return
         if self._grad_staging is None:
             self._grad_staging = self._registry.empty(self.group.numel, torch.float32)
         host = self._grad_staging[: present.numel()]
         host.copy_(present, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        compute.synchronize()
         views, offset = [], 0
         for p, g in zip(self.group.params, grads):
             views.append(None if g is None else host[offset : offset + p.numel()].view(p.shape))
             offset += 0 if g is None else p.numel()
         self.group.accumulate(views, packed=host)
         self._after_drain()
+
+    def wait_landed(self) -> None:
+        """Block until the grads :meth:`drain` sent are in the host grads, and attach them as ``p.grad`` (a no-op
+        when none are in flight). Called by the thread that reads them next."""
+        if self._landed is None:
+            return
+        self._landed.synchronize()
+        self._landed = None
+        self.group.attach_grads()
 
     def _after_drain(self) -> None:
         if self.device_group is None:

@@ -30,7 +30,8 @@ buffer goes into a free pinned *grad slab* and a worker thread adds the slab int
 the worker waits for the copy's event and then owns the host side. Holding the device buffers in the worker's queue
 entry until the copy's event has completed is what keeps the caching allocator from reusing them while the D2H
 stream still reads them: a structural invariant, not bookkeeping (tests/test_gpu.py runs every path against plain
-training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step.
+training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step, on the training
+thread or, when grads land late (engine/engine.py, [Note: late grads]), on the optimizer step's worker.
 
 [Note: activation offload]
 The input a streamed layer saves for its recompute (the residual stream, B x T x H) would otherwise stay on the
@@ -186,6 +187,8 @@ class CudaTransfer:
             self._free_slabs.put(registry.empty(max_numel, compute_dtype))
         self._pending: queue.Queue[_Drain | None] = queue.Queue()
         self._in_flight: dict[int, int] = {}  # layer index -> drains queued and not yet accumulated
+        # set by a drain whose host grads take a host add (no device-side norm); read and reset by the engine
+        self.host_added = False
         self._lock = threading.Lock()  # guards _in_flight between the training and the worker thread
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._drain_worker, name="megatrain-grad-drain", daemon=True)
@@ -333,6 +336,7 @@ class CudaTransfer:
                 return
             if not first:
                 group.device_norm_sq = None  # the host add below makes it stale: clipping takes a host pass
+                self.host_added = True
             slab = None if first else self._free_slabs.get()  # blocks only when the worker is 3 layers behind
             target = group.grad if slab is None else slab
             with torch.cuda.stream(self.d2h_stream):

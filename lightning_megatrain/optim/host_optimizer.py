@@ -135,7 +135,10 @@ def overlappable(optimizer: Optimizer) -> bool:
     return _is_adam(optimizer) and all(g.get("fused") for g in optimizer.param_groups)
 
 
-def _hyper_snapshot(optimizer: Optimizer) -> tuple[dict[int, dict], dict[int, dict]]:
+Hyper = tuple[dict[int, dict], dict[int, dict]]
+
+
+def hyper_snapshot(optimizer: Optimizer) -> Hyper:
     """(param id -> its param group, group id -> the group's hyperparameters now)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     hyper = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
@@ -160,7 +163,10 @@ def _unscale(grad_scale: Tensor | None) -> Tensor | None:
 
 
 def snapshot_update(
-    optimizer: Optimizer, grad_scale: Tensor | None = None, skip: frozenset[int] = frozenset()
+    optimizer: Optimizer,
+    grad_scale: Tensor | None = None,
+    skip: frozenset[int] = frozenset(),
+    snapshot: Hyper | None = None,
 ) -> Callable[[list[Tensor]], None] | None:
     """``optimizer``'s update as a function of a subset of its parameters, with its state of *now*.
 
@@ -169,12 +175,13 @@ def snapshot_update(
     ``optimizer.step()`` would (same kernel, same state entries, so checkpoints are interchangeable). Gradients are
     read now too (a ``zero_grad`` may drop ``p.grad`` before the update of ``p`` runs) and multiplied by
     ``grad_scale`` (deferred clipping) right before their update; parameters without one, not in the optimizer, or
-    in ``skip`` (ids of parameters updated on the device, engine/device_state.py) are skipped. ``None`` when
-    :func:`overlappable` is False (the optimizer then steps synchronously).
+    in ``skip`` (ids of parameters updated on the device, engine/device_state.py) are skipped. ``snapshot`` is a
+    :func:`hyper_snapshot` taken earlier (the step's own, when the update is built later, on the worker). ``None``
+    when :func:`overlappable` is False (the optimizer then steps synchronously).
     """
     if not overlappable(optimizer):
         return None
-    group_of, hyper = _hyper_snapshot(optimizer)
+    group_of, hyper = snapshot or hyper_snapshot(optimizer)
     grads = {
         id(p): p.grad
         for g in optimizer.param_groups
@@ -236,12 +243,13 @@ def device_update(
     ``update(params, mirrors, grads)``: for each host parameter ``p`` (the key of its state in ``optimizer``) its
     device fp32 mirror and device grad (``None``: no gradient, skipped, as ``optimizer.step()`` skips ``p``), with
     ``optimizer.state[p]`` already holding device tensors (engine/device_state.py). Runs torch's fused kernel on the
-    current stream; grads are divided in place by ``1/grad_scale`` (deferred clipping) inside it.
+    current stream; grads are divided in place by ``1/grad_scale`` (deferred clipping; a host or a device 0-dim
+    tensor) inside it.
     """
-    group_of, hyper = _hyper_snapshot(optimizer)
+    group_of, hyper = hyper_snapshot(optimizer)
     decoupled = _decoupled(optimizer)
     unscale = _unscale(grad_scale)
-    on_device: dict[torch.device, Tensor] = {}  # one (host-blocking, pageable) copy per step, not one per group
+    on_device: dict[torch.device, Tensor] = {}  # a host factor: one (pageable) copy per step, not one per group
 
     def update(params: list[Tensor], mirrors: list[Tensor], grads: list[Tensor | None]) -> None:
         by_group: dict[int, list[int]] = {}

@@ -84,3 +84,45 @@ def test_auto_counts_no_weight_copy_for_layers_whose_weights_persist():
         assert policies[0].limit(GIB) == int(free // (3 * GIB))  # 26: graph, input and weights
         assert policies[1].limit(GIB) == 3 + int((free - 3 * 2 * GIB) // (3 * GIB))  # 27
         assert policies[2].limit(GIB) == int(free // (2 * GIB))  # 40: every kept layer persists
+
+
+def test_auto_tops_up_after_the_first_kept_micro_batch():
+    # the first micro-batch that keeps layers peaks below the plan: the room left is filled once, for inputs up to
+    # that micro-batch's size
+    peak = [10 * GIB]
+    patches = _cuda_counters(peak)
+    with patches[0], patches[1]:
+        policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
+        x = GIB
+        policy.start_forward()
+        policy.measure_recompute(graph_bytes=GIB, input_bytes=x)  # 2 GiB graph + input, 3 GiB with the weights
+        policy.end_backward()
+        planned = int((DEVICE_FRACTION * 100 * GIB - 10 * GIB) // (3 * GIB))
+        assert planned == 26
+        policy.start_forward()
+        assert sum(policy.keep(x) for _ in range(40)) == planned
+        peak[0] = 60 * GIB  # the kept graphs cost less than planned: 30 GiB of the 90 GiB budget left
+        policy.end_backward()
+        assert policy.extra == 10 and policy.limit(x) == planned + 10
+        assert policy.limit(x // 2) > policy.limit(x) and policy.limit(2 * x) < planned  # larger inputs: no top-up
+        peak[0] = 89 * GIB  # tops up once only
+        policy.start_forward()
+        assert sum(policy.keep(x) for _ in range(60)) == planned + 10
+        policy.end_backward()
+        assert policy.extra == 10
+
+
+def test_auto_top_up_adds_nothing_past_the_budget():
+    peak = [10 * GIB]
+    patches = _cuda_counters(peak)
+    with patches[0], patches[1]:
+        policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
+        policy.start_forward()
+        policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)
+        policy.end_backward()
+        policy.start_forward()
+        while policy.keep(GIB):
+            pass
+        peak[0] = 95 * GIB  # above the budget already (the plan was optimistic): no top-up, no change
+        policy.end_backward()
+        assert policy.extra == 0 and policy.limit(GIB) == 26
