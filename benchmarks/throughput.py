@@ -21,7 +21,8 @@ host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss,
                since session 10: without them the hook is left out and that time counts in clip_and_optimizer),
                clip_and_optimizer, other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
                profiled step (torch.profiler; union of kernel / memcpy intervals over all streams, record_function
-               ranges excluded since 2026-11-29 session 8: earlier megatrain and FSDP rows count them); kernels sums
+               ranges excluded since 2026-11-29 session 8: earlier megatrain and FSDP rows count them; since session
+               10 the profile starts where the previous step ended, so it spans the whole step); kernels sums
                that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels;
                kernel_gaps (since session 10) sums that step's stretches with no kernel running and names what the
                training thread was doing in each (kernel_gaps()).
@@ -215,8 +216,9 @@ def kernel_gaps(events: list[tuple[str, int, int]], spans: list[tuple[str, int, 
 
     A gap is a stretch of at least ``min_ns`` with no kernel on any stream (copies may run: they are not compute),
     from the first host or GPU event of the profile to the last. Its cause is the chain of host spans of the
-    training thread (the thread with the most events) that cover the gap's midpoint, outermost first, annotations
-    and the innermost span only, e.g. ``[pl][profile]run_training_batch > aten::item > cudaStreamSynchronize``.
+    training thread (the thread with the most events) that cover the gap's midpoint, outermost first: annotations
+    and the three innermost spans, e.g. ``megatrain::forward_layer_3 > aten::item > aten::_local_scalar_dense >
+    cudaStreamSynchronize``.
     Returns the summed gap seconds, the seconds per cause, and the ``top`` longest gaps as
     [offset_ms from the profile start, length_ms, cause].
     """
@@ -241,7 +243,7 @@ def kernel_gaps(events: list[tuple[str, int, int]], spans: list[tuple[str, int, 
         if not covering:
             return "(no host span)"
         names = [n for _, _, n in covering]
-        chain = [n for n in names[:-1] if n.startswith(("[pl]", "megatrain::", "## "))] + [names[-1]]
+        chain = [n for n in names[:-3] if n.startswith(("[pl]", "megatrain::", "## "))] + names[-3:]
         return " > ".join(n[:60] for n in chain)
 
     by_cause: dict[str, float] = {}
@@ -276,6 +278,7 @@ def make_recorder(profile_step: int | None, sync: bool):
             self.first_batch_t = None  # perf_counter at the first micro-batch's start
             self._step: dict | None = None  # the optimizer step in progress
             self._prof = None
+            self.late_steps = 0  # megatrain optimizer steps whose host grads landed late
 
         def _now(self) -> float:
             # Benchmark instrumentation only: a sync at each mark stops work from overlapping across marks.
@@ -288,18 +291,21 @@ def make_recorder(profile_step: int | None, sync: bool):
             if self._step is None:
                 if not self.steps:
                     self.first_batch_t = t
-                if profile_step is not None and len(self.steps) == profile_step:
-                    activities = [torch.profiler.ProfilerActivity.CPU]
-                    if torch.cuda.is_available():
-                        activities.append(torch.profiler.ProfilerActivity.CUDA)
-                    self._prof = torch.profiler.profile(activities=activities)
-                    self._prof.__enter__()
+                if profile_step == 0:
+                    self._start_profile()
                     t = self._now()
                 # a step starts where the previous one ended: data loading and Lightning between them count
-                start = self.steps[-1]["end"] if self.steps and self._prof is None else t
+                start = self.steps[-1]["end"] if self.steps else t
                 self._step = {"start": start, "global_step": trainer.global_step, "losses": [],
                               **dict.fromkeys(PHASES[:-1], 0.0)}
             self._mark = t
+
+        def _start_profile(self) -> None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
 
         def _phase(self, name: str) -> None:
             t = self._now()
@@ -315,11 +321,23 @@ def make_recorder(profile_step: int | None, sync: bool):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self._phase("grad_finalize_s")  # megatrain: waits for the grad drains; FSDP / DeepSpeed: hook tails
 
+        def on_train_start(self, trainer, pl_module):
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is not None:  # megatrain: count the steps whose grads landed late (engine/engine.py)
+                landed = engine._landed_update
+
+                def counted(*args, **kwargs):
+                    self.late_steps += 1
+                    return landed(*args, **kwargs)
+
+                engine._landed_update = counted
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # Lightning reports loss / accumulate_grad_batches; undo that to log the micro-batch's mean token loss.
+            # Reading it waits for the compute stream: without sync marks too, a step ends where the GPU is done.
+            self._step["losses"].append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
             # clipping + optimizer step (DeepSpeed: engine.step() every micro-batch, a real step at the boundary)
             self._phase("clip_and_optimizer_s")
-            # Lightning reports loss / accumulate_grad_batches; undo that to log the micro-batch's mean token loss
-            self._step["losses"].append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
             if trainer.global_step == self._step["global_step"]:
                 return  # accumulating: the optimizer step is not done yet
             step, self._step = self._step, None
@@ -347,6 +365,8 @@ def make_recorder(profile_step: int | None, sync: bool):
                                  "kernel_gaps": kernel_gaps(events, cpu_spans(kineto))}
                 except Exception as e:  # noqa: BLE001
                     self.busy = {"profile_error": f"{type(e).__name__}: {e}"}
+            if profile_step is not None and len(self.steps) == profile_step:
+                self._start_profile()  # from where the profiled step starts: the time between steps is in it
 
     if not sync:
         # No mark between backward and the optimizer step: a module or callback with this hook may read p.grad, so
@@ -411,7 +431,8 @@ def train(spec: dict) -> dict:
     # setup_s: fit() start -> first micro-batch (model build, strategy setup, pinning, optimizer creation)
     breakdown.update(recorder.busy, setup_s=recorder.first_batch_t - t_fit, first_step_s=steps[0]["step_s"],
                      build_s=getattr(module, "build_s", None), sync_marks=spec["sync"],
-                     kept_layers=measured[-1].get("kept_layers"), policy_gib=measured[-1].get("policy_gib"))
+                     kept_layers=measured[-1].get("kept_layers"), policy_gib=measured[-1].get("policy_gib"),
+                     late_grad_steps=recorder.late_steps)
     row = {
         "system": spec["system"], "model": spec["model"], "micro_batch": mb, "seq_len": seq,
         "tokens_per_step": tokens, "tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / PEAK_FLOPS,

@@ -62,7 +62,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         keep_layers: decoder layers per training micro-batch whose activations stay on the GPU from forward to
             backward instead of being recomputed (saves one forward of each). ``"auto"`` (default): the first
             micro-batch recomputes every layer and measures one layer's activation memory and the step's peak, later
-            micro-batches keep as many layers as fit in 90% of the GPU. An int keeps exactly that many (the first
+            micro-batches keep as many layers as fit in 90% of the GPU (the first of them tops up where its measured
+            peak left room). An int keeps exactly that many (the first
             ones); ``0`` recomputes every layer, the least GPU memory (the paper's scheme). On a CPU compute device
             ``"auto"`` keeps none.
         overlap_optimizer: run the host Adam step of step N layer by layer on a worker thread while step N+1's
@@ -70,7 +71,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             GPU idle. The step's parameters and optimizer states are final at the next forward, ``zero_grad``,
             backward, checkpoint save or load, validation, epoch end and train end, which all wait for it; a callback
             that reads parameters in ``on_train_batch_end`` would see them mid-update, hence off by default.
-            Applies to the host Adam/AdamW (other optimizers step synchronously, with a warning).
+            Applies to the host Adam/AdamW (other optimizers step synchronously, with a warning). Host grads are
+            complete in ``on_before_optimizer_step`` when a hook implements it; without one the last gradient copies
+            land while the next step starts and the step's worker waits for them (engine/engine.py, [Note: late
+            grads]).
         gpu_optimizer_groups: how many parameter groups, in the order the forward reads them (first the residents:
             embeddings, final norm, head; then decoder layers 0, 1, ...), also keep their fp32 master, fp32 grad and
             Adam moments on the GPU and take their optimizer step there (torch's fused AdamW kernel): no host Adam

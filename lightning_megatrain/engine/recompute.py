@@ -15,10 +15,12 @@ recomputes only the rest. ``k`` is:
   micro-batches keep ``k = (budget - P * max(1, x/x1)) // ((A/x1 + 1) * x + W)`` layers, ``budget`` being
   :data:`DEVICE_FRACTION` of the device. The first layers whose weights stay on the device anyway
   (``gpu_optimizer_groups``, engine/device_state.py) need no private copy and cost ``W`` less each. The first
-  micro-batch that keeps layers then *tops up*: the allocator's peak so far bounds its own peak from above, so
-  ``(budget - peak) // (graph + W)`` more layers still fit where the estimate was pessimistic (at 3B, 64K tokens per
-  micro-batch it left 14 GiB of the budget unused); micro-batches no larger than that one keep them too. On a CPU
-  compute device ``"auto"`` keeps none.
+  micro-batch that keeps layers then *tops up*: the allocator's peak *reserved* memory so far bounds its own need
+  from above, fragmentation included, so ``(budget - reserved) // (graph + W)`` more layers still fit where the
+  estimate was pessimistic (at 3B, 64K tokens per micro-batch it left 14 GiB of the budget unallocated);
+  micro-batches no larger than that one keep them too. (Topping up to the allocated peak instead ran out of memory
+  at 32 x 1024 with HF's loss, whose 16 GiB logits gradient found no block in the fragmented rest.) On a CPU compute
+  device ``"auto"`` keeps none.
 """
 
 from __future__ import annotations
@@ -119,13 +121,13 @@ class RecomputePolicy:
         self._topping_up = False
         assert self.graph_bytes_per_input_byte is not None
         x = self._input_bytes
-        peak = torch.cuda.max_memory_allocated(self.device)  # >= this micro-batch's own peak
+        peak = torch.cuda.max_memory_reserved(self.device)  # >= this micro-batch's own need, fragmentation included
         cost = (self.graph_bytes_per_input_byte + 1) * x + self.weight_bytes
         extra = max(0, int((self.budget - peak) // cost)) if x and self._kept == self.limit(x) else 0
         if extra:
             self.extra, self.extra_input_bytes = extra, x
             log.info(
-                "MegaTrain: keeping %d layers left a peak of %.1f GiB: keeping %d more per micro-batch of this size",
+                "MegaTrain: keeping %d layers reserved a peak of %.1f GiB: keeping %d more per micro-batch of this size",
                 self._kept,
                 peak / 2**30,
                 extra,

@@ -12,10 +12,11 @@ from lightning_megatrain.engine.recompute import DEVICE_FRACTION, RecomputePolic
 GIB = 1024**3
 
 
-def _cuda_counters(peak: list[int], total: int = 100 * GIB):
+def _cuda_counters(peak: list[int], total: int = 100 * GIB, reserved: list[int] | None = None):
     return (
         mock.patch.object(torch.cuda, "max_memory_allocated", lambda device=None: peak[0]),
         mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=total)),
+        mock.patch.object(torch.cuda, "max_memory_reserved", lambda device=None: (reserved or peak)[0]),
     )
 
 
@@ -89,9 +90,9 @@ def test_auto_counts_no_weight_copy_for_layers_whose_weights_persist():
 def test_auto_tops_up_after_the_first_kept_micro_batch():
     # the first micro-batch that keeps layers peaks below the plan: the room left is filled once, for inputs up to
     # that micro-batch's size
-    peak = [10 * GIB]
-    patches = _cuda_counters(peak)
-    with patches[0], patches[1]:
+    peak, reserved = [10 * GIB], [10 * GIB]
+    patches = _cuda_counters(peak, reserved=reserved)
+    with patches[0], patches[1], patches[2]:
         policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
         x = GIB
         policy.start_forward()
@@ -101,11 +102,12 @@ def test_auto_tops_up_after_the_first_kept_micro_batch():
         assert planned == 26
         policy.start_forward()
         assert sum(policy.keep(x) for _ in range(40)) == planned
-        peak[0] = 60 * GIB  # the kept graphs cost less than planned: 30 GiB of the 90 GiB budget left
+        # the kept graphs cost less than planned: 30 GiB of the 90 GiB budget left as reserved (not as allocated)
+        peak[0], reserved[0] = 50 * GIB, 60 * GIB
         policy.end_backward()
         assert policy.extra == 10 and policy.limit(x) == planned + 10
         assert policy.limit(x // 2) > policy.limit(x) and policy.limit(2 * x) < planned  # larger inputs: no top-up
-        peak[0] = 89 * GIB  # tops up once only
+        reserved[0] = 89 * GIB  # tops up once only
         policy.start_forward()
         assert sum(policy.keep(x) for _ in range(60)) == planned + 10
         policy.end_backward()
@@ -115,7 +117,7 @@ def test_auto_tops_up_after_the_first_kept_micro_batch():
 def test_auto_top_up_adds_nothing_past_the_budget():
     peak = [10 * GIB]
     patches = _cuda_counters(peak)
-    with patches[0], patches[1]:
+    with patches[0], patches[1], patches[2]:
         policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
         policy.start_forward()
         policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)
