@@ -219,7 +219,8 @@ def kernel_gaps(events: list[tuple[str, int, int]], spans: list[tuple[str, int, 
     training thread (the thread with the most events) that cover the gap's midpoint, outermost first: annotations
     and the three innermost spans, e.g. ``megatrain::forward_layer_3 > aten::item > aten::_local_scalar_dense >
     cudaStreamSynchronize``.
-    Returns the summed gap seconds, the seconds per cause, and the ``top`` longest gaps as
+    Returns the seconds without any kernel (``idle_s``, short gaps between kernels included: launch-bound
+    stretches), the summed gap seconds, the seconds per cause, and the ``top`` longest gaps as
     [offset_ms from the profile start, length_ms, cause].
     """
     kernels = sorted((s, e) for n, s, e in events if not n.startswith(("Memcpy", "Memset")))
@@ -253,6 +254,7 @@ def kernel_gaps(events: list[tuple[str, int, int]], spans: list[tuple[str, int, 
         by_cause[c] = by_cause.get(c, 0.0) + (e - s) / 1e9
         listed.append([round((s - begin) / 1e6, 1), round((e - s) / 1e6, 2), c])
     return {
+        "idle_s": round((finish - begin - union_ns(kernels)) / 1e9, 5),  # all of it, gaps under min_ns too
         "gap_s": round(sum(e - s for s, e in gaps) / 1e9, 4),
         "by_cause": [[c, round(t, 4)] for c, t in sorted(by_cause.items(), key=lambda kv: -kv[1])[:top]],
         "longest": sorted(listed, key=lambda g: -g[1])[:top],

@@ -206,6 +206,7 @@ def test_kernel_gaps_name_what_the_training_thread_did():
     gaps = throughput.kernel_gaps(events, spans)
     # the 4 ms sync gap (the D2H copy is not compute) and the 10 ms tail; the 0.05 ms gap is under the threshold
     assert gaps["gap_s"] == pytest.approx(0.014)
+    assert gaps["idle_s"] == pytest.approx(0.01405)  # the 0.05 ms gap counts here
     assert gaps["longest"] == [
         [40.0, 10.0, "[pl][profile]run_training_batch > megatrain::forward_layer_0 > aten::copy_"],
         [10.0, 4.0, "[pl][profile]run_training_batch > aten::item > cudaStreamSynchronize"]]

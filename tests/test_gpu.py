@@ -69,11 +69,21 @@ def test_cuda_late_grads_parity(groups):
     strategy = MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True, gpu_optimizer_groups=groups)
     landed = mock.patch.object(MegaTrainEngine, "_landed_update", autospec=True,
                                side_effect=MegaTrainEngine._landed_update)
+
+    class Check(L.Callback):
+        def on_train_end(self, trainer, pl_module):  # after the barrier: the deferred copies have landed
+            engine = trainer.strategy.engine
+            self.grads_landed = all(p.grad is not None for p in pl_module.parameters())
+            self.mirrors_equal = all(torch.equal(d.master.cpu(), d.group.master) for d in engine.device_groups)
+
+    check = Check()
     with landed as spy:
-        got, _ = _fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False)
+        got, _ = _fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False,
+                           callbacks=[check])
     assert spy.call_count == 3  # every step took the late path
     assert all(call.args[3] is not None for call in spy.call_args_list)  # with the device clip factor
     assert_records_close(got, ref, rtol=1e-4)
+    assert check.grads_landed and check.mirrors_equal
 
 
 def test_cuda_masters_pinned_on_host():

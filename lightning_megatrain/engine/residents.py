@@ -71,18 +71,19 @@ class Residents:
         with bind(bindings):
             yield
 
-    def drain(self, wait: bool = True) -> None:
+    def drain(self, wait: bool = True, defer: bool = False) -> Callable[[], None] | None:
         """Add the compute copies' grads into the host fp32 grads and clear them (once per optimizer step).
 
         Usually (every parameter has a gradient, the host grads are empty) that is one D2H on the D2H stream
-        straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`. Otherwise
-        the grads are added on the host, which waits for the copy.
+        straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`, and
+        ``defer=True`` returns the function that queues it instead of queueing it (engine/engine.py, [Note: late
+        grads]). Otherwise the grads are added on the host, which waits for the copy.
         """
         if self._copies is None or not self.group.numel:
-            return
+            return None
         grads = [c.grad for c in self._copies]
         if all(g is None for g in grads):
-            return
+            return None
         compute = torch.cuda.current_stream(self.device)
         present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] fp32 on device
         # host grads will equal the device grads exactly when they start empty and all are present
@@ -91,16 +92,22 @@ class Residents:
         if exact:  # one D2H straight into the pinned host grads: no staging buffer, no host pass
             packed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
             packed.record(compute)
-            self._landed = torch.cuda.Event()
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(packed)
-                self.group.grad.copy_(present, non_blocking=True)
-                self._landed.record(self.d2h_stream)
-            present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
             self._after_drain()  # the copy reads ``present``: the device step may change the grads meanwhile
+
+            def send() -> None:
+                self._landed = torch.cuda.Event()
+                with torch.cuda.stream(self.d2h_stream):
+                    self.d2h_stream.wait_event(packed)
+                    self.group.grad.copy_(present, non_blocking=True)
+                    self._landed.record(self.d2h_stream)
+                present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
+
+            if defer:
+                return send
+            send()
             if wait:
                 self.wait_landed()
-            return
+            return None
         if self._grad_staging is None:
             self._grad_staging = self._registry.empty(self.group.numel, torch.float32)
         host = self._grad_staging[: present.numel()]
@@ -112,10 +119,12 @@ class Residents:
             offset += 0 if g is None else p.numel()
         self.group.accumulate(views, packed=host)
         self._after_drain()
+        return None
 
     def wait_landed(self) -> None:
         """Block until the grads :meth:`drain` sent are in the host grads, and attach them as ``p.grad`` (a no-op
-        when none are in flight). Called by the thread that reads them next."""
+        when none are in flight; a deferred copy must have been queued first). Called by the thread that reads them
+        next."""
         if self._landed is None:
             return
         self._landed.synchronize()
