@@ -535,7 +535,9 @@ def run_all(args) -> None:
     jit_pending = not args.dry_run and not _cpu_adam_cached()
     queue = []
     for r in runs:
-        uses_cpu_adam = r["system"].startswith("megatrain") or r["system"] == "deepspeed_zero3_offload"
+        # DeepSpeedCPUAdam's build: megatrain_overlap maps AdamW to torch's fused one (strategy.py), no build
+        uses_cpu_adam = split_system(r["system"])[0] in ("megatrain", "megatrain_recompute_all",
+                                                         "megatrain_overlap_deepspeed", "deepspeed_zero3_offload")
         queue.append((r, estimate_s(r, params[r["model"]], jit_pending and uses_cpu_adam)))
         jit_pending = jit_pending and not uses_cpu_adam
     print(f"device: {device}; out: {out_dir}; --budget-s {args.budget_s:.0f}; plan, estimated seconds:", flush=True)

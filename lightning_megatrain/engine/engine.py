@@ -9,8 +9,8 @@ benchmarks/results kernel_gaps) and then the host queues the next forward into a
 :meth:`MegaTrainEngine.finalize_gradients` leaves them landing instead:
 
 - the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``); when the residents
-  step on the device (``gpu_optimizer_groups``) nothing needs it before the next backward, so it is queued when the
-  next step starts, with the device groups' master write-backs (engine/device_state.py);
+  step on the device (``gpu_optimizer_groups``) nothing needs it before the next backward, so it becomes a
+  background copy, like the device groups' master write-backs (engine/transfer.py, [Note: background copies]);
 - clipping takes the global norm from the per-layer norms measured on the device and computes the factor there;
   the device groups' step reads it on the device, and one 4-byte D2H into a pinned scalar (its event
   ``copied``, recorded by the compute stream) hands it to the host step;
@@ -19,10 +19,8 @@ benchmarks/results kernel_gaps) and then the host queues the next forward into a
 - the next ``zero_grad`` and backward wait for the whole host step, as always, so they find the grads landed.
 
 Copies queued at the end of a step share the D2H copy engine with whatever reads a result right after the step:
-the loss's ``.item()`` (a progress bar, a logger) then waits behind gigabytes of grads and masters with the GPU
-idle (~0.1 s per step at 3B, 64K tokens/step, 8 device groups). Hence the deferral to the next step's start
-(:meth:`MegaTrainEngine.step_context`), where the copies run beside its forward; whatever waits for the optimizer
-queues them first (:meth:`MegaTrainEngine.wait_for_host_step`).
+the loss's ``.item()`` (a progress bar, a logger) waited behind gigabytes of grads and masters with the GPU idle
+(~0.1 s per step at 3B, 64K tokens/step, 8 device groups): hence the background copies.
 
 Where a drain left a host add behind (an expert without tokens, a busy layer under accumulation) the device norms
 are incomplete and the step waits as before.
@@ -96,7 +94,6 @@ class MegaTrainEngine:
         self._overlap_requested = overlap_optimizer
         self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
-        self._deferred: list[Callable[[], None]] = []  # D2H copies queued when the next step starts (same note)
         self._clip_host: torch.Tensor | None = None  # pinned 0-dim fp32: the device clip factor, for the host step
         # - CUDA event for stream synchronization
         self._clip_copied: torch.cuda.Event | None = None  # recorded by compute after the factor's D2H; host waits
@@ -172,8 +169,8 @@ class MegaTrainEngine:
             )
             resident_buffers = [s for s in resident_slots if not s.is_param]
             self.residents = Residents(
-                resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream, gate,
-                on_device.get(id(resident_group)),
+                resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream,
+                self.transfer.copy_later, gate, on_device.get(id(resident_group)),
             )
             buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
         else:
@@ -262,7 +259,6 @@ class MegaTrainEngine:
     def step_context(self) -> Iterator[None]:
         """Bind the residents' compute copies for one ``training_step``/``validation_step``/... call."""
         assert self.transfer is not None
-        self._queue_deferred()  # the last step's write-backs and residents' grads go down beside this forward
         self.transfer.invalidate()  # the user may have changed masters between steps (callbacks, load_state_dict)
         if self.residents is None:
             if self.overlap is not None and self.resident_group is not None:
@@ -276,19 +272,15 @@ class MegaTrainEngine:
         """Block until the overlapped host optimizer step is done with the host grads and the host groups' masters.
 
         What backward's drains, ``zero_grad`` and gradient finalization wait for: they write host grads, which only
-        the host step reads (device groups step from their device grads). Queues the copies deferred to the next
-        step's start first, and attaches the residents' grads when they were one ([Note: late grads]).
+        the host step reads (device groups step from their device grads). Queues the background copies left first,
+        and attaches the residents' grads when they were one ([Note: late grads]).
         """
-        self._queue_deferred()
+        if isinstance(self.transfer, CudaTransfer):
+            self.transfer.queue_background()
         if self.overlap is not None:
             self.overlap.wait_all()
         if self.residents is not None:
             self.residents.wait_landed()  # a deferred copy of the residents' grads (device group, late grads)
-
-    def _queue_deferred(self) -> None:
-        for queue_copy in self._deferred:
-            queue_copy()
-        self._deferred.clear()
 
     def wait_for_optimizer(self) -> None:
         """Block until the optimizer step in flight has updated every host master and optimizer state: the host
@@ -312,10 +304,7 @@ class MegaTrainEngine:
             self.transfer.host_added = False
         late = self._late_grads = self.overlap is not None and self.on_cuda and not grads_read and not host_added
         if self.residents is not None:
-            on_device = self.residents.device_group is not None
-            queue_copy = self.residents.drain(wait=not late, defer=late and on_device)
-            if queue_copy is not None:
-                self._deferred.append(queue_copy)
+            self.residents.drain(wait=not late, background=late and self.residents.device_group is not None)
         if not late:
             self.transfer.wait_drained()
 
@@ -436,7 +425,7 @@ class MegaTrainEngine:
                 device_group.bind_states(optimizer, bind)
                 compute.wait_event(device_group.written_back)  # the last write-back may still read the mirror
                 update(device_group.group.params, device_group.group.views(device_group.master), grads)
-                self._deferred.append(device_group.write_back(self.transfer.d2h_stream))
+                device_group.write_back(self.transfer.copy_later)
         if self.residents is not None:
             self.residents.clear_grads()
 

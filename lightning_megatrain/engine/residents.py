@@ -36,11 +36,13 @@ class Residents:
         device: torch.device,
         registry: HostRegistry,
         d2h_stream: torch.cuda.Stream,
+        copy_later: Callable[[Tensor, Tensor, torch.cuda.Event, torch.cuda.Event], None],
         gate: Callable[[FlatGroup], None] | None = None,
         device_group: DeviceGroup | None = None,
     ) -> None:
         self.group = group
         self.d2h_stream = d2h_stream  # the transfer layer's: the grads' D2H queues behind the layers' drains
+        self.copy_later = copy_later  # the transfer layer's background D2H (engine/transfer.py)
         self.gate = gate
         self.device_group = device_group
         self.buffer_slots = buffer_slots
@@ -71,19 +73,19 @@ class Residents:
         with bind(bindings):
             yield
 
-    def drain(self, wait: bool = True, defer: bool = False) -> Callable[[], None] | None:
+    def drain(self, wait: bool = True, background: bool = False) -> None:
         """Add the compute copies' grads into the host fp32 grads and clear them (once per optimizer step).
 
         Usually (every parameter has a gradient, the host grads are empty) that is one D2H on the D2H stream
         straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`, and
-        ``defer=True`` returns the function that queues it instead of queueing it (engine/engine.py, [Note: late
-        grads]). Otherwise the grads are added on the host, which waits for the copy.
+        ``background=True`` makes it a background copy (engine/transfer.py, [Note: background copies]; engine/
+        engine.py, [Note: late grads]). Otherwise the grads are added on the host, which waits for the copy.
         """
         if self._copies is None or not self.group.numel:
-            return None
+            return
         grads = [c.grad for c in self._copies]
         if all(g is None for g in grads):
-            return None
+            return
         compute = torch.cuda.current_stream(self.device)
         present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] fp32 on device
         # host grads will equal the device grads exactly when they start empty and all are present
@@ -93,21 +95,18 @@ class Residents:
             packed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
             packed.record(compute)
             self._after_drain()  # the copy reads ``present``: the device step may change the grads meanwhile
-
-            def send() -> None:
-                self._landed = torch.cuda.Event()
-                with torch.cuda.stream(self.d2h_stream):
-                    self.d2h_stream.wait_event(packed)
-                    self.group.grad.copy_(present, non_blocking=True)
-                    self._landed.record(self.d2h_stream)
-                present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
-
-            if defer:
-                return send
-            send()
+            self._landed = torch.cuda.Event()
+            if background:
+                self.copy_later(self.group.grad, present, packed, self._landed)
+                return
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(packed)
+                self.group.grad.copy_(present, non_blocking=True)
+                self._landed.record(self.d2h_stream)
+            present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
             if wait:
                 self.wait_landed()
-            return None
+            return
         if self._grad_staging is None:
             self._grad_staging = self._registry.empty(self.group.numel, torch.float32)
         host = self._grad_staging[: present.numel()]
@@ -119,12 +118,11 @@ class Residents:
             offset += 0 if g is None else p.numel()
         self.group.accumulate(views, packed=host)
         self._after_drain()
-        return None
 
     def wait_landed(self) -> None:
         """Block until the grads :meth:`drain` sent are in the host grads, and attach them as ``p.grad`` (a no-op
-        when none are in flight; a deferred copy must have been queued first). Called by the thread that reads them
-        next."""
+        when none are in flight; a background copy must have been queued first). Called by the thread that reads
+        them next."""
         if self._landed is None:
             return
         self._landed.synchronize()
