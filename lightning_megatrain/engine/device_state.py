@@ -12,10 +12,7 @@ the host grads) and as the updated master written back.
 
 The host master stays the parameter (DESIGN principle 1): after every step the D2H stream writes the updated
 mirror back, and the layer's fp32 grad reaches the host grads as for any other layer, so ``state_dict()``,
-checkpoints, clipping and hooks read the same tensors as without device groups. The write-back is a background
-copy (engine/transfer.py, [Note: background copies]): queued in chunks during the next step's forward, or at once
-before anything waits for the optimizer (checkpoints, validation, epoch and train end), not as gigabytes at the end
-of the step, where a read of the loss (``.item()``, a progress bar) would wait behind them on the copy engine. The optimizer's state entries for
+checkpoints, clipping and hooks read the same tensors as without device groups. The optimizer's state entries for
 these parameters are the device moments (``optimizer.state[p]`` holds views of them); the strategy saves them as
 CPU tensors, and states loaded from a checkpoint are copied in at the next step (:meth:`DeviceGroup.bind_states`).
 Parameters written directly on the host between steps (not through ``load_state_dict``) are not seen by the mirror.
@@ -25,8 +22,7 @@ themselves and with the layer's forward and backward):
 
 - ``grad_read``: recorded by the D2H stream after copying ``grad`` to the host grads; the compute stream waits on
   it before the next micro-batch's backward writes ``grad`` again.
-- ``written_back``: recorded by the D2H stream after copying the updated ``master`` to the host master (its last
-  background chunk, queued before any wait on it: the engine's ``wait_for_host_step``); the compute
+- ``written_back``: recorded by the D2H stream after copying the updated ``master`` to the host master; the compute
   stream waits on it before the next update writes ``master``, and host readers synchronize on it
   (:meth:`DeviceGroup.wait_written_back`, from the engine's ``wait_for_optimizer``, which checkpoints, barrier
   hooks and teardown call; backward, ``zero_grad`` and gradient finalization touch grads only and skip it).
@@ -36,8 +32,6 @@ resident parameter (their fp32 compute copies are the mirror). Host memory saves
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -129,14 +123,16 @@ class DeviceGroup:
                 step.fill_(float(state["step"]))
             state.update(step=step, exp_avg=m, exp_avg_sq=v)
 
-    def write_back(self, copy_later: Callable[[Tensor, Tensor, torch.cuda.Event, torch.cuda.Event], None]) -> None:
-        """The update ran on the compute stream: refresh the compute copy now, and hand the copy of the new master
-        to the host to ``copy_later`` (the transfer layer's background D2H: see the module note)."""
+    def write_back(self, d2h_stream: torch.cuda.Stream) -> None:
+        """The update ran on the compute stream: refresh the compute copy, copy the new master to the host."""
         compute = torch.cuda.current_stream(self.device)
         self._refresh()
         updated = torch.cuda.Event()  # recorded by the compute stream after the update; waited on by the D2H stream
         updated.record(compute)
-        copy_later(self.group.master, self.master, updated, self.written_back)
+        with torch.cuda.stream(d2h_stream):
+            d2h_stream.wait_event(updated)
+            self.group.master.copy_(self.master, non_blocking=True)
+            self.written_back.record(d2h_stream)
 
     def wait_written_back(self) -> None:
         """Block until the host master holds the last update."""

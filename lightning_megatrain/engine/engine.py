@@ -8,9 +8,7 @@ benchmarks/results kernel_gaps) and then the host queues the next forward into a
 ``configure_gradient_clipping`` of its own: precision.py ``grads_read_by_hooks``) and the host step is overlapped,
 :meth:`MegaTrainEngine.finalize_gradients` leaves them landing instead:
 
-- the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``); when the residents
-  step on the device (``gpu_optimizer_groups``) nothing needs it before the next backward, so it becomes a
-  background copy, like the device groups' master write-backs (engine/transfer.py, [Note: background copies]);
+- the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``);
 - clipping takes the global norm from the per-layer norms measured on the device and computes the factor there;
   the device groups' step reads it on the device, and one 4-byte D2H into a pinned scalar (its event
   ``copied``, recorded by the compute stream) hands it to the host step;
@@ -18,12 +16,15 @@ benchmarks/results kernel_gaps) and then the host queues the next forward into a
   factor, and only then reads ``p.grad``;
 - the next ``zero_grad`` and backward wait for the whole host step, as always, so they find the grads landed.
 
-Copies queued at the end of a step share the D2H copy engine with whatever reads a result right after the step:
-the loss's ``.item()`` (a progress bar, a logger) waited behind gigabytes of grads and masters with the GPU idle
-(~0.1 s per step at 3B, 64K tokens/step, 8 device groups): hence the background copies.
-
 Where a drain left a host add behind (an expert without tokens, a busy layer under accumulation) the device norms
 are incomplete and the step waits as before.
+
+Measured (3B, 64K tokens/step, 8 device groups, benchmarks/results kernel_gaps): the copies still run at the end of
+the step, and a read of the loss right after it (``.item()``: a progress bar showing a logged loss, the benchmark's
+recorder) queues its 4 bytes behind them on the D2H copy engine and waits as long (73 + 30 ms) as the training
+thread waited before. The engine's own waits are gone; the GPU idles the same unless nothing reads a result at the
+step end. Queuing the copies at the next step's start instead made an ``.item()`` early in that step wait (slower
+by 3%); queuing them in small chunks during the next forward is the next thing to measure.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ class MegaTrainEngine:
             )
             resident_buffers = [s for s in resident_slots if not s.is_param]
             self.residents = Residents(
-                resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream,
-                self.transfer.copy_later, gate, on_device.get(id(resident_group)),
+                resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream, gate,
+                on_device.get(id(resident_group)),
             )
             buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
         else:
@@ -272,15 +273,10 @@ class MegaTrainEngine:
         """Block until the overlapped host optimizer step is done with the host grads and the host groups' masters.
 
         What backward's drains, ``zero_grad`` and gradient finalization wait for: they write host grads, which only
-        the host step reads (device groups step from their device grads). Queues the background copies left first,
-        and attaches the residents' grads when they were one ([Note: late grads]).
+        the host step reads (device groups step from their device grads).
         """
-        if isinstance(self.transfer, CudaTransfer):
-            self.transfer.queue_background()
         if self.overlap is not None:
             self.overlap.wait_all()
-        if self.residents is not None:
-            self.residents.wait_landed()  # a deferred copy of the residents' grads (device group, late grads)
 
     def wait_for_optimizer(self) -> None:
         """Block until the optimizer step in flight has updated every host master and optimizer state: the host
@@ -302,18 +298,17 @@ class MegaTrainEngine:
         host_added = isinstance(self.transfer, CudaTransfer) and self.transfer.host_added
         if isinstance(self.transfer, CudaTransfer):
             self.transfer.host_added = False
-        late = self._late_grads = self.overlap is not None and self.on_cuda and not grads_read and not host_added
+        self._late_grads = self.overlap is not None and self.on_cuda and not grads_read and not host_added
         if self.residents is not None:
-            self.residents.drain(wait=not late, background=late and self.residents.device_group is not None)
-        if not late:
+            self.residents.drain(wait=not self._late_grads)
+        if not self._late_grads:
             self.transfer.wait_drained()
 
     def _land_grads(self) -> None:
-        """Wait for the host grads the host step reads, left landing by :meth:`finalize_gradients` (any thread;
-        no-op when none). A device group's residents land later (:meth:`wait_for_host_step`)."""
+        """Wait for the host grads left landing by :meth:`finalize_gradients` (any thread; no-op when none)."""
         assert self.transfer is not None
         self.transfer.wait_drained()
-        if self.residents is not None and self.residents.device_group is None:
+        if self.residents is not None:
             self.residents.wait_landed()
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, defer: bool = False) -> bool:
@@ -425,7 +420,7 @@ class MegaTrainEngine:
                 device_group.bind_states(optimizer, bind)
                 compute.wait_event(device_group.written_back)  # the last write-back may still read the mirror
                 update(device_group.group.params, device_group.group.views(device_group.master), grads)
-                device_group.write_back(self.transfer.copy_later)
+                device_group.write_back(self.transfer.d2h_stream)
         if self.residents is not None:
             self.residents.clear_grads()
 

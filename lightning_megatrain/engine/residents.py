@@ -36,13 +36,11 @@ class Residents:
         device: torch.device,
         registry: HostRegistry,
         d2h_stream: torch.cuda.Stream,
-        copy_later: Callable[[Tensor, Tensor, torch.cuda.Event, torch.cuda.Event], None],
         gate: Callable[[FlatGroup], None] | None = None,
         device_group: DeviceGroup | None = None,
     ) -> None:
         self.group = group
         self.d2h_stream = d2h_stream  # the transfer layer's: the grads' D2H queues behind the layers' drains
-        self.copy_later = copy_later  # the transfer layer's background D2H (engine/transfer.py)
         self.gate = gate
         self.device_group = device_group
         self.buffer_slots = buffer_slots
@@ -73,13 +71,12 @@ class Residents:
         with bind(bindings):
             yield
 
-    def drain(self, wait: bool = True, background: bool = False) -> None:
+    def drain(self, wait: bool = True) -> None:
         """Add the compute copies' grads into the host fp32 grads and clear them (once per optimizer step).
 
         Usually (every parameter has a gradient, the host grads are empty) that is one D2H on the D2H stream
-        straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`, and
-        ``background=True`` makes it a background copy (engine/transfer.py, [Note: background copies]; engine/
-        engine.py, [Note: late grads]). Otherwise the grads are added on the host, which waits for the copy.
+        straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`. Otherwise
+        the grads are added on the host, which waits for the copy.
         """
         if self._copies is None or not self.group.numel:
             return
@@ -94,16 +91,13 @@ class Residents:
         if exact:  # one D2H straight into the pinned host grads: no staging buffer, no host pass
             packed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
             packed.record(compute)
-            self._after_drain()  # the copy reads ``present``: the device step may change the grads meanwhile
             self._landed = torch.cuda.Event()
-            if background:
-                self.copy_later(self.group.grad, present, packed, self._landed)
-                return
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(packed)
                 self.group.grad.copy_(present, non_blocking=True)
                 self._landed.record(self.d2h_stream)
             present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
+            self._after_drain()  # the copy reads ``present``: the device step may change the grads meanwhile
             if wait:
                 self.wait_landed()
             return
@@ -121,8 +115,7 @@ class Residents:
 
     def wait_landed(self) -> None:
         """Block until the grads :meth:`drain` sent are in the host grads, and attach them as ``p.grad`` (a no-op
-        when none are in flight; a background copy must have been queued first). Called by the thread that reads
-        them next."""
+        when none are in flight). Called by the thread that reads them next."""
         if self._landed is None:
             return
         self._landed.synchronize()

@@ -33,16 +33,6 @@ stream still reads them: a structural invariant, not bookkeeping (tests/test_gpu
 training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step, on the training
 thread or, when grads land late (engine/engine.py, [Note: late grads]), on the optimizer step's worker.
 
-[Note: background copies]
-Some D2H copies have no deadline before the next backward: the device groups' master write-backs and, when grads
-land late, the device residents' grads (engine/engine.py, [Note: late grads]). Queued together at the end of a step
-they hold the D2H copy engine for ~0.1 s (3B, 8 device groups), and any small D2H queued after them, a loss's
-``.item()`` or the forward's first activation offload, waits that long with the GPU idle (measured: the step got 3%
-slower than with the copies at the step's end). ``copy_later`` instead cuts such a copy into chunks of
-:data:`BACKGROUND_CHUNK_BYTES` and ``acquire`` queues two chunks per layer, so the copies run beside the next
-forward and a small D2H waits for at most two chunks. ``queue_background()`` queues what is left before anything
-waits for the copies' events.
-
 [Note: activation offload]
 The input a streamed layer saves for its recompute (the residual stream, B x T x H) would otherwise stay on the
 GPU for every layer until backward, so GPU memory would grow with depth. ``stash(x)`` copies it to pinned host
@@ -55,7 +45,6 @@ tenant) and for the offload's event; ``unstash`` makes the compute stream wait f
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 from collections.abc import Callable
@@ -70,9 +59,6 @@ from lightning_megatrain.engine.pinned import HostRegistry
 
 
 Gate = Callable[[FlatGroup], None]  # blocks until a group's masters are final (engine/overlap.py)
-
-# A background D2H chunk ([Note: background copies]): ~5 ms of PCIe at the H200's ~50 GB/s.
-BACKGROUND_CHUNK_BYTES = 256 * 2**20
 
 
 def _no_gate(group: FlatGroup) -> None:
@@ -205,7 +191,6 @@ class CudaTransfer:
         self.host_added = False
         self._lock = threading.Lock()  # guards _in_flight between the training and the worker thread
         self._error: BaseException | None = None
-        self._background: collections.deque[Callable[[], None]] = collections.deque()  # [Note: background copies]
         self._worker = threading.Thread(target=self._drain_worker, name="megatrain-grad-drain", daemon=True)
         self._worker.start()
 
@@ -238,7 +223,6 @@ class CudaTransfer:
 
     def acquire(self, index: int) -> Tensor:
         """Layer ``index``'s weights as a 1D compute-dtype device tensor, usable on the current (compute) stream."""
-        self.queue_background(2)
         if index in self.device_groups:
             return self.device_groups[index].compute  # written on the compute stream only
         self.prefetch(index)
@@ -269,32 +253,6 @@ class CudaTransfer:
         for slot in self.slots:
             if slot.layer not in self._in_use:
                 slot.layer = None
-
-    # ---------------------------------------------------------------------------------------- background copies
-    def copy_later(self, dst: Tensor, src: Tensor, after: torch.cuda.Event, done: torch.cuda.Event) -> None:
-        """Copy 1D ``src`` (device) into 1D ``dst`` (pinned host) on the D2H stream once ``after`` has completed, in
-        chunks queued by later :meth:`acquire` calls; ``done`` is recorded after the last one (see [Note:
-        background copies]). Whoever waits for ``done`` calls :meth:`queue_background` first."""
-        step = max(1, BACKGROUND_CHUNK_BYTES // src.element_size())
-        starts = range(0, src.numel(), step)
-        for k, start in enumerate(starts):
-
-            def queue_chunk(start: int = start, first: bool = k == 0, last: bool = k == len(starts) - 1) -> None:
-                with torch.cuda.stream(self.d2h_stream):
-                    if first:
-                        self.d2h_stream.wait_event(after)
-                    dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
-                    if last:
-                        done.record(self.d2h_stream)
-
-            self._background.append(queue_chunk)
-        # the chunks hold ``src`` until queued; freed after, its block is reused only once the D2H stream passes
-        src.record_stream(self.d2h_stream)
-
-    def queue_background(self, limit: int | None = None) -> None:
-        """Queue up to ``limit`` (default: all) pending background chunks on the D2H stream."""
-        for _ in range(len(self._background) if limit is None else min(limit, len(self._background))):
-            self._background.popleft()()
 
     # ------------------------------------------------------------------------------------------ activation offload
     def stash(self, x: Tensor) -> _Stashed:
