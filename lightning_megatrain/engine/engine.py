@@ -23,8 +23,8 @@ Measured (3B, 64K tokens/step, 8 device groups, benchmarks/results kernel_gaps):
 the step, and a read of the loss right after it (``.item()``: a progress bar showing a logged loss, the benchmark's
 recorder) queues its 4 bytes behind them on the D2H copy engine and waits as long (73 + 30 ms) as the training
 thread waited before. The engine's own waits are gone; the GPU idles the same unless nothing reads a result at the
-step end. Queuing the copies at the next step's start instead made an ``.item()`` early in that step wait (slower
-by 3%); queuing them in small chunks during the next forward is the next thing to measure.
+step end. Queuing the copies at the next step's start instead made an ``.item()`` early in that step wait (1-3%
+slower); queuing them in small chunks during the next forward is the next thing to measure.
 """
 
 from __future__ import annotations
