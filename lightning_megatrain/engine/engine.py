@@ -11,7 +11,7 @@ benchmarks/results kernel_gaps) and then the host queues the next forward into a
 - the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``);
 - clipping takes the global norm from the per-layer norms measured on the device and computes the factor there;
   the device groups' step reads it on the device, and one 4-byte D2H into a pinned scalar (its event
-  ``copied``, recorded by the compute stream) hands it to the host step;
+  ``_clip_copied``, recorded by the compute stream) hands it to the host step;
 - the host step's worker (engine/overlap.py) first waits for every drain and the residents' copy, then for that
   factor, and only then reads ``p.grad``;
 - the next ``zero_grad`` and backward wait for the whole host step, as always, so they find the grads landed.
