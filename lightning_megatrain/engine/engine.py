@@ -295,10 +295,8 @@ class MegaTrainEngine:
         assert self.transfer is not None
         self._deferred_grad_scale = self._clip_copied = None
         self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
-        host_added = isinstance(self.transfer, CudaTransfer) and self.transfer.host_added
-        if isinstance(self.transfer, CudaTransfer):
-            self.transfer.host_added = False
-        self._late_grads = self.overlap is not None and self.on_cuda and not grads_read and not host_added
+        host_added = self.transfer.take_host_added()
+        self._late_grads = self.overlap is not None and not grads_read and not host_added
         if self.residents is not None:
             self.residents.drain(wait=not self._late_grads)
         if not self._late_grads:

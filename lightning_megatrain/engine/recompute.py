@@ -19,7 +19,7 @@ recomputes only the rest. ``k`` is:
   from above, fragmentation included, so ``(budget - reserved) // (graph + W)`` more layers still fit where the
   estimate was pessimistic (at 3B, 64K tokens per micro-batch it left 14 GiB of the budget unallocated);
   micro-batches no larger than that one keep them too. (Topping up to the allocated peak instead ran out of memory
-  at 32 x 1024 with HF's loss, whose 16 GiB logits gradient found no block in the fragmented rest.) On a CPU compute
+  at 32 x 1024 with HF's loss, whose 15.7 GiB logits gradient found no block in the fragmented rest.) On a CPU compute
   device ``"auto"`` keeps none.
 """
 

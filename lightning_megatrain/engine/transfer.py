@@ -108,6 +108,10 @@ class HostTransfer:
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
         self.groups[index].accumulate(grads)
 
+    def take_host_added(self) -> bool:
+        """Every drain is a host add on the host backend."""
+        return True
+
     def wait_drained(self) -> None:
         """Grads are accumulated synchronously by :meth:`drain`."""
 
@@ -187,8 +191,7 @@ class CudaTransfer:
             self._free_slabs.put(registry.empty(max_numel, compute_dtype))
         self._pending: queue.Queue[_Drain | None] = queue.Queue()
         self._in_flight: dict[int, int] = {}  # layer index -> drains queued and not yet accumulated
-        # set by a drain whose host grads take a host add (no device-side norm); read and reset by the engine
-        self.host_added = False
+        self._host_added = False  # a drain since take_host_added() left its host grads to a host add
         self._lock = threading.Lock()  # guards _in_flight between the training and the worker thread
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._drain_worker, name="megatrain-grad-drain", daemon=True)
@@ -336,7 +339,7 @@ class CudaTransfer:
                 return
             if not first:
                 group.device_norm_sq = None  # the host add below makes it stale: clipping takes a host pass
-                self.host_added = True
+                self._host_added = True
             slab = None if first else self._free_slabs.get()  # blocks only when the worker is 3 layers behind
             target = group.grad if slab is None else slab
             with torch.cuda.stream(self.d2h_stream):
@@ -418,6 +421,12 @@ class CudaTransfer:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError("MegaTrain gradient drain worker failed") from error
+
+    def take_host_added(self) -> bool:
+        """Whether a drain since the last call left host grads to a host add, so some layer's device norm is missing
+        (engine/engine.py, [Note: late grads])."""
+        added, self._host_added = self._host_added, False
+        return added
 
     def wait_drained(self) -> None:
         """Block until every drained gradient is in the host fp32 grads (once per optimizer step)."""
