@@ -22,17 +22,28 @@ One compiled function serves every layer of a class: dynamo lifts the weights a 
 to slot views) to graph inputs instead of specializing on them, so a 28-layer stack compiles one graph per grad mode
 (no-grad forward, forward with grad), not one per layer. ``fallback_random`` keeps torch's eager RNG for dropout,
 so a recompute under the forward's saved RNG state replays the same masks, exactly as without compile.
+
+With grad, the compiled function runs the layer under a *selective* ``torch.utils.checkpoint`` whose policy saves
+the outputs of matmuls and attention and marks everything else for recompute: inductor's partitioner then saves
+those, the layer's input and the small statistics, and recomputes RMSNorm, rotary, SiLU x up and the casts inside
+the backward's fused kernels (pointwise work on tensors it reads anyway). A kept Llama layer's graph holds 31% fewer
+bytes (the CPU test measures 46.1K -> 31.8K bf16 values per token at the 3B shape's ratios, 11,536 -> 7,948 at a
+quarter of its width), so the auto policy keeps more layers and recomputes fewer; the results are bitwise those of
+the plain compiled layer. A recomputed layer's backward runs the same graph, so calibration measures what a kept
+one holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
@@ -45,9 +56,37 @@ _TENSOR = object()
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
+_aten = torch.ops.aten
+# The ops whose outputs a compiled layer's graph saves for backward (see [Note: compiled layers]): matmuls and
+# attention, the work a recompute would repeat at full cost. Looked up by name: not every build has every kernel.
+_SAVED_OPS = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "mm", "addmm", "bmm", "_grouped_mm",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(_aten, name)
+)
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _compile(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile`` a layer class's ``forward`` (see [Note: compiled layers])."""
-    return torch.compile(forward, options={"fallback_random": True})
+    """``torch.compile`` a layer class's ``forward``, saving only matmul and attention outputs for backward (see
+    [Note: compiled layers])."""
+
+    def selective(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(layer, *args, **kwargs)
+        return checkpoint(
+            forward, layer, *args, use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls), **kwargs,
+        )
+
+    return torch.compile(selective, options={"fallback_random": True})
 
 
 def _probe(x: Tensor) -> Tensor:
