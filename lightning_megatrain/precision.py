@@ -64,15 +64,29 @@ class MegaTrainPrecision(Precision):
         # overlapped step, that step's worker waits for them instead (engine/engine.py, [Note: late grads]).
         engine = self.engine
         assert engine is not None
-        engine.finalize_gradients(grads_read=not engine.takes_step(optimizer) or grads_read_by_hooks(model))
+        engine.finalize_gradients(grads_read=self._grads_read(model))
         self._after_closure(model, optimizer)
         return closure_result
+
+    def _grads_read(self, model: pl.LightningModule) -> bool:
+        """Whether code may read ``p.grad`` between backward and the optimizer step: manual optimization, an
+        optimizer whose step the engine does not take (``optimizer.step`` reads them), or a hook
+        (:func:`grads_read_by_hooks`)."""
+        engine = self.engine
+        assert engine is not None
+        if not model.automatic_optimization or not all(engine.takes_step(o) for o in model.trainer.optimizers):
+            return True
+        return grads_read_by_hooks(model)
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
         # The backward's drains write the host grads that an overlapped optimizer step may still be reading.
-        assert self.engine is not None
-        self.engine.wait_for_host_step()
+        engine = self.engine
+        assert engine is not None
+        engine.wait_for_host_step()
+        # Unread device-group grads stay on the GPU; their sums restart at optimizer.zero_grad(), which an
+        # optimizer_zero_grad of the module's own might not call (engine/device_state.py).
+        engine.set_grads_read(self._grads_read(module) or is_overridden("optimizer_zero_grad", module))
         return super().pre_backward(tensor, module)
 
     @override

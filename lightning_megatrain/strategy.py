@@ -240,9 +240,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                     f"GPU, got {', '.join(refused)} (or an Adam variant: amsgrad, maximize, capturable, "
                     "differentiable). HINT: use torch.optim.AdamW, or gpu_optimizer_groups=0."
                 )
+        if self.engine is not None and (self.engine.overlap is not None or self.engine.device_groups):
+            for optimizer in optimizers:
+                _hook_zero_grad(optimizer, self.engine)
         if self.engine is not None and self.engine.overlap is not None:
             for optimizer in optimizers:
-                _wait_before_zero_grad(optimizer, self.engine)
                 if not self.engine.takes_step(optimizer):
                     warnings.warn(
                         f"MegaTrainStrategy(overlap_optimizer=True) overlaps the host Adam/AdamW step only; "
@@ -353,13 +355,15 @@ class _OptimizerBarrier(pl.Callback):
     on_train_epoch_end = on_train_end = on_validation_start = on_exception = _wait
 
 
-def _wait_before_zero_grad(optimizer: torch.optim.Optimizer, engine: MegaTrainEngine) -> None:
-    """``zero_grad`` (``set_to_none=False`` zeroes in place) must not race the overlapped step reading the grads."""
+def _hook_zero_grad(optimizer: torch.optim.Optimizer, engine: MegaTrainEngine) -> None:
+    """``zero_grad`` (``set_to_none=False`` zeroes in place) must not race the overlapped step reading the grads, and
+    clears the device groups' grad sums too (engine/device_state.py)."""
     zero_grad = optimizer.zero_grad
 
     @functools.wraps(zero_grad)
     def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
         engine.wait_for_host_step()
         zero_grad(*args, **kwargs)
+        engine.grads_zeroed()
 
     optimizer.zero_grad = waiting_zero_grad  # type: ignore[method-assign]

@@ -10,9 +10,15 @@ master, their fp32 grad and both Adam moments, and take their optimizer step on 
 kernel (the same update the host fused path runs, to fp32 rounding). Their weights cross PCIe only as grads (for
 the host grads) and as the updated master written back.
 
-The host master stays the parameter (DESIGN principle 1): after every step the D2H stream writes the updated
-mirror back, and the layer's fp32 grad reaches the host grads as for any other layer, so ``state_dict()``,
-checkpoints, clipping and hooks read the same tensors as without device groups. The optimizer's state entries for
+The host master stays the parameter (DESIGN principle 1), brought up to date where the host reads it: every
+reader of host parameters between steps already waits for the optimizer (``wait_for_optimizer``: checkpoints,
+``state_dict()``, the barrier hooks, teardown), and that wait first has the D2H stream write the mirror back
+(:meth:`DeviceGroup.flush`). Writing it back after every step instead cost 0.4 GB of D2H per layer per step that
+nothing read, and a loss read at the step's end waited behind it (engine/engine.py, [Note: late grads]). Likewise
+the layer's fp32 grad reaches the host grads only when code may read ``p.grad`` before the step (hooks, manual
+optimization: the engine's ``set_grads_read``); otherwise the device step and clipping read the device sum and the
+host ``p.grad`` of these parameters stays ``None``. With hooks, ``state_dict()``, checkpoints, clipping and hooks
+read the same tensors as without device groups. The optimizer's state entries for
 these parameters are the device moments (``optimizer.state[p]`` holds views of them); the strategy saves them as
 CPU tensors, and states loaded from a checkpoint are copied in at the next step (:meth:`DeviceGroup.bind_states`).
 Parameters written directly on the host between steps (not through ``load_state_dict``) are not seen by the mirror.
@@ -22,10 +28,11 @@ themselves and with the layer's forward and backward):
 
 - ``grad_read``: recorded by the D2H stream after copying ``grad`` to the host grads; the compute stream waits on
   it before the next micro-batch's backward writes ``grad`` again.
-- ``written_back``: recorded by the D2H stream after copying the updated ``master`` to the host master; the compute
-  stream waits on it before the next update writes ``master``, and host readers synchronize on it
-  (:meth:`DeviceGroup.wait_written_back`, from the engine's ``wait_for_optimizer``, which checkpoints, barrier
-  hooks and teardown call; backward, ``zero_grad`` and gradient finalization touch grads only and skip it).
+- ``written_back``: recorded by the D2H stream after a :meth:`DeviceGroup.flush` copied the updated ``master`` to
+  the host master; the compute stream waits on it before the next update writes ``master``, and host readers
+  synchronize on it (:meth:`DeviceGroup.wait_written_back`, from the engine's ``wait_for_optimizer``, which
+  checkpoints, barrier hooks and teardown call; backward, ``zero_grad`` and gradient finalization touch grads only
+  and skip it).
 
 GPU memory: 18 bytes per layer parameter (mirror, grad, two moments and a compute-dtype copy under bf16), 16 per
 resident parameter (their fp32 compute copies are the mirror). Host memory saves the 8 bytes/param of moments.
@@ -60,18 +67,20 @@ class DeviceGroup:
         self.compute = self.master if compute_dtype == torch.float32 else torch.empty(n, dtype=compute_dtype, device=device)
         # [numel] fp32, the sum over micro-batches; None for the residents, whose autograd leaves hold their grads
         self.grad = torch.empty(n, dtype=torch.float32, device=device) if own_grad else None
-        self.present = [False] * len(group.params)  # which parameters have a gradient in ``grad`` this step
+        self.present = [False] * len(group.params)  # which parameters have a gradient in ``grad`` since zero_grad
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in group.params]  # fused Adam's
         # - CUDA events for stream synchronization (see the module note)
         self.grad_read = torch.cuda.Event()  # recorded by D2H after reading ``grad``; waited on by compute
         self.written_back = torch.cuda.Event()  # recorded by D2H after reading ``master``; waited on by compute, host
+        self.host_stale = False  # the mirror holds an update the host master has not received yet (flush)
         self.upload()
 
     def upload(self) -> None:
         """Copy the host master into the mirror (setup, ``load_state_dict``): blocks, never in the hot path."""
         self.master.copy_(self.group.master)
+        self.host_stale = False
         self._refresh()
         torch.cuda.current_stream(self.device).synchronize()
 
@@ -123,17 +132,29 @@ class DeviceGroup:
                 step.fill_(float(state["step"]))
             state.update(step=step, exp_avg=m, exp_avg_sq=v)
 
-    def write_back(self, d2h_stream: torch.cuda.Stream) -> None:
-        """The update ran on the compute stream: refresh the compute copy, copy the new master to the host."""
-        compute = torch.cuda.current_stream(self.device)
+    def clear_grads(self) -> None:
+        """``zero_grad``: the next micro-batch's grads replace ``grad`` instead of adding to it."""
+        self.present = [False] * len(self.present)
+
+    def updated(self) -> None:
+        """The update ran on the compute stream: refresh the compute copy; the host master is stale until
+        :meth:`flush`."""
         self._refresh()
+        self.host_stale = True
+
+    def flush(self, d2h_stream: torch.cuda.Stream) -> None:
+        """Queue the copy of the updated mirror into the host master (a no-op when the host holds it already)."""
+        if not self.host_stale:
+            return
         updated = torch.cuda.Event()  # recorded by the compute stream after the update; waited on by the D2H stream
-        updated.record(compute)
+        updated.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(d2h_stream):
             d2h_stream.wait_event(updated)
             self.group.master.copy_(self.master, non_blocking=True)
             self.written_back.record(d2h_stream)
+        self.host_stale = False
 
-    def wait_written_back(self) -> None:
-        """Block until the host master holds the last update."""
+    def wait_written_back(self, d2h_stream: torch.cuda.Stream) -> None:
+        """Bring the host master up to date with the last update and block until it is."""
+        self.flush(d2h_stream)
         self.written_back.synchronize()

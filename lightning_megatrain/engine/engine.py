@@ -269,6 +269,19 @@ class MegaTrainEngine:
         with self.residents.bound():
             yield
 
+    def set_grads_read(self, read: bool) -> None:
+        """Before a backward: whether code may read ``p.grad`` before the optimizer step. When not, the device
+        groups' grads stay on the device (engine/device_state.py): the device step and clipping read them there."""
+        if isinstance(self.transfer, CudaTransfer):
+            self.transfer.device_grads_to_host = read
+        if self.residents is not None:
+            self.residents.grads_to_host = read
+
+    def grads_zeroed(self) -> None:
+        """``optimizer.zero_grad()`` ran: the device groups' next grads start a new sum."""
+        for device_group in self.device_groups:
+            device_group.clear_grads()
+
     def wait_for_host_step(self) -> None:
         """Block until the overlapped host optimizer step is done with the host grads and the host groups' masters.
 
@@ -283,7 +296,7 @@ class MegaTrainEngine:
         step, and the device groups' masters written back (for readers of host parameters: checkpoints, hooks)."""
         self.wait_for_host_step()
         for device_group in self.device_groups:
-            device_group.wait_written_back()
+            device_group.wait_written_back(self.transfer.d2h_stream)
 
     def finalize_gradients(self, grads_read: bool = True) -> None:
         """Drain the residents and make every host fp32 grad final, or leave the last copies landing for the
@@ -418,7 +431,7 @@ class MegaTrainEngine:
                 device_group.bind_states(optimizer, bind)
                 compute.wait_event(device_group.written_back)  # the last write-back may still read the mirror
                 update(device_group.group.params, device_group.group.views(device_group.master), grads)
-                device_group.write_back(self.transfer.d2h_stream)
+                device_group.updated()
         if self.residents is not None:
             self.residents.clear_grads()
 

@@ -50,6 +50,8 @@ class Residents:
         self._registry = registry
         # pinned landing buffer for grads that must be *added* to host grads; allocated on first need (rare)
         self._grad_staging: Tensor | None = None
+        # whether a device group's grads are copied to the host grads (engine.set_grads_read); others always are
+        self.grads_to_host = True
         # - CUDA event for stream synchronization
         self._landed: torch.cuda.Event | None = None  # recorded by D2H after the grads' copy; waited on by the host
 
@@ -72,7 +74,8 @@ class Residents:
             yield
 
     def drain(self, wait: bool = True) -> None:
-        """Add the compute copies' grads into the host fp32 grads and clear them (once per optimizer step).
+        """Add the compute copies' grads into the host fp32 grads and clear them (once per optimizer step); a device
+        group's grads only get their norm when no code reads them before the step (``grads_to_host`` False).
 
         Usually (every parameter has a gradient, the host grads are empty) that is one D2H on the D2H stream
         straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`. Otherwise
@@ -82,6 +85,10 @@ class Residents:
             return
         grads = [c.grad for c in self._copies]
         if all(g is None for g in grads):
+            return
+        if self.device_group is not None and not self.grads_to_host:  # the device step reads the grads in place
+            flats = [g.reshape(-1) for g in grads if g is not None]
+            self.group.device_norm_sq = torch.stack([torch.dot(g, g) for g in flats]).sum()
             return
         compute = torch.cuda.current_stream(self.device)
         present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] fp32 on device

@@ -171,6 +171,8 @@ class CudaTransfer:
         self.gate = gate or _no_gate
         # layers whose weights live on the device for good (engine/device_state.py): no slot, no upload
         self.device_groups = device_groups or {}
+        # whether a device group's summed grad is copied to its host grads (engine.set_grads_read)
+        self.device_grads_to_host = True
         self.device = device
         self.compute_dtype = compute_dtype
         max_numel = max(g.numel for g in groups)
@@ -314,13 +316,11 @@ class CudaTransfer:
         present = [g is not None for g in grads]
         if not any(present):
             return
-        group = self.groups[index]
-        with self._lock:
-            idle = self._in_flight.get(index, 0) == 0  # the worker is done with this layer's host grads
-            self._in_flight[index] = self._in_flight.get(index, 0) + 1
         if index in self.device_groups:
-            self._drain_device_group(index, grads, first=idle and all(p.grad is None for p in group.params))
+            self._drain_device_group(index, grads)
             return
+        group = self.groups[index]
+        idle = self._count_in_flight(index)
         # See [Note: gradient drain] for the three paths.
         whole = idle and all(present) and group.grad.is_pinned()
         first = whole and all(p.grad is None for p in group.params)
@@ -368,13 +368,30 @@ class CudaTransfer:
             done.record(self.d2h_stream)
         self._pending.put(_Drain(index, [True] * len(group.params), (packed, total), None, done))
 
-    def _drain_device_group(self, index: int, grads: list[Tensor | None], first: bool) -> None:
-        """Sum layer ``index``'s grads into its device group's fp32 grad, then copy that sum to the host grads.
+    def _count_in_flight(self, index: int) -> bool:
+        """Count one more drain of layer ``index`` for the worker; True when none was in flight (the worker is done
+        with this layer's host grads)."""
+        with self._lock:
+            idle = self._in_flight.get(index, 0) == 0
+            self._in_flight[index] = self._in_flight.get(index, 0) + 1
+        return idle
+
+    def _drain_device_group(self, index: int, grads: list[Tensor | None]) -> None:
+        """Sum layer ``index``'s grads into its device group's fp32 grad, then copy that sum to the host grads when
+        code may read them (``device_grads_to_host``).
 
         The device sum is what the device optimizer step reads; the host copy keeps ``p.grad`` what it is without
         device groups (engine/device_state.py). Parameters without a gradient in any micro-batch keep ``grad=None``.
+        A sum starts anew after ``zero_grad``: with host copies, when the host grads are ``None`` (as for any layer);
+        without, when the engine cleared the group (``grads_zeroed``).
         """
         group, device_group = self.groups[index], self.device_groups[index]
+        if not self.device_grads_to_host:
+            with torch.profiler.record_function("megatrain::device_grad_sum"):
+                device_group.add_grads(grads, first=not any(device_group.present))
+                group.device_norm_sq = torch.dot(device_group.grad, device_group.grad)  # absent grads are zeros
+            return
+        first = self._count_in_flight(index) and all(p.grad is None for p in group.params)
         compute = torch.cuda.current_stream(self.device)
         done = torch.cuda.Event()  # recorded by the D2H stream after the copy; waited on by the drain worker
         with torch.profiler.record_function("megatrain::d2h"):
