@@ -76,6 +76,7 @@ def test_cuda_late_grads_parity(groups):
             engine = trainer.strategy.engine
             on_device = {id(p) for d in engine.device_groups for p in d.group.params}
             self.grads_landed = all((p.grad is None) == (id(p) in on_device) for p in pl_module.parameters())
+            self.no_host_grads = all(d.group._grad is None for d in engine.device_groups)  # never allocated
             self.mirrors_equal = all(torch.equal(d.master.cpu(), d.group.master) for d in engine.device_groups)
 
     check = Check()
@@ -85,7 +86,7 @@ def test_cuda_late_grads_parity(groups):
     assert spy.call_count == 3  # every step took the late path
     assert all(call.args[3] is not None for call in spy.call_args_list)  # with the device clip factor
     assert_records_close(got, ref, rtol=1e-4)
-    assert check.grads_landed and check.mirrors_equal
+    assert check.grads_landed and check.mirrors_equal and check.no_host_grads
 
 
 def test_cuda_masters_pinned_on_host():

@@ -148,8 +148,9 @@ class MegaTrainEngine:
 
         pin = self.on_cuda
         registry = self.registry = HostRegistry() if pin else None
-        self.groups = [pack_group(slots, registry) for slots in layer_slots]
-        resident_group = self.resident_group = pack_group(resident_slots, registry)
+        # device groups (the residents, then the first layers) allocate host grads only if code reads them
+        self.groups = [pack_group(slots, registry, lazy_grad=i + 1 < n_device) for i, slots in enumerate(layer_slots)]
+        resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=n_device > 0)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
         # the order the next forward reads masters in: residents (the embedding) first, then the layers
         forward_order = [resident_group, *self.groups]

@@ -9,6 +9,7 @@ ordinary fp32 CPU parameters. ``p.grad`` is a view into ``FlatGroup.grad`` once 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,12 +26,21 @@ class FlatGroup:
     params: list[nn.Parameter]  # unique parameters in layout order
     offsets: list[int]  # start of each parameter in the flat buffers
     master: Tensor  # 1D fp32 host, [numel]; the parameters' storage
-    grad: Tensor  # 1D fp32 host, [numel]; storage of ``p.grad`` views
+    new_grad: Callable[[], Tensor]  # allocates ``grad`` on first use
     slot_index: list[tuple[TensorSlot, int]] = field(default_factory=list)  # parameter slot -> index into params
     # Squared norm of ``self.grad`` as the device last wrote it whole (0-dim device tensor: one arrival, or the
     # device-side sum of all arrivals); it spares clipping a pass over host memory. Set and cleared by the transfer
     # layer, None whenever a host-side add changed ``self.grad`` afterwards.
     device_norm_sq: Tensor | None = None
+    _grad: Tensor | None = None
+
+    @property
+    def grad(self) -> Tensor:
+        """1D fp32 host, [numel]; storage of ``p.grad`` views. Allocated on first use: a device group whose grads no
+        code reads never needs it (engine/device_state.py)."""
+        if self._grad is None:
+            self._grad = self.new_grad()
+        return self._grad
 
     @property
     def numel(self) -> int:
@@ -80,7 +90,13 @@ class FlatGroup:
                 p.grad = view
 
     def grad_norm_sq(self) -> Tensor:
-        """Squared L2 norm of all present grads (fp32 0-dim; on the device when measured there during backward)."""
+        """Squared L2 norm of all present grads (fp32 0-dim; on the device when measured there during backward).
+
+        The device norm stands for the grads when the host holds them whole (the flat buffer is every ``p.grad``) or
+        holds none of them: a device group's grads that stay on the device (engine/device_state.py).
+        """
+        if self.device_norm_sq is not None and all(p.grad is None for p in self.params):
+            return self.device_norm_sq
         if self.grads_are_views():
             if self.device_norm_sq is not None:
                 return self.device_norm_sq
@@ -108,12 +124,13 @@ def _flat_norm_sq(x: Tensor) -> Tensor:
     return head + x[cut:].square().sum()
 
 
-def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None) -> FlatGroup:
+def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None, lazy_grad: bool = False) -> FlatGroup:
     """Move the parameters named by ``slots`` into one flat fp32 host buffer (their ``.data`` become views).
 
     With a ``registry`` (CUDA compute) both flat buffers are page-locked at their exact size (engine/pinned.py), so the
     H2D stream reads the masters and the D2H stream writes the grads at full PCIe speed. Parameters are copied one
-    at a time so host memory peaks at the model plus one group, never twice the model.
+    at a time so host memory peaks at the model plus one group, never twice the model. ``lazy_grad``: the grad
+    buffer is allocated when first used (a device group's), else now.
     """
     params: list[nn.Parameter] = []
     index_of: dict[int, int] = {}
@@ -136,14 +153,18 @@ def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None) ->
             flat[offset : offset + p.numel()].view(p.shape).copy_(p.detach())
 
     if registry is None:
-        master, grad = torch.empty(total, dtype=torch.float32), torch.empty(total, dtype=torch.float32)
+        master = torch.empty(total, dtype=torch.float32)
         copy_params(master)
     else:
         master = registry.empty(total, torch.float32, init=copy_params)
-        grad = registry.empty(total, torch.float32)
+
+    def new_grad() -> Tensor:
+        return torch.empty(total, dtype=torch.float32) if registry is None else registry.empty(total, torch.float32)
+
     for p, view in zip(params, [master[o : o + p.numel()].view(p.shape) for p, o in zip(params, offsets)]):
         p.data = view  # the original storage is freed here unless the user holds another reference
-    return FlatGroup(params=params, offsets=offsets, master=master, grad=grad, slot_index=slot_index)
+    return FlatGroup(params=params, offsets=offsets, master=master, new_grad=new_grad, slot_index=slot_index,
+                     _grad=None if lazy_grad else new_grad())
 
 
 def meminfo_bytes(field: str) -> int | None:

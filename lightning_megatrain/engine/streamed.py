@@ -259,7 +259,12 @@ class StreamedLayerFunction(torch.autograd.Function):
             outs, inputs_needing_grad, weights = _recompute(ctx, owner, index)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
         wrt = [x for _, x in inputs_needing_grad] + [w for w in weights if w.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs], allow_unused=True)
+        # Bound as in forward: where dynamo could not trace a compiled layer whole (MoE routing), its selective
+        # checkpoint runs eagerly and re-runs the layer's own code here, inside backward.
+        with bind(owner.bindings(index, weights)):
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs], allow_unused=True
+            )
         input_grads = grads[: len(inputs_needing_grad)]
         weight_grads = iter(grads[len(inputs_needing_grad) :])
         owner.transfer.drain(index, [next(weight_grads) if w.requires_grad else None for w in weights])

@@ -33,6 +33,27 @@ def test_accumulate_copy_then_add_and_none_untouched():
     assert group.grads_are_views()
 
 
+def test_lazy_grad_buffer_is_allocated_by_the_first_gradient():
+    # a device group's host grads (engine/device_state.py): no memory until code reads its grads
+    module = nn.ParameterList(nn.Parameter(torch.randn(s)) for s in (6, 3))
+    group = pack_group(tensor_slots(module), lazy_grad=True)
+    assert group._grad is None and group.grad_norm_sq() == 0 and group._grad is None  # no grads: nothing read
+    group.accumulate([torch.ones(6), None])
+    assert group._grad is not None and group._grad.numel() == 9
+    assert torch.equal(group.params[0].grad, torch.ones(6)) and group.params[1].grad is None
+    assert group.params[0].grad.data_ptr() == group.grad.data_ptr()
+
+
+def test_device_norm_stands_for_grads_the_host_does_not_hold():
+    # a device group whose grads stay on the device: clipping reads the norm measured there
+    module = nn.ParameterList(nn.Parameter(torch.randn(s)) for s in (6, 3))
+    group = pack_group(tensor_slots(module), lazy_grad=True)
+    group.device_norm_sq = torch.tensor(7.0)
+    assert group.grad_norm_sq() == 7.0 and group._grad is None
+    group.accumulate([torch.ones(6), None])  # a host add after the device measured: the host pass counts
+    assert torch.isclose(group.grad_norm_sq(), torch.tensor(6.0))
+
+
 @pytest.mark.parametrize("shapes", [[(3, 4), (5,)], [(40, 40), (1000,)]])  # below and above the 1024-row split
 def test_norm_and_scale_match_torch(shapes):
     group, _ = _group(*shapes)
