@@ -195,10 +195,14 @@ def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct
                 deepspeed.zero.register_external_parameter(self, model.get_output_embeddings().weight)
             self.build_s = time.perf_counter() - t0
 
-        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:  # batch: [B, T] token ids
+        def on_before_batch_transfer(self, batch: torch.Tensor, dataloader_idx: int) -> dict:  # [B, T] token ids
+            # as a dict batch: CausalLMModule's hook adds the chunked loss's target rows on the host (no device sync)
+            return super().on_before_batch_transfer({"input_ids": batch}, dataloader_idx)
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
             if loss == "hf":
-                return self.model(input_ids=batch, labels=batch).loss
-            return self._loss({"input_ids": batch})[0]
+                return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            return self._loss(batch)[0]
 
         def configure_optimizers(self):
             kwargs = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)

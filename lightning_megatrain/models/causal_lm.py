@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss
+from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
 
 # Config attributes of heads that rescale logits beyond soft-capping; the chunked loss does
 # not reproduce them, so such models are refused instead of being trained on a wrong loss.
@@ -33,6 +33,19 @@ def warmup_cosine_factor(
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+TARGET_ROWS = "target_rows"  # batch key of the loss's host-computed target positions ([N], see loss.target_rows)
+
+
+def _labels(batch: dict[str, Tensor]) -> Tensor:
+    """``[B, T]`` labels: the batch's own, or ``input_ids`` with padding set to ``IGNORE_INDEX``."""
+    labels = batch.get("labels")
+    if labels is not None:
+        return labels
+    attention_mask = batch.get("attention_mask")
+    input_ids = batch["input_ids"]
+    return input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
 
 
 class CausalLMModule(LightningModule):
@@ -183,21 +196,17 @@ class CausalLMModule(LightningModule):
 
     def _loss(
         self, batch: dict[str, Tensor], reduction: Literal["mean", "none"] = "mean"
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | int]:
         """Next-token loss of a batch and its number of target tokens.
 
-        ``"mean"``: the mean loss ``[]`` and the token count ``[]``; ``"none"`` (no gradients):
+        ``"mean"``: the mean loss ``[]`` and the token count (``[]``, or an ``int`` from the batch's
+        host-computed ``target_rows``); ``"none"`` (no gradients):
         the per-token losses ``[B, T]`` (see ``causal_lm_loss``) and the counts per row ``[B]``.
         """
         input_ids = batch["input_ids"]  # [B, T]
         attention_mask = batch.get("attention_mask")  # [B, T] or None
-        labels = batch.get("labels")  # [B, T] or None
-        if labels is None:
-            labels = (
-                input_ids
-                if attention_mask is None
-                else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-            )  # [B, T]
+        labels = _labels(batch)  # [B, T]
+        rows = batch.get(TARGET_ROWS)  # [N] from on_before_batch_transfer, or None
         hidden = self._decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -211,9 +220,19 @@ class CausalLMModule(LightningModule):
             chunk_size=self.hparams.loss_chunk_size,
             softcap=getattr(self.model.config.get_text_config(), "final_logit_softcapping", None),
             reduction=reduction,
+            rows=rows,
         )  # [] or [B, T]
         targets = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
-        return loss, targets.sum(1) if reduction == "none" else targets.sum()  # [B] or []
+        if reduction == "none":
+            return loss, targets.sum(1)  # [B]
+        return loss, targets.sum() if rows is None else rows.numel()  # [] (an int when counted on the host)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Adds the loss's target positions (``target_rows``), computed on the host: on a GPU the loss then
+        selects them without a device sync, and the token count is known without one."""
+        if isinstance(batch, dict) and "input_ids" in batch and TARGET_ROWS not in batch:
+            batch = {**batch, TARGET_ROWS: target_rows(_labels(batch))}
+        return batch
 
     def forward(
         self,

@@ -41,6 +41,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         hidden: Tensor,  # [B, T, H]
         weight: Tensor,  # [V, H]
         shifted_labels: Tensor,  # [B, T] target of position t is the label of t + 1
+        rows: Tensor,  # [N] flat positions (into B*T) with a target
         chunk_size: int,
         softcap: float | None,
         ignore_index: int,
@@ -53,8 +54,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hidden_flat = hidden.reshape(batch * seq, dim)  # [B*T, H]
             targets_flat = shifted_labels.reshape(batch * seq)  # [B*T]
-            rows = (targets_flat != ignore_index).nonzero().squeeze(1)  # [N] rows with a target
-            n_targets = rows.numel()
+            n_targets = rows.numel()  # from the shape: no device sync
             w = weight.to(compute_dtype)  # [V, H]
             acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # fp32 unless fp64 inputs
 
@@ -127,7 +127,21 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)  # [B, T, H]
         if grad_weight is not None:
             grad_weight = grad_weight * grad_output.to(grad_weight.dtype)  # [V, H]
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+
+
+def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``[B, T]`` targets per position: column ``t`` holds ``labels[:, t + 1]``, the last column ``ignore_index``."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1).long()
+
+
+def target_rows(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``[N]`` positions of the flattened ``[B * T]`` batch that have a target (see :func:`causal_lm_loss`).
+
+    Their number sets the loss's chunk loop, so on a GPU it costs a device sync (``nonzero``); computed on the host
+    from the batch before it moves to the device (``CausalLMModule.on_before_batch_transfer``), it costs none.
+    """
+    return (shift_labels(labels, ignore_index).reshape(-1) != ignore_index).nonzero().squeeze(1)
 
 
 def causal_lm_loss(
@@ -139,6 +153,7 @@ def causal_lm_loss(
     softcap: float | None = None,
     ignore_index: int = IGNORE_INDEX,
     reduction: Literal["mean", "none"] = "mean",
+    rows: Tensor | None = None,
 ) -> Tensor:
     """Mean next-token cross-entropy of an LM head without materialising ``[B, T, V]`` logits.
 
@@ -168,6 +183,8 @@ def causal_lm_loss(
         ignore_index: Label value that contributes no loss.
         reduction: ``"mean"`` (differentiable 0-dim mean) or ``"none"`` (per-token ``[B, T]``,
             no gradients).
+        rows: :func:`target_rows` of ``labels``, computed ahead (on the host, so that the loss
+            needs no device sync); ``None`` computes them here.
 
     Returns:
         A 0-dim fp32 tensor (fp64 for fp64 inputs); ``[B, T]`` with ``reduction="none"``.
@@ -202,13 +219,14 @@ def causal_lm_loss(
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    shifted_labels = torch.cat(
-        [labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1
-    ).long()  # [B, T]
+    shifted_labels = shift_labels(labels, ignore_index)  # [B, T]
+    if rows is None:
+        rows = target_rows(labels, ignore_index)  # [N]; syncs a GPU
     loss = _ChunkedCausalLMLoss.apply(
         hidden,
         weight,
         shifted_labels,
+        rows.to(hidden.device, non_blocking=True),
         chunk_size,
         softcap,
         ignore_index,

@@ -276,3 +276,24 @@ def test_from_pretrained_directory(tiny_archs, tmp_path):
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CausalLMModule(**kwargs)
+
+
+def test_host_computed_target_rows_give_the_same_loss_grads_and_count(tiny_archs):
+    # on_before_batch_transfer adds the loss's target positions while the batch is on the host, so on a GPU neither
+    # the loss's row selection nor the token count syncs the device; the numbers are those of the in-loss selection
+    config, attn = tiny_archs["llama"]
+    module = build(config, attn, loss_chunk_size=5)
+    input_ids, labels = random_batch()
+    batch = {"input_ids": input_ids, "labels": labels}
+    moved = module.on_before_batch_transfer(batch, 0)
+    rows = moved["target_rows"]
+    flat_targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1).flatten()  # [B*T] shifted
+    assert rows.tolist() == (flat_targets != -100).nonzero().flatten().tolist()
+    assert "target_rows" not in batch  # the caller's dict is not changed
+
+    loss, count = module._loss(moved)
+    ref, ref_count = module._loss(batch)
+    assert isinstance(count, int) and count == int(ref_count) == int((labels[:, 1:] != -100).sum())
+    assert torch.equal(loss, ref)
+    assert all(torch.equal(a, b) for a, b in zip(param_grads(module, loss).values(), param_grads(module, ref).values()))
+    assert module.on_before_batch_transfer(input_ids, 0) is input_ids  # other batch types pass through
