@@ -30,7 +30,9 @@ the backward's fused kernels (pointwise work on tensors it reads anyway). A kept
 bytes (the CPU test measures 46.1K -> 31.8K bf16 values per token at the 3B shape's ratios, 11,536 -> 7,948 at a
 quarter of its width), so the auto policy keeps more layers and recomputes fewer; the results are bitwise those of
 the plain compiled layer. A recomputed layer's backward runs the same graph, so calibration measures what a kept
-one holds.
+one holds. Where dynamo cannot trace the layer whole (Mixtral's routing on the GPU), the checkpoint runs eagerly:
+it saves the same outputs and re-runs the layer's own code inside backward, which therefore binds the layer's
+weights again around ``autograd.grad``.
 """
 
 from __future__ import annotations
