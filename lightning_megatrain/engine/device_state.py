@@ -7,8 +7,8 @@ master and moments): 0.73 s for 3.2B parameters on the lent H200's 16 cores, lon
 traffic (benchmarks/results/2026-11-29-llama-3.2-3b-h200.json). A *device group* trades GPU memory for that host
 work: the first groups the forward reads (the residents, then layers 0, 1, ...) keep a device mirror of their fp32
 master, their fp32 grad and both Adam moments, and take their optimizer step on the GPU with torch's fused AdamW
-kernel (the same update the host fused path runs, to fp32 rounding). Their weights cross PCIe only as grads (for
-the host grads) and as the updated master written back.
+kernel (the same update the host fused path runs, to fp32 rounding). Their weights cross PCIe only as grads (when
+code reads the host grads) and as the updated master written back (when the host reads parameters).
 
 The host master stays the parameter (DESIGN principle 1), brought up to date where the host reads it: every
 reader of host parameters between steps already waits for the optimizer (``wait_for_optimizer``: checkpoints,
