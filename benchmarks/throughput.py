@@ -16,6 +16,8 @@ host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss,
   peak_host_gib  peak RSS of the run's subprocess (resource.getrusage ru_maxrss): includes pinned memory and the
                process baseline (host_baseline_gib), so host_bytes_per_param is an upper bound.
   host_steady_gib  RSS after the last measured step (VmRSS), past one-off peaks of the first steps.
+  host_steady_by_kind_gib  megatrain (since session 11): the same RSS by kind, MegaTrainStrategy.host_memory():
+               masters, grads, grad_slabs, offload_cache, optimizer_states, rss, other.
   breakdown    medians per optimizer step, summed over its micro-batches, with torch.cuda.synchronize at each mark:
                forward, backward, grad_finalize (backward end -> on_before_optimizer_step; with sync marks only,
                since session 10: without them the hook is left out and that time counts in clip_and_optimizer),
@@ -347,6 +349,8 @@ def make_recorder(profile_step: int | None, sync: bool):
             step["step_s"] = step["end"] - step["start"]
             step["other_s"] = step["step_s"] - sum(step[k] for k in PHASES[:-1])
             step["rss_gib"] = host_rss_gib()  # pinned memory included
+            if hasattr(trainer.strategy, "host_memory"):  # megatrain: the same RSS by kind (sizes only, no sync)
+                step["host_gib"] = {k: v / GIB for k, v in trainer.strategy.host_memory().items()}
             streamed = getattr(getattr(trainer.strategy, "engine", None), "streamed", None)
             if streamed is not None:  # megatrain: layers whose graph this step's last micro-batch kept
                 step["kept_layers"] = len(streamed.kept)
@@ -447,6 +451,7 @@ def train(spec: dict) -> dict:
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
         "host_steady_gib": measured[-1]["rss_gib"],
         "host_steady_bytes_per_param": measured[-1]["rss_gib"] * GIB / params,
+        "host_steady_by_kind_gib": measured[-1].get("host_gib"),
         "host_baseline_gib": baseline / GIB, "host_bytes_per_param_above_baseline": (peak_host - baseline) / params,
         "clip": clip, "optimizer": optimizer, "optimizer_class": type(trainer.optimizers[0]).__name__,
         "activation_checkpointing": act_ckpt, "precision": "bf16-mixed", "warmup_steps": spec["warmup"],

@@ -1,13 +1,22 @@
 """lightning_megatrain: train causal LMs larger than GPU memory on one GPU with ``Trainer(strategy="megatrain")``.
 
 Importing the package registers ``"megatrain"`` in Lightning's strategy registry (Lightning has no entry-point
-discovery for strategies).
+discovery for strategies), and shows the package's INFO messages (layout, kept layers, host memory) the way
+Lightning shows its own: on stderr unless the application configured logging itself.
 """
+
+import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_megatrain.precision import MegaTrainPrecision
 from lightning_megatrain.strategy import MegaTrainStrategy
+
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():  # as lightning.pytorch does for its logger
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 if MegaTrainStrategy.strategy_name not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)

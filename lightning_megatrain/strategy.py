@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 from collections.abc import Generator, Mapping
 from typing import Any
@@ -19,10 +20,14 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_megatrain.callbacks import host_rss_gib
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.engine.recompute import KeepLayers
 from lightning_megatrain.optim.host_optimizer import CPU_ADAM_MODES, CpuAdamMode, rebind_scheduler, to_host_optimizer
 from lightning_megatrain.precision import MegaTrainPrecision
+
+log = logging.getLogger(__name__)
+_GIB = 2**30
 
 
 class MegaTrainStrategy(SingleDeviceStrategy):
@@ -43,13 +48,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
       optimizer run on the host fp32 masters (with ``overlap_optimizer=True`` layer by layer on a worker thread,
       while the next step's forward waits for each layer's update before uploading it); the groups
-      ``gpu_optimizer_groups`` names step on the GPU instead and write their masters back.
+      ``gpu_optimizer_groups`` names step on the GPU instead (their masters reach the host when it reads them).
 
     GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
     inputs (the others wait in pinned host memory), independent of depth, plus the full activations and a weight
     copy (none for ``gpu_optimizer_groups`` layers) of each layer ``keep_layers`` keeps (by default as many as fit
     in 90% of the GPU). Host memory is 16 bytes per parameter with Adam (master, grad, two moments), page-locked at
-    its exact size.
+    its exact size; :meth:`host_memory` reports it by kind, and it is logged at train end.
 
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with
@@ -79,9 +84,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             embeddings, final norm, head; then decoder layers 0, 1, ...), also keep their fp32 master, fp32 grad and
             Adam moments on the GPU and take their optimizer step there (torch's fused AdamW kernel): no host Adam
             and no weight upload for them. Costs 18 bytes of GPU memory per layer parameter (16 per resident one),
-            taken from the activations ``keep_layers="auto"`` keeps, and saves 8 bytes/param of host RAM. Pays when
-            the host Adam step outlasts a forward (``megatrain plan`` says so); the host masters stay the parameters
-            and checkpoints are unchanged. Needs a CUDA device and Adam/AdamW, norm clipping or none. Default 0.
+            taken from the activations ``keep_layers="auto"`` keeps, and saves 8 bytes/param of host RAM (12 when no
+            hook reads their grads, which then stay on the GPU). Pays when the host Adam step outlasts a forward
+            (``megatrain plan`` says so); the host masters stay the parameters (written back when the host reads
+            them: checkpoints, validation, epoch and train end) and checkpoints are unchanged. Needs a CUDA device and Adam/AdamW, norm clipping or none. Default 0.
         compile_layers: run every decoder layer through ``torch.compile`` (inductor): the elementwise work between
             the matmuls fuses into few kernels. One graph per layer class and grad mode, compiled during the first
             step (tens of seconds for a large layer on a GPU); dropout masks are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
@@ -332,6 +338,40 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     def _step_context(self) -> contextlib.AbstractContextManager:
         return self.engine.step_context() if self.engine is not None else contextlib.nullcontext()
+
+    def host_memory(self) -> dict[str, int]:
+        """Host memory by kind, in bytes: the engine's (fp32 masters, fp32 grads, gradient slabs, the pinned cache of
+        offloaded layer inputs), the optimizers' states in host memory, the process's resident set (``rss``) and the
+        part of it none of those explain (``other``: Python, libraries, the CUDA context, allocator slack)."""
+        sizes = self.engine.host_bytes() if self.engine is not None else {}
+        states = {
+            t.data_ptr(): t.nbytes
+            for optimizer in self.optimizers
+            for state in optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        }
+        sizes["optimizer_states"] = sum(states.values())
+        rss = host_rss_gib()
+        if rss is not None:
+            sizes["rss"] = int(rss * _GIB)
+            sizes["other"] = sizes["rss"] - sum(v for k, v in sizes.items() if k != "rss")
+        return sizes
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._wait_for_optimizer()
+        sizes = self.host_memory()
+        n_params = sum(p.numel() for p in self.lightning_module.parameters())
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / _GIB:.1f}" for k, v in sizes.items() if k != "rss")
+        total = sizes.get("rss", sum(sizes.values()))
+        log.info(
+            "MegaTrain: host memory at train end %.1f GiB (%.1f bytes/param): %s GiB",
+            total / _GIB,
+            total / max(n_params, 1),
+            parts,
+        )
 
     @override
     def teardown(self) -> None:

@@ -77,6 +77,10 @@ def test_cuda_late_grads_parity(groups):
             on_device = {id(p) for d in engine.device_groups for p in d.group.params}
             self.grads_landed = all((p.grad is None) == (id(p) in on_device) for p in pl_module.parameters())
             self.no_host_grads = all(d.group._grad is None for d in engine.device_groups)  # never allocated
+            # the host memory report counts exactly the host groups' grads, and the pinned slabs
+            sizes = trainer.strategy.host_memory()
+            host_params = sum(p.numel() for p in pl_module.parameters() if id(p) not in on_device)
+            self.grads_reported = sizes["grads"] == 4 * host_params and sizes["grad_slabs"] > 0
             self.mirrors_equal = all(torch.equal(d.master.cpu(), d.group.master) for d in engine.device_groups)
 
     check = Check()
@@ -86,7 +90,7 @@ def test_cuda_late_grads_parity(groups):
     assert spy.call_count == 3  # every step took the late path
     assert all(call.args[3] is not None for call in spy.call_args_list)  # with the device clip factor
     assert_records_close(got, ref, rtol=1e-4)
-    assert check.grads_landed and check.mirrors_equal and check.no_host_grads
+    assert check.grads_landed and check.mirrors_equal and check.no_host_grads and check.grads_reported
 
 
 def test_cuda_masters_pinned_on_host():

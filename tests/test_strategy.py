@@ -417,3 +417,23 @@ def test_grads_read_by_hooks_sees_modules_and_callbacks():
     assert not grads_read_by_hooks(attached(ParityLM("llama_tied"), [Quiet()]))
     assert grads_read_by_hooks(attached(ParityLM("llama_tied"), [Quiet(), Reads()]))
     assert grads_read_by_hooks(attached(ClipsItself("llama_tied"), []))
+
+
+def test_host_memory_is_reported_by_kind_at_train_end(caplog):
+    # masters and grads are 4 bytes per parameter each, AdamW's two moments 8 (plus one step scalar per tensor); the
+    # resident set holds them all, and the rest is reported as "other"
+    class Check(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.sizes = trainer.strategy.host_memory()
+            self.n_params = sum(p.numel() for p in pl_module.parameters())
+            self.n_tensors = sum(1 for _ in pl_module.parameters())
+
+    check = Check()
+    with caplog.at_level("INFO", logger="lightning_megatrain"):
+        run(MegaTrainStrategy(cpu_adam="torch"), "llama_tied", steps=2, callbacks=[check])
+    sizes, n = check.sizes, check.n_params
+    assert sizes["masters"] == 4 * n and sizes["grads"] == 4 * n
+    assert sizes["optimizer_states"] == 8 * n + 4 * check.n_tensors
+    assert sizes["other"] == sizes["rss"] - (sizes["masters"] + sizes["grads"] + sizes["optimizer_states"]) > 0
+    assert any("host memory at train end" in r.getMessage() and "optimizer states" in r.getMessage()
+               for r in caplog.records)

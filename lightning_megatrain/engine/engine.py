@@ -452,6 +452,20 @@ class MegaTrainEngine:
         if self.residents is not None:
             self.residents.invalidate()
 
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory the engine holds, by kind: the fp32 masters, the fp32 grad buffers allocated so far, the
+        drain's pinned slabs and, on CUDA, the pinned blocks torch's caching host allocator holds (offloaded layer
+        inputs, rounded up to powers of two). Sizes only: no sync, callable any time after :meth:`setup`."""
+        groups = self.groups + ([self.resident_group] if self.resident_group is not None else [])
+        sizes = {
+            "masters": sum(g.master.nbytes for g in groups),
+            "grads": sum(g.grad_nbytes for g in groups),
+        }
+        if isinstance(self.transfer, CudaTransfer):
+            sizes["grad_slabs"] = self.transfer.slab_nbytes
+            sizes["offload_cache"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+        return sizes
+
     def teardown(self) -> None:
         self.wait_for_optimizer()
         if self.streamed is not None:

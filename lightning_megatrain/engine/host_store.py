@@ -46,6 +46,11 @@ class FlatGroup:
     def numel(self) -> int:
         return self.master.numel()
 
+    @property
+    def grad_nbytes(self) -> int:
+        """Host bytes of the grad buffer, 0 while it is not allocated."""
+        return 0 if self._grad is None else self._grad.nbytes
+
     def views(self, flat: Tensor) -> list[Tensor]:
         """Split a 1D buffer with this group's layout into per-parameter tensors shaped like the parameters."""
         return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]

@@ -191,6 +191,7 @@ class CudaTransfer:
         self._free_slabs: queue.Queue[Tensor] = queue.Queue()
         for _ in range(3):
             self._free_slabs.put(registry.empty(max_numel, compute_dtype))
+        self.slab_nbytes = 3 * max_numel * compute_dtype.itemsize  # pinned host bytes of the slabs
         self._pending: queue.Queue[_Drain | None] = queue.Queue()
         self._in_flight: dict[int, int] = {}  # layer index -> drains queued and not yet accumulated
         self._host_added = False  # a drain since take_host_added() left its host grads to a host add
