@@ -87,10 +87,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             taken from the activations ``keep_layers="auto"`` keeps, and saves 8 bytes/param of host RAM (12 when no
             hook reads their grads, which then stay on the GPU). Pays when the host Adam step outlasts a forward
             (``megatrain plan`` says so); the host masters stay the parameters (written back when the host reads
-            them: checkpoints, validation, epoch and train end) and checkpoints are unchanged. Needs a CUDA device and Adam/AdamW, norm clipping or none. Default 0.
+            them: checkpoints, validation, epoch and train end) and checkpoints are unchanged. Needs a CUDA device
+            and Adam/AdamW, norm clipping or none. Default 0.
         compile_layers: run every decoder layer through ``torch.compile`` (inductor): the elementwise work between
-            the matmuls fuses into few kernels. One graph per layer class and grad mode, compiled during the first
-            step (tens of seconds for a large layer on a GPU); dropout masks are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
+            the matmuls fuses into few kernels, and a layer keeps only its matmul and attention outputs for backward
+            (31% fewer bytes for Llama, so ``keep_layers="auto"`` keeps more layers). One graph per layer class and
+            grad mode, compiled during the first step (tens of seconds for a large layer on a GPU); dropout masks
+            are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
             Triton on CUDA), checked at setup. Default False.
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
             with ``overlap_optimizer=True`` always torch fused AdamW, which releases the GIL while the forward thread
