@@ -286,30 +286,33 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._wait_for_optimizer()
+        self.wait_for_optimizer()
         return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        self._wait_for_optimizer()
+        self.wait_for_optimizer()
         # gpu_optimizer_groups keep some states on the GPU: checkpoints hold CPU tensors, as without them
         return apply_to_collection(super().optimizer_state(optimizer), torch.Tensor, lambda t: t.cpu())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._wait_for_optimizer()
+        self.wait_for_optimizer()
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.engine is not None:
             self.engine.reload_masters()
 
-    def _wait_for_optimizer(self) -> None:
+    def wait_for_optimizer(self) -> None:
+        """Block until the host parameters and optimizer states hold the last optimizer step: the overlapped host
+        step finished and ``gpu_optimizer_groups`` written back. Lightning's own readers (checkpoints, validation,
+        epoch and train end) already wait; call it before reading parameters in, e.g., ``on_train_batch_end``."""
         if self.engine is not None:
             self.engine.wait_for_optimizer()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The base class would move the states to root_device; they belong with the host masters.
-        self._wait_for_optimizer()
+        self.wait_for_optimizer()
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
 
@@ -364,7 +367,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        self._wait_for_optimizer()
+        self.wait_for_optimizer()
         sizes = self.host_memory()
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
         parts = ", ".join(f"{k.replace('_', ' ')} {v / _GIB:.1f}" for k, v in sizes.items() if k != "rss")
@@ -393,7 +396,7 @@ class _OptimizerBarrier(pl.Callback):
     """Waits for an overlapped optimizer step before other callbacks' and the module's hooks read parameters."""
 
     def _wait(self, trainer: pl.Trainer, *_: Any) -> None:
-        trainer.strategy._wait_for_optimizer()
+        trainer.strategy.wait_for_optimizer()
 
     on_train_epoch_end = on_train_end = on_validation_start = on_exception = _wait
 

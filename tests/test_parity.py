@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch
 from families import FAMILIES
+from lightning.pytorch import Callback
 from parity import ExpertUsage, ParityLM, Record, assert_records_close, make_data, run
 
 import lightning_megatrain  # noqa: F401  (registers the "megatrain" strategy)
@@ -136,6 +137,27 @@ def test_overlapped_optimizer_step_parity(family, accumulate, clip, scheduler):
     strategy = MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True)
     rec = run(strategy, family, accumulate=accumulate, clip=clip, scheduler=scheduler)
     assert_records_close(rec, ref)
+
+
+# A callback that reads parameters between steps (an EMA, say) calls strategy.wait_for_optimizer() first: it then
+# sees every step's update in full, as under plain Lightning, although the update runs on the overlap worker.
+def test_wait_for_optimizer_gives_callbacks_each_steps_parameters():
+    class Snapshots(Callback):
+        def __init__(self):
+            self.params = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if hasattr(trainer.strategy, "wait_for_optimizer"):
+                trainer.strategy.wait_for_optimizer()
+            self.params.append([p.detach().clone() for p in pl_module.parameters()])
+
+    got, ref = Snapshots(), Snapshots()
+    run(MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True), "llama_tied", callbacks=[got])
+    run("auto", "llama_tied", callbacks=[ref])
+    assert len(got.params) == len(ref.params) == 3
+    for step_got, step_ref in zip(got.params, ref.params):
+        for a, b in zip(step_got, step_ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_overlap_with_sgd_warns_and_steps_synchronously():
