@@ -93,6 +93,28 @@ def test_cuda_late_grads_parity(groups):
     assert check.grads_landed and check.mirrors_equal and check.no_host_grads and check.grads_reported
 
 
+# Device groups without the overlap and with nothing reading p.grad (no on_before_optimizer_step): their grads are
+# summed on the GPU over 2 micro-batches and never copied to the host, the synchronous clip path reads their device
+# norms, and their masters reach the host at the train-end barrier (engine/device_state.py).
+def test_cuda_device_groups_keep_unread_grads_without_overlap():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref, _ = _fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False)
+
+    class Check(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            engine = trainer.strategy.engine
+            on_device = {id(p) for d in engine.device_groups for p in d.group.params}
+            self.grads_stayed = all((p.grad is None) == (id(p) in on_device) for p in pl_module.parameters())
+            self.mirrors_equal = all(torch.equal(d.master.cpu(), d.group.master) for d in engine.device_groups)
+
+    check = Check()
+    strategy = MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=3)
+    got, _ = _fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False,
+                       callbacks=[check])
+    assert_records_close(got, ref, rtol=1e-4)
+    assert check.grads_stayed and check.mirrors_equal
+
+
 def test_cuda_masters_pinned_on_host():
     class Check(L.Callback):
         def on_train_start(self, trainer, pl_module):
