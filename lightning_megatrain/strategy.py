@@ -367,8 +367,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        self.wait_for_optimizer()
-        sizes = self.host_memory()
+        sizes = self.host_memory()  # sizes only; the barrier's on_train_end already waited for the optimizer
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
         parts = ", ".join(f"{k.replace('_', ' ')} {v / _GIB:.1f}" for k, v in sizes.items() if k != "rss")
         total = sizes.get("rss", sum(sizes.values()))

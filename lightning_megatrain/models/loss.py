@@ -141,7 +141,11 @@ def target_rows(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     Their number sets the loss's chunk loop, so on a GPU it costs a device sync (``nonzero``); computed on the host
     from the batch before it moves to the device (``CausalLMModule.on_before_batch_transfer``), it costs none.
     """
-    return (shift_labels(labels, ignore_index).reshape(-1) != ignore_index).nonzero().squeeze(1)
+    return _rows_with_target(shift_labels(labels, ignore_index), ignore_index)
+
+
+def _rows_with_target(shifted_labels: Tensor, ignore_index: int) -> Tensor:
+    return (shifted_labels.reshape(-1) != ignore_index).nonzero().squeeze(1)  # [N]
 
 
 def causal_lm_loss(
@@ -221,7 +225,7 @@ def causal_lm_loss(
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     shifted_labels = shift_labels(labels, ignore_index)  # [B, T]
     if rows is None:
-        rows = target_rows(labels, ignore_index)  # [N]; syncs a GPU
+        rows = _rows_with_target(shifted_labels, ignore_index)  # [N]; syncs a GPU
     loss = _ChunkedCausalLMLoss.apply(
         hidden,
         weight,
