@@ -40,7 +40,9 @@ memory on the D2H stream after an event on the compute stream; ``x.record_stream
 allocator from reusing x's memory before that copy has run. In backward, ``prefetch_stash`` (layer i-1 while
 layer i recomputes) copies it back on the H2D stream into memory allocated on the compute stream; the H2D stream
 first waits for the compute stream (the new block may still be read by queued compute kernels of its previous
-tenant) and for the offload's event; ``unstash`` makes the compute stream wait for the restore.
+tenant) and for the offload's event; ``unstash`` makes the compute stream wait for the restore. The last layer's
+input is not offloaded: its backward comes first, right after the loss, so nothing would hide its restore (an H2D of
+B x T x H on the compute stream's critical path), and it costs the GPU one more layer input.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class HostTransfer:
         """Whether :meth:`acquire`'s weights stay unchanged until the optimizer step: never assumed on the host."""
         return False
 
-    def stash(self, x: Tensor) -> Tensor:
+    def stash(self, x: Tensor, offload: bool = True) -> Tensor:
         """Keep a saved layer input as is: host memory is where it lives anyway."""
         return x
 
@@ -147,10 +149,10 @@ class _Drain:
 class _Stashed:
     """A saved layer input offloaded to pinned host memory (see [Note: activation offload])."""
 
-    host: Tensor  # pinned host copy, same shape and dtype as the device input
+    host: Tensor | None  # pinned host copy, same shape and dtype as the device input; None when not offloaded
     # - CUDA events for stream synchronization
-    offloaded: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
-    device: Tensor | None = None  # device copy once restored
+    offloaded: torch.cuda.Event | None  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
+    device: Tensor | None = None  # device copy once restored (the input itself when not offloaded)
     restored: torch.cuda.Event | None = None  # recorded by the H2D stream after restore; waited on by compute
 
 
@@ -261,8 +263,11 @@ class CudaTransfer:
                 slot.layer = None
 
     # ------------------------------------------------------------------------------------------ activation offload
-    def stash(self, x: Tensor) -> _Stashed:
-        """Offload a saved layer input to pinned host memory (see [Note: activation offload])."""
+    def stash(self, x: Tensor, offload: bool = True) -> _Stashed:
+        """Offload a saved layer input to pinned host memory (see [Note: activation offload]); with ``offload=False``
+        keep it on the device (the last layer's: backward restores it first, with nothing to overlap the copy)."""
+        if not offload:
+            return _Stashed(None, None, device=x)
         compute = torch.cuda.current_stream(self.device)
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # the caching host allocator reuses blocks
         produced = torch.cuda.Event()
@@ -279,6 +284,7 @@ class CudaTransfer:
         """Start copying an offloaded input back to the device (no-op if already there)."""
         if stashed is None or stashed.device is not None:
             return
+        assert stashed.host is not None and stashed.offloaded is not None
         compute = torch.cuda.current_stream(self.device)
         stashed.device = torch.empty(stashed.host.shape, dtype=stashed.host.dtype, device=self.device)
         allocated = torch.cuda.Event()
@@ -305,8 +311,9 @@ class CudaTransfer:
     def unstash(self, stashed: _Stashed) -> Tensor:
         """The offloaded input on the device, ready for the compute stream."""
         self.prefetch_stash(stashed)
-        assert stashed.device is not None and stashed.restored is not None
-        torch.cuda.current_stream(self.device).wait_event(stashed.restored)
+        assert stashed.device is not None
+        if stashed.restored is not None:
+            torch.cuda.current_stream(self.device).wait_event(stashed.restored)
         device, stashed.device = stashed.device, None  # the caller owns it now; the handle keeps no device memory
         return device
 
