@@ -19,6 +19,8 @@ and with ``x = h @ W^T``: ``dL/dh = dL/dx @ W`` and ``dL/dW = dL/dx^T @ h``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -26,6 +28,44 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 IGNORE_INDEX = -100
+
+
+def _nll_and_grad(
+    logits: Tensor,  # [C, V] compute dtype
+    target: Tensor,  # [C]
+    scale: Tensor,  # [] 1 / N for the mean, acc dtype
+    softcap: float | None,
+    acc_dtype: torch.dtype,
+    need_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One chunk's token NLLs ``[C]`` (acc dtype) and, with ``need_grad``, ``dL/dz`` ``[C, V]`` in the logits' dtype.
+
+    The math is in ``acc_dtype`` (fp32). Written in place so that eager (CPU) holds one ``[C, V]`` acc buffer; on
+    CUDA it runs compiled (:func:`_nll_and_grad_fused`): inductor reads the logits once for the logsumexp and once
+    more for the gradient, which it writes in the logits' dtype, instead of the ~10 passes of eager kernels over
+    ``[C, V]`` fp32 buffers (with 128K vocabularies the largest elementwise cost of a step).
+    """
+    z = logits.to(acc_dtype, copy=True)  # [C, V] a private buffer: the in-place ops below never write ``logits``
+    if softcap is not None:
+        tanh = z.div_(softcap).tanh_()  # [C, V] tanh(x / s)
+        z = tanh * softcap  # [C, V] capped logits
+    lse = torch.logsumexp(z, dim=-1)  # [C]
+    nll = lse - z.gather(1, target.unsqueeze(1)).squeeze(1)  # [C]
+    if not need_grad:
+        return nll, None
+    # dL/dz = softmax(z) - onehot(y), scaled by 1/N for the mean; the one-hot as a comparison, so it fuses
+    onehot = torch.arange(z.shape[1], device=z.device).unsqueeze(0) == target.unsqueeze(1)  # [C, V]
+    grad = z.sub_(lse.unsqueeze(1)).exp_().sub_(onehot.to(acc_dtype)).mul_(scale)  # [C, V]
+    if softcap is not None:
+        grad.mul_(tanh.square_().neg_().add_(1.0))  # [C, V] * (1 - tanh^2)
+    return nll, grad.to(logits.dtype)
+
+
+@functools.cache
+def _nll_and_grad_fused() -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """:func:`_nll_and_grad` compiled (on first use: importing dynamo costs seconds); one graph per (softcap, dtypes,
+    need_grad), with symbolic shapes (the last chunk is shorter)."""
+    return torch.compile(_nll_and_grad, dynamic=True)
 
 
 class _ChunkedCausalLMLoss(torch.autograd.Function):
@@ -74,31 +114,20 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
             )  # [V, H] accumulator
             inv_n = 1.0 / max(n_targets, 1)
 
+            need_grad = grad_hidden_flat is not None or grad_weight is not None
+            scale = torch.full((), inv_n, dtype=acc_dtype, device=hidden.device)  # [] a kernel argument, no copy
+            nll_and_grad = _nll_and_grad_fused() if hidden.device.type == "cuda" else _nll_and_grad
             for start in range(0, n_targets, chunk_size):
                 idx = rows[start : start + chunk_size]  # [C]
                 target = targets_flat.index_select(0, idx)  # [C]
                 h = hidden_flat.index_select(0, idx).to(compute_dtype)  # [C, H]
-                logits = (h @ w.t()).to(acc_dtype)  # [C, V]
-                if softcap is not None:
-                    tanh = logits.div_(softcap).tanh_()  # [C, V] tanh(x / s)
-                    logits = tanh * softcap  # [C, V] capped logits
-                lse = torch.logsumexp(logits, dim=-1)  # [C]
-                target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)  # [C]
-                nll = lse - target_logit  # [C]
+                logits = h @ w.t()  # [C, V] compute dtype
+                nll, grad_logits = nll_and_grad(logits, target, scale, softcap, acc_dtype, need_grad)  # [C], [C, V]
                 loss_sum += nll.sum()  # []
                 if token_nll is not None:
                     token_nll.index_copy_(0, idx, nll)  # [B*T]
-                if grad_hidden_flat is None and grad_weight is None:
+                if grad_logits is None:
                     continue
-                # dL/dz = softmax(z) - onehot(y), scaled by 1/N for the mean.
-                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # [C, V] softmax
-                grad_logits.scatter_add_(
-                    1, target.unsqueeze(1), torch.full_like(target_logit, -1.0).unsqueeze(1)
-                )  # [C, V] softmax - onehot
-                grad_logits.mul_(inv_n)  # [C, V]
-                if softcap is not None:
-                    grad_logits.mul_(tanh.square_().neg_().add_(1.0))  # [C, V] * (1 - tanh^2)
-                grad_logits = grad_logits.to(compute_dtype)  # [C, V]
                 if grad_hidden_flat is not None:
                     grad_h = grad_logits @ w  # [C, H]
                     grad_hidden_flat.index_copy_(0, idx, grad_h.to(hidden.dtype))  # [B*T, H]

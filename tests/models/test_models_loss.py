@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_megatrain.models import causal_lm_loss
+from lightning_megatrain.models.loss import _nll_and_grad
 
 V, H = 97, 16
 
@@ -210,6 +211,28 @@ def test_shape_mismatch_names_argument():
         causal_lm_loss(hidden, weight, labels[:, :3])
     with pytest.raises(ValueError, match="weight must be"):
         causal_lm_loss(hidden, weight[:, :3], labels)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_compiled_chunk_math_equals_eager(softcap):
+    # CUDA runs the chunk's NLL and dL/dz compiled (one read of the logits for logsumexp, one for the gradient); the
+    # same function compiled by inductor on the CPU, with a shorter last chunk, must give eager's values
+    fused = torch.compile(_nll_and_grad, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.full((), 1 / 50)
+    for rows in (37, 13):
+        logits = torch.randn(rows, V, generator=gen).mul_(4).to(torch.bfloat16)  # [C, V]
+        target = torch.randint(0, V, (rows,), generator=gen)  # [C]
+        nll, grad = _nll_and_grad(logits, target, scale, softcap, torch.float32, True)
+        expected = F.cross_entropy(
+            (softcap * torch.tanh(logits.float() / softcap) if softcap else logits.float()), target, reduction="none"
+        )
+        torch.testing.assert_close(nll, expected, rtol=1e-5, atol=1e-5)
+        assert grad.dtype == torch.bfloat16 and grad.shape == (rows, V)
+        fused_nll, fused_grad = fused(logits, target, scale, softcap, torch.float32, True)
+        torch.testing.assert_close(fused_nll, nll, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused_grad, grad, rtol=1e-2, atol=1e-6)  # bf16 rounding of equal fp32 values
+        assert fused(logits, target, scale, softcap, torch.float32, False)[1] is None
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
