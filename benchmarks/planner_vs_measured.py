@@ -5,7 +5,7 @@ Usage: python benchmarks/planner_vs_measured.py benchmarks/results/2026-11-29-co
 Prints a markdown table: predicted vs measured peak host RSS, peak GPU memory (allocated tensors) and tokens/s.
 Core runs (benchmarks/core_gpu.py) predate the exact-size page-locked buffers and recompute every layer; throughput
 runs (benchmarks/throughput.py, megatrain rows) use the current engine. Their GPU memory is compared only for
-megatrain_recompute_all (keep_layers=0, what the planner models): keep_layers="auto" fills up to 95% of the GPU by
+megatrain_recompute_all (keep_layers=0, what the planner models): keep_layers="auto" fills up to 90% of the GPU by
 design. Rows of the overlapped optimizer step are planned with overlap_optimizer=True, rows of a system with the
 _gpuN suffix with gpu_optimizer_groups=N, _compiled rows with compile_layers=True.
 """

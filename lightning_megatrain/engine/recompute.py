@@ -35,10 +35,8 @@ log = logging.getLogger(__name__)
 KeepLayers = int | Literal["auto"]
 
 # Share of the device's memory the auto policy plans to fill: the rest absorbs allocator fragmentation and kernels'
-# workspaces that the allocated-bytes counters do not see. 0.95 instead of 0.9 kept one more 3B layer at 64K tokens
-# per micro-batch on the H200 (20 instead of 19; 127.9 GiB peak reserved of 139.8; 25,312 tokens/s instead of 24,983:
-# benchmarks/results/2026-11-29-llama-3.2-3b-h200.json, rows of 2c8733b).
-DEVICE_FRACTION = 0.95
+# workspaces that the allocated-bytes counters do not see.
+DEVICE_FRACTION = 0.9
 
 
 class RecomputePolicy:
