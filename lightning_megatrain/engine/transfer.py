@@ -48,8 +48,9 @@ The host buffers come from a :class:`StashPool`. ``unstash`` hands a buffer back
 with the restore's event; the next ``stash`` into it has the D2H stream wait for that event, so the device orders
 the reuse and the host never waits. torch's caching host allocator, which these buffers came from before, reuses a
 block only once the host has *seen* its copies complete, and the training thread runs steps ahead of the GPU: at
-3B and 64K tokens per micro-batch it held 13.0 GiB of pinned blocks for 8 stashes of 384 MiB (rounded up to 512
-MiB each) per micro-batch (benchmarks/results, host_steady_by_kind_gib). The pool holds one micro-batch's stashes.
+3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes of 768 MiB (the fp32 residual stream,
+rounded up to a power of two) per micro-batch (benchmarks/results, host_steady_by_kind_gib). The pool holds one
+micro-batch's stashes.
 """
 
 from __future__ import annotations
@@ -341,14 +342,17 @@ class CudaTransfer:
             stashed.restored.record(self.h2d_stream)
 
     def trim_stash_cache(self) -> None:
-        """Return the stash pool's buffers to the OS once the auto recompute policy has calibrated.
+        """Return the stash pool's buffers to the OS once the auto recompute policy has calibrated (once per run).
 
         The calibrating micro-batch offloads every layer's input; later micro-batches keep most layers on the device
-        and stash few inputs. Freed here (the pool's buffers, then torch's cached pinned blocks), before the first
-        optimizer step allocates the Adam states, they no longer add to the peak host RSS (3B at 32 x 1024 tokens:
-        59.1 GiB instead of 65.6).
+        and stash few inputs. Freed here, before the first optimizer step allocates the Adam states, they no longer
+        add to the host RSS. torch's caching host allocator frees a dropped block only once the copies that used it
+        are done, and the restores just queued are not: hence one device synchronize first. Without it the blocks
+        stayed cached for the whole run (3B, 64K tokens, 27 fp32 layer inputs: 27 GiB of the 62.7 GiB host RSS at
+        1558d8c; at 32K, 13.5 GiB).
         """
         self.stash_pool.clear()
+        torch.cuda.synchronize(self.device)
         empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
         if empty is not None:  # torch < 2.5 has neither: the blocks stay cached
             empty()
