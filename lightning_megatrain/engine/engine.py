@@ -455,7 +455,8 @@ class MegaTrainEngine:
     def host_bytes(self) -> dict[str, int]:
         """Host memory the engine holds, by kind: the fp32 masters, the fp32 grad buffers allocated so far, the
         drain's pinned slabs and, on CUDA, the pinned blocks torch's caching host allocator holds (the stash pool's
-        buffers of offloaded layer inputs, rounded up to powers of two, and small pinned copies). Sizes only: no sync, callable any time after :meth:`setup`."""
+        buffers of offloaded layer inputs, rounded up to powers of two, and small pinned copies). Sizes only: no sync,
+        callable any time after :meth:`setup`."""
         groups = self.groups + ([self.resident_group] if self.resident_group is not None else [])
         sizes = {
             "masters": sum(g.master.nbytes for g in groups),

@@ -9,7 +9,8 @@ D2H streams then read and write it at full PCIe speed, and ``Tensor.is_pinned()`
 
 Registration outlives nothing: :meth:`HostRegistry.release` unregisters every region (the memory itself stays valid
 for the parameters that view it, now pageable) and is called by the engine's teardown after a device synchronize.
-Short-lived buffers (activation stashes) keep using torch's caching allocator, which reuses its blocks every step.
+Activation stashes take their buffers from torch's caching allocator through the transfer layer's ``StashPool``,
+which reuses them every micro-batch and drops them safely (transfer.py, [Note: activation offload]).
 """
 
 from __future__ import annotations
