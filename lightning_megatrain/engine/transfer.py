@@ -103,7 +103,7 @@ class HostTransfer:
         return False
 
     def stash(self, x: Tensor, offload: bool = True) -> Tensor:
-        """Keep a saved layer input as is: host memory is where it lives anyway."""
+        """Keep a saved layer input as is (``offload`` or not): host memory is where it lives anyway."""
         return x
 
     def unstash(self, stashed: Tensor) -> Tensor:

@@ -40,10 +40,11 @@ def _nll_and_grad(
 ) -> tuple[Tensor, Tensor | None]:
     """One chunk's token NLLs ``[C]`` (acc dtype) and, with ``need_grad``, ``dL/dz`` ``[C, V]`` in the logits' dtype.
 
-    The math is in ``acc_dtype`` (fp32). Written in place so that eager (CPU) holds one ``[C, V]`` acc buffer; on
-    CUDA it runs compiled (:func:`_nll_and_grad_fused`): inductor reads the logits once for the logsumexp and once
-    more for the gradient, which it writes in the logits' dtype, instead of the ~10 passes of eager kernels over
-    ``[C, V]`` fp32 buffers (with 128K vocabularies the largest elementwise cost of a step).
+    The math is in ``acc_dtype`` (fp32). Eager (the CPU) holds two ``[C, V]`` acc buffers (the logits, the one-hot);
+    on CUDA it runs compiled (:func:`_nll_and_grad_fused`): inductor reads the logits once for the logsumexp and
+    once more for the gradient, which it writes in the logits' dtype, where eager ran about ten elementwise kernels
+    over fp32 ``[C, V]`` buffers. On the H200 at 3B, 64K tokens a step (vocabulary 128K), that took the step's
+    non-matmul, non-attention kernels from 0.46 to 0.34 s (benchmarks/results, 1558d8c against 2c8733b).
     """
     z = logits.to(acc_dtype, copy=True)  # [C, V] a private buffer: the in-place ops below never write ``logits``
     if softcap is not None:
