@@ -447,8 +447,7 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
         # engine/device_state.py: the residents' two moments; a layer's fp32 mirror, grad, moments (+ compute copy)
         "optimizer groups on the GPU": gpu_bytes_per_param(c, resident=True) * _device_numels(s, gpu_groups)[0]
         + gpu_bytes_per_param(c, resident=False) * sum(_device_numels(s, gpu_groups)[1]),
-        # offloaded: two in flight and the last layer's, which stays (engine/transfer.py, [Note: activation offload])
-        "saved layer inputs": (3 if offload else len(s.layers)) * stream + 8 * s.head_dim * tokens,
+        "saved layer inputs": (2 if offload else len(s.layers)) * stream + 8 * s.head_dim * tokens,
         "runtime reserve": int(reserve_gib * GIB),
         "phase backward: one layer's activations": int(sum(act) * tokens),
         # autograd's per-parameter grads + the torch.cat pack + its fp32 cast (direct D2H into the host grads)
@@ -465,9 +464,8 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
     groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
     stash = 4 * s.hidden * micro_batch * seq_len if offload else 0
-    offloaded = len(s.layers) - 1  # the last layer's input stays on the device (engine/transfer.py)
     # page-locked at their exact size since engine/pinned.py; through torch's power-of-two allocator before that
-    rounded = [stash] * offloaded if offload else []
+    rounded = [stash] * len(s.layers) if offload else []
     rounded += groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3 if pinned_pow2 else []
     pow2 = lambda b: 1 << (int(b) - 1).bit_length() if b > 0 else 0
     return {
@@ -478,7 +476,7 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
         "grad slabs": 3 * max_layer * c,
         # the residents' grads go straight into their host grads; a staging buffer exists only in the old engine
         "resident grad staging": 4 * s.resident_params if pinned_pow2 else 0,
-        "activation offload": stash * offloaded,
+        "activation offload": stash * len(s.layers),
         "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
         "process": int(process_gib * GIB),
     }
