@@ -317,8 +317,7 @@ def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple)
     ctx.autocast = (torch.is_autocast_enabled(owner.device_type), torch.get_autocast_dtype(owner.device_type))
     ctx.other_leaves = [None if isinstance(x, Tensor) else x for x in leaves]
     ctx.save_for_backward(*(leaves[i] for i in ctx.saved_positions))
-    last = index == len(owner.stack) - 1  # restored first in backward: stays on the device
-    ctx.stashed = [transfer.stash(leaves[i].detach(), offload=not last) for i in ctx.stashed_positions]
+    ctx.stashed = [transfer.stash(leaves[i].detach()) for i in ctx.stashed_positions]
     flat = transfer.acquire(index)
     transfer.prefetch(index + 1)
     with torch.profiler.record_function(f"megatrain::forward_layer_{index}"):

@@ -40,16 +40,17 @@ memory on the D2H stream after an event on the compute stream; ``x.record_stream
 allocator from reusing x's memory before that copy has run. In backward, ``prefetch_stash`` (layer i-1 while
 layer i recomputes) copies it back on the H2D stream into memory allocated on the compute stream; the H2D stream
 first waits for the compute stream (the new block may still be read by queued compute kernels of its previous
-tenant) and for the offload's event; ``unstash`` makes the compute stream wait for the restore. The last layer's
-input is not offloaded: its backward comes first, right after the loss, so nothing would hide its restore (an H2D of
-B x T x H on the compute stream's critical path), and it costs the GPU one more layer input.
+tenant) and for the offload's event; ``unstash`` makes the compute stream wait for the restore. (Keeping the last
+layer's input on the GPU instead, whose restore nothing hides, removed a 15 ms gap at the start of backward at 3B and
+64K tokens but cost one more layer input of GPU memory: throughput stayed within noise, the auto policy kept one
+layer fewer, and the planner's ready configs no longer fit. Reverted; benchmarks/results, 2c8733b.)
 
 The host buffers come from a :class:`StashPool`. ``unstash`` hands a buffer back as soon as its restore is *queued*,
 with the restore's event; the next ``stash`` into it has the D2H stream wait for that event, so the device orders
 the reuse and the host never waits. torch's caching host allocator, which these buffers came from before, reuses a
 block only once the host has *seen* its copies complete, and the training thread runs steps ahead of the GPU: at
 3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes of 768 MiB (the fp32 residual stream,
-rounded up to a power of two) per micro-batch (benchmarks/results, host_steady_by_kind_gib). The pool holds one
+rounded up to a power of two) per micro-batch (benchmarks/results, host_steady_by_kind_gib at 2c8733b). The pool holds one
 micro-batch's stashes.
 """
 
@@ -102,8 +103,8 @@ class HostTransfer:
         """Whether :meth:`acquire`'s weights stay unchanged until the optimizer step: never assumed on the host."""
         return False
 
-    def stash(self, x: Tensor, offload: bool = True) -> Tensor:
-        """Keep a saved layer input as is (``offload`` or not): host memory is where it lives anyway."""
+    def stash(self, x: Tensor) -> Tensor:
+        """Keep a saved layer input as is: host memory is where it lives anyway."""
         return x
 
     def unstash(self, stashed: Tensor) -> Tensor:
@@ -188,11 +189,11 @@ class StashPool:
 class _Stashed:
     """A saved layer input offloaded to pinned host memory (see [Note: activation offload])."""
 
-    host: Tensor | None  # pinned host copy, same shape and dtype as the device input; None when not offloaded
+    host: Tensor | None  # pinned host copy, same shape and dtype as the device input; None once restored
     buffer: Tensor | None  # the pool's [nbytes] uint8 buffer ``host`` views, returned to the pool on restore
     # - CUDA events for stream synchronization
-    offloaded: torch.cuda.Event | None  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
-    device: Tensor | None = None  # device copy once restored (the input itself when not offloaded)
+    offloaded: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
+    device: Tensor | None = None  # device copy once restored
     restored: torch.cuda.Event | None = None  # recorded by the H2D stream after restore; waited on by compute
 
 
@@ -304,11 +305,8 @@ class CudaTransfer:
                 slot.layer = None
 
     # ------------------------------------------------------------------------------------------ activation offload
-    def stash(self, x: Tensor, offload: bool = True) -> _Stashed:
-        """Offload a saved layer input to pinned host memory (see [Note: activation offload]); with ``offload=False``
-        keep it on the device (the last layer's: backward restores it first, with nothing to overlap the copy)."""
-        if not offload:
-            return _Stashed(None, None, None, device=x)
+    def stash(self, x: Tensor) -> _Stashed:
+        """Offload a saved layer input to pinned host memory (see [Note: activation offload])."""
         compute = torch.cuda.current_stream(self.device)
         nbytes = x.numel() * x.element_size()
         buffer, last_read = self.stash_pool.take(nbytes)
@@ -329,7 +327,7 @@ class CudaTransfer:
         """Start copying an offloaded input back to the device (no-op if already there)."""
         if stashed is None or stashed.device is not None:
             return
-        assert stashed.host is not None and stashed.offloaded is not None
+        assert stashed.host is not None
         compute = torch.cuda.current_stream(self.device)
         stashed.device = torch.empty(stashed.host.shape, dtype=stashed.host.dtype, device=self.device)
         allocated = torch.cuda.Event()
@@ -360,12 +358,11 @@ class CudaTransfer:
     def unstash(self, stashed: _Stashed) -> Tensor:
         """The offloaded input on the device, ready for the compute stream."""
         self.prefetch_stash(stashed)
-        assert stashed.device is not None
-        if stashed.restored is not None:
-            torch.cuda.current_stream(self.device).wait_event(stashed.restored)
-        if stashed.buffer is not None:  # its restore is queued: the next stash into it waits for ``restored``
-            self.stash_pool.give(stashed.buffer, stashed.restored)
-            stashed.host = stashed.buffer = None
+        assert stashed.device is not None and stashed.restored is not None and stashed.buffer is not None
+        torch.cuda.current_stream(self.device).wait_event(stashed.restored)
+        # its restore is queued: the next stash into the buffer waits for ``restored``
+        self.stash_pool.give(stashed.buffer, stashed.restored)
+        stashed.host = stashed.buffer = None
         device, stashed.device = stashed.device, None  # the caller owns it now; the handle keeps no device memory
         return device
 
