@@ -50,8 +50,8 @@ with the restore's event; the next ``stash`` into it has the D2H stream wait for
 the reuse and the host never waits. torch's caching host allocator, which these buffers came from before, reuses a
 block only once the host has *seen* its copies complete, and the training thread runs steps ahead of the GPU: at
 3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes of 768 MiB (the fp32 residual stream,
-rounded up to a power of two) per micro-batch (benchmarks/results, host_steady_by_kind_gib at 2c8733b). The pool holds one
-micro-batch's stashes.
+rounded up to a power of two) per micro-batch (benchmarks/results, host_steady_by_kind_gib at 2c8733b). The pool
+holds one micro-batch's stashes.
 """
 
 from __future__ import annotations
