@@ -9,7 +9,8 @@ Weights are drawn like HF's init (normal(0, 0.02) matrices, ones for norms) on t
 parameters takes ~40 s. Loss: HF `labels=` (parts 32k, 64k) or our CausalLMModule chunked loss (32k-chunked,
 64k-chunked). 2 warm-up optimizer steps, 5 measured (median), then 1 profiled step that is not in the median.
 Row keys: system, model, micro_batch, seq_len, tokens_per_step, tokens_per_s, mfu, peak_gpu_gib, peak_host_gib,
-host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss, params, mfu_attn, notes, ...
+host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss, params, mfu_attn, notes, ...; a row
+with an error keeps the step_times_s its run printed before it ended (a run killed after its measured steps).
   mfu          6 * all parameters * tokens/s / 989e12 (dense bf16 peak of an H100/H200 SXM); MoE rows add mfu_active.
   mfu_attn     (6 * all parameters + 12 * L * H * T) * tokens/s / 989e12: attention-score FLOPs per token from PaLM
                (Chowdhery et al. 2022) appendix B, H = heads * head_dim, T = seq_len (full, not causal-halved).
@@ -360,6 +361,7 @@ def make_recorder(profile_step: int | None, sync: bool):
                                           "recompute_all_peak": policy.peak_bytes / GIB,
                                           "budget": policy.budget / GIB}
             self.steps.append(step)
+            print(f"STEP {len(self.steps)} {step['step_s']:.4f} s", flush=True)  # survives a kill (step_times())
             if self._prof is not None:
                 prof, self._prof = self._prof, None
                 prof.__exit__(None, None, None)
@@ -513,13 +515,19 @@ def run_child(run: dict, timeout_s: float, log_path: str) -> dict:
         return json.loads(line[len("RESULT "):])
     if error is None:
         error = f"exit code {proc.returncode}" + (" (SIGKILL: host OOM?)" if proc.returncode == -9 else "")
-    return error_row(run, f"{error}\n{out[-3000:]}")
+    return error_row(run, f"{error}\n{out[-3000:]}", step_times(out))
 
 
-def error_row(run: dict, error: str) -> dict:
+def step_times(out: str) -> list[float]:
+    """The optimizer steps' seconds a child printed before it ended (``STEP i s`` lines): a run killed after its
+    measured steps still shows them."""
+    return [float(line.split()[2]) for line in out.splitlines() if line.startswith("STEP ")]
+
+
+def error_row(run: dict, error: str, steps: list[float] | None = None) -> dict:
     row = dict.fromkeys(ROW_KEYS)
     row.update({k: run[k] for k in ("system", "model", "micro_batch", "seq_len", "tokens_per_step", "accumulate",
-                                    "loss")}, breakdown={}, error=error)
+                                    "loss")}, breakdown={}, error=error, step_times_s=steps or [])
     return row
 
 

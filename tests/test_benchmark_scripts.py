@@ -152,6 +152,15 @@ def test_throughput_oom_is_a_row_and_is_retried_at_half_the_micro_batch(tmp_path
     assert all(set(throughput.ROW_KEYS) <= r.keys() for r in rows)
 
 
+def test_killed_run_keeps_the_steps_it_printed():
+    # a child killed by the time budget after its measured steps (session 12: 64K finished training, then killed)
+    out = "Using bfloat16\nSTEP 1 24.6312 s\nSTEP 2 4.0487 s\nMegaTrain: host memory at train end\n"
+    run = dict(system="megatrain", model="tiny-llama", micro_batch=2, seq_len=64, tokens_per_step=256, accumulate=2,
+               loss="hf")
+    row = throughput.error_row(run, "timeout", throughput.step_times(out))
+    assert row["step_times_s"] == [24.6312, 4.0487] and row["error"] == "timeout" and row["tokens_per_s"] is None
+
+
 def test_kernel_seconds_by_kind():
     ms = 1_000_000
     events = [("ampere_bf16_gemm", 0, 40 * ms), ("nvjet_tst_128x256", 40 * ms, 50 * ms),
