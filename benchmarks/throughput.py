@@ -14,8 +14,11 @@ with an error keeps the step_times_s its run printed before it ended (a run kill
   mfu          6 * all parameters * tokens/s / 989e12 (dense bf16 peak of an H100/H200 SXM); MoE rows add mfu_active.
   mfu_attn     (6 * all parameters + 12 * L * H * T) * tokens/s / 989e12: attention-score FLOPs per token from PaLM
                (Chowdhery et al. 2022) appendix B, H = heads * head_dim, T = seq_len (full, not causal-halved).
-  peak_host_gib  peak RSS of the run's subprocess (resource.getrusage ru_maxrss): includes pinned memory and the
-               process baseline (host_baseline_gib), so host_bytes_per_param is an upper bound.
+  peak_host_gib  peak RSS of the run's subprocess: includes pinned memory and the process baseline
+               (host_baseline_gib), so host_bytes_per_param is an upper bound. Since session 13 it is the high-water
+               mark (VmHWM) when the last measured step ended, before the profiled step: the profiler's own buffers
+               and event lists are not training's; earlier rows, and peak_host_with_profiler_gib, read ru_maxrss after
+               the profiled step. host_rss_by_step_gib: [RSS, high-water mark] after each optimizer step.
   host_steady_gib  RSS after the last measured step (VmRSS), past one-off peaks of the first steps.
   host_steady_by_kind_gib  megatrain (since session 11): the same RSS by kind, MegaTrainStrategy.host_memory():
                masters, grads, grad_slabs, offload_cache, optimizer_states, rss, other.
@@ -350,6 +353,7 @@ def make_recorder(profile_step: int | None, sync: bool):
             step["step_s"] = step["end"] - step["start"]
             step["other_s"] = step["step_s"] - sum(step[k] for k in PHASES[:-1])
             step["rss_gib"] = host_rss_gib()  # pinned memory included
+            step["rss_peak_gib"] = host_rss_gib("VmHWM")  # read before a profile starts: its buffers are not training's
             if hasattr(trainer.strategy, "host_memory"):  # megatrain: the same RSS by kind (sizes only, no sync)
                 step["host_gib"] = {k: v / GIB for k, v in trainer.strategy.host_memory().items()}
             streamed = getattr(getattr(trainer.strategy, "engine", None), "streamed", None)
@@ -434,7 +438,9 @@ def train(spec: dict) -> dict:
     measured = steps[spec["warmup"] : spec["warmup"] + spec["measured"]]
     tokens = mb * acc * seq
     tokens_per_s = tokens / median(s["step_s"] for s in measured)
-    peak_host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the profiled step's buffers included
+    # training's own peak: the high-water mark when the last measured step ended, before the profile started
+    peak_host = measured[-1]["rss_peak_gib"] * GIB if measured[-1]["rss_peak_gib"] is not None else peak_rss
     breakdown = {k: median(s[k] for s in measured) for k in PHASES}
     # setup_s: fit() start -> first micro-batch (model build, strategy setup, pinning, optimizer creation)
     breakdown.update(recorder.busy, setup_s=recorder.first_batch_t - t_fit, first_step_s=steps[0]["step_s"],
@@ -451,6 +457,8 @@ def train(spec: dict) -> dict:
         "mfu_attn": (6 * params + attention_flops_per_token(config, seq)) * tokens_per_s / PEAK_FLOPS,
         "model_tflops": 6 * params * tokens_per_s / 1e12,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
+        "peak_host_with_profiler_gib": peak_rss / GIB,
+        "host_rss_by_step_gib": [[s["rss_gib"], s["rss_peak_gib"]] for s in steps],
         "host_steady_gib": measured[-1]["rss_gib"],
         "host_steady_bytes_per_param": measured[-1]["rss_gib"] * GIB / params,
         "host_steady_by_kind_gib": measured[-1].get("host_gib"),

@@ -20,12 +20,13 @@ H100_BF16_PEAK_FLOPS = 989e12
 TRACE_FILE_NAME = "megatrain_trace.json"
 
 
-def host_rss_gib() -> float | None:
-    """Resident set size of this process in GiB, read from ``/proc/self/status`` (``None`` where there is no procfs)."""
+def host_rss_gib(field: str = "VmRSS") -> float | None:
+    """Resident set size of this process in GiB, read from ``/proc/self/status`` (``None`` where there is no procfs):
+    now (``VmRSS``) or its high-water mark so far (``VmHWM``). Both count pinned memory."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 2**20  # the value is in kB
     except OSError:
         return None

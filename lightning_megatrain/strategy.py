@@ -371,11 +371,13 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
         parts = ", ".join(f"{k.replace('_', ' ')} {v / _GIB:.1f}" for k, v in sizes.items() if k != "rss")
         total = sizes.get("rss", sum(sizes.values()))
+        peak = host_rss_gib("VmHWM")
         log.info(
-            "MegaTrain: host memory at train end %.1f GiB (%.1f bytes/param): %s GiB",
+            "MegaTrain: host memory at train end %.1f GiB (%.1f bytes/param): %s GiB%s",
             total / _GIB,
             total / max(n_params, 1),
             parts,
+            "" if peak is None else f"; peak so far {peak:.1f} GiB ({peak * _GIB / max(n_params, 1):.1f} bytes/param)",
         )
 
     @override

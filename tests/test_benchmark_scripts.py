@@ -65,6 +65,10 @@ def test_throughput_dry_run_rows_have_every_key(dry_run):
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < r["mfu_attn"]
         assert r["peak_gpu_gib"] is None and r["peak_host_gib"] > r["host_baseline_gib"] > 0
         assert r["host_bytes_per_param"] == pytest.approx(r["peak_host_gib"] * 2**30 / r["params"])
+        # [RSS, high-water mark] per step; the peak is the mark after the last measured step, read before ru_maxrss
+        (_, first_peak), (last_rss, last_peak) = r["host_rss_by_step_gib"]
+        assert first_peak <= last_peak == pytest.approx(r["peak_host_gib"]) and 0 < last_rss <= last_peak
+        assert r["peak_host_gib"] <= r["peak_host_with_profiler_gib"] + 1e-3  # KiB (ru_maxrss) vs kB (VmHWM) rounding
         assert set(throughput.PHASES) | set(throughput.BUSY) <= r["breakdown"].keys()
         assert r["breakdown"]["setup_s"] >= r["breakdown"]["build_s"] > 0
     assert rows[0]["optimizer_class"] == "HostCPUAdam" or "fused" in str(rows[0]["notes"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from unittest import mock
 
@@ -435,5 +436,7 @@ def test_host_memory_is_reported_by_kind_at_train_end(caplog):
     assert sizes["masters"] == 4 * n and sizes["grads"] == 4 * n
     assert sizes["optimizer_states"] == 8 * n + 4 * check.n_tensors
     assert sizes["other"] == sizes["rss"] - (sizes["masters"] + sizes["grads"] + sizes["optimizer_states"]) > 0
-    assert any("host memory at train end" in r.getMessage() and "optimizer states" in r.getMessage()
-               for r in caplog.records)
+    (message,) = [r.getMessage() for r in caplog.records if "host memory at train end" in r.getMessage()]
+    assert "optimizer states" in message
+    now, peak = (float(x) for x in re.search(r"at train end ([\d.]+) GiB .*peak so far ([\d.]+) GiB", message).groups())
+    assert peak >= now > 0  # the high-water mark, logged beside the resident set
