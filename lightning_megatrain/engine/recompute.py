@@ -16,11 +16,15 @@ recomputes only the rest. ``k`` is:
   :data:`DEVICE_FRACTION` of the device. The first layers whose weights stay on the device anyway
   (``gpu_optimizer_groups``, engine/device_state.py) need no private copy and cost ``W`` less each. The first
   micro-batch that keeps layers then *tops up*: the allocator's peak *reserved* memory so far bounds its own need
-  from above, fragmentation included, so ``(budget - reserved) // (graph + W)`` more layers still fit where the
-  estimate was pessimistic (at 3B, 64K tokens per micro-batch it left 14 GiB of the budget unallocated);
+  from above, fragmentation included, so ``(top-up budget - reserved) // (graph + W)`` more layers still fit where
+  the estimate was pessimistic (at 3B, 64K tokens per micro-batch it left 14 GiB of the budget unallocated);
   micro-batches no larger than that one keep them too. (Topping up to the allocated peak instead ran out of memory
-  at 32 x 1024 with HF's loss, whose 15.7 GiB logits gradient found no block in the fragmented rest.) On a CPU compute
-  device ``"auto"`` keeps none.
+  at 32 x 1024 with HF's loss, whose 15.7 GiB logits gradient found no block in the fragmented rest.) Measured
+  rather than estimated, the top-up may fill :data:`TOP_UP_FRACTION` of the device, but always leaves the largest
+  segment the allocator has made (the size of its largest block) unreserved, so that a block of that size can
+  still be made when the added layers' graphs have split the cached one: with HF's loss at 32 x 1024 that is the
+  15.7 GiB logits block, and the top-up budget stays :data:`DEVICE_FRACTION`. On a CPU compute device ``"auto"``
+  keeps none.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ KeepLayers = int | Literal["auto"]
 # on the H200 (20 instead of 19, +1.3%) but ran out of memory at 32 x 1024 tokens with HF's loss: its 15.66 GiB
 # logits block found no room in 14.5 GiB free and 14.6 GiB of fragmented reserve (benchmarks/results, 1558d8c).
 DEVICE_FRACTION = 0.9
+# The top-up's budget where the largest block is small (see the module note): at 3B and 64K tokens per micro-batch
+# with the chunked loss, 0.95 kept 20 layers where 0.9 keeps 18 (benchmarks/results, 1558d8c and d8b6815).
+TOP_UP_FRACTION = 0.95
 
 
 class RecomputePolicy:
@@ -125,12 +132,21 @@ class RecomputePolicy:
         x = self._input_bytes
         peak = torch.cuda.max_memory_reserved(self.device)  # >= this micro-batch's own need, fragmentation included
         cost = (self.graph_bytes_per_input_byte + 1) * x + self.weight_bytes
-        extra = max(0, int((self.budget - peak) // cost)) if x and self._kept == self.limit(x) else 0
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = max(self.budget, min(TOP_UP_FRACTION * total, total - self._largest_segment()))
+        extra = max(0, int((budget - peak) // cost)) if x and self._kept == self.limit(x) else 0
         if extra:
             self.extra, self.extra_input_bytes = extra, x
             log.info(
-                "MegaTrain: keeping %d layers reserved a peak of %.1f GiB: keeping %d more per micro-batch of this size",
+                "MegaTrain: keeping %d layers reserved a peak of %.1f GiB of a %.1f GiB top-up budget: keeping %d more "
+                "per micro-batch of this size",
                 self._kept,
                 peak / 2**30,
+                budget / 2**30,
                 extra,
             )
+
+    def _largest_segment(self) -> int:
+        """Bytes of the largest segment the caching allocator holds on this device (once per run: it walks them)."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return max((s["total_size"] for s in torch.cuda.memory_snapshot() if s["device"] == index), default=0)

@@ -1,0 +1,98 @@
+"""The README's headline performance table, generated from the committed result rows.
+
+    python benchmarks/readme_table.py            # print the table (markdown)
+
+Each line of ``ROWS`` names exactly one row of a committed ``benchmarks/results/*.json`` file (by commit, system,
+loss and tokens per step; the script fails when a selector matches none or several). The ratio columns divide by the
+rows marked as the references of the same model and tokens per step: ``ZERO3`` (DeepSpeed ZeRO-3 offload as a
+Lightning user runs it: eager layers, HF's loss) and ``PLAIN`` (the fastest plain GPU-resident training measured).
+tests/test_benchmark_scripts.py checks that README.md holds this output verbatim, so the table cannot drift from the
+files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ZERO3, PLAIN = "zero3", "plain"
+
+
+class Row(NamedTuple):
+    label: str  # the table's system column
+    results: str  # file under benchmarks/results
+    commit: str  # prefix of the row's git_commit
+    system: str  # benchmarks/throughput.py system
+    loss: str  # "hf" or "chunked"
+    tokens_per_step: int
+    reference: str | None = None  # ZERO3 or PLAIN: the ratio columns divide by this row
+
+
+_3B, _7B, _MOE = ("2026-11-29-llama-3.2-3b-h200.json", "2026-11-29-llama-2-7b-h200.json",
+                  "2026-11-29-qwen3-30b-a3b-4l-h200.json")
+_MT = "**megatrain**, `compile_layers`, `overlap_optimizer`"
+
+ROWS = [
+    Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _3B, "ac46662", "plain", "hf", 32768),
+    Row("plain GPU Lightning, compiled layers", _3B, "72f8b74", "plain_compiled", "hf", 32768, PLAIN),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "ac46662", "deepspeed_zero3_offload", "hf", 32768, ZERO3),
+    Row("DeepSpeed ZeRO-3 offload, compiled layers", _3B, "03a9900", "deepspeed_zero3_offload_compiled", "hf", 32768),
+    Row("FSDP `cpu_offload=True` (no clipping)", _3B, "ac46662", "fsdp_cpu_offload", "hf", 32768),
+    Row(f"{_MT}, `gpu_optimizer_groups=18`", _3B, "d731175", "megatrain_overlap_gpu18_compiled", "hf", 32768),
+    Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _3B, "787580c", "plain", "chunked", 65536),
+    Row("plain GPU Lightning, compiled layers", _3B, "72f8b74", "plain_compiled", "chunked", 65536, PLAIN),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "e1f81d7", "deepspeed_zero3_offload", "hf", 65536, ZERO3),
+    Row("DeepSpeed ZeRO-3 offload, compiled layers", _3B, "e1f81d7", "deepspeed_zero3_offload_compiled", "chunked",
+        65536),
+    Row(f"{_MT}, `gpu_optimizer_groups=10`", _3B, "d8b6815", "megatrain_overlap_gpu10_compiled", "chunked", 65536),
+    Row(f"{_MT}, `gpu_optimizer_groups=8`", _7B, "d731175", "megatrain_overlap_gpu8_compiled", "hf", 32768),
+    Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _MOE, "787580c", "plain", "hf", 32768, PLAIN),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer", _MOE, "787580c", "deepspeed_zero3_offload", "hf", 32768, ZERO3),
+    Row(f"{_MT}, `gpu_optimizer_groups=3`", _MOE, "6494338", "megatrain_overlap_gpu3_compiled", "hf", 32768),
+]
+
+_MODELS = {_3B: "Llama-3.2-3B shape (3.21B)", _7B: "Llama-2-7B shape (6.74B)",
+           _MOE: "Qwen3-30B-A3B shape, 4 of 48 layers (3.11B, 0.85B active)"}
+
+
+def _find(row: Row) -> dict:
+    results = json.loads((RESULTS / row.results).read_text())["results"]
+    found = [r for r in results
+             if r["git_commit"].startswith(row.commit) and r["system"] == row.system and r["loss"] == row.loss
+             and r["tokens_per_step"] == row.tokens_per_step and r["error"] is None]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} rows in {row.results} match {row}; a selector must match exactly one")
+    return found[0]
+
+
+def _ratio(value: float, reference: dict | None) -> str:
+    return f"{value / reference['tokens_per_s']:.2f}" if reference is not None else ""
+
+
+def table() -> str:
+    """The markdown table, one section per model and tokens per step, in ``ROWS``' order."""
+    found = [(row, _find(row)) for row in ROWS]
+    refs = {(row.results, row.tokens_per_step, row.reference): r for row, r in found if row.reference}
+    lines = ["| system | loss | micro x acc | tokens/s | vs ZeRO-3 | vs plain | MFU | peak GPU GiB | "
+             "peak host GiB (B/param) | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
+    section = None
+    for row, r in found:
+        if (row.results, row.tokens_per_step) != section:
+            section = (row.results, row.tokens_per_step)
+            lines.append(f"| *{_MODELS[row.results]}, {row.tokens_per_step // 1024}K tokens/step* |" + " |" * 9)
+        tokens_per_s = r["tokens_per_s"]
+        mfu = f"{r['mfu_active']:.1%} active" if "mfu_active" in r else f"{r['mfu']:.1%}"
+        label = f"**{tokens_per_s:,.0f}**" if row.label.startswith("**") else f"{tokens_per_s:,.0f}"
+        lines.append(
+            f"| {row.label} | {'HF' if row.loss == 'hf' else 'chunked'} | {r['micro_batch']} x {r['accumulate']} "
+            f"| {label} | {_ratio(tokens_per_s, refs.get((*section, ZERO3)))} "
+            f"| {_ratio(tokens_per_s, refs.get((*section, PLAIN)))} | {mfu} | {r['peak_gpu_gib']:.1f} "
+            f"| {r['peak_host_gib']:.1f} ({r['host_bytes_per_param']:.1f}) | {r['git_commit'][:7]} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
