@@ -5,7 +5,7 @@ the streamed layer stack and the residents exactly as the engine does (``engine.
 
 - host RAM (bytes): fp32 masters 4 + fp32 grads 4 (both page-locked at their exact size) + optimizer states (AdamW 8,
   SGD 0, SGD+momentum 4; none for ``gpu_optimizer_groups``) per parameter, 3 grad slabs, offloaded layer inputs
-  (pinned through torch's caching allocator, so rounded up to a power of two) and the process itself;
+  (page-locked at their exact size too) and the process itself;
 - GPU memory (bytes): slots, residents, ``gpu_optimizer_groups`` state, saved layer inputs, the runtime reserve, plus
   the larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and
   the loss;
@@ -464,9 +464,10 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
     groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
     stash = 4 * s.hidden * micro_batch * seq_len if offload else 0
-    # page-locked at their exact size since engine/pinned.py; through torch's power-of-two allocator before that
-    rounded = [stash] * len(s.layers) if offload else []
-    rounded += groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3 if pinned_pow2 else []
+    # page-locked at their exact size (engine/pinned.py; the offloaded inputs since session 13); through torch's
+    # power-of-two caching host allocator before that
+    rounded = ([stash] * len(s.layers) if offload else []) + groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3
+    rounded = rounded if pinned_pow2 else []
     pow2 = lambda b: 1 << (int(b) - 1).bit_length() if b > 0 else 0
     return {
         "masters": 4 * n,
@@ -555,7 +556,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
             ``compile_layers``, 50 under 32-true).
         pinned_pow2_rounding: model the engine before engine/pinned.py (commit b0ea63e), which took every pinned
             buffer (masters, grads, slabs) from torch's caching host allocator, rounded up to a power of two, as the
-            2026-11-29 core runs measured. Now only the offloaded layer inputs are rounded.
+            2026-11-29 core runs measured. The offloaded layer inputs were rounded until session 13.
         attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
             config's (transformers picks sdpa where the model supports it).
         overlap_optimizer: as ``MegaTrainStrategy(overlap_optimizer=True)``: Adam (torch fused) runs beside the next

@@ -346,9 +346,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         return self.engine.step_context() if self.engine is not None else contextlib.nullcontext()
 
     def host_memory(self) -> dict[str, int]:
-        """Host memory by kind, in bytes: the engine's (fp32 masters, fp32 grads, gradient slabs, the pinned cache of
-        offloaded layer inputs), the optimizers' states in host memory, the process's resident set (``rss``) and the
-        part of it none of those explain (``other``: Python, libraries, the CUDA context, allocator slack)."""
+        """Host memory by kind, in bytes: the engine's (fp32 masters, fp32 grads, gradient slabs, the page-locked
+        buffers of offloaded layer inputs), the optimizers' states in host memory, the process's resident set
+        (``rss``) and the part of it none of those explain (``other``: Python, libraries, the CUDA context, allocator
+        slack)."""
         sizes = self.engine.host_bytes() if self.engine is not None else {}
         states = {
             t.data_ptr(): t.nbytes

@@ -146,20 +146,29 @@ def test_accumulated_grads_are_summed_on_the_device():
     assert check.norms_on_device
 
 
-def test_calibration_returns_its_pinned_offload_blocks():
-    # the calibrating micro-batch offloads every layer input; those cached pinned blocks go back to the OS
+def test_calibration_frees_its_exact_size_offload_buffers():
+    # the calibrating micro-batch offloads every layer input into a page-locked buffer of exactly its size; once
+    # calibrated they are unregistered and freed (engine/transfer.py, trim_stash_cache)
     class Check(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:  # one fp32 residual stream [B, T, H] per layer
+                self.input_bytes = batch.numel() * pl_module.model.config.hidden_size * 4
+                self.layers = pl_module.model.config.num_hidden_layers
+                self.regions = len(trainer.strategy.engine.registry._regions)
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_step == 0:
+                self.lent = trainer.strategy.engine.transfer.stash_pool.nbytes
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 0:
-                stats = torch.cuda.host_memory_stats()
-                # pinned blocks the allocator owns, in use or cached (rounded sizes)
-                self.reserved = stats["allocated_bytes.current"], stats["allocated_bytes.peak"]
+                engine = trainer.strategy.engine
+                self.after = engine.transfer.stash_pool.nbytes, len(engine.registry._regions)
 
     check = Check()
     _fit_cuda(MegaTrainStrategy(), lambda: ParityLM("llama_tied"), steps=2, callbacks=[check])
-    current, peak = check.reserved
-    # one block per layer (3) at the peak; at most the last restore's block (its copy may still run) stays cached
-    assert peak > 0 and current <= peak / 3
+    assert check.layers == 3 and check.lent == check.layers * check.input_bytes
+    assert check.after == (0, check.regions)
 
 
 def test_offloaded_inputs_reuse_one_micro_batch_of_pinned_buffers():
@@ -170,11 +179,13 @@ def test_offloaded_inputs_reuse_one_micro_batch_of_pinned_buffers():
         def on_train_end(self, trainer, pl_module):
             engine = trainer.strategy.engine
             self.sizes, self.layers = engine.transfer.stash_pool.sizes(), len(engine.groups)
+            self.nbytes = engine.transfer.stash_pool.nbytes
 
     check = Check()
     _fit_cuda(MegaTrainStrategy(keep_layers=0), lambda: ParityLM("llama_tied"), steps=4, accumulate=2,
               callbacks=[check])
     assert check.layers == 3 and len(check.sizes) == check.layers and len(set(check.sizes)) == 1
+    assert check.nbytes == sum(check.sizes)  # none lent, none retiring: one micro-batch's buffers
 
 
 def test_auto_policy_keeps_every_layer_of_a_small_model_after_calibrating():

@@ -454,9 +454,8 @@ class MegaTrainEngine:
 
     def host_bytes(self) -> dict[str, int]:
         """Host memory the engine holds, by kind: the fp32 masters, the fp32 grad buffers allocated so far, the
-        drain's pinned slabs and, on CUDA, the pinned blocks torch's caching host allocator holds (the stash pool's
-        buffers of offloaded layer inputs, rounded up to powers of two, and small pinned copies). Sizes only: no sync,
-        callable any time after :meth:`setup`."""
+        drain's pinned slabs and, on CUDA, the stash pool's page-locked buffers of offloaded layer inputs. Sizes only:
+        no sync, callable any time after :meth:`setup`."""
         groups = self.groups + ([self.resident_group] if self.resident_group is not None else [])
         sizes = {
             "masters": sum(g.master.nbytes for g in groups),
@@ -464,7 +463,7 @@ class MegaTrainEngine:
         }
         if isinstance(self.transfer, CudaTransfer):
             sizes["grad_slabs"] = self.transfer.slab_nbytes
-            sizes["offload_cache"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+            sizes["offload_cache"] = self.transfer.stash_pool.nbytes
         return sizes
 
     def teardown(self) -> None:

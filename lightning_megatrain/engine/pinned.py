@@ -8,9 +8,10 @@ taken by torch's multi-threaded copy, not by the driver) and page-locks it with 
 D2H streams then read and write it at full PCIe speed, and ``Tensor.is_pinned()`` is True for it.
 
 Registration outlives nothing: :meth:`HostRegistry.release` unregisters every region (the memory itself stays valid
-for the parameters that view it, now pageable) and is called by the engine's teardown after a device synchronize.
-Activation stashes take their buffers from torch's caching allocator through the transfer layer's ``StashPool``,
-which reuses them every micro-batch and drops them safely (transfer.py, [Note: activation offload]).
+for the parameters that view it, now pageable) and is called by the engine's teardown after a device synchronize;
+:meth:`HostRegistry.free` unregisters one region early. The transfer layer's ``StashPool`` takes the buffers of
+offloaded layer inputs from here too, and frees them only once their copies are done (transfer.py,
+[Note: activation offload]).
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ class HostRegistry:
             )
         self._regions.append(region.data_ptr())
         return out
+
+    def free(self, tensor: Tensor) -> None:
+        """Unregister the region :meth:`empty` returned as ``tensor`` (no copy may still touch it). The memory goes
+        back to the OS with the last reference to ``tensor``."""
+        self._regions.remove(tensor.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
     def release(self) -> None:
         """Unregister every region (call after the device has finished all copies touching them)."""

@@ -225,7 +225,6 @@ class StreamedLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, owner: StreamedLayers, index: int, spec, out_box: list, anchor: Tensor, *leaves: Any):
-        transfer = owner.transfer
         ctx.owner, ctx.index, ctx.spec = owner, index, spec
         # Inputs on the activation path (they require grad) are the ones backward differentiates: stashed
         # (offloaded on CUDA, see [Note: activation offload]) for a recompute, or kept in the graph. The rest (masks,

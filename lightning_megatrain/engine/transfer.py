@@ -49,15 +49,17 @@ The host buffers come from a :class:`StashPool`. ``unstash`` hands a buffer back
 with the restore's event; the next ``stash`` into it has the D2H stream wait for that event, so the device orders
 the reuse and the host never waits. torch's caching host allocator, which these buffers came from before, reuses a
 block only once the host has *seen* its copies complete, and the training thread runs steps ahead of the GPU: at
-3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes of 768 MiB (the fp32 residual stream,
-rounded up to a power of two) per micro-batch (benchmarks/results, host_steady_by_kind_gib at 2c8733b). The pool
-holds one micro-batch's stashes.
+3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes a micro-batch (benchmarks/results,
+host_steady_by_kind_gib at 2c8733b). It also rounds every block up to a power of two: 1 GiB for the 768 MiB fp32
+residual stream. The pool holds one micro-batch's stashes, page-locked at their exact size (engine/pinned.py), and
+frees a buffer only once its last copy has completed.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,34 +157,59 @@ class _Drain:
 
 
 class StashPool:
-    """Page-locked host buffers for offloaded layer inputs, reused across micro-batches (see [Note: activation
-    offload]). Each free buffer carries the event of the restore that last read it (``None`` if never read)."""
+    """Page-locked host buffers for offloaded layer inputs, of exactly the requested size, reused across micro-batches
+    (see [Note: activation offload]).
 
-    def __init__(self, alloc: Callable[[int], Tensor] | None = None) -> None:
-        # [nbytes] uint8 page-locked host buffer (torch's caching host allocator, which frees it safely once dropped)
-        self._alloc = alloc or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
-        self._free: list[tuple[Tensor, torch.cuda.Event | None]] = []
+    The pool owns every buffer it allocates until it frees it. A buffer is *lent* (a stash holds it), *idle* (with
+    the event of the last copy that used it, ``None`` if none did) or *retiring* (idle but smaller than the current
+    requests, freed as soon as its event has completed; polled, never waited for).
+    """
+
+    def __init__(self, alloc: Callable[[int], Tensor], free: Callable[[Tensor], None]) -> None:
+        self._alloc = alloc  # [nbytes] uint8 page-locked host buffer
+        self._free = free  # releases one; only called once no copy touches it
+        self._idle: list[tuple[Tensor, torch.cuda.Event | None]] = []
+        self._retiring: list[tuple[Tensor, torch.cuda.Event | None]] = []
+        self.nbytes = 0  # every buffer the pool owns: lent, idle and retiring
 
     def take(self, nbytes: int) -> tuple[Tensor, torch.cuda.Event | None]:
-        """The smallest free buffer of at least ``nbytes`` and the event its next writer waits for; a new buffer
-        when none fits (the free ones, smaller, served smaller micro-batches: they are released)."""
-        fits = [k for k, (buf, _) in enumerate(self._free) if buf.numel() >= nbytes]
+        """The smallest idle buffer of at least ``nbytes`` and the event its next writer waits for; a new buffer
+        when none fits (the idle ones, smaller, served smaller micro-batches: they retire)."""
+        self._reap()
+        fits = [k for k, (buf, _) in enumerate(self._idle) if buf.numel() >= nbytes]
         if fits:
-            return self._free.pop(min(fits, key=lambda k: self._free[k][0].numel()))
-        self.clear()
-        return self._alloc(nbytes), None
+            return self._idle.pop(min(fits, key=lambda k: self._idle[k][0].numel()))
+        self._retiring += self._idle
+        self._idle = []
+        self._reap()  # before allocating: the host peaks lower
+        buf = self._alloc(nbytes)
+        self.nbytes += nbytes
+        return buf, None
 
-    def give(self, buf: Tensor, last_read: torch.cuda.Event | None) -> None:
-        """Return a buffer whose last reader (already queued) records ``last_read``."""
-        self._free.append((buf, last_read))
+    def give(self, buf: Tensor, last_use: torch.cuda.Event | None) -> None:
+        """Return a buffer whose last copy (already queued) records ``last_use``."""
+        self._idle.append((buf, last_use))
 
-    def clear(self) -> None:
-        """Release the free buffers (the ones lent out return later)."""
-        self._free.clear()
+    def release(self) -> None:
+        """Free the idle and retiring buffers: the caller has synchronized the device (the lent ones return later)."""
+        self._retiring += self._idle
+        self._idle = []
+        self._reap(done=True)
 
     def sizes(self) -> list[int]:
-        """Bytes of each free buffer."""
-        return [buf.numel() for buf, _ in self._free]
+        """Bytes of each idle buffer."""
+        return [buf.numel() for buf, _ in self._idle]
+
+    def _reap(self, done: bool = False) -> None:
+        """Free the retiring buffers whose last copy has completed (all of them with ``done``)."""
+        keep = []
+        for buf, event in self._retiring:
+            if done or event is None or event.query():
+                self._free(buf)
+                self.nbytes -= buf.numel()
+            else:
+                keep.append((buf, event))
+        self._retiring = keep
 
 
 @dataclass
@@ -195,6 +222,9 @@ class _Stashed:
     offloaded: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
     device: Tensor | None = None  # device copy once restored
     restored: torch.cuda.Event | None = None  # recorded by the H2D stream after restore; waited on by compute
+    # returns ``buffer`` to the pool, with ``offloaded``, if this handle is dropped unrestored (a graph freed without
+    # backward: an exception, a skipped step); detached by the restore, which returns it itself
+    returned: weakref.finalize | None = None
 
 
 class CudaTransfer:
@@ -229,7 +259,7 @@ class CudaTransfer:
             compute = staging if compute_dtype == torch.float32 else torch.empty_like(staging, dtype=compute_dtype)
             self.slots.append(_Slot(staging, compute, torch.cuda.Event(), torch.cuda.Event()))
         self._in_use: set[int] = set()  # layer indices acquired and not yet released
-        self.stash_pool = StashPool()  # pinned host buffers of offloaded layer inputs
+        self.stash_pool = StashPool(lambda nbytes: registry.empty(nbytes, torch.uint8), registry.free)
         self._clock = 0
         # Slabs let the D2H of layer i overlap the host accumulation of earlier layers; three absorb jitter.
         self._free_slabs: queue.Queue[Tensor] = queue.Queue()
@@ -321,7 +351,9 @@ class CudaTransfer:
             host.copy_(x, non_blocking=True)
             offloaded.record(self.d2h_stream)
         x.record_stream(self.d2h_stream)
-        return _Stashed(host, buffer, offloaded)
+        stashed = _Stashed(host, buffer, offloaded)
+        stashed.returned = weakref.finalize(stashed, self.stash_pool.give, buffer, offloaded)
+        return stashed
 
     def prefetch_stash(self, stashed: _Stashed | None) -> None:
         """Start copying an offloaded input back to the device (no-op if already there)."""
@@ -340,20 +372,15 @@ class CudaTransfer:
             stashed.restored.record(self.h2d_stream)
 
     def trim_stash_cache(self) -> None:
-        """Return the stash pool's buffers to the OS once the auto recompute policy has calibrated (once per run).
+        """Return the stash pool's idle buffers to the OS once the auto recompute policy has calibrated (once per run).
 
         The calibrating micro-batch offloads every layer's input; later micro-batches keep most layers on the device
         and stash few inputs. Freed here, before the first optimizer step allocates the Adam states, they no longer
-        add to the host RSS. torch's caching host allocator frees a dropped block only once the copies that used it
-        are done, and the restores just queued are not: hence one device synchronize first. Without it the blocks
-        stayed cached for the whole run (3B, 64K tokens, 27 fp32 layer inputs: 27 GiB of the 62.7 GiB host RSS at
-        1558d8c; at 32K, 13.5 GiB).
+        add to the host RSS. The restores just queued still read them: hence one device synchronize first (once per
+        run, not in the per-step path).
         """
-        self.stash_pool.clear()
         torch.cuda.synchronize(self.device)
-        empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-        if empty is not None:  # torch < 2.5 has neither: the blocks stay cached
-            empty()
+        self.stash_pool.release()
 
     def unstash(self, stashed: _Stashed) -> Tensor:
         """The offloaded input on the device, ready for the compute stream."""
@@ -361,6 +388,8 @@ class CudaTransfer:
         assert stashed.device is not None and stashed.restored is not None and stashed.buffer is not None
         torch.cuda.current_stream(self.device).wait_event(stashed.restored)
         # its restore is queued: the next stash into the buffer waits for ``restored``
+        assert stashed.returned is not None
+        stashed.returned.detach()
         self.stash_pool.give(stashed.buffer, stashed.restored)
         stashed.host = stashed.buffer = None
         device, stashed.device = stashed.device, None  # the caller owns it now; the handle keeps no device memory

@@ -1,4 +1,5 @@
-"""Stash pool: host buffers of offloaded layer inputs are reused, best fit, without the host waiting."""
+"""Stash pool: host buffers of offloaded layer inputs are reused, best fit, freed only once their copies are done,
+and the host never waits for the device."""
 
 from __future__ import annotations
 
@@ -7,31 +8,41 @@ import torch
 from lightning_megatrain.engine.transfer import StashPool
 
 
+class _Event:
+    """Stands for the CUDA event of a buffer's last copy: the pool only polls it."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
 def _pool():
-    made = []
+    made, freed = [], []
 
     def alloc(nbytes):
         made.append(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    return StashPool(alloc), made
+    return StashPool(alloc, lambda buf: freed.append(buf.numel())), made, freed
 
 
 def test_buffers_are_reused_with_the_event_of_their_last_restore():
-    pool, made = _pool()
+    pool, made, _ = _pool()
     a, ev_a = pool.take(100)
     b, ev_b = pool.take(100)
     assert made == [100, 100] and ev_a is None and ev_b is None
-    restored = object()  # stands for the restore's CUDA event: handed to the next writer, never waited on here
+    restored = _Event()  # handed to the next writer (the D2H stream waits for it), never waited on by the host
     pool.give(a, restored)
     pool.give(b, None)
     again, event = pool.take(100)
-    assert made == [100, 100]  # no new buffer: a micro-batch reuses the previous one's
+    assert made == [100, 100] and pool.nbytes == 200  # no new buffer: a micro-batch reuses the previous one's
     assert again.data_ptr() in (a.data_ptr(), b.data_ptr()) and event is (restored if again is a else None)
 
 
 def test_smallest_fitting_buffer_is_taken():
-    pool, made = _pool()
+    pool, made, _ = _pool()
     big, _ = pool.take(300)
     small, _ = pool.take(120)
     pool.give(big, None)
@@ -40,13 +51,26 @@ def test_smallest_fitting_buffer_is_taken():
     assert got is small and made == [300, 120] and pool.sizes() == [300]
 
 
-def test_a_larger_request_releases_the_smaller_free_buffers():
-    # the free buffers served smaller micro-batches (a shorter last batch): they would never fit again
-    pool, made = _pool()
-    for buf, _ in [pool.take(100), pool.take(100)]:
-        pool.give(buf, None)
+def test_smaller_idle_buffers_retire_and_are_freed_once_their_copies_are_done():
+    # the idle buffers served smaller micro-batches (a shorter last batch): they would never fit again
+    pool, made, freed = _pool()
+    first, second = pool.take(100), pool.take(100)
+    pending, done = _Event(), _Event(done=True)
+    pool.give(first[0], pending)
+    pool.give(second[0], done)
     got, _ = pool.take(200)
     assert got.numel() == 200 and made == [100, 100, 200] and pool.sizes() == []
+    assert freed == [100] and pool.nbytes == 300  # the copy still reading the other one is running: not freed
     pool.give(got, None)
-    pool.clear()
-    assert pool.sizes() == []
+    pending.done = True
+    pool.take(200)  # polled again at the next take
+    assert freed == [100, 100] and pool.nbytes == 200
+
+
+def test_release_frees_every_idle_buffer_and_keeps_the_lent_ones():
+    pool, _, freed = _pool()
+    idle, _ = pool.take(100)
+    pool.take(50)  # lent: a stash still holds it
+    pool.give(idle, _Event())  # the caller synchronized the device before release: pending events count as done
+    pool.release()
+    assert freed == [100] and pool.nbytes == 50 and pool.sizes() == []
