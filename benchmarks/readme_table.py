@@ -4,8 +4,9 @@
 
 Each line of ``ROWS`` names exactly one row of a committed ``benchmarks/results/*.json`` file (by commit, system,
 loss and tokens per step; the script fails when a selector matches none or several). The ratio columns divide by the
-rows marked as the references of the same model and tokens per step: ``ZERO3`` (DeepSpeed ZeRO-3 offload as a
-Lightning user runs it: eager layers, HF's loss) and ``PLAIN`` (the fastest plain GPU-resident training measured).
+rows marked as the references of the same model and tokens per step: ``ZERO3`` (the fastest DeepSpeed ZeRO-3 offload
+as a Lightning user runs it: eager layers, HF's loss) and ``PLAIN`` (the fastest plain GPU-resident training
+measured). A row whose run synchronized the GPU at every phase mark (``breakdown.sync_marks``) says so.
 tests/test_benchmark_scripts.py checks that README.md holds this output verbatim, so the table cannot drift from the
 files.
 """
@@ -37,20 +38,27 @@ _MT = "**megatrain**, `compile_layers`, `overlap_optimizer`"
 ROWS = [
     Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _3B, "ac46662", "plain", "hf", 32768),
     Row("plain GPU Lightning, compiled layers", _3B, "72f8b74", "plain_compiled", "hf", 32768, PLAIN),
-    Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "ac46662", "deepspeed_zero3_offload", "hf", 32768, ZERO3),
-    Row("DeepSpeed ZeRO-3 offload, compiled layers", _3B, "03a9900", "deepspeed_zero3_offload_compiled", "hf", 32768),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "ac46662", "deepspeed_zero3_offload", "hf",
+        32768),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "d731175", "deepspeed_zero3_offload", "hf", 32768, ZERO3),
+    Row("DeepSpeed ZeRO-3 offload, compiled layers", _3B, "03a9900", "deepspeed_zero3_offload_compiled",
+        "hf", 32768),
     Row("FSDP `cpu_offload=True` (no clipping)", _3B, "ac46662", "fsdp_cpu_offload", "hf", 32768),
-    Row(f"{_MT}, `gpu_optimizer_groups=18`", _3B, "d731175", "megatrain_overlap_gpu18_compiled", "hf", 32768),
-    Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _3B, "787580c", "plain", "chunked", 65536),
+    Row(f"{_MT}, `gpu_optimizer_groups=18`", _3B, "b064dab", "megatrain_overlap_gpu18_compiled", "hf", 32768),
+    Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _3B, "787580c", "plain", "chunked",
+        65536),
     Row("plain GPU Lightning, compiled layers", _3B, "72f8b74", "plain_compiled", "chunked", 65536, PLAIN),
     Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "e1f81d7", "deepspeed_zero3_offload", "hf", 65536, ZERO3),
-    Row("DeepSpeed ZeRO-3 offload, compiled layers", _3B, "e1f81d7", "deepspeed_zero3_offload_compiled", "chunked",
-        65536),
-    Row(f"{_MT}, `gpu_optimizer_groups=10`", _3B, "d8b6815", "megatrain_overlap_gpu10_compiled", "chunked", 65536),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "d731175", "deepspeed_zero3_offload", "hf", 65536),
+    Row("DeepSpeed ZeRO-3 offload, compiled layers, our chunked loss", _3B, "e1f81d7",
+        "deepspeed_zero3_offload_compiled", "chunked", 65536),
+    Row(f"{_MT}, `gpu_optimizer_groups=10`", _3B, "b064dab", "megatrain_overlap_gpu10_compiled", "chunked", 65536),
     Row(f"{_MT}, `gpu_optimizer_groups=8`", _7B, "d731175", "megatrain_overlap_gpu8_compiled", "hf", 32768),
-    Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _MOE, "787580c", "plain", "hf", 32768, PLAIN),
-    Row("DeepSpeed ZeRO-3 offload params + optimizer", _MOE, "787580c", "deepspeed_zero3_offload", "hf", 32768, ZERO3),
-    Row(f"{_MT}, `gpu_optimizer_groups=3`", _MOE, "6494338", "megatrain_overlap_gpu3_compiled", "hf", 32768),
+    Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _MOE, "787580c", "plain", "hf",
+        32768, PLAIN),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer", _MOE, "787580c", "deepspeed_zero3_offload", "hf",
+        32768, ZERO3),
+    Row(f"{_MT}, `gpu_optimizer_groups=3`", _MOE, "d731175", "megatrain_overlap_gpu3_compiled", "hf", 32768),
 ]
 
 _MODELS = {_3B: "Llama-3.2-3B shape (3.21B)", _7B: "Llama-2-7B shape (6.74B)",
@@ -85,8 +93,9 @@ def table() -> str:
         tokens_per_s = r["tokens_per_s"]
         mfu = f"{r['mfu_active']:.1%} active" if "mfu_active" in r else f"{r['mfu']:.1%}"
         label = f"**{tokens_per_s:,.0f}**" if row.label.startswith("**") else f"{tokens_per_s:,.0f}"
+        system = row.label + (" (sync marks)" if r["breakdown"].get("sync_marks") else "")
         lines.append(
-            f"| {row.label} | {'HF' if row.loss == 'hf' else 'chunked'} | {r['micro_batch']} x {r['accumulate']} "
+            f"| {system} | {'HF' if row.loss == 'hf' else 'chunked'} | {r['micro_batch']} x {r['accumulate']} "
             f"| {label} | {_ratio(tokens_per_s, refs.get((*section, ZERO3)))} "
             f"| {_ratio(tokens_per_s, refs.get((*section, PLAIN)))} | {mfu} | {r['peak_gpu_gib']:.1f} "
             f"| {r['peak_host_gib']:.1f} ({r['host_bytes_per_param']:.1f}) | {r['git_commit'][:7]} |"

@@ -53,7 +53,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
     inputs (the others wait in pinned host memory), independent of depth, plus the full activations and a weight
     copy (none for ``gpu_optimizer_groups`` layers) of each layer ``keep_layers`` keeps (by default as many as fit
-    in 90% of the GPU). Host memory is 16 bytes per parameter with Adam (master, grad, two moments), page-locked at
+    in 90-95% of the GPU). Host memory is 16 bytes per parameter with Adam (master, grad, two moments), page-locked at
     its exact size; :meth:`host_memory` reports it by kind, and it is logged at train end.
 
     Args:
@@ -68,7 +68,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             backward instead of being recomputed (saves one forward of each). ``"auto"`` (default): the first
             micro-batch recomputes every layer and measures one layer's activation memory and the step's peak, later
             micro-batches keep as many layers as fit in 90% of the GPU (the first of them tops up where its measured
-            peak left room). An int keeps exactly that many (the first
+            peak left room, up to 95% where the allocator's largest block is small). An int keeps exactly that many (the first
             ones); ``0`` recomputes every layer, the least GPU memory (the paper's scheme). On a CPU compute device
             ``"auto"`` keeps none.
         overlap_optimizer: run the host Adam step of step N layer by layer on a worker thread while step N+1's

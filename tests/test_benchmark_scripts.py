@@ -93,6 +93,23 @@ def test_throughput_summarize_merges_files(dry_run, tmp_path):
     assert (tmp_path / path.name).with_suffix(".md").exists()
 
 
+def test_readme_performance_table_is_generated_from_the_committed_results():
+    readme = (ROOT / "README.md").read_text()
+    begin, end = "<!-- benchmarks/readme_table.py: begin -->\n", "\n<!-- benchmarks/readme_table.py: end -->"
+    table = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    assert table == _load("readme_table").table()
+    # the targets' ratios: each megatrain row against the section's ZeRO-3 reference
+    assert "| **24,142** | 2.38 | 1.13 | 47.1% |" in table and "| **26,403** | 2.02 | 1.22 | 51.5% |" in table
+
+
+def test_readme_table_selectors_match_exactly_one_row():
+    readme_table = _load("readme_table")
+    row = readme_table.ROWS[0]
+    with pytest.raises(LookupError, match="0 rows"):
+        readme_table._find(row._replace(commit="0000000"))
+    assert readme_table._find(row)["tokens_per_s"] > 0
+
+
 def test_core_gpu_summarize_committed_results():
     files = sorted((BENCH / "results").glob("2026-11-29-core-*.json"))
     assert [f.name for f in files] == ["2026-11-29-core-depth-h200.json", "2026-11-29-core-parity-scale-h200.json"]
