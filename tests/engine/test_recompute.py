@@ -118,6 +118,19 @@ def test_auto_tops_up_after_the_first_kept_micro_batch():
         assert policy.extra == 11
 
 
+def _first_kept_micro_batch() -> RecomputePolicy:
+    """A policy (CUDA counters patched by the caller) calibrated at a 10 GiB peak, 1 GiB inputs and 1 GiB graphs, then
+    through the forward of its first kept micro-batch."""
+    policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
+    policy.start_forward()
+    policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)
+    policy.end_backward()
+    policy.start_forward()
+    while policy.keep(GIB):
+        pass
+    return policy
+
+
 def test_auto_top_up_leaves_the_largest_segment_unreserved():
     # HF's loss at 32 x 1024 on the H200: a 15.7 GiB logits block. The top-up must leave room to make it again, and
     # never plans below the first plan's budget.
@@ -125,13 +138,7 @@ def test_auto_top_up_leaves_the_largest_segment_unreserved():
         peak, reserved = [10 * GIB], [10 * GIB]
         patches = _cuda_counters(peak, reserved=reserved, segment=segment)
         with patches[0], patches[1], patches[2], patches[3]:
-            policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
-            policy.start_forward()
-            policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)
-            policy.end_backward()
-            policy.start_forward()
-            while policy.keep(GIB):
-                pass
+            policy = _first_kept_micro_batch()
             peak[0], reserved[0] = 50 * GIB, 60 * GIB
             policy.end_backward()
             # 92 GiB: 8 GiB stay free (11 layers at 95); 20 GiB: 80 GiB, below the first plan's 90 GiB, which stands
@@ -142,13 +149,7 @@ def test_auto_top_up_adds_nothing_past_the_budget():
     peak = [10 * GIB]
     patches = _cuda_counters(peak)
     with patches[0], patches[1], patches[2], patches[3]:
-        policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB)
-        policy.start_forward()
-        policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB)
-        policy.end_backward()
-        policy.start_forward()
-        while policy.keep(GIB):
-            pass
+        policy = _first_kept_micro_batch()
         peak[0] = 95 * GIB  # above the budget already (the plan was optimistic): no top-up, no change
         policy.end_backward()
         assert policy.extra == 0 and policy.limit(GIB) == 26
