@@ -222,8 +222,9 @@ class _Stashed:
     offloaded: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
     device: Tensor | None = None  # device copy once restored
     restored: torch.cuda.Event | None = None  # recorded by the H2D stream after restore; waited on by compute
-    # returns ``buffer`` to the pool, with ``offloaded``, if this handle is dropped unrestored (a graph freed without
-    # backward: an exception, a skipped step); detached by the restore, which returns it itself
+    # returns ``buffer`` to the pool, with the event of its last queued copy, if this handle is dropped before
+    # ``unstash`` (a graph freed without backward: an exception, a skipped step); detached by ``unstash``, which
+    # returns the buffer itself
     returned: weakref.finalize | None = None
 
 
@@ -352,8 +353,14 @@ class CudaTransfer:
             offloaded.record(self.d2h_stream)
         x.record_stream(self.d2h_stream)
         stashed = _Stashed(host, buffer, offloaded)
-        stashed.returned = weakref.finalize(stashed, self.stash_pool.give, buffer, offloaded)
+        self._return_if_dropped(stashed, offloaded)
         return stashed
+
+    def _return_if_dropped(self, stashed: _Stashed, last_use: torch.cuda.Event) -> None:
+        """Should ``stashed`` be dropped unrestored, its buffer goes back to the pool with its last copy's event."""
+        if stashed.returned is not None:
+            stashed.returned.detach()
+        stashed.returned = weakref.finalize(stashed, self.stash_pool.give, stashed.buffer, last_use)
 
     def prefetch_stash(self, stashed: _Stashed | None) -> None:
         """Start copying an offloaded input back to the device (no-op if already there)."""
@@ -370,6 +377,7 @@ class CudaTransfer:
             self.h2d_stream.wait_event(stashed.offloaded)
             stashed.device.copy_(stashed.host, non_blocking=True)
             stashed.restored.record(self.h2d_stream)
+        self._return_if_dropped(stashed, stashed.restored)  # the restore now reads the buffer last
 
     def trim_stash_cache(self) -> None:
         """Return the stash pool's idle buffers to the OS once the auto recompute policy has calibrated (once per run).

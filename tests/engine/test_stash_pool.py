@@ -74,3 +74,22 @@ def test_release_frees_every_idle_buffer_and_keeps_the_lent_ones():
     pool.give(idle, _Event())  # the caller synchronized the device before release: pending events count as done
     pool.release()
     assert freed == [100] and pool.nbytes == 50 and pool.sizes() == []
+
+
+def test_a_dropped_stash_returns_its_buffer_with_its_last_copy_event():
+    # a graph freed without backward (an exception, a training_step that returns None) drops its stashes unrestored:
+    # their buffers come back to the pool, to be written again only after the last copy queued on them
+    from lightning_megatrain.engine.transfer import CudaTransfer, _Stashed
+
+    transfer = object.__new__(CudaTransfer)  # only the pool and the handle bookkeeping, no device
+    transfer.stash_pool, made, _ = _pool()
+    buffer, _ = transfer.stash_pool.take(100)
+    offloaded, restored = _Event(), _Event()
+    stashed = _Stashed(host=buffer.view(torch.float32), buffer=buffer, offloaded=offloaded)
+    transfer._return_if_dropped(stashed, offloaded)
+    transfer._return_if_dropped(stashed, restored)  # prefetch_stash queued the restore: it now reads the buffer last
+    assert transfer.stash_pool.sizes() == []
+    del stashed
+    again, event = transfer.stash_pool.take(100)
+    assert again is buffer and event is restored and made == [100]  # with the restore's event,
+    assert transfer.stash_pool.sizes() == []  # and once
