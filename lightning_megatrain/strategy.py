@@ -68,9 +68,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             backward instead of being recomputed (saves one forward of each). ``"auto"`` (default): the first
             micro-batch recomputes every layer and measures one layer's activation memory and the step's peak, later
             micro-batches keep as many layers as fit in 90% of the GPU (the first of them tops up where its measured
-            peak left room, up to 95% where the allocator's largest block is small). An int keeps exactly that many (the first
-            ones); ``0`` recomputes every layer, the least GPU memory (the paper's scheme). On a CPU compute device
-            ``"auto"`` keeps none.
+            peak left room, up to 95% where the allocator's largest block is small). An int keeps exactly that many
+            (the first ones); ``0`` recomputes every layer, the least GPU memory (the paper's scheme). On a CPU
+            compute device ``"auto"`` keeps none.
         overlap_optimizer: run the host Adam step of step N layer by layer on a worker thread while step N+1's
             forward starts (each layer's upload waits for that layer's update), instead of between the steps with the
             GPU idle. The step's parameters and optimizer states are final at the next forward, ``zero_grad``,

@@ -44,7 +44,8 @@ KeepLayers = int | Literal["auto"]
 # logits block found no room in 14.5 GiB free and 14.6 GiB of fragmented reserve (benchmarks/results, 1558d8c).
 DEVICE_FRACTION = 0.9
 # The top-up's budget where the largest block is small (see the module note): at 3B and 64K tokens per micro-batch
-# with the chunked loss, 0.95 kept 20 layers where 0.9 keeps 18 (benchmarks/results, 1558d8c and d8b6815).
+# with the chunked loss on the H200 it keeps 20 layers where 0.9 kept 18, 26,403 tokens/s against 26,277 and 25,758
+# (benchmarks/results, b064dab against d8b6815 and d731175), peaking at 132.8 GiB reserved.
 TOP_UP_FRACTION = 0.95
 
 
