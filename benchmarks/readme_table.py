@@ -92,11 +92,12 @@ def table() -> str:
             lines.append(f"| *{_MODELS[row.results]}, {row.tokens_per_step // 1024}K tokens/step* |" + " |" * 9)
         tokens_per_s = r["tokens_per_s"]
         mfu = f"{r['mfu_active']:.1%} active" if "mfu_active" in r else f"{r['mfu']:.1%}"
-        label = f"**{tokens_per_s:,.0f}**" if row.label.startswith("**") else f"{tokens_per_s:,.0f}"
+        ours = row.system.startswith("megatrain")
+        shown = f"**{tokens_per_s:,.0f}**" if ours else f"{tokens_per_s:,.0f}"
         system = row.label + (" (sync marks)" if r["breakdown"].get("sync_marks") else "")
         lines.append(
             f"| {system} | {'HF' if row.loss == 'hf' else 'chunked'} | {r['micro_batch']} x {r['accumulate']} "
-            f"| {label} | {_ratio(tokens_per_s, refs.get((*section, ZERO3)))} "
+            f"| {shown} | {_ratio(tokens_per_s, refs.get((*section, ZERO3)))} "
             f"| {_ratio(tokens_per_s, refs.get((*section, PLAIN)))} | {mfu} | {r['peak_gpu_gib']:.1f} "
             f"| {r['peak_host_gib']:.1f} ({r['host_bytes_per_param']:.1f}) | {r['git_commit'][:7]} |"
         )

@@ -14,11 +14,11 @@ The host master stays the parameter (DESIGN principle 1), brought up to date whe
 reader of host parameters between steps already waits for the optimizer (``wait_for_optimizer``: checkpoints,
 ``state_dict()``, the barrier hooks, teardown), and that wait first has the D2H stream write the mirror back
 (:meth:`DeviceGroup.flush`). Writing it back after every step instead cost 0.4 GB of D2H per 3B-model layer per
-step that nothing read, and a loss read at the step's end waited behind it (engine/engine.py, [Note: late grads]). Likewise
-the layer's fp32 grad reaches the host grads only when code may read ``p.grad`` before the step (hooks, manual
-optimization: the engine's ``set_grads_read``); otherwise the device step and clipping read the device sum and the
-host ``p.grad`` of these parameters stays ``None``. With hooks, ``state_dict()``, checkpoints, clipping and hooks
-read the same tensors as without device groups. The optimizer's state entries for
+step that nothing read, and a loss read at the step's end waited behind it (engine/engine.py, [Note: late grads]).
+Likewise the layer's fp32 grad reaches the host grads only when code may read ``p.grad`` before the step (hooks,
+manual optimization: the engine's ``set_grads_read``); otherwise the device step and clipping read the device sum
+and the host ``p.grad`` of these parameters stays ``None``. With hooks, ``state_dict()``, checkpoints, clipping and
+hooks read the same tensors as without device groups. The optimizer's state entries for
 these parameters are the device moments (``optimizer.state[p]`` holds views of them); the strategy saves them as
 CPU tensors, and states loaded from a checkpoint are copied in at the next step (:meth:`DeviceGroup.bind_states`).
 Parameters written directly on the host between steps (not through ``load_state_dict``) are not seen by the mirror.

@@ -18,8 +18,9 @@ def _cuda_counters(peak: list[int], total: int = 100 * GIB, reserved: list[int] 
         mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=total)),
         mock.patch.object(torch.cuda, "max_memory_reserved", lambda device=None: (reserved or peak)[0]),
         # the allocator's segments: the largest one, another device's larger one (not counted), and a small one
-        mock.patch.object(torch.cuda, "memory_snapshot", lambda: [
-            {"device": 0, "total_size": segment}, {"device": 1, "total_size": 50 * GIB}, {"device": 0, "total_size": 2}]),
+        mock.patch.object(torch.cuda, "memory_snapshot", lambda: [{"device": 0, "total_size": segment},
+                                                                   {"device": 1, "total_size": 50 * GIB},
+                                                                   {"device": 0, "total_size": 2}]),
     )
 
 
