@@ -22,8 +22,8 @@ from typing_extensions import override
 
 from lightning_megatrain.callbacks import host_rss_gib
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.engine.recompute import KeepLayers
-from lightning_megatrain.optim.host_optimizer import CPU_ADAM_MODES, CpuAdamMode, rebind_scheduler, to_host_optimizer
+from lightning_megatrain.config import CPU_ADAM_MODES, CpuAdamMode, KeepLayers
+from lightning_megatrain.optim.host_optimizer import rebind_scheduler, to_host_optimizer
 from lightning_megatrain.precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)

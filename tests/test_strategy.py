@@ -295,8 +295,10 @@ def test_checkpoint_resume_restores_exactly_and_matches_plain(tmp_path):
         strategy = "auto" if i == 0 else MegaTrainStrategy(cpu_adam="torch")
         finals.append(fit(strategy, root, 4, ckpt_path=str(root / "last.ckpt"), callbacks=[check]))
         assert check.checked
+    # fused host AdamW against torch's for-loop AdamW: fp32 rounding differs per CPU's vector width, and Adam
+    # divides by sqrt(v), so a weight whose grads are ~0 moves by up to ~3e-7 more on one machine than another
     for (name, a), b in zip(finals[1].named_parameters(), finals[0].parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_bf16_mixed_on_cpu_tracks_plain_bf16():

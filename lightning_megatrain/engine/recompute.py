@@ -30,13 +30,12 @@ recomputes only the rest. ``k`` is:
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import torch
 
-log = logging.getLogger(__name__)
+from lightning_megatrain.config import KeepLayers
 
-KeepLayers = int | Literal["auto"]
+log = logging.getLogger(__name__)
 
 # Share of the device's memory the auto policy plans to fill: the rest absorbs allocator fragmentation and kernels'
 # workspaces that the allocated-bytes counters do not see. 0.95 kept one more 3B layer at 64K tokens per micro-batch

@@ -12,17 +12,16 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adam import adam as adam_functional  # what Adam/AdamW.step() call after _init_group
 
-log = logging.getLogger(__name__)
+from lightning_megatrain.config import CpuAdamMode
 
-CpuAdamMode = Literal["auto", "deepspeed", "torch"]
-CPU_ADAM_MODES = ("auto", "deepspeed", "torch")
+log = logging.getLogger(__name__)
 
 # Adam/AdamW options that the fast paths do not implement: with any of these set the optimizer runs as given.
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")

@@ -1,0 +1,76 @@
+"""The engine's options: declared, documented and validated once, then shared by the strategy, engine and planner.
+
+A new option is a field here (with its docstring); ``MegaTrainStrategy`` takes each field as a keyword argument of
+the same name, the engine reads it from :class:`EngineConfig`, and ``megatrain plan`` plans with the same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+KeepLayers = int | Literal["auto"]
+CpuAdamMode = Literal["auto", "deepspeed", "torch"]
+CPU_ADAM_MODES = ("auto", "deepspeed", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine places and moves state. Every field is a ``MegaTrainStrategy`` argument of the same name."""
+
+    layers: str | None = None
+    """Dotted path of the decoder-layer ``nn.ModuleList`` (e.g. ``"model.model.layers"``); ``None`` discovers it."""
+
+    num_slots: int = 2
+    """Device buffers for layer weights, >= 2: one computes while the next uploads. Each costs one layer of GPU
+    memory and only helps when layer sizes vary."""
+
+    keep_layers: KeepLayers = "auto"
+    """Layers per training micro-batch whose activations stay on the GPU instead of being recomputed: ``"auto"`` =
+    as many as fit (engine/recompute.py), an int = exactly that many (the first ones), ``0`` = recompute every layer
+    (the least GPU memory)."""
+
+    overlap_optimizer: bool = False
+    """Run step N's host Adam layer by layer on a worker thread while step N+1's forward starts
+    (engine/overlap.py)."""
+
+    gpu_optimizer_groups: int = 0
+    """How many groups, in the order the forward reads them (the residents, then layers 0, 1, ...), keep fp32
+    master, grad and Adam states on the GPU and step there (engine/device_state.py). 18 bytes of GPU memory per
+    layer parameter; CUDA and Adam/AdamW only."""
+
+    compile_layers: bool = False
+    """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers])."""
+
+    cpu_adam: CpuAdamMode = "auto"
+    """Host Adam/AdamW implementation: ``"auto"`` (DeepSpeedCPUAdam when it builds, else torch fused AdamW; torch
+    fused AdamW when the step is overlapped), ``"deepspeed"`` or ``"torch"`` (optim/host_optimizer.py)."""
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("Invalid MegaTrainStrategy arguments:\n- " + "\n- ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every invalid field, one line each with the value found and what is allowed."""
+        out = []
+        if self.layers is not None and not isinstance(self.layers, str):
+            out.append(f"layers={self.layers!r}: need a dotted path such as 'model.model.layers', or None")
+        if type(self.num_slots) is not int or self.num_slots < 2:
+            out.append(f"num_slots={self.num_slots!r}: need an int >= 2 (one slot computes while the next uploads)")
+        if not (self.keep_layers == "auto" or (type(self.keep_layers) is int and self.keep_layers >= 0)):
+            out.append(f"keep_layers={self.keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
+        if not isinstance(self.overlap_optimizer, bool):
+            out.append(f"overlap_optimizer={self.overlap_optimizer!r}: need True or False")
+        if type(self.gpu_optimizer_groups) is not int or self.gpu_optimizer_groups < 0:
+            out.append(f"gpu_optimizer_groups={self.gpu_optimizer_groups!r}: need an int >= 0")
+        if not isinstance(self.compile_layers, bool):
+            out.append(f"compile_layers={self.compile_layers!r}: need True or False")
+        if self.cpu_adam not in CPU_ADAM_MODES:
+            out.append(f"cpu_adam={self.cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
+        return out
+
+    def replace(self, **changes: object) -> EngineConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
