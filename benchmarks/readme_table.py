@@ -1,23 +1,33 @@
-"""The README's headline performance table, generated from the committed result rows.
+"""The full performance table of docs/performance.md, generated from the committed result rows.
 
     python benchmarks/readme_table.py            # print the table (markdown)
+    python benchmarks/readme_table.py --write    # replace the table in docs/performance.md
+    python benchmarks/readme_table.py --check    # exit 1 when docs/performance.md does not hold the current table
 
 Each line of ``ROWS`` names exactly one row of a committed ``benchmarks/results/*.json`` file (by commit, system,
-loss and tokens per step; the script fails when a selector matches none or several). The ratio columns divide by the
-rows marked as the references of the same model and tokens per step: ``ZERO3`` (the fastest DeepSpeed ZeRO-3 offload
-as a Lightning user runs it: eager layers, HF's loss) and ``PLAIN`` (the fastest plain GPU-resident training
-measured). A row whose run synchronized the GPU at every phase mark (``breakdown.sync_marks``) says so.
-tests/test_benchmark_scripts.py checks that README.md holds this output verbatim, so the table cannot drift from the
-files.
+loss and tokens per step; the script fails when a selector matches none or several). Each section of the table names
+its result file, where every row records the commit it ran at; the table itself shows no commits. The ratio columns
+divide by the rows marked as the references of the same model and tokens per step: ``ZERO3`` (the fastest DeepSpeed
+ZeRO-3 offload as a Lightning user runs it: eager layers, HF's loss) and ``PLAIN`` (the fastest plain GPU-resident
+training measured). A row whose run synchronized the GPU at every phase mark (``breakdown.sync_marks``) says so; a
+peak host figure read after the profiled step (a row without ``peak_host_with_profiler_gib``, so the profiler's
+buffers are included) is marked with a dagger. tests/test_benchmark_scripts.py checks that docs/performance.md holds
+this output verbatim between the ``BEGIN`` and ``END`` markers, so the table cannot drift from the files, and that
+README.md's summary quotes the megatrain rows' numbers.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TARGET = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+BEGIN, END = "<!-- benchmarks/readme_table.py: begin -->\n", "\n<!-- benchmarks/readme_table.py: end -->"
+PROFILER_MARK = " †"  # peak host read after the profiled step: includes the profiler's buffers
 ZERO3, PLAIN = "zero3", "plain"
 
 
@@ -49,7 +59,8 @@ ROWS = [
         65536),
     Row("plain GPU Lightning, compiled layers", _3B, "72f8b74", "plain_compiled", "chunked", 65536, PLAIN),
     Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "e1f81d7", "deepspeed_zero3_offload", "hf", 65536, ZERO3),
-    Row("DeepSpeed ZeRO-3 offload params + optimizer", _3B, "d731175", "deepspeed_zero3_offload", "hf", 65536),
+    Row("DeepSpeed ZeRO-3 offload params + optimizer, repeat run", _3B, "d731175", "deepspeed_zero3_offload", "hf",
+        65536),
     Row("DeepSpeed ZeRO-3 offload, compiled layers, our chunked loss", _3B, "e1f81d7",
         "deepspeed_zero3_offload_compiled", "chunked", 65536),
     Row(f"{_MT}, `gpu_optimizer_groups=10`", _3B, "b064dab", "megatrain_overlap_gpu10_compiled", "chunked", 65536),
@@ -84,25 +95,53 @@ def table() -> str:
     found = [(row, _find(row)) for row in ROWS]
     refs = {(row.results, row.tokens_per_step, row.reference): r for row, r in found if row.reference}
     lines = ["| system | loss | micro x acc | tokens/s | vs ZeRO-3 | vs plain | MFU | peak GPU GiB | "
-             "peak host GiB (B/param) | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak host GiB (B/param) |", "|---|---|---|---|---|---|---|---|---|"]
     section = None
     for row, r in found:
         if (row.results, row.tokens_per_step) != section:
             section = (row.results, row.tokens_per_step)
-            lines.append(f"| *{_MODELS[row.results]}, {row.tokens_per_step // 1024}K tokens/step* |" + " |" * 9)
+            lines.append(f"| *{_MODELS[row.results]}, {row.tokens_per_step // 1024}K tokens/step* "
+                         f"(`{row.results}`) |" + " |" * 8)
         tokens_per_s = r["tokens_per_s"]
         mfu = f"{r['mfu_active']:.1%} active" if "mfu_active" in r else f"{r['mfu']:.1%}"
         ours = row.system.startswith("megatrain")
         shown = f"**{tokens_per_s:,.0f}**" if ours else f"{tokens_per_s:,.0f}"
         system = row.label + (" (sync marks)" if r["breakdown"].get("sync_marks") else "")
+        profiler = "" if "peak_host_with_profiler_gib" in r else PROFILER_MARK
         lines.append(
             f"| {system} | {'HF' if row.loss == 'hf' else 'chunked'} | {r['micro_batch']} x {r['accumulate']} "
             f"| {shown} | {_ratio(tokens_per_s, refs.get((*section, ZERO3)))} "
             f"| {_ratio(tokens_per_s, refs.get((*section, PLAIN)))} | {mfu} | {r['peak_gpu_gib']:.1f} "
-            f"| {r['peak_host_gib']:.1f} ({r['host_bytes_per_param']:.1f}) | {r['git_commit'][:7]} |"
+            f"| {r['peak_host_gib']:.1f} ({r['host_bytes_per_param']:.1f}){profiler} |"
         )
     return "\n".join(lines)
 
 
+def committed(text: str) -> str:
+    """The table between the markers of ``text`` (docs/performance.md's content)."""
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)]
+
+
+def write(path: Path = TARGET) -> bool:
+    """Replace the table between the markers of ``path``; returns whether the file changed."""
+    text = path.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    new = text[:start] + table() + text[stop:]
+    path.write_text(new)
+    return new != text
+
+
 if __name__ == "__main__":
-    print(table())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help=f"replace the table in {TARGET.name}")
+    mode.add_argument("--check", action="store_true", help=f"exit 1 when {TARGET.name} holds a stale table")
+    args = parser.parse_args()
+    if args.write:
+        print(f"{TARGET}: {'updated' if write() else 'already current'}")
+    elif args.check:
+        stale = committed(TARGET.read_text()) != table()
+        print(f"{TARGET}: {'stale, run: python benchmarks/readme_table.py --write' if stale else 'current'}")
+        sys.exit(1 if stale else 0)
+    else:
+        print(table())

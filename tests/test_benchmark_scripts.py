@@ -93,13 +93,45 @@ def test_throughput_summarize_merges_files(dry_run, tmp_path):
     assert (tmp_path / path.name).with_suffix(".md").exists()
 
 
-def test_readme_performance_table_is_generated_from_the_committed_results():
-    readme = (ROOT / "README.md").read_text()
-    begin, end = "<!-- benchmarks/readme_table.py: begin -->\n", "\n<!-- benchmarks/readme_table.py: end -->"
-    table = readme[readme.index(begin) + len(begin) : readme.index(end)]
-    assert table == _load("readme_table").table()
+def test_performance_table_is_generated_from_the_committed_results():
+    readme_table = _load("readme_table")
+    assert readme_table.TARGET == ROOT / "docs" / "performance.md"
+    table = readme_table.committed(readme_table.TARGET.read_text())
+    assert table == readme_table.table(), "stale table: run python benchmarks/readme_table.py --write"
     # the targets' ratios: each megatrain row against the section's ZeRO-3 reference
     assert "| **24,142** | 2.38 | 1.13 | 47.1% |" in table and "| **26,403** | 2.02 | 1.22 | 51.5% |" in table
+    # the table shows result files, not commits (the JSON rows keep theirs)
+    assert "`2026-11-29-llama-3.2-3b-h200.json`" in table and "b064dab" not in table
+
+
+def test_readme_summary_quotes_the_generated_table():
+    """README.md's Performance summary quotes each megatrain row: tokens/s, the ratios, MFU and host bytes/param."""
+    readme_table = _load("readme_table")
+    readme = (ROOT / "README.md").read_text()
+    summary = readme[readme.index("## Performance") : readme.index("\n## ", readme.index("## Performance") + 1)]
+    assert "docs/performance.md" in summary
+    rows = [line.split(" | ") for line in readme_table.table().splitlines() if line.startswith("| **megatrain**")]
+    assert len(rows) == 4
+    for cells in rows:
+        tokens, zero3, plain, mfu, host = cells[3], cells[4], cells[5], cells[6], cells[8]
+        assert f"**{tokens.strip('*')} tokens/s**" in summary, (tokens, cells[0])
+        for ratio in (zero3, plain):
+            assert not ratio.strip() or f"{ratio.strip()}x" in summary, (ratio, cells[0])
+        assert mfu.split()[0] in summary, (mfu, cells[0])
+        bytes_per_param = host.split("(")[1].split(")")[0]
+        assert f"{bytes_per_param} host bytes/param" in summary, (bytes_per_param, cells[0])
+    # the README keeps a summary only: the generated table lives in docs/performance.md
+    assert readme_table.BEGIN not in readme
+
+
+def test_performance_table_check_fails_on_a_stale_page(tmp_path):
+    readme_table = _load("readme_table")
+    page = tmp_path / "performance.md"
+    stale = readme_table.TARGET.read_text().replace("| **24,142** |", "| **24,000** |")
+    page.write_text(stale)
+    assert readme_table.committed(page.read_text()) != readme_table.table()
+    assert readme_table.write(page) and readme_table.committed(page.read_text()) == readme_table.table()
+    assert not readme_table.write(page)
 
 
 def test_readme_table_selectors_match_exactly_one_row():
