@@ -463,7 +463,7 @@ class MegaTrainEngine:
         }
         if isinstance(self.transfer, CudaTransfer):
             sizes["grad_slabs"] = self.transfer.slab_nbytes
-            sizes["offload_cache"] = self.transfer.stash_pool.nbytes
+            sizes["offload_cache"] = self.transfer.offload.stash_pool.nbytes
         return sizes
 
     def teardown(self) -> None:
