@@ -135,7 +135,7 @@ def test_cuda_masters_pinned_on_host():
 
 def test_accumulated_grads_are_summed_on_the_device():
     # every micro-batch after the first adds into the host grads on the device: no slab, no host pass, and the
-    # per-layer norms clipping reads stay on the device (see [Note: gradient drain])
+    # per-layer norms clipping reads stay on the device (see engine/drain.py, [Note: gradient drain])
     class Check(L.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             engine = trainer.strategy.engine

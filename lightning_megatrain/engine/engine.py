@@ -462,7 +462,7 @@ class MegaTrainEngine:
             "grads": sum(g.grad_nbytes for g in groups),
         }
         if isinstance(self.transfer, CudaTransfer):
-            sizes["grad_slabs"] = self.transfer.slab_nbytes
+            sizes["grad_slabs"] = self.transfer.grad_drain.slab_nbytes
             sizes["offload_cache"] = self.transfer.offload.stash_pool.nbytes
         return sizes
 
