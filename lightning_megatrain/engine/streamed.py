@@ -51,6 +51,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.recompute import RecomputePolicy
+from lightning_megatrain.engine.transfer import Transfer
 
 # Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
 _TENSOR = object()
@@ -139,7 +140,7 @@ class StreamedLayers:
         self,
         stack: nn.ModuleList,
         groups: list[FlatGroup],
-        transfer: Any,
+        transfer: Transfer,
         buffers: list[list],
         policy: RecomputePolicy,
         compile_layers: bool = False,

@@ -1,10 +1,12 @@
 """The transfer/stream layer: moves layer weights host->device into *slots* and gradients device->host.
 
 Everything device-specific in the engine lives here and in the two mechanisms the CUDA backend is built from
-(DESIGN principle 5). :class:`HostTransfer` is the CPU backend (compute on the host: weights are used in place,
-gradients accumulate synchronously). :class:`CudaTransfer` is the GPU backend, built on three streams and S >= 2
-slots: it creates the H2D and D2H streams and the slots, and hands the streams to the activation offload
-(engine/offload.py, [Note: activation offload]) and the gradient drain (engine/drain.py, [Note: gradient drain]).
+(DESIGN principle 5). The engine (engine/engine.py) and the streamed Function (engine/streamed.py) call a backend
+through :class:`Transfer`, one protocol that both backends satisfy. :class:`HostTransfer` is the CPU backend
+(compute on the host: weights are used in place, gradients accumulate synchronously). :class:`CudaTransfer` is the
+GPU backend, built on three streams and S >= 2 slots: it creates the H2D and D2H streams and the slots, and hands
+the streams to the activation offload (engine/offload.py, [Note: activation offload]) and the gradient drain
+(engine/drain.py, [Note: gradient drain]).
 
 [Note: slot lifecycle]
 A slot is a device buffer that holds one layer's weights at a time. ``prefetch(i)`` picks the least recently used
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -38,13 +41,79 @@ def _no_gate(group: FlatGroup) -> None:
     """No optimizer step runs concurrently: masters are always final."""
 
 
+# A saved layer input's handle, from :meth:`Transfer.stash` to :meth:`Transfer.unstash`: the input itself on the host
+# backend, an offloaded copy (engine/offload.py) on CUDA.
+Stashed = Any
+
+
+@runtime_checkable
+class Transfer(Protocol):
+    """A transfer backend, per layer index of the stack: what the engine and the streamed Function call."""
+
+    device: torch.device  # where compute runs
+    # whether a device group's summed grad is copied to its host grads; set before each backward
+    # (engine.set_grads_read); only device groups read it
+    device_grads_to_host: bool
+
+    # - weights (see [Note: slot lifecycle])
+    def prefetch(self, index: int) -> None:
+        """Start making layer ``index``'s weights available (a no-op out of range)."""
+
+    def acquire(self, index: int) -> Tensor:
+        """Layer ``index``'s weights, 1D in the compute dtype, usable by the compute that follows."""
+
+    def release(self, index: int) -> None:
+        """Compute has issued its last use of the weights :meth:`acquire` gave."""
+
+    def persistent(self, index: int) -> bool:
+        """Whether :meth:`acquire`'s weights stay unchanged until the optimizer step (a kept layer needs no copy)."""
+
+    def invalidate(self) -> None:
+        """The masters may have changed: the next :meth:`acquire` reads them again."""
+
+    # - saved layer inputs (see engine/offload.py, [Note: activation offload])
+    def stash(self, x: Tensor) -> Stashed:
+        """Keep a saved layer input for its recompute in backward."""
+
+    def prefetch_stash(self, stashed: Stashed | None) -> None:
+        """Start bringing a stashed input back (no-op for ``None`` or one already back)."""
+
+    def unstash(self, stashed: Stashed) -> Tensor:
+        """The stashed input, usable by the compute that follows; the handle keeps nothing afterwards."""
+
+    def trim_stash_cache(self) -> None:
+        """Free the stash buffers no longer needed once the recompute policy has calibrated (once per run)."""
+
+    # - grads (see engine/drain.py, [Note: gradient drain])
+    def drain(self, index: int, grads: list[Tensor | None]) -> None:
+        """Add layer ``index``'s weight grads (one per parameter, ``None`` = no gradient) into the host fp32 grads."""
+
+    def take_host_added(self) -> bool:
+        """Whether a drain since the last call added on the host, so some layer's device norm is missing
+        (engine/engine.py, [Note: late grads])."""
+
+    def wait_drained(self) -> None:
+        """Block until every drained gradient is in the host fp32 grads."""
+
+    # - host memory and teardown
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes the backend holds beyond the masters and grads, by kind (sizes only, no sync)."""
+
+    def close(self) -> None:
+        """Free the backend's resources (after the last drain)."""
+
+
 class HostTransfer:
-    """CPU backend: compute runs on the host, so a *slot* is the master itself (fp32) or a cast copy of it."""
+    """CPU backend (a :class:`Transfer`): compute runs on the host, so a *slot* is the master itself (fp32) or a cast
+    copy of it."""
+
+    device = torch.device("cpu")  # compute runs where the masters are
 
     def __init__(self, groups: list[FlatGroup], compute_dtype: torch.dtype, gate: Gate | None = None) -> None:
         self.groups = groups
         self.compute_dtype = compute_dtype
         self.gate = gate or _no_gate
+        self.device_grads_to_host = True  # no device groups on the host backend: nothing reads it
 
     def prefetch(self, index: int) -> None:
         """Nothing to prefetch: the host masters are already where compute runs."""
@@ -88,6 +157,10 @@ class HostTransfer:
     def wait_drained(self) -> None:
         """Grads are accumulated synchronously by :meth:`drain`."""
 
+    def host_bytes(self) -> dict[str, int]:
+        """No host buffers beyond the masters and grads."""
+        return {}
+
     def close(self) -> None:
         """No resources to free."""
 
@@ -106,8 +179,8 @@ class _Slot:
 
 
 class CudaTransfer:
-    """GPU backend: S slots fed by an H2D stream; saved layer inputs offloaded (engine/offload.py) and grads returned
-    (engine/drain.py) on a D2H stream."""
+    """GPU backend (a :class:`Transfer`): S slots fed by an H2D stream; saved layer inputs offloaded
+    (engine/offload.py) and grads returned (engine/drain.py) on a D2H stream."""
 
     def __init__(
         self,
@@ -242,6 +315,12 @@ class CudaTransfer:
     def wait_drained(self) -> None:
         """Block until every drained gradient is in the host fp32 grads (once per optimizer step)."""
         self.grad_drain.wait_drained()
+
+    # --------------------------------------------------------------------------------------------------------------
+    def host_bytes(self) -> dict[str, int]:
+        """Pinned host bytes beyond the masters and grads: the drain's grad slabs and the stash pool's buffers of
+        offloaded layer inputs."""
+        return {"grad_slabs": self.grad_drain.slab_nbytes, "offload_cache": self.offload.stash_pool.nbytes}
 
     def close(self) -> None:
         self.grad_drain.close()
