@@ -79,7 +79,7 @@ class Transfer(Protocol):
         """Start bringing a stashed input back (no-op for ``None`` or one already back)."""
 
     def unstash(self, stashed: Stashed) -> Tensor:
-        """The stashed input, usable by the compute that follows; the handle keeps nothing afterwards."""
+        """The stashed input, usable by the compute that follows."""
 
     def trim_stash_cache(self) -> None:
         """Free the stash buffers no longer needed once the recompute policy has calibrated (once per run)."""
