@@ -135,7 +135,7 @@ def test_cuda_masters_pinned_on_host():
 
 def test_accumulated_grads_are_summed_on_the_device():
     # every micro-batch after the first adds into the host grads on the device: no slab, no host pass, and the
-    # per-layer norms clipping reads stay on the device (see [Note: gradient drain])
+    # per-layer norms clipping reads stay on the device (see engine/drain.py, [Note: gradient drain])
     class Check(L.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             engine = trainer.strategy.engine
@@ -148,7 +148,7 @@ def test_accumulated_grads_are_summed_on_the_device():
 
 def test_calibration_frees_its_exact_size_offload_buffers():
     # the calibrating micro-batch offloads every layer input into a page-locked buffer of exactly its size; once
-    # calibrated they are unregistered and freed (engine/transfer.py, trim_stash_cache)
+    # calibrated they are unregistered and freed (engine/offload.py, trim_stash_cache)
     class Check(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 0:  # one fp32 residual stream [B, T, H] per layer
@@ -158,12 +158,12 @@ def test_calibration_frees_its_exact_size_offload_buffers():
 
         def on_before_backward(self, trainer, pl_module, loss):
             if trainer.global_step == 0:
-                self.lent = trainer.strategy.engine.transfer.stash_pool.nbytes
+                self.lent = trainer.strategy.engine.transfer.offload.stash_pool.nbytes
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 0:
                 engine = trainer.strategy.engine
-                self.after = engine.transfer.stash_pool.nbytes, len(engine.registry._regions)
+                self.after = engine.transfer.offload.stash_pool.nbytes, len(engine.registry._regions)
 
     check = Check()
     _fit_cuda(MegaTrainStrategy(), lambda: ParityLM("llama_tied"), steps=2, callbacks=[check])
@@ -173,13 +173,13 @@ def test_calibration_frees_its_exact_size_offload_buffers():
 
 def test_offloaded_inputs_reuse_one_micro_batch_of_pinned_buffers():
     # keep_layers=0 recomputes every layer: each micro-batch offloads every layer's input. However far the host runs
-    # ahead of the GPU, the stash pool then holds exactly those buffers (engine/transfer.py, [Note: activation
+    # ahead of the GPU, the stash pool then holds exactly those buffers (engine/offload.py, [Note: activation
     # offload]); torch's caching host allocator kept several micro-batches'.
     class Check(L.Callback):
         def on_train_end(self, trainer, pl_module):
             engine = trainer.strategy.engine
-            self.sizes, self.layers = engine.transfer.stash_pool.sizes(), len(engine.groups)
-            self.nbytes = engine.transfer.stash_pool.nbytes
+            self.sizes, self.layers = engine.transfer.offload.stash_pool.sizes(), len(engine.groups)
+            self.nbytes = engine.transfer.offload.stash_pool.nbytes
 
     check = Check()
     _fit_cuda(MegaTrainStrategy(keep_layers=0), lambda: ParityLM("llama_tied"), steps=4, accumulate=2,

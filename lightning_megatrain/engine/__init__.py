@@ -7,11 +7,12 @@
 - *slot*: a device buffer that holds one layer's weights at a time (S >= 2 slots, see engine/transfer.py).
 - *compute view*: a slot (or master, on the CPU backend) sliced and shaped like one parameter and bound into the
   layer's module for one forward or recompute.
-- *grad slab*: a pinned host buffer that receives one layer's packed gradients from the D2H stream.
+- *grad slab*: a pinned host buffer that receives one layer's packed gradients from the D2H stream (engine/drain.py).
 - *resident*: a parameter or buffer outside the layer stack; its *compute copy* lives on the device for a step.
 
-Modules: discovery (find the stack and residents), host_store (flat masters and grads), transfer (slots, streams,
-drain; the only device-specific code), streamed (the streamed autograd Function), residents, engine (the facade).
+Modules: discovery (find the stack and residents), host_store (flat masters and grads), transfer (the two backends,
+slots and streams), offload (saved layer inputs to host and back) and drain (grads to host): the only
+device-specific code; streamed (the streamed autograd Function), residents, engine (the facade).
 """
 
 from lightning_megatrain.engine.discovery import find_layer_stack

@@ -45,7 +45,7 @@ from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.recompute import KeepLayers, RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
-from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
+from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
 from lightning_megatrain.optim.host_optimizer import Hyper, device_update, hyper_snapshot, overlappable, snapshot_update
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class MegaTrainEngine:
         self.resident_group: FlatGroup | None = None  # the residents' masters (CPU and CUDA backends alike)
         self.streamed: StreamedLayers | None = None
         self.residents: Residents | None = None
-        self.transfer: HostTransfer | CudaTransfer | None = None
+        self.transfer: Transfer | None = None  # engine/transfer.py: HostTransfer or CudaTransfer
         self.registry: HostRegistry | None = None  # page-locked host buffers (CUDA only)
 
     @property
@@ -273,7 +273,7 @@ class MegaTrainEngine:
     def set_grads_read(self, read: bool) -> None:
         """Before a backward: whether code may read ``p.grad`` before the optimizer step. When not, the device
         groups' grads stay on the device (engine/device_state.py): the device step and clipping read them there."""
-        if isinstance(self.transfer, CudaTransfer):
+        if self.transfer is not None:
             self.transfer.device_grads_to_host = read
         if self.residents is not None:
             self.residents.grads_to_host = read
@@ -461,9 +461,8 @@ class MegaTrainEngine:
             "masters": sum(g.master.nbytes for g in groups),
             "grads": sum(g.grad_nbytes for g in groups),
         }
-        if isinstance(self.transfer, CudaTransfer):
-            sizes["grad_slabs"] = self.transfer.slab_nbytes
-            sizes["offload_cache"] = self.transfer.stash_pool.nbytes
+        if self.transfer is not None:
+            sizes.update(self.transfer.host_bytes())
         return sizes
 
     def teardown(self) -> None:

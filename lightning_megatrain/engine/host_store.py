@@ -29,8 +29,8 @@ class FlatGroup:
     new_grad: Callable[[], Tensor]  # allocates ``grad`` on first use
     slot_index: list[tuple[TensorSlot, int]] = field(default_factory=list)  # parameter slot -> index into params
     # Squared norm of ``self.grad`` as the device last wrote it whole (0-dim device tensor: one arrival, or the
-    # device-side sum of all arrivals); it spares clipping a pass over host memory. Set and cleared by the transfer
-    # layer, None whenever a host-side add changed ``self.grad`` afterwards.
+    # device-side sum of all arrivals); it spares clipping a pass over host memory. Set and cleared by the gradient
+    # drains (engine/drain.py, engine/residents.py), None whenever a host-side add changed ``self.grad`` afterwards.
     device_norm_sq: Tensor | None = None
     _grad: Tensor | None = None
 

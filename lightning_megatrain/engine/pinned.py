@@ -9,8 +9,8 @@ D2H streams then read and write it at full PCIe speed, and ``Tensor.is_pinned()`
 
 Registration outlives nothing: :meth:`HostRegistry.release` unregisters every region (the memory itself stays valid
 for the parameters that view it, now pageable) and is called by the engine's teardown after a device synchronize;
-:meth:`HostRegistry.free` unregisters one region early. The transfer layer's ``StashPool`` takes the buffers of
-offloaded layer inputs from here too, and frees them only once their copies are done (transfer.py,
+:meth:`HostRegistry.free` unregisters one region early. The activation offload's ``StashPool`` takes the buffers of
+offloaded layer inputs from here too, and frees them only once their copies are done (offload.py,
 [Note: activation offload]).
 """
 

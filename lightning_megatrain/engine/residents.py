@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_megatrain.engine.device_state import DeviceGroup
 from lightning_megatrain.engine.discovery import TensorSlot
+from lightning_megatrain.engine.drain import add_packed
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.streamed import bind
@@ -113,11 +114,7 @@ class Residents:
         host = self._grad_staging[: present.numel()]
         host.copy_(present, non_blocking=True)
         compute.synchronize()
-        views, offset = [], 0
-        for p, g in zip(self.group.params, grads):
-            views.append(None if g is None else host[offset : offset + p.numel()].view(p.shape))
-            offset += 0 if g is None else p.numel()
-        self.group.accumulate(views, packed=host)
+        add_packed(self.group, [g is not None for g in grads], host)
         self._after_drain()
 
     def wait_landed(self) -> None:

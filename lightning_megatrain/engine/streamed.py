@@ -4,7 +4,7 @@
 Forward (training): acquire layer i's weights from its slot, prefetch i+1, run the layer's *own* module code under
 ``no_grad`` with its parameters bound to the slot's compute views, release the slot, keep only the layer's inputs
 (plus RNG and autocast state): inputs on the activation path are stashed by the transfer layer (offloaded to pinned
-host memory on CUDA, see [Note: activation offload] in transfer.py), masks and rotary tables shared by all layers
+host memory on CUDA, see [Note: activation offload] in offload.py), masks and rotary tables shared by all layers
 are saved as they are. No graph of the layer's internals exists after forward.
 Backward: acquire layer i again (usually still in a slot from forward or prefetched by layer i+1's backward),
 prefetch i-1 and its stashed input, re-run the layer with grad under the saved RNG/autocast state,
@@ -51,6 +51,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.recompute import RecomputePolicy
+from lightning_megatrain.engine.transfer import Transfer
 
 # Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
 _TENSOR = object()
@@ -139,7 +140,7 @@ class StreamedLayers:
         self,
         stack: nn.ModuleList,
         groups: list[FlatGroup],
-        transfer: Any,
+        transfer: Transfer,
         buffers: list[list],
         policy: RecomputePolicy,
         compile_layers: bool = False,

@@ -1,8 +1,12 @@
 """The transfer/stream layer: moves layer weights host->device into *slots* and gradients device->host.
 
-Everything device-specific in the engine lives here (DESIGN principle 5). :class:`HostTransfer` is the CPU backend
+Everything device-specific in the engine lives here and in the two mechanisms the CUDA backend is built from
+(DESIGN principle 5). The engine (engine/engine.py) and the streamed Function (engine/streamed.py) call a backend
+through :class:`Transfer`, one protocol that both backends satisfy. :class:`HostTransfer` is the CPU backend
 (compute on the host: weights are used in place, gradients accumulate synchronously). :class:`CudaTransfer` is the
-GPU backend, built on three streams and S >= 2 slots.
+GPU backend, built on three streams and S >= 2 slots: it creates the H2D and D2H streams and the slots, and hands
+the streams to the activation offload (engine/offload.py, [Note: activation offload]) and the gradient drain
+(engine/drain.py, [Note: gradient drain]).
 
 [Note: slot lifecycle]
 A slot is a device buffer that holds one layer's weights at a time. ``prefetch(i)`` picks the least recently used
@@ -12,62 +16,21 @@ on the H2D stream) and records the slot's ``ready`` event. ``acquire(i)`` makes 
 ``ready``; ``release(i)`` records ``free``. Slot reuse is therefore ordered by events only: no host synchronization.
 Because backward starts with the layers forward ended with, the last S layers of forward are reused by backward
 without a second upload.
-
-[Note: gradient drain]
-``drain(i, grads)`` packs layer i's weight grads into one contiguous device buffer on the compute stream (one D2H
-per layer, not one per parameter). When every parameter got a gradient, the fp32 host grads end up written by one
-D2H straight into the layer's pinned grad buffer, with no host pass at all:
-
-- *first arrival* (no host grads since ``zero_grad``): the buffer is cast to fp32 on the compute stream;
-- *accumulation* (the host grads are complete from earlier micro-batches): the H2D stream uploads them, the D2H
-  stream waits for that upload and for the packed buffer, adds the two in fp32 and writes the sum back. The
-  upload rides behind the weight prefetches, the add runs beside the compute stream, and nothing waits on the
-  host, so accumulated micro-batches cost PCIe time only.
-
-Either way the per-layer squared norm is taken on the device from the fp32 buffer written back, so clipping needs
-no pass over host memory. Otherwise (an expert without tokens, or a layer whose host grads are partial) the packed
-buffer goes into a free pinned *grad slab* and a worker thread adds the slab into the fp32 host grads. In every case
-the worker waits for the copy's event and then owns the host side. Holding the device buffers in the worker's queue
-entry until the copy's event has completed is what keeps the caching allocator from reusing them while the D2H
-stream still reads them: a structural invariant, not bookkeeping (tests/test_gpu.py runs every path against plain
-training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step, on the training
-thread or, when grads land late (engine/engine.py, [Note: late grads]), on the optimizer step's worker.
-
-[Note: activation offload]
-The input a streamed layer saves for its recompute (the residual stream, B x T x H) would otherwise stay on the
-GPU for every layer until backward, so GPU memory would grow with depth. ``stash(x)`` copies it to pinned host
-memory on the D2H stream after an event on the compute stream; ``x.record_stream(d2h)`` keeps the caching
-allocator from reusing x's memory before that copy has run. In backward, ``prefetch_stash`` (layer i-1 while
-layer i recomputes) copies it back on the H2D stream into memory allocated on the compute stream; the H2D stream
-first waits for the compute stream (the new block may still be read by queued compute kernels of its previous
-tenant) and for the offload's event; ``unstash`` makes the compute stream wait for the restore. (Keeping the last
-layer's input on the GPU instead, whose restore nothing hides, removed a 15 ms gap at the start of backward at 3B and
-64K tokens but cost one more layer input of GPU memory: throughput stayed within noise, the auto policy kept one
-layer fewer, and the planner's ready configs no longer fit. Reverted; benchmarks/results, 2c8733b.)
-
-The host buffers come from a :class:`StashPool`. ``unstash`` hands a buffer back as soon as its restore is *queued*,
-with the restore's event; the next ``stash`` into it has the D2H stream wait for that event, so the device orders
-the reuse and the host never waits. torch's caching host allocator, which these buffers came from before, reuses a
-block only once the host has *seen* its copies complete, and the training thread runs steps ahead of the GPU: at
-3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes a micro-batch (benchmarks/results,
-host_steady_by_kind_gib at 2c8733b). It also rounds every block up to a power of two: 1 GiB for the 768 MiB fp32
-residual stream. The pool holds one micro-batch's stashes, page-locked at their exact size (engine/pinned.py), and
-frees a buffer only once its last copy has completed.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from lightning_megatrain.engine.device_state import DeviceGroup
+from lightning_megatrain.engine.drain import GradDrain
 from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.engine.offload import ActivationOffload, _Stashed
 from lightning_megatrain.engine.pinned import HostRegistry
 
 
@@ -78,13 +41,79 @@ def _no_gate(group: FlatGroup) -> None:
     """No optimizer step runs concurrently: masters are always final."""
 
 
+# A saved layer input's handle, from :meth:`Transfer.stash` to :meth:`Transfer.unstash`: the input itself on the host
+# backend, an offloaded copy (engine/offload.py) on CUDA.
+Stashed = Any
+
+
+@runtime_checkable
+class Transfer(Protocol):
+    """A transfer backend, per layer index of the stack: what the engine and the streamed Function call."""
+
+    device: torch.device  # where compute runs
+    # whether a device group's summed grad is copied to its host grads; set before each backward
+    # (engine.set_grads_read); only device groups read it
+    device_grads_to_host: bool
+
+    # - weights (see [Note: slot lifecycle])
+    def prefetch(self, index: int) -> None:
+        """Start making layer ``index``'s weights available (a no-op out of range)."""
+
+    def acquire(self, index: int) -> Tensor:
+        """Layer ``index``'s weights, 1D in the compute dtype, usable by the compute that follows."""
+
+    def release(self, index: int) -> None:
+        """Compute has issued its last use of the weights :meth:`acquire` gave."""
+
+    def persistent(self, index: int) -> bool:
+        """Whether :meth:`acquire`'s weights stay unchanged until the optimizer step (a kept layer needs no copy)."""
+
+    def invalidate(self) -> None:
+        """The masters may have changed: the next :meth:`acquire` reads them again."""
+
+    # - saved layer inputs (see engine/offload.py, [Note: activation offload])
+    def stash(self, x: Tensor) -> Stashed:
+        """Keep a saved layer input for its recompute in backward."""
+
+    def prefetch_stash(self, stashed: Stashed | None) -> None:
+        """Start bringing a stashed input back (no-op for ``None`` or one already back)."""
+
+    def unstash(self, stashed: Stashed) -> Tensor:
+        """The stashed input, usable by the compute that follows."""
+
+    def trim_stash_cache(self) -> None:
+        """Free the stash buffers no longer needed once the recompute policy has calibrated (once per run)."""
+
+    # - grads (see engine/drain.py, [Note: gradient drain])
+    def drain(self, index: int, grads: list[Tensor | None]) -> None:
+        """Add layer ``index``'s weight grads (one per parameter, ``None`` = no gradient) into the host fp32 grads."""
+
+    def take_host_added(self) -> bool:
+        """Whether a drain since the last call added on the host, so some layer's device norm is missing
+        (engine/engine.py, [Note: late grads])."""
+
+    def wait_drained(self) -> None:
+        """Block until every drained gradient is in the host fp32 grads."""
+
+    # - host memory and teardown
+    def host_bytes(self) -> dict[str, int]:
+        """Host bytes the backend holds beyond the masters and grads, by kind (sizes only, no sync)."""
+
+    def close(self) -> None:
+        """Free the backend's resources (after the last drain)."""
+
+
 class HostTransfer:
-    """CPU backend: compute runs on the host, so a *slot* is the master itself (fp32) or a cast copy of it."""
+    """CPU backend (a :class:`Transfer`): compute runs on the host, so a *slot* is the master itself (fp32) or a cast
+    copy of it."""
+
+    device = torch.device("cpu")  # compute runs where the masters are
 
     def __init__(self, groups: list[FlatGroup], compute_dtype: torch.dtype, gate: Gate | None = None) -> None:
         self.groups = groups
         self.compute_dtype = compute_dtype
         self.gate = gate or _no_gate
+        self.device_grads_to_host = True  # no device groups on the host backend: nothing reads it
 
     def prefetch(self, index: int) -> None:
         """Nothing to prefetch: the host masters are already where compute runs."""
@@ -128,6 +157,10 @@ class HostTransfer:
     def wait_drained(self) -> None:
         """Grads are accumulated synchronously by :meth:`drain`."""
 
+    def host_bytes(self) -> dict[str, int]:
+        """No host buffers beyond the masters and grads."""
+        return {}
+
     def close(self) -> None:
         """No resources to free."""
 
@@ -145,91 +178,9 @@ class _Slot:
     last_use: int = 0
 
 
-@dataclass
-class _Drain:
-    """A D2H copy in flight: the packed device grads stay referenced until ``done`` (see [Note: gradient drain])."""
-
-    index: int
-    present: list[bool]  # which parameters had a gradient, in layout order
-    device: tuple[Tensor, ...]  # 1D device buffers the copy reads (the packed grads, the device-side sum)
-    slab: Tensor | None  # 1D pinned host, [max layer numel]; None when the copy went straight into the grads
-    done: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the drain worker
-
-
-class StashPool:
-    """Page-locked host buffers for offloaded layer inputs, of exactly the requested size, reused across micro-batches
-    (see [Note: activation offload]).
-
-    The pool owns every buffer it allocates until it frees it. A buffer is *lent* (a stash holds it), *idle* (with
-    the event of the last copy that used it, ``None`` if none did) or *retiring* (idle but smaller than the current
-    requests, freed as soon as its event has completed; polled, never waited for).
-    """
-
-    def __init__(self, alloc: Callable[[int], Tensor], free: Callable[[Tensor], None]) -> None:
-        self._alloc = alloc  # [nbytes] uint8 page-locked host buffer
-        self._free = free  # releases one; only called once no copy touches it
-        self._idle: list[tuple[Tensor, torch.cuda.Event | None]] = []
-        self._retiring: list[tuple[Tensor, torch.cuda.Event | None]] = []
-        self.nbytes = 0  # every buffer the pool owns: lent, idle and retiring
-
-    def take(self, nbytes: int) -> tuple[Tensor, torch.cuda.Event | None]:
-        """The smallest idle buffer of at least ``nbytes`` and the event its next writer waits for; a new buffer
-        when none fits (the idle ones, smaller, served smaller micro-batches: they retire)."""
-        self._reap()
-        fits = [k for k, (buf, _) in enumerate(self._idle) if buf.numel() >= nbytes]
-        if fits:
-            return self._idle.pop(min(fits, key=lambda k: self._idle[k][0].numel()))
-        self._retiring += self._idle
-        self._idle = []
-        self._reap()  # before allocating: the host peaks lower
-        buf = self._alloc(nbytes)
-        self.nbytes += nbytes
-        return buf, None
-
-    def give(self, buf: Tensor, last_use: torch.cuda.Event | None) -> None:
-        """Return a buffer whose last copy (already queued) records ``last_use``."""
-        self._idle.append((buf, last_use))
-
-    def release(self) -> None:
-        """Free the idle and retiring buffers: the caller has synchronized the device (the lent ones return later)."""
-        self._retiring += self._idle
-        self._idle = []
-        self._reap(done=True)
-
-    def sizes(self) -> list[int]:
-        """Bytes of each idle buffer."""
-        return [buf.numel() for buf, _ in self._idle]
-
-    def _reap(self, done: bool = False) -> None:
-        """Free the retiring buffers whose last copy has completed (all of them with ``done``)."""
-        keep = []
-        for buf, event in self._retiring:
-            if done or event is None or event.query():
-                self._free(buf)
-                self.nbytes -= buf.numel()
-            else:
-                keep.append((buf, event))
-        self._retiring = keep
-
-
-@dataclass
-class _Stashed:
-    """A saved layer input offloaded to pinned host memory (see [Note: activation offload])."""
-
-    host: Tensor | None  # pinned host copy, same shape and dtype as the device input; None once restored
-    buffer: Tensor | None  # the pool's [nbytes] uint8 buffer ``host`` views, returned to the pool on restore
-    # - CUDA events for stream synchronization
-    offloaded: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the H2D stream on restore
-    device: Tensor | None = None  # device copy once restored
-    restored: torch.cuda.Event | None = None  # recorded by the H2D stream after restore; waited on by compute
-    # returns ``buffer`` to the pool, with the event of its last queued copy, if this handle is dropped before
-    # ``unstash`` (a graph freed without backward: an exception, a skipped step); detached by ``unstash``, which
-    # returns the buffer itself
-    returned: weakref.finalize | None = None
-
-
 class CudaTransfer:
-    """GPU backend: S slots fed by an H2D stream, grads returned on a D2H stream into pinned slabs."""
+    """GPU backend (a :class:`Transfer`): S slots fed by an H2D stream; saved layer inputs offloaded
+    (engine/offload.py) and grads returned (engine/drain.py) on a D2H stream."""
 
     def __init__(
         self,
@@ -245,14 +196,14 @@ class CudaTransfer:
         self.gate = gate or _no_gate
         # layers whose weights live on the device for good (engine/device_state.py): no slot, no upload
         self.device_groups = device_groups or {}
-        # whether a device group's summed grad is copied to its host grads (engine.set_grads_read)
-        self.device_grads_to_host = True
         self.device = device
         self.compute_dtype = compute_dtype
         max_numel = max(g.numel for g in groups)
-        # H2D stream: uploads layer i+1 (forward) or i-1 (backward) while the compute stream runs layer i.
+        # H2D stream: uploads layer i+1 (forward) or i-1 (backward) while the compute stream runs layer i; also
+        # restores offloaded inputs and uploads host grads for the device-side sum (engine/offload.py, drain.py).
         self.h2d_stream = torch.cuda.Stream(device)
-        # D2H stream: returns layer i's grads to host while the compute stream recomputes layer i-1.
+        # D2H stream: returns layer i's grads to host while the compute stream recomputes layer i-1; also offloads
+        # saved layer inputs in forward (engine/offload.py).
         self.d2h_stream = torch.cuda.Stream(device)
         self.slots: list[_Slot] = []
         for _ in range(num_slots):
@@ -260,20 +211,11 @@ class CudaTransfer:
             compute = staging if compute_dtype == torch.float32 else torch.empty_like(staging, dtype=compute_dtype)
             self.slots.append(_Slot(staging, compute, torch.cuda.Event(), torch.cuda.Event()))
         self._in_use: set[int] = set()  # layer indices acquired and not yet released
-        self.stash_pool = StashPool(lambda nbytes: registry.empty(nbytes, torch.uint8), registry.free)
+        self.offload = ActivationOffload(device, self.h2d_stream, self.d2h_stream, registry)  # engine/offload.py
         self._clock = 0
-        # Slabs let the D2H of layer i overlap the host accumulation of earlier layers; three absorb jitter.
-        self._free_slabs: queue.Queue[Tensor] = queue.Queue()
-        for _ in range(3):
-            self._free_slabs.put(registry.empty(max_numel, compute_dtype))
-        self.slab_nbytes = 3 * max_numel * compute_dtype.itemsize  # pinned host bytes of the slabs
-        self._pending: queue.Queue[_Drain | None] = queue.Queue()
-        self._in_flight: dict[int, int] = {}  # layer index -> drains queued and not yet accumulated
-        self._host_added = False  # a drain since take_host_added() left its host grads to a host add
-        self._lock = threading.Lock()  # guards _in_flight between the training and the worker thread
-        self._error: BaseException | None = None
-        self._worker = threading.Thread(target=self._drain_worker, name="megatrain-grad-drain", daemon=True)
-        self._worker.start()
+        self.grad_drain = GradDrain(  # engine/drain.py
+            groups, device, compute_dtype, registry, self.h2d_stream, self.d2h_stream, self.device_groups
+        )
 
     # ----------------------------------------------------------------------------------------------- H2D / slots
     def _slot_of(self, index: int) -> _Slot | None:
@@ -337,214 +279,49 @@ class CudaTransfer:
 
     # ------------------------------------------------------------------------------------------ activation offload
     def stash(self, x: Tensor) -> _Stashed:
-        """Offload a saved layer input to pinned host memory (see [Note: activation offload])."""
-        compute = torch.cuda.current_stream(self.device)
-        nbytes = x.numel() * x.element_size()
-        buffer, last_read = self.stash_pool.take(nbytes)
-        host = buffer[:nbytes].view(x.dtype).view(x.shape)
-        produced = torch.cuda.Event()
-        produced.record(compute)
-        offloaded = torch.cuda.Event()
-        with torch.cuda.stream(self.d2h_stream), torch.profiler.record_function("megatrain::offload"):
-            self.d2h_stream.wait_event(produced)
-            if last_read is not None:
-                self.d2h_stream.wait_event(last_read)  # the buffer's previous restore may still read it
-            host.copy_(x, non_blocking=True)
-            offloaded.record(self.d2h_stream)
-        x.record_stream(self.d2h_stream)
-        stashed = _Stashed(host, buffer, offloaded)
-        self._return_if_dropped(stashed, offloaded)
-        return stashed
-
-    def _return_if_dropped(self, stashed: _Stashed, last_use: torch.cuda.Event) -> None:
-        """Should ``stashed`` be dropped unrestored, its buffer goes back to the pool with its last copy's event."""
-        if stashed.returned is not None:
-            stashed.returned.detach()
-        stashed.returned = weakref.finalize(stashed, self.stash_pool.give, stashed.buffer, last_use)
+        """Offload a saved layer input to pinned host memory (see engine/offload.py, [Note: activation offload])."""
+        return self.offload.stash(x)
 
     def prefetch_stash(self, stashed: _Stashed | None) -> None:
         """Start copying an offloaded input back to the device (no-op if already there)."""
-        if stashed is None or stashed.device is not None:
-            return
-        assert stashed.host is not None
-        compute = torch.cuda.current_stream(self.device)
-        stashed.device = torch.empty(stashed.host.shape, dtype=stashed.host.dtype, device=self.device)
-        allocated = torch.cuda.Event()
-        allocated.record(compute)
-        stashed.restored = torch.cuda.Event()
-        with torch.cuda.stream(self.h2d_stream), torch.profiler.record_function("megatrain::restore"):
-            self.h2d_stream.wait_event(allocated)
-            self.h2d_stream.wait_event(stashed.offloaded)
-            stashed.device.copy_(stashed.host, non_blocking=True)
-            stashed.restored.record(self.h2d_stream)
-        self._return_if_dropped(stashed, stashed.restored)  # the restore now reads the buffer last
+        self.offload.prefetch_stash(stashed)
 
     def trim_stash_cache(self) -> None:
-        """Return the stash pool's idle buffers to the OS once the auto recompute policy has calibrated (once per run).
-
-        The calibrating micro-batch offloads every layer's input; later micro-batches keep most layers on the device
-        and stash few inputs. Freed here, before the first optimizer step allocates the Adam states, they no longer
-        add to the host RSS. The restores just queued still read them: hence one device synchronize first (once per
-        run, not in the per-step path).
-        """
-        torch.cuda.synchronize(self.device)
-        self.stash_pool.release()
+        """Return the stash pool's idle buffers to the OS once the auto recompute policy has calibrated."""
+        self.offload.trim_stash_cache()
 
     def unstash(self, stashed: _Stashed) -> Tensor:
         """The offloaded input on the device, ready for the compute stream."""
-        self.prefetch_stash(stashed)
-        assert stashed.device is not None and stashed.restored is not None and stashed.buffer is not None
-        torch.cuda.current_stream(self.device).wait_event(stashed.restored)
-        # its restore is queued: the next stash into the buffer waits for ``restored``
-        assert stashed.returned is not None
-        stashed.returned.detach()
-        self.stash_pool.give(stashed.buffer, stashed.restored)
-        stashed.host = stashed.buffer = None
-        device, stashed.device = stashed.device, None  # the caller owns it now; the handle keeps no device memory
-        return device
+        return self.offload.unstash(stashed)
 
     # ------------------------------------------------------------------------------------------------- D2H / drain
+    @property
+    def device_grads_to_host(self) -> bool:
+        """Whether a device group's summed grad is copied to its host grads (engine.set_grads_read)."""
+        return self.grad_drain.device_grads_to_host
+
+    @device_grads_to_host.setter
+    def device_grads_to_host(self, read: bool) -> None:
+        self.grad_drain.device_grads_to_host = read
+
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
-        """Send layer ``index``'s weight grads (device, compute dtype, one per parameter) to the host fp32 grads."""
-        self._raise_worker_error()
-        present = [g is not None for g in grads]
-        if not any(present):
-            return
-        if index in self.device_groups:
-            self._drain_device_group(index, grads)
-            return
-        group = self.groups[index]
-        idle = self._count_in_flight(index)
-        # See [Note: gradient drain] for the three paths.
-        whole = idle and all(present) and group.grad.is_pinned()
-        first = whole and all(p.grad is None for p in group.params)
-        accumulate = whole and not first and group.grads_are_views()
-        compute = torch.cuda.current_stream(self.device)
-        done = torch.cuda.Event()  # recorded by the D2H stream after the copy; waited on by the drain worker
-        with torch.profiler.record_function("megatrain::d2h"):
-            packed = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] on the compute stream
-            if first:
-                packed = packed.float()
-                group.device_norm_sq = torch.dot(packed, packed)  # the per-layer partial norm clipping will read
-            packed_ready = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
-            packed_ready.record(compute)
-            if accumulate:
-                self._drain_accumulating(index, packed, packed_ready, done)
-                return
-            if not first:
-                group.device_norm_sq = None  # the host add below makes it stale: clipping takes a host pass
-                self._host_added = True
-            slab = None if first else self._free_slabs.get()  # blocks only when the worker is 3 layers behind
-            target = group.grad if slab is None else slab
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(packed_ready)
-                target[: packed.numel()].copy_(packed, non_blocking=True)
-                done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, present, (packed,), slab, done))
-
-    def _drain_accumulating(
-        self, index: int, packed: Tensor, packed_ready: torch.cuda.Event, done: torch.cuda.Event
-    ) -> None:
-        """Add ``packed`` to layer ``index``'s complete host grads on the device and write the fp32 sum back."""
-        group = self.groups[index]
-        with torch.cuda.stream(self.h2d_stream):
-            total = torch.empty(group.numel, dtype=torch.float32, device=self.device)  # [numel] fp32
-            total.copy_(group.grad, non_blocking=True)  # behind the weight prefetches already queued
-            uploaded = torch.cuda.Event()  # recorded by the H2D stream; waited on by the D2H stream
-            uploaded.record(self.h2d_stream)
-        with torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(uploaded)
-            self.d2h_stream.wait_event(packed_ready)
-            total.add_(packed)  # fp32 += compute dtype, the same sum the slab path's host add makes
-            # Read by clip_grad_norm_ on the compute stream only after wait_drained() synchronized on ``done``.
-            group.device_norm_sq = torch.dot(total, total)
-            group.grad.copy_(total, non_blocking=True)
-            done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, [True] * len(group.params), (packed, total), None, done))
-
-    def _count_in_flight(self, index: int) -> bool:
-        """Count one more drain of layer ``index`` for the worker; True when none was in flight (the worker is done
-        with this layer's host grads)."""
-        with self._lock:
-            idle = self._in_flight.get(index, 0) == 0
-            self._in_flight[index] = self._in_flight.get(index, 0) + 1
-        return idle
-
-    def _drain_device_group(self, index: int, grads: list[Tensor | None]) -> None:
-        """Sum layer ``index``'s grads into its device group's fp32 grad, then copy that sum to the host grads when
-        code may read them (``device_grads_to_host``).
-
-        The device sum is what the device optimizer step reads; the host copy keeps ``p.grad`` what it is without
-        device groups (engine/device_state.py). Parameters without a gradient in any micro-batch keep ``grad=None``.
-        A sum starts anew after ``zero_grad``: with host copies, when the host grads are ``None`` (as for any layer);
-        without, when the engine cleared the group (``grads_zeroed``).
-        """
-        group, device_group = self.groups[index], self.device_groups[index]
-        if not self.device_grads_to_host:
-            with torch.profiler.record_function("megatrain::device_grad_sum"):
-                device_group.add_grads(grads, first=not any(device_group.present))
-                group.device_norm_sq = torch.dot(device_group.grad, device_group.grad)  # absent grads are zeros
-            return
-        first = self._count_in_flight(index) and all(p.grad is None for p in group.params)
-        compute = torch.cuda.current_stream(self.device)
-        done = torch.cuda.Event()  # recorded by the D2H stream after the copy; waited on by the drain worker
-        with torch.profiler.record_function("megatrain::d2h"):
-            device_group.add_grads(grads, first)
-            group.device_norm_sq = torch.dot(device_group.grad, device_group.grad)  # absent grads are zeros
-            summed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
-            summed.record(compute)
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(summed)
-                group.grad.copy_(device_group.grad, non_blocking=True)
-                device_group.grad_read.record(self.d2h_stream)
-                done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, list(device_group.present), (), None, done))
-
-    def _drain_worker(self) -> None:
-        while True:
-            item = self._pending.get()
-            if item is None:
-                return
-            try:
-                item.done.synchronize()
-                del item.device  # the D2H has completed: the allocator may reuse the device buffers now
-                group = self.groups[item.index]
-                if item.slab is None:
-                    group.attach_grads(item.present)
-                    continue
-                host = item.slab[: sum(p.numel() for p, ok in zip(group.params, item.present) if ok)]
-                grads: list[Tensor | None] = []
-                offset = 0
-                for p, ok in zip(group.params, item.present):
-                    grads.append(host[offset : offset + p.numel()].view(p.shape) if ok else None)
-                    offset += p.numel() if ok else 0
-                group.accumulate(grads, packed=host)
-            except BaseException as e:  # surfaced on the training thread by the next drain/wait_drained
-                self._error = e
-            finally:
-                if item.slab is not None:
-                    self._free_slabs.put(item.slab)
-                with self._lock:
-                    self._in_flight[item.index] -= 1
-                self._pending.task_done()
-
-    def _raise_worker_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("MegaTrain gradient drain worker failed") from error
+        """Send layer ``index``'s weight grads to the host fp32 grads (see engine/drain.py, [Note: gradient drain])."""
+        self.grad_drain.drain(index, grads)
 
     def take_host_added(self) -> bool:
-        """Whether a drain since the last call left host grads to a host add, so some layer's device norm is missing
-        (engine/engine.py, [Note: late grads])."""
-        added, self._host_added = self._host_added, False
-        return added
+        """Whether a drain since the last call left host grads to a host add (engine/engine.py, [Note: late grads])."""
+        return self.grad_drain.take_host_added()
 
     def wait_drained(self) -> None:
         """Block until every drained gradient is in the host fp32 grads (once per optimizer step)."""
-        self._pending.join()
-        self._raise_worker_error()
+        self.grad_drain.wait_drained()
+
+    # --------------------------------------------------------------------------------------------------------------
+    def host_bytes(self) -> dict[str, int]:
+        """Pinned host bytes beyond the masters and grads: the drain's grad slabs and the stash pool's buffers of
+        offloaded layer inputs."""
+        return {"grad_slabs": self.grad_drain.slab_nbytes, "offload_cache": self.offload.stash_pool.nbytes}
 
     def close(self) -> None:
-        self._pending.put(None)
-        self._worker.join()
+        self.grad_drain.close()
         self.slots.clear()

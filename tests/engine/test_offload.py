@@ -1,11 +1,11 @@
-"""Stash pool: host buffers of offloaded layer inputs are reused, best fit, freed only once their copies are done,
-and the host never waits for the device."""
+"""Activation offload (engine/offload.py), its stash pool: host buffers of offloaded layer inputs are reused, best
+fit, freed only once their copies are done, and the host never waits for the device."""
 
 from __future__ import annotations
 
 import torch
 
-from lightning_megatrain.engine.transfer import StashPool
+from lightning_megatrain.engine.offload import StashPool
 
 
 class _Event:
@@ -79,17 +79,17 @@ def test_release_frees_every_idle_buffer_and_keeps_the_lent_ones():
 def test_a_dropped_stash_returns_its_buffer_with_its_last_copy_event():
     # a graph freed without backward (an exception, a training_step that returns None) drops its stashes unrestored:
     # their buffers come back to the pool, to be written again only after the last copy queued on them
-    from lightning_megatrain.engine.transfer import CudaTransfer, _Stashed
+    from lightning_megatrain.engine.offload import ActivationOffload, _Stashed
 
-    transfer = object.__new__(CudaTransfer)  # only the pool and the handle bookkeeping, no device
-    transfer.stash_pool, made, _ = _pool()
-    buffer, _ = transfer.stash_pool.take(100)
+    offload = object.__new__(ActivationOffload)  # only the pool and the handle bookkeeping, no device
+    offload.stash_pool, made, _ = _pool()
+    buffer, _ = offload.stash_pool.take(100)
     offloaded, restored = _Event(), _Event()
     stashed = _Stashed(host=buffer.view(torch.float32), buffer=buffer, offloaded=offloaded)
-    transfer._return_if_dropped(stashed, offloaded)
-    transfer._return_if_dropped(stashed, restored)  # prefetch_stash queued the restore: it now reads the buffer last
-    assert transfer.stash_pool.sizes() == []
+    offload._return_if_dropped(stashed, offloaded)
+    offload._return_if_dropped(stashed, restored)  # prefetch_stash queued the restore: it now reads the buffer last
+    assert offload.stash_pool.sizes() == []
     del stashed
-    again, event = transfer.stash_pool.take(100)
+    again, event = offload.stash_pool.take(100)
     assert again is buffer and event is restored and made == [100]  # with the restore's event,
-    assert transfer.stash_pool.sizes() == []  # and once
+    assert offload.stash_pool.sizes() == []  # and once
