@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_megatrain.callbacks import host_rss_gib
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.config import CPU_ADAM_MODES, CpuAdamMode, KeepLayers
+from lightning_megatrain.config import CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.optim.host_optimizer import rebind_scheduler, to_host_optimizer
 from lightning_megatrain.precision import MegaTrainPrecision
 
@@ -124,30 +124,19 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        problems = []
-        if not isinstance(num_slots, int) or num_slots < 2:
-            problems.append(f"num_slots={num_slots!r}: need an int >= 2 (one slot computes while the next uploads)")
-        valid_keep = keep_layers == "auto" or (type(keep_layers) is int and keep_layers >= 0)
-        if not valid_keep:
-            problems.append(f"keep_layers={keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
-        if type(gpu_optimizer_groups) is not int or gpu_optimizer_groups < 0:
-            problems.append(f"gpu_optimizer_groups={gpu_optimizer_groups!r}: need an int >= 0")
-        if not isinstance(compile_layers, bool):
-            problems.append(f"compile_layers={compile_layers!r}: need True or False")
-        if cpu_adam not in CPU_ADAM_MODES:
-            problems.append(f"cpu_adam={cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
-        if problems:
-            raise ValueError("Invalid MegaTrainStrategy arguments:\n- " + "\n- ".join(problems))
+        # validated before anything is allocated; every problem listed in one ValueError (config.py)
+        self.config = EngineConfig(
+            layers=layers,
+            num_slots=num_slots,
+            keep_layers=keep_layers,
+            overlap_optimizer=overlap_optimizer,
+            gpu_optimizer_groups=gpu_optimizer_groups,
+            compile_layers=compile_layers,
+            cpu_adam=cpu_adam,
+        )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
         self.parallel_devices: list[torch.device] | None = None
-        self.layers = layers
-        self.num_slots = num_slots
-        self.keep_layers = keep_layers
-        self.overlap_optimizer = overlap_optimizer
-        self.gpu_optimizer_groups = gpu_optimizer_groups
-        self.compile_layers = compile_layers
-        self.cpu_adam = cpu_adam
         self.engine: MegaTrainEngine | None = None
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
@@ -203,22 +192,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.gpu_optimizer_groups and fitting and trainer.gradient_clip_algorithm == "value":
+        if self.config.gpu_optimizer_groups and fitting and trainer.gradient_clip_algorithm == "value":
             raise ValueError(
                 "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
                 "got gradient_clip_algorithm='value'. HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
             )
-        self.engine = MegaTrainEngine(
-            self.lightning_module,
-            device=self.root_device,
-            compute_dtype=precision.compute_dtype,
-            layers=self.layers,
-            num_slots=self.num_slots,
-            keep_layers=self.keep_layers,
-            overlap_optimizer=self.overlap_optimizer,
-            gpu_optimizer_groups=self.gpu_optimizer_groups if fitting else 0,
-            compile_layers=self.compile_layers,
-        )
+        # gpu_optimizer_groups hold optimizer states: none without an optimizer step
+        config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)
+        self.engine = MegaTrainEngine(self.lightning_module, self.root_device, precision.compute_dtype, config)
         self.engine.setup(fitting=fitting)
         self.model_to_device()
         precision.engine = self.engine
@@ -235,7 +216,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         replaced = {}
         optimizers = []
         # DeepSpeedCPUAdam holds the GIL for each parameter's update, stalling the forward it overlaps with.
-        mode = "torch" if self.overlap_optimizer and self.cpu_adam == "auto" else self.cpu_adam
+        mode = "torch" if self.config.overlap_optimizer and self.config.cpu_adam == "auto" else self.config.cpu_adam
         for optimizer in self.optimizers:
             host = to_host_optimizer(optimizer, mode)
             replaced[id(optimizer)] = host
@@ -245,7 +226,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             refused = [type(o).__name__ for o in optimizers if not self.engine.takes_step(o)]
             if refused:
                 raise ValueError(
-                    f"MegaTrainStrategy(gpu_optimizer_groups={self.gpu_optimizer_groups}) steps Adam/AdamW on the "
+                    f"MegaTrainStrategy(gpu_optimizer_groups={self.config.gpu_optimizer_groups}) steps Adam/AdamW on the "
                     f"GPU, got {', '.join(refused)} (or an Adam variant: amsgrad, maximize, capturable, "
                     "differentiable). HINT: use torch.optim.AdamW, or gpu_optimizer_groups=0."
                 )

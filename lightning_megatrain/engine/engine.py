@@ -37,12 +37,13 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, pack_group
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.recompute import KeepLayers, RecomputePolicy
+from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer
@@ -60,46 +61,22 @@ class MegaTrainEngine:
         module: the LightningModule (or any ``nn.Module``) whose parameters become host fp32 masters.
         device: the compute device (``cuda:N`` or ``cpu``).
         compute_dtype: dtype layers are streamed and computed in (``bfloat16`` or ``float32``).
-        layers: dotted path of the decoder-layer ``nn.ModuleList``; ``None`` discovers it.
-        num_slots: device slots for layer weights (>= 2 so the next layer uploads while one computes).
-        keep_layers: layers per micro-batch whose graph stays on the device instead of being recomputed
-            (engine/recompute.py): an int, or ``"auto"`` (as many as fit, calibrated on the first micro-batch).
-        overlap_optimizer: run the host Adam step of step N layer by layer while step N+1's forward starts
-            (engine/overlap.py).
-        gpu_optimizer_groups: how many groups, in the order the forward reads them (the residents, then layers
-            0, 1, ...), keep their fp32 master, grad and Adam states on the device and step there
-            (engine/device_state.py). CUDA only.
-        compile_layers: run each decoder layer's forward through ``torch.compile`` (engine/streamed.py,
-            [Note: compiled layers]).
+        config: the options (lightning_megatrain/config.py, one documented field each).
     """
 
     def __init__(
-        self,
-        module: nn.Module,
-        device: torch.device,
-        compute_dtype: torch.dtype,
-        layers: str | None = None,
-        num_slots: int = 2,
-        keep_layers: KeepLayers = "auto",
-        overlap_optimizer: bool = False,
-        gpu_optimizer_groups: int = 0,
-        compile_layers: bool = False,
+        self, module: nn.Module, device: torch.device, compute_dtype: torch.dtype, config: EngineConfig = EngineConfig()
     ) -> None:
         self.module = module
         self.device = device
         self.compute_dtype = compute_dtype
-        self.layers_path = layers
-        self.num_slots = num_slots
-        self.keep_layers = keep_layers
+        self.config = config
         self.overlap: OverlappedStep | None = None  # set up when overlap_optimizer
-        self._overlap_requested = overlap_optimizer
         self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
         self._clip_host: torch.Tensor | None = None  # pinned 0-dim fp32: the device clip factor, for the host step
         # - CUDA event for stream synchronization
         self._clip_copied: torch.cuda.Event | None = None  # recorded by compute after the factor's D2H; host waits
-        self.gpu_optimizer_groups = gpu_optimizer_groups
-        self.compile_layers = compile_layers
         self.device_groups: list[DeviceGroup] = []  # in forward order: the residents' (if any) first
         self._device_param_ids: frozenset[int] = frozenset()
         self.groups: list[FlatGroup] = []  # one per layer of the stack
@@ -122,11 +99,11 @@ class MegaTrainEngine:
                 ``torch.compile`` (before any large allocation).
         """
         module = self.module
-        path, stack = find_layer_stack(module, self.layers_path)
+        path, stack = find_layer_stack(module, self.config.layers)
         resident_slots = tensor_slots(module, skip=stack)
         check_layers_independent(stack, resident_slots)
         self._check_placement()
-        if self.compile_layers:
+        if self.config.compile_layers:
             check_compilable(self.device)
 
         n_params = sum(p.numel() for p in module.parameters())
@@ -162,12 +139,12 @@ class MegaTrainEngine:
         on_device = {id(d.group): d for d in self.device_groups}
         self._device_param_ids = frozenset(id(p) for d in self.device_groups for p in d.group.params)
         host_order = [g for g in forward_order if id(g) not in on_device]
-        self.overlap = OverlappedStep(host_order) if self._overlap_requested else None
+        self.overlap = OverlappedStep(host_order) if self.config.overlap_optimizer else None
         gate = self.overlap.wait if self.overlap is not None else None
         if registry is not None:
             layer_device_groups = {i: on_device[id(g)] for i, g in enumerate(self.groups) if id(g) in on_device}
             self.transfer = CudaTransfer(
-                self.groups, self.device, self.compute_dtype, self.num_slots, registry, gate, layer_device_groups
+                self.groups, self.device, self.compute_dtype, self.config.num_slots, registry, gate, layer_device_groups
             )
             resident_buffers = [s for s in resident_slots if not s.is_param]
             self.residents = Residents(
@@ -180,8 +157,9 @@ class MegaTrainEngine:
             buffers = [[] for _ in layer_buffers]
         self._disable_kv_cache()
         persistent = sum(1 for i in range(len(stack)) if self.transfer.persistent(i))  # the first layers, if any
-        policy = RecomputePolicy(self.keep_layers, self.device, max_layer * self.compute_dtype.itemsize, persistent)
-        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers, policy, self.compile_layers)
+        layer_bytes = max_layer * self.compute_dtype.itemsize
+        policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes, persistent)
+        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers, policy, self.config.compile_layers)
         self.streamed.install(self.device.type)
         if self.device_groups:
             log.info(
@@ -202,8 +180,8 @@ class MegaTrainEngine:
             "pinned" if pin else "pageable",
             str(self.compute_dtype).replace("torch.", ""),
             self.device,
-            self.num_slots,
-            ", layers compiled (torch.compile)" if self.compile_layers else "",
+            self.config.num_slots,
+            ", layers compiled (torch.compile)" if self.config.compile_layers else "",
         )
 
     def _check_placement(self) -> None:
@@ -217,7 +195,7 @@ class MegaTrainEngine:
 
     def _check_gpu_optimizer_groups(self, n_layers: int) -> int:
         """Validate ``gpu_optimizer_groups`` against the device and the model; returns it."""
-        n = self.gpu_optimizer_groups
+        n = self.config.gpu_optimizer_groups
         if n and not self.on_cuda:
             raise ValueError(
                 f"MegaTrainStrategy(gpu_optimizer_groups={n}) keeps optimizer states on a CUDA device, but the compute "
@@ -234,13 +212,14 @@ class MegaTrainEngine:
         free, _ = torch.cuda.mem_get_info(self.device)
         per_slot = max_layer * (4 + (self.compute_dtype.itemsize if self.compute_dtype != torch.float32 else 0))
         # slots + resident compute copies and their grads (fp32) + a packed grad buffer for one layer
-        need = self.num_slots * per_slot + n_resident * 8 + max_layer * self.compute_dtype.itemsize
+        slots = self.config.num_slots
+        need = slots * per_slot + n_resident * 8 + max_layer * self.compute_dtype.itemsize
         # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
         itemsize = self.compute_dtype.itemsize
         device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
         if need + device_bytes > free:
             raise RuntimeError(
-                f"MegaTrainStrategy needs {(need + device_bytes) / _GIB:.1f} GiB of GPU memory for {self.num_slots} "
+                f"MegaTrainStrategy needs {(need + device_bytes) / _GIB:.1f} GiB of GPU memory for {slots} "
                 f"layer slots of {max_layer / 1e6:.0f}M parameters, {n_resident / 1e6:.0f}M resident parameters"
                 f"{f' and {len(device_numel)} groups with their optimizer on the GPU' if device_numel else ''}, "
                 f"before any activations, but only {free / _GIB:.1f} GiB is free on {self.device}. HINT: one decoder "
