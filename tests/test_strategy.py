@@ -107,6 +107,15 @@ def test_unsupported_precision_is_refused():
         MegaTrainPrecision("16-mixed")
 
 
+def test_precision_without_the_strategy_is_refused():
+    # the plugin translates Lightning's hooks into engine calls: the engine comes from MegaTrainStrategy's setup only
+    with pytest.raises(RuntimeError, match=r"MegaTrainPrecision has no engine(.|\n)*strategy='megatrain'"):
+        MegaTrainPrecision("32-true", "cpu").engine
+    trainer = _trainer(strategy="auto", plugins=[MegaTrainPrecision("32-true", "cpu")])
+    with pytest.raises(RuntimeError, match=r"works only under MegaTrainStrategy"):
+        trainer.fit(ParityLM("llama_tied"))
+
+
 def test_invalid_arguments_listed_together():
     with pytest.raises(ValueError, match=r"num_slots=1(.|\n)*keep_layers=-1(.|\n)*cpu_adam='gpu'"):
         MegaTrainStrategy(num_slots=1, keep_layers=-1, cpu_adam="gpu")
@@ -421,7 +430,8 @@ def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
 
 
 def test_grads_read_by_hooks_sees_modules_and_callbacks():
-    # what decides whether host grads may land after the optimizer step starts (engine/engine.py, [Note: late grads])
+    # what decides whether host grads may land after the optimizer step starts (engine/optimizer_step.py, [Note: late
+    # grads])
     from lightning_megatrain.precision import grads_read_by_hooks
 
     class Quiet(L.Callback):

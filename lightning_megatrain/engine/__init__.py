@@ -11,7 +11,8 @@
 - *resident*: a parameter or buffer outside the layer stack; its *compute copy* lives on the device for a step.
 
 Modules: discovery (find the stack and residents), host_store (flat masters and grads), transfer (slots, streams,
-drain; the only device-specific code), streamed (the streamed autograd Function), residents, engine (the facade).
+drain; the only device-specific code), streamed (the streamed autograd Function), residents, optimizer_step (gradient
+finalization, clipping and the update), overlap (its worker thread), engine (the facade).
 """
 
 from lightning_megatrain.engine.discovery import find_layer_stack
