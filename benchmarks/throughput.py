@@ -331,14 +331,15 @@ def make_recorder(profile_step: int | None, sync: bool):
 
         def on_train_start(self, trainer, pl_module):
             engine = getattr(trainer.strategy, "engine", None)
-            if engine is not None:  # megatrain: count the steps whose grads landed late (engine/engine.py)
-                landed = engine._landed_update
+            if engine is not None:  # megatrain: count the steps whose grads landed late (engine/optimizer_step.py)
+                step = engine.step
+                landed = step._landed_update
 
                 def counted(*args, **kwargs):
                     self.late_steps += 1
                     return landed(*args, **kwargs)
 
-                engine._landed_update = counted
+                step._landed_update = counted
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             # Lightning reports loss / accumulate_grad_batches; undo that to log the micro-batch's mean token loss.
@@ -382,7 +383,7 @@ def make_recorder(profile_step: int | None, sync: bool):
 
     if not sync:
         # No mark between backward and the optimizer step: a module or callback with this hook may read p.grad, so
-        # megatrain would wait for the grads to land before the step (engine/engine.py, [Note: late grads]).
+        # megatrain would wait for the grads to land before the step (engine/optimizer_step.py, [Note: late grads]).
         StepRecorder.on_before_optimizer_step = L.Callback.on_before_optimizer_step
     return StepRecorder()
 

@@ -37,7 +37,26 @@ class MegaTrainPrecision(Precision):
             )
         self.precision = precision
         self.device_type = device_type
-        self.engine: MegaTrainEngine | None = None  # set by the strategy's setup
+        self._engine: MegaTrainEngine | None = None  # set by the strategy's setup
+
+    @property
+    def engine(self) -> MegaTrainEngine:
+        """The engine of the :class:`~lightning_megatrain.MegaTrainStrategy` this plugin serves, set in its setup.
+
+        Raises:
+            RuntimeError: the plugin runs without that strategy's setup (another strategy, or a direct call).
+        """
+        if self._engine is None:
+            raise RuntimeError(
+                "MegaTrainPrecision has no engine: it works only under MegaTrainStrategy, whose setup hands it one. "
+                "HINT: use Trainer(strategy='megatrain', precision='bf16-mixed') instead of passing MegaTrainPrecision "
+                "as a plugin to another strategy."
+            )
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: MegaTrainEngine | None) -> None:
+        self._engine = engine
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -61,10 +80,8 @@ class MegaTrainPrecision(Precision):
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
         # Host grads must be final before hooks, clipping and the step read them; with nothing reading them before an
-        # overlapped step, that step's worker waits for them instead (engine/engine.py, [Note: late grads]).
-        engine = self.engine
-        assert engine is not None
-        engine.finalize_gradients(grads_read=self._grads_read(model))
+        # overlapped step, that step's worker waits for them instead (engine/optimizer_step.py, [Note: late grads]).
+        self.engine.step.finalize_gradients(grads_read=self._grads_read(model))
         self._after_closure(model, optimizer)
         return closure_result
 
@@ -72,9 +89,8 @@ class MegaTrainPrecision(Precision):
         """Whether code may read ``p.grad`` between backward and the optimizer step: manual optimization, an
         optimizer whose step the engine does not take (``optimizer.step`` reads them), or a hook
         (:func:`grads_read_by_hooks`)."""
-        engine = self.engine
-        assert engine is not None
-        if not model.automatic_optimization or not all(engine.takes_step(o) for o in model.trainer.optimizers):
+        step = self.engine.step
+        if not model.automatic_optimization or not all(step.takes_step(o) for o in model.trainer.optimizers):
             return True
         return grads_read_by_hooks(model)
 
@@ -82,8 +98,7 @@ class MegaTrainPrecision(Precision):
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:
         # The backward's drains write the host grads that an overlapped optimizer step may still be reading.
         engine = self.engine
-        assert engine is not None
-        engine.wait_for_host_step()
+        engine.step.wait_for_host_step()
         # Unread device-group grads stay on the GPU; their sums restart at optimizer.zero_grad(), which an
         # optimizer_zero_grad of the module's own might not call (engine/device_state.py).
         engine.set_grads_read(self._grads_read(module) or is_overridden("optimizer_zero_grad", module))
@@ -92,29 +107,26 @@ class MegaTrainPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         # The engine clips the flat host grad buffers (norms from the device); torch's per-tensor path otherwise.
-        engine = self.engine
-        assert engine is not None
-        if not engine.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), engine.takes_step(optimizer)):
-            _refuse_with_device_groups(engine, "clipping an optimizer that holds only part of the model's parameters")
+        step = self.engine.step
+        if not step.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), step.takes_step(optimizer)):
+            step.refuse_host_fallback("clipping an optimizer that holds only part of the model's parameters")
             super().clip_grad_by_norm(optimizer, clip_val)
 
     @override
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
-        assert self.engine is not None
-        _refuse_with_device_groups(self.engine, "gradient_clip_algorithm='value'")
+        self.engine.step.refuse_host_fallback("gradient_clip_algorithm='value'")
         super().clip_grad_by_value(optimizer, clip_val)
 
     @override
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
         engine = self.engine
-        assert engine is not None
-        if engine.takes_step(optimizer) and not kwargs:
+        if engine.step.takes_step(optimizer) and not kwargs:
             # forward/backward/clipping now; the update runs on the device and/or the overlap worker
             with torch.enable_grad():
                 result = self._wrap_closure(model, optimizer, closure)
-            engine.optimizer_step(optimizer)
+            engine.step.run(optimizer)
         else:
-            _refuse_with_device_groups(engine, f"optimizer.step() with arguments {sorted(kwargs)}")
+            engine.step.refuse_host_fallback(f"optimizer.step() with arguments {sorted(kwargs)}")
             result = super().optimizer_step(optimizer, model, closure, **kwargs)
         engine.masters_updated()
         return result
@@ -127,11 +139,3 @@ def grads_read_by_hooks(model: pl.LightningModule) -> bool:
         return True
     return any(is_overridden("on_before_optimizer_step", callback) for callback in model.trainer.callbacks)
 
-
-def _refuse_with_device_groups(engine: MegaTrainEngine, what: str) -> None:
-    """The host-side fallbacks do not see the grads and states that device groups keep on the GPU."""
-    if engine.device_groups:
-        raise RuntimeError(
-            f"MegaTrainStrategy(gpu_optimizer_groups={len(engine.device_groups)}) does not support {what}: those "
-            "groups' gradients and Adam states live on the GPU. HINT: use gpu_optimizer_groups=0."
-        )

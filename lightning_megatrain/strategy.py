@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import warnings
 from collections.abc import Generator, Mapping
@@ -22,8 +21,7 @@ from typing_extensions import override
 
 from lightning_megatrain.callbacks import host_rss_gib
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.config import CPU_ADAM_MODES, CpuAdamMode, KeepLayers
-from lightning_megatrain.optim.host_optimizer import rebind_scheduler, to_host_optimizer
+from lightning_megatrain.config import CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
@@ -78,8 +76,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             that reads parameters in ``on_train_batch_end`` would see them mid-update, hence off by default.
             Applies to the host Adam/AdamW (other optimizers step synchronously, with a warning). Host grads are
             complete in ``on_before_optimizer_step`` when a hook implements it; without one the last gradient copies
-            land while the next step starts and the step's worker waits for them (engine/engine.py, [Note: late
-            grads]).
+            land while the next step starts and the step's worker waits for them (engine/optimizer_step.py, [Note:
+            late grads]).
         gpu_optimizer_groups: how many parameter groups, in the order the forward reads them (first the residents:
             embeddings, final norm, head; then decoder layers 0, 1, ...), also keep their fp32 master, fp32 grad and
             Adam moments on the GPU and take their optimizer step there (torch's fused AdamW kernel): no host Adam
@@ -124,30 +122,19 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        problems = []
-        if not isinstance(num_slots, int) or num_slots < 2:
-            problems.append(f"num_slots={num_slots!r}: need an int >= 2 (one slot computes while the next uploads)")
-        valid_keep = keep_layers == "auto" or (type(keep_layers) is int and keep_layers >= 0)
-        if not valid_keep:
-            problems.append(f"keep_layers={keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
-        if type(gpu_optimizer_groups) is not int or gpu_optimizer_groups < 0:
-            problems.append(f"gpu_optimizer_groups={gpu_optimizer_groups!r}: need an int >= 0")
-        if not isinstance(compile_layers, bool):
-            problems.append(f"compile_layers={compile_layers!r}: need True or False")
-        if cpu_adam not in CPU_ADAM_MODES:
-            problems.append(f"cpu_adam={cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
-        if problems:
-            raise ValueError("Invalid MegaTrainStrategy arguments:\n- " + "\n- ".join(problems))
+        # validated before anything is allocated; every problem listed in one ValueError (config.py)
+        self.config = EngineConfig(
+            layers=layers,
+            num_slots=num_slots,
+            keep_layers=keep_layers,
+            overlap_optimizer=overlap_optimizer,
+            gpu_optimizer_groups=gpu_optimizer_groups,
+            compile_layers=compile_layers,
+            cpu_adam=cpu_adam,
+        )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
         self.parallel_devices: list[torch.device] | None = None
-        self.layers = layers
-        self.num_slots = num_slots
-        self.keep_layers = keep_layers
-        self.overlap_optimizer = overlap_optimizer
-        self.gpu_optimizer_groups = gpu_optimizer_groups
-        self.compile_layers = compile_layers
-        self.cpu_adam = cpu_adam
         self.engine: MegaTrainEngine | None = None
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
@@ -203,69 +190,27 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.gpu_optimizer_groups and fitting and trainer.gradient_clip_algorithm == "value":
+        if self.config.gpu_optimizer_groups and fitting and trainer.gradient_clip_algorithm == "value":
             raise ValueError(
                 "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
                 "got gradient_clip_algorithm='value'. HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
             )
-        self.engine = MegaTrainEngine(
-            self.lightning_module,
-            device=self.root_device,
-            compute_dtype=precision.compute_dtype,
-            layers=self.layers,
-            num_slots=self.num_slots,
-            keep_layers=self.keep_layers,
-            overlap_optimizer=self.overlap_optimizer,
-            gpu_optimizer_groups=self.gpu_optimizer_groups if fitting else 0,
-            compile_layers=self.compile_layers,
-        )
+        # gpu_optimizer_groups hold optimizer states: none without an optimizer step
+        config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)
+        self.engine = MegaTrainEngine(self.lightning_module, self.root_device, precision.compute_dtype, config)
         self.engine.setup(fitting=fitting)
         self.model_to_device()
         precision.engine = self.engine
         self.model = self._setup_model(self.model)
         if fitting:
             self.setup_optimizers(trainer)
-            self._to_host_optimizers()
-            if self.engine.overlap is not None or self.engine.device_groups:
+            step = self.engine.step
+            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+            self.optimizers = step.to_host_optimizers(self.optimizers, schedulers)  # Adam/AdamW on the host
+            if step.steps_after_return:
                 trainer.callbacks.insert(0, _OptimizerBarrier())  # before any callback's hook reads parameters
         self.setup_precision_plugin()
         # no _optimizers_to_device: optimizer states live with the host masters
-
-    def _to_host_optimizers(self) -> None:
-        replaced = {}
-        optimizers = []
-        # DeepSpeedCPUAdam holds the GIL for each parameter's update, stalling the forward it overlaps with.
-        mode = "torch" if self.overlap_optimizer and self.cpu_adam == "auto" else self.cpu_adam
-        for optimizer in self.optimizers:
-            host = to_host_optimizer(optimizer, mode)
-            replaced[id(optimizer)] = host
-            optimizers.append(host)
-        self.optimizers = optimizers
-        if self.engine is not None and self.engine.device_groups:
-            refused = [type(o).__name__ for o in optimizers if not self.engine.takes_step(o)]
-            if refused:
-                raise ValueError(
-                    f"MegaTrainStrategy(gpu_optimizer_groups={self.gpu_optimizer_groups}) steps Adam/AdamW on the "
-                    f"GPU, got {', '.join(refused)} (or an Adam variant: amsgrad, maximize, capturable, "
-                    "differentiable). HINT: use torch.optim.AdamW, or gpu_optimizer_groups=0."
-                )
-        if self.engine is not None and (self.engine.overlap is not None or self.engine.device_groups):
-            for optimizer in optimizers:
-                _hook_zero_grad(optimizer, self.engine)
-        if self.engine is not None and self.engine.overlap is not None:
-            for optimizer in optimizers:
-                if not self.engine.takes_step(optimizer):
-                    warnings.warn(
-                        f"MegaTrainStrategy(overlap_optimizer=True) overlaps the host Adam/AdamW step only; "
-                        f"{type(optimizer).__name__} steps synchronously between steps (amsgrad, maximize, "
-                        "capturable and differentiable Adam variants too).",
-                        stacklevel=2,
-                    )
-        for config in self.lr_scheduler_configs:
-            scheduler_optimizer = getattr(config.scheduler, "optimizer", None)
-            host = replaced.get(id(scheduler_optimizer))
-            if host is not None and host is not scheduler_optimizer:
-                rebind_scheduler(config.scheduler, host)
 
     @override
     def model_to_device(self) -> None:
@@ -402,16 +347,3 @@ class _OptimizerBarrier(pl.Callback):
 
     on_train_epoch_end = on_train_end = on_validation_start = on_exception = _wait
 
-
-def _hook_zero_grad(optimizer: torch.optim.Optimizer, engine: MegaTrainEngine) -> None:
-    """``zero_grad`` (``set_to_none=False`` zeroes in place) must not race the overlapped step reading the grads, and
-    clears the device groups' grad sums too (engine/device_state.py)."""
-    zero_grad = optimizer.zero_grad
-
-    @functools.wraps(zero_grad)
-    def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
-        engine.wait_for_host_step()
-        zero_grad(*args, **kwargs)
-        engine.grads_zeroed()
-
-    optimizer.zero_grad = waiting_zero_grad  # type: ignore[method-assign]

@@ -55,7 +55,7 @@ def test_cuda_overlapped_optimizer_step_parity():
 
 
 # Nothing reads p.grad before the optimizer step: the last grads and the clip factor (computed on the device) land
-# while the next step starts, and the host step's worker waits for them (engine/engine.py, [Note: late grads]).
+# while the next step starts, and the host step's worker waits for them (engine/optimizer_step.py, [Note: late grads]).
 # groups=0: the residents are a host group (their copy is awaited on the worker); 2: the device step reads the factor
 # on the device, and the device groups' grads (summed over 2 micro-batches) and masters never cross to the host
 # during training: their host grads stay None, their host masters are written back at the train-end barrier.
@@ -63,13 +63,13 @@ def test_cuda_overlapped_optimizer_step_parity():
 def test_cuda_late_grads_parity(groups):
     from unittest import mock
 
-    from lightning_megatrain.engine import MegaTrainEngine
+    from lightning_megatrain.engine.optimizer_step import OptimizerStep
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, _ = _fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False)
     strategy = MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True, gpu_optimizer_groups=groups)
-    landed = mock.patch.object(MegaTrainEngine, "_landed_update", autospec=True,
-                               side_effect=MegaTrainEngine._landed_update)
+    landed = mock.patch.object(OptimizerStep, "_landed_update", autospec=True,
+                               side_effect=OptimizerStep._landed_update)
 
     class Check(L.Callback):
         def on_train_end(self, trainer, pl_module):  # after the barrier: the deferred copies have landed

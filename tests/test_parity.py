@@ -172,9 +172,9 @@ def test_overlapped_step_gates_every_reader(monkeypatch):
     # zero_grad/backward and the final parameters for the whole step, or the records differ.
     import time
 
-    from lightning_megatrain.engine import engine as engine_module
+    from lightning_megatrain.engine import optimizer_step
 
-    snapshot = engine_module.snapshot_update
+    snapshot = optimizer_step.snapshot_update
 
     def slow_snapshot(optimizer, grad_scale=None, skip=frozenset()):
         update = snapshot(optimizer, grad_scale, skip)
@@ -185,13 +185,13 @@ def test_overlapped_step_gates_every_reader(monkeypatch):
 
         return slow_update
 
-    monkeypatch.setattr(engine_module, "snapshot_update", slow_snapshot)
+    monkeypatch.setattr(optimizer_step, "snapshot_update", slow_snapshot)
     rec = run(MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True), "llama_untied", clip=1.0)
     assert_records_close(rec, reference("llama_untied", clip=1.0))
 
 
 def test_overlapped_step_failure_surfaces_on_the_training_thread(monkeypatch):
-    from lightning_megatrain.engine import engine as engine_module
+    from lightning_megatrain.engine import optimizer_step
 
     def failing_snapshot(optimizer, grad_scale=None, skip=frozenset()):
         def update(params):
@@ -199,7 +199,7 @@ def test_overlapped_step_failure_surfaces_on_the_training_thread(monkeypatch):
 
         return update
 
-    monkeypatch.setattr(engine_module, "snapshot_update", failing_snapshot)
+    monkeypatch.setattr(optimizer_step, "snapshot_update", failing_snapshot)
     with pytest.raises(RuntimeError, match="overlapped host optimizer step failed") as info:
         run(MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True), "llama_tied")
     assert isinstance(info.value.__cause__, ValueError)

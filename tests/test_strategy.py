@@ -83,8 +83,8 @@ def test_lightning_cli_class_path(tmp_path):
     )
     cli = LightningCLI(ParityLM, run=False, args=["--config", str(config)], save_config_callback=None)
     assert isinstance(cli.trainer.strategy, MegaTrainStrategy)
-    assert cli.trainer.strategy.num_slots == 3 and cli.trainer.strategy.cpu_adam == "torch"
-    assert cli.trainer.strategy.keep_layers == 2
+    config = cli.trainer.strategy.config  # the options' one home (lightning_megatrain/config.py)
+    assert config.num_slots == 3 and config.cpu_adam == "torch" and config.keep_layers == 2
 
 
 @pytest.mark.parametrize(
@@ -107,6 +107,15 @@ def test_unsupported_precision_is_refused():
         MegaTrainPrecision("16-mixed")
 
 
+def test_precision_without_the_strategy_is_refused():
+    # the plugin translates Lightning's hooks into engine calls: the engine comes from MegaTrainStrategy's setup only
+    with pytest.raises(RuntimeError, match=r"MegaTrainPrecision has no engine(.|\n)*strategy='megatrain'"):
+        MegaTrainPrecision("32-true", "cpu").engine
+    trainer = _trainer(strategy="auto", plugins=[MegaTrainPrecision("32-true", "cpu")])
+    with pytest.raises(RuntimeError, match=r"works only under MegaTrainStrategy"):
+        trainer.fit(ParityLM("llama_tied"))
+
+
 def test_invalid_arguments_listed_together():
     with pytest.raises(ValueError, match=r"num_slots=1(.|\n)*keep_layers=-1(.|\n)*cpu_adam='gpu'"):
         MegaTrainStrategy(num_slots=1, keep_layers=-1, cpu_adam="gpu")
@@ -114,6 +123,29 @@ def test_invalid_arguments_listed_together():
         MegaTrainStrategy(keep_layers="all")
     with pytest.raises(ValueError, match=r"compile_layers='yes': need True or False"):
         MegaTrainStrategy(compile_layers="yes")
+    with pytest.raises(ValueError, match=r"layers=3: need a dotted path(.|\n)*overlap_optimizer='yes': need True"):
+        MegaTrainStrategy(layers=3, overlap_optimizer="yes")
+
+
+def test_arguments_become_one_engine_config():
+    # the strategy's keyword arguments are EngineConfig's fields (config.py); the engine gets that object, with no
+    # gpu_optimizer_groups outside fitting (no optimizer step to hold states for)
+    from lightning_megatrain.config import EngineConfig
+
+    strategy = MegaTrainStrategy(num_slots=3, keep_layers=1, gpu_optimizer_groups=1, cpu_adam="torch")
+    assert strategy.config == EngineConfig(num_slots=3, keep_layers=1, gpu_optimizer_groups=1, cpu_adam="torch")
+
+    class Check(L.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            self.config = trainer.strategy.engine.config
+
+    class WithVal(ParityLM):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    check = Check()
+    _trainer(strategy=strategy, callbacks=[check]).validate(WithVal("llama_tied"), DataLoader(make_data()[:2]))
+    assert check.config == strategy.config.replace(gpu_optimizer_groups=0)  # a CPU device refuses 1 when fitting
 
 
 def test_host_residency_after_setup():
@@ -398,7 +430,8 @@ def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
 
 
 def test_grads_read_by_hooks_sees_modules_and_callbacks():
-    # what decides whether host grads may land after the optimizer step starts (engine/engine.py, [Note: late grads])
+    # what decides whether host grads may land after the optimizer step starts (engine/optimizer_step.py, [Note: late
+    # grads])
     from lightning_megatrain.precision import grads_read_by_hooks
 
     class Quiet(L.Callback):

@@ -14,7 +14,8 @@ The host master stays the parameter (DESIGN principle 1), brought up to date whe
 reader of host parameters between steps already waits for the optimizer (``wait_for_optimizer``: checkpoints,
 ``state_dict()``, the barrier hooks, teardown), and that wait first has the D2H stream write the mirror back
 (:meth:`DeviceGroup.flush`). Writing it back after every step instead cost 0.4 GB of D2H per 3B-model layer per
-step that nothing read, and a loss read at the step's end waited behind it (engine/engine.py, [Note: late grads]).
+step that nothing read, and a loss read at the step's end waited behind it (engine/optimizer_step.py, [Note: late
+grads]).
 Likewise the layer's fp32 grad reaches the host grads only when code may read ``p.grad`` before the step (hooks,
 manual optimization: the engine's ``set_grads_read``); otherwise the device step and clipping read the device sum
 and the host ``p.grad`` of these parameters stays ``None``. With hooks, ``state_dict()``, checkpoints, clipping and

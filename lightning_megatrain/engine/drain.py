@@ -23,7 +23,7 @@ the worker waits for the copy's event and then owns the host side. Holding the d
 entry until the copy's event has completed is what keeps the caching allocator from reusing them while the D2H
 stream still reads them: a structural invariant, not bookkeeping (tests/test_gpu.py runs every path against plain
 training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step, on the training
-thread or, when grads land late (engine/engine.py, [Note: late grads]), on the optimizer step's worker.
+thread or, when grads land late (engine/optimizer_step.py, [Note: late grads]), on the optimizer step's worker.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class GradDrain:
 
     def take_host_added(self) -> bool:
         """Whether a drain since the last call left host grads to a host add, so some layer's device norm is missing
-        (engine/engine.py, [Note: late grads])."""
+        (engine/optimizer_step.py, [Note: late grads])."""
         added, self._host_added = self._host_added, False
         return added
 

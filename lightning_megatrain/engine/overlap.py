@@ -13,8 +13,8 @@ validation, the end of training and teardown. Hyperparameters are read when the 
 scheduler may step meanwhile (optim/host_optimizer.py ``snapshot_update``).
 
 The worker first builds the update (``launch(make_update)``): that is where it waits for what the training thread
-no longer waits for when grads land late (engine/engine.py, [Note: late grads]): the last D2H copies into the host
-grads and the clipping factor computed on the device.
+no longer waits for when grads land late (engine/optimizer_step.py, [Note: late grads]): the last D2H copies into
+the host grads and the clipping factor computed on the device.
 """
 
 from __future__ import annotations

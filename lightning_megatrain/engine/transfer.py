@@ -90,7 +90,7 @@ class Transfer(Protocol):
 
     def take_host_added(self) -> bool:
         """Whether a drain since the last call added on the host, so some layer's device norm is missing
-        (engine/engine.py, [Note: late grads])."""
+        (engine/optimizer_step.py, [Note: late grads])."""
 
     def wait_drained(self) -> None:
         """Block until every drained gradient is in the host fp32 grads."""
@@ -309,7 +309,7 @@ class CudaTransfer:
         self.grad_drain.drain(index, grads)
 
     def take_host_added(self) -> bool:
-        """Whether a drain since the last call left host grads to a host add (engine/engine.py, [Note: late grads])."""
+        """Whether a drain since the last call left host grads to a host add (engine/optimizer_step.py, [Note: late grads])."""
         return self.grad_drain.take_host_added()
 
     def wait_drained(self) -> None:

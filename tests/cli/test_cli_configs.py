@@ -116,7 +116,8 @@ def test_ready_config_instantiates_with_tiny_model(name, in_tmp):
     assert cli.model.hf_config.model_type == tiny["model_type"]
     assert cli.model.hparams.tokenizer == str(DEMO_TOKENIZER_DIR)  # linked from data.tokenizer
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, MegaTrainStrategy) and strategy.num_slots == 2 and strategy.cpu_adam == "auto"
+    assert isinstance(strategy, MegaTrainStrategy)
+    assert strategy.config.num_slots == 2 and strategy.config.cpu_adam == "auto"
     assert isinstance(strategy.precision_plugin, MegaTrainPrecision)
     assert strategy.precision_plugin.precision == "bf16-mixed"
     assert any(isinstance(cb, ThroughputLogger) for cb in cli.trainer.callbacks)
