@@ -385,6 +385,9 @@ def make_recorder(profile_step: int | None, sync: bool):
         # No mark between backward and the optimizer step: a module or callback with this hook may read p.grad, so
         # megatrain would wait for the grads to land before the step (engine/optimizer_step.py, [Note: late grads]).
         StepRecorder.on_before_optimizer_step = L.Callback.on_before_optimizer_step
+        # It reads losses and clocks only: megatrain need not finish the step before its hooks (hooks.py, [Note:
+        # user hooks]). With sync marks it counts as a reader, so grads land before the grad_finalize mark.
+        StepRecorder.megatrain_reads_state = False
     return StepRecorder()
 
 

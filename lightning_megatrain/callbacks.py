@@ -95,6 +95,8 @@ class ThroughputLogger(Callback):
             after warm-up, e.g. 3. Default ``None``: no profiling.
     """
 
+    megatrain_reads_state = False  # reads the loss and the clock, no parameters: no wait for the optimizer step
+
     def __init__(
         self,
         window: int = 10,

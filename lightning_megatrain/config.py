@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 KeepLayers = int | Literal["auto"]
+Auto = Literal["auto"]
 CpuAdamMode = Literal["auto", "deepspeed", "torch"]
 CPU_ADAM_MODES = ("auto", "deepspeed", "torch")
 
@@ -31,17 +32,19 @@ class EngineConfig:
     as many as fit (engine/recompute.py), an int = exactly that many (the first ones), ``0`` = recompute every layer
     (the least GPU memory)."""
 
-    overlap_optimizer: bool = False
+    overlap_optimizer: bool | Auto = "auto"
     """Run step N's host Adam layer by layer on a worker thread while step N+1's forward starts
-    (engine/overlap.py)."""
+    (engine/overlap.py). ``"auto"``: on where the compute device is a GPU (the host step would otherwise idle it),
+    off on a CPU compute device (the step and the forward would share its cores) (engine/placement.py)."""
 
     gpu_optimizer_groups: int = 0
     """How many groups, in the order the forward reads them (the residents, then layers 0, 1, ...), keep fp32
     master, grad and Adam states on the GPU and step there (engine/device_state.py). 18 bytes of GPU memory per
     layer parameter; CUDA and Adam/AdamW only."""
 
-    compile_layers: bool = False
-    """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers])."""
+    compile_layers: bool | Auto = "auto"
+    """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).
+    ``"auto"``: on where the compute device is a GPU and Triton is usable, else off (engine/placement.py)."""
 
     cpu_adam: CpuAdamMode = "auto"
     """Host Adam/AdamW implementation: ``"auto"`` (DeepSpeedCPUAdam when it builds, else torch fused AdamW; torch
@@ -61,12 +64,12 @@ class EngineConfig:
             out.append(f"num_slots={self.num_slots!r}: need an int >= 2 (one slot computes while the next uploads)")
         if not (self.keep_layers == "auto" or (type(self.keep_layers) is int and self.keep_layers >= 0)):
             out.append(f"keep_layers={self.keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
-        if not isinstance(self.overlap_optimizer, bool):
-            out.append(f"overlap_optimizer={self.overlap_optimizer!r}: need True or False")
+        if not isinstance(self.overlap_optimizer, bool) and self.overlap_optimizer != "auto":
+            out.append(f"overlap_optimizer={self.overlap_optimizer!r}: need 'auto', True or False")
         if type(self.gpu_optimizer_groups) is not int or self.gpu_optimizer_groups < 0:
             out.append(f"gpu_optimizer_groups={self.gpu_optimizer_groups!r}: need an int >= 0")
-        if not isinstance(self.compile_layers, bool):
-            out.append(f"compile_layers={self.compile_layers!r}: need True or False")
+        if not isinstance(self.compile_layers, bool) and self.compile_layers != "auto":
+            out.append(f"compile_layers={self.compile_layers!r}: need 'auto', True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:
             out.append(f"cpu_adam={self.cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
         return out

@@ -14,6 +14,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatrain.engine import MegaTrainEngine
+from lightning_megatrain.hooks import grads_read_by_hooks
 
 MegaTrainPrecisionInput = Literal["bf16-mixed", "32-true"]
 
@@ -130,12 +131,3 @@ class MegaTrainPrecision(Precision):
             result = super().optimizer_step(optimizer, model, closure, **kwargs)
         engine.masters_updated()
         return result
-
-
-def grads_read_by_hooks(model: pl.LightningModule) -> bool:
-    """Whether user code runs between backward and the optimizer step where it may read ``p.grad``: an
-    ``on_before_optimizer_step`` of the module or of a callback, or the module's own ``configure_gradient_clipping``."""
-    if is_overridden("on_before_optimizer_step", model) or is_overridden("configure_gradient_clipping", model):
-        return True
-    return any(is_overridden("on_before_optimizer_step", callback) for callback in model.trainer.callbacks)
-

@@ -21,7 +21,8 @@ from typing_extensions import override
 
 from lightning_megatrain.callbacks import host_rss_gib
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.config import CpuAdamMode, EngineConfig, KeepLayers
+from lightning_megatrain.hooks import OptimizerBarrier
+from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
       go to the host on the D2H stream, straight into the fp32 host grads or through pinned slabs that a worker
       thread accumulates in fp32.
     - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
-      optimizer run on the host fp32 masters (with ``overlap_optimizer=True`` layer by layer on a worker thread,
+      optimizer run on the host fp32 masters (with ``overlap_optimizer``, on a GPU by default, layer by layer on a worker thread,
       while the next step's forward waits for each layer's update before uploading it); the groups
       ``gpu_optimizer_groups`` names step on the GPU instead (their masters reach the host when it reads them).
 
@@ -71,13 +72,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             compute device ``"auto"`` keeps none.
         overlap_optimizer: run the host Adam step of step N layer by layer on a worker thread while step N+1's
             forward starts (each layer's upload waits for that layer's update), instead of between the steps with the
-            GPU idle. The step's parameters and optimizer states are final at the next forward, ``zero_grad``,
-            backward, checkpoint save or load, validation, epoch end and train end, which all wait for it; a callback
-            that reads parameters in ``on_train_batch_end`` would see them mid-update, hence off by default.
-            Applies to the host Adam/AdamW (other optimizers step synchronously, with a warning). Host grads are
-            complete in ``on_before_optimizer_step`` when a hook implements it; without one the last gradient copies
-            land while the next step starts and the step's worker waits for them (engine/optimizer_step.py, [Note:
-            late grads]).
+            GPU idle. User code never sees a step mid-update: the next forward, ``zero_grad``, backward, checkpoint
+            save or load, validation, epoch end and train end wait for it, and so does every hook between a step and
+            the next update that the module or a callback overrides (an EMA callback's ``on_train_batch_end``: see
+            hooks.py, [Note: user hooks]). Applies to the host Adam/AdamW (other optimizers step synchronously, with
+            a warning). Host grads are complete in ``on_before_optimizer_step`` when a hook implements it; without one
+            the last gradient copies land while the next step starts and the step's worker waits for them
+            (engine/optimizer_step.py, [Note: late grads]). ``"auto"`` (default): on with a CUDA compute device, off
+            on the CPU (engine/placement.py, [Note: auto placement]).
         gpu_optimizer_groups: how many parameter groups, in the order the forward reads them (first the residents:
             embeddings, final norm, head; then decoder layers 0, 1, ...), also keep their fp32 master, fp32 grad and
             Adam moments on the GPU and take their optimizer step there (torch's fused AdamW kernel): no host Adam
@@ -92,9 +94,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             (31% fewer bytes for Llama, so ``keep_layers="auto"`` keeps more layers). One graph per layer class and
             grad mode, compiled during the first step (tens of seconds for a large layer on a GPU); dropout masks
             are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
-            Triton on CUDA), checked at setup. Default False.
+            Triton on CUDA), checked at setup. ``"auto"`` (default): on with a CUDA compute device where Triton is
+            usable, else off ([Note: auto placement]).
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
-            with ``overlap_optimizer=True`` always torch fused AdamW, which releases the GIL while the forward thread
+            with the step overlapped always torch fused AdamW, which releases the GIL while the forward thread
             issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
             build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
         checkpoint_io: Lightning checkpoint IO plugin.
@@ -115,9 +118,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         layers: str | None = None,
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
-        overlap_optimizer: bool = False,
+        overlap_optimizer: bool | Auto = "auto",
         gpu_optimizer_groups: int = 0,
-        compile_layers: bool = False,
+        compile_layers: bool | Auto = "auto",
         cpu_adam: CpuAdamMode = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -208,7 +211,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             schedulers = [config.scheduler for config in self.lr_scheduler_configs]
             self.optimizers = step.to_host_optimizers(self.optimizers, schedulers)  # Adam/AdamW on the host
             if step.steps_after_return:
-                trainer.callbacks.insert(0, _OptimizerBarrier())  # before any callback's hook reads parameters
+                trainer.callbacks.insert(0, OptimizerBarrier())  # first: waits before hooks that read parameters
         self.setup_precision_plugin()
         # no _optimizers_to_device: optimizer states live with the host masters
 
@@ -337,13 +340,3 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
-
-class _OptimizerBarrier(pl.Callback):
-    """Waits for an overlapped optimizer step before other callbacks' and the module's hooks read parameters."""
-
-    def _wait(self, trainer: pl.Trainer, *_: Any) -> None:
-        trainer.strategy.wait_for_optimizer()
-
-    on_train_epoch_end = on_train_end = on_validation_start = on_exception = _wait
-

@@ -121,9 +121,9 @@ def test_invalid_arguments_listed_together():
         MegaTrainStrategy(num_slots=1, keep_layers=-1, cpu_adam="gpu")
     with pytest.raises(ValueError, match=r"keep_layers='all'"):
         MegaTrainStrategy(keep_layers="all")
-    with pytest.raises(ValueError, match=r"compile_layers='yes': need True or False"):
+    with pytest.raises(ValueError, match=r"compile_layers='yes': need 'auto', True or False"):
         MegaTrainStrategy(compile_layers="yes")
-    with pytest.raises(ValueError, match=r"layers=3: need a dotted path(.|\n)*overlap_optimizer='yes': need True"):
+    with pytest.raises(ValueError, match=r"layers=3: need a dotted path(.|\n)*overlap_optimizer='yes': need 'auto', True"):
         MegaTrainStrategy(layers=3, overlap_optimizer="yes")
 
 
@@ -145,7 +145,8 @@ def test_arguments_become_one_engine_config():
 
     check = Check()
     _trainer(strategy=strategy, callbacks=[check]).validate(WithVal("llama_tied"), DataLoader(make_data()[:2]))
-    assert check.config == strategy.config.replace(gpu_optimizer_groups=0)  # a CPU device refuses 1 when fitting
+    # a CPU device refuses 1 when fitting; the "auto" options resolved for a CPU compute device
+    assert check.config == strategy.config.replace(gpu_optimizer_groups=0, overlap_optimizer=False, compile_layers=False)
 
 
 def test_host_residency_after_setup():
@@ -432,7 +433,7 @@ def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
 def test_grads_read_by_hooks_sees_modules_and_callbacks():
     # what decides whether host grads may land after the optimizer step starts (engine/optimizer_step.py, [Note: late
     # grads])
-    from lightning_megatrain.precision import grads_read_by_hooks
+    from lightning_megatrain.hooks import grads_read_by_hooks
 
     class Quiet(L.Callback):
         def on_train_batch_end(self, *args):

@@ -17,6 +17,7 @@ from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, 
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
+from lightning_megatrain.engine.placement import resolve
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
@@ -85,6 +86,7 @@ class MegaTrainEngine:
                 ``torch.compile`` (before any large allocation).
         """
         module = self.module
+        self.config = resolve(self.config, self.device)  # the "auto" options ([Note: auto placement])
         path, stack = find_layer_stack(module, self.config.layers)
         resident_slots = tensor_slots(module, skip=stack)
         check_layers_independent(stack, resident_slots)

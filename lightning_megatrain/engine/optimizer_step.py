@@ -19,7 +19,7 @@ At the end of backward the last layers' grads (and the residents', one ~1.6 GB D
 to the host. Waiting for them on the training thread idles the GPU (~0.1 s per step at 3B, 64K tokens/step,
 benchmarks/results kernel_gaps) and then the host queues the next forward into an empty GPU. When nothing can read
 ``p.grad`` before the optimizer step (no ``on_before_optimizer_step`` hook in the module or a callback and no
-``configure_gradient_clipping`` of its own: precision.py ``grads_read_by_hooks``) and the host step is overlapped,
+``configure_gradient_clipping`` of its own: hooks.py, [Note: user hooks]) and the host step is overlapped,
 :meth:`OptimizerStep.finalize_gradients` leaves them landing instead:
 
 - the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``);
