@@ -6,4 +6,4 @@ from lightning_megatrain.models.export import export_checkpoint
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.models.loss import causal_lm_loss
 
-__all__ = ["ChunkedHFLoss", "CausalLMModule", "causal_lm_loss", "export_checkpoint", "install_chunked_hf_loss"]
+__all__ = ["CausalLMModule", "ChunkedHFLoss", "causal_lm_loss", "export_checkpoint", "install_chunked_hf_loss"]

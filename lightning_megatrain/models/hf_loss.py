@@ -371,8 +371,8 @@ class ChunkedHFLoss:
 def install_chunked_hf_loss(module: nn.Module, *, enabled: bool = True, chunk_size: int = 4096) -> ChunkedHFLoss:
     """Compute the loss of HF causal LMs inside ``module`` called with ``labels`` without ``[B, T, V]`` logits.
 
-    Every HF ``*ForCausalLM`` in ``module`` (``module`` itself included) whose forward [Note: HF loss] recognises
-    gets a ``forward`` that, when called with ``labels``, returns HF's output with the same ``loss`` (computed by the
+    Every HF ``*ForCausalLM`` in ``module`` (``module`` itself included) whose forward passes the form check of
+    [Note: HF loss] gets a ``forward`` that, called with ``labels``, returns HF's output with the same ``loss`` (by the
     chunked cross-entropy) and ``logits=None``; without labels, and for the calls listed in the note, HF's own
     forward runs. Installing again wraps nothing twice (the new handle lists no models).
 

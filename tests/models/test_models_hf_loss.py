@@ -3,7 +3,8 @@
 Tolerances (fp32 on the CPU; both sides run HF's backbone on the same inputs, only the loss differs): the loss to
 ``rtol=1e-6`` (seen: <= 2e-7, one or two ulps), every parameter's gradient to ``rtol=1e-5`` with ``atol`` 1e-5 of that
 gradient's largest entry (seen: <= 1.1e-6 of it; the softmax - one-hot cancellation is in fp32 on both sides), as in
-test_models_causal_lm.py. Fallbacks run HF's own forward, so they are compared bitwise.
+test_models_causal_lm.py. Under bf16 autocast the loss to ``rtol=1e-4`` and each gradient to 2e-2 norm-wise (HF
+soft-caps bf16 logits, the chunked loss fp32 ones). Fallbacks run HF's own forward, so they are compared bitwise.
 """
 
 from __future__ import annotations
