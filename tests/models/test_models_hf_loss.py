@@ -17,6 +17,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 from transformers import (
     AutoConfig,
@@ -128,6 +129,48 @@ def test_loss_and_grads_match_hf(arch):
         uncapped = model(**batch).loss
         model.config.final_logit_softcapping = cap
         assert abs(uncapped.item() - ref.loss.item()) > 1e-2
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an aten op produces (as in test_models_loss.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_never_materialises_or_saves_full_logits():
+    # V = 4096 dominates: B*T*V = 128 * 4096 logits, 4x the [V, H] head weight and 16x a [chunk, V] chunk
+    model_type, overrides, attn = ARCHS["llama_tied"]
+    config = AutoConfig.for_model(model_type, **{**_COMMON, **overrides, "vocab_size": 4096})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    batch, seq, chunk, vocab, hidden = 4, 32, 8, 4096, _COMMON["hidden_size"]
+    input_ids = torch.randint(3, vocab, (batch, seq))  # [B, T]
+
+    def largest(**kwargs) -> tuple[int, int]:
+        saved = [0]
+
+        def pack(t):
+            saved[0] = max(saved[0], t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _LargestTensor() as mode:
+            model(input_ids=input_ids, labels=input_ids, **kwargs).loss.backward()
+        return mode.max_numel, saved[0]
+
+    hf_made, hf_saved = largest()
+    install_chunked_hf_loss(model, chunk_size=chunk)
+    made, saved = largest()
+    assert hf_made >= batch * seq * vocab and hf_saved >= batch * seq * vocab  # HF's path: the test sees the logits
+    assert made <= max(chunk * vocab, vocab * hidden) < batch * seq * vocab
+    assert saved <= vocab * hidden  # the chunked loss saves its two gradients: [B, T, H] and [V, H]
 
 
 @pytest.mark.parametrize("arch", ["llama_tied", "gemma2"])
