@@ -46,6 +46,12 @@ class EngineConfig:
     """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).
     ``"auto"``: on where the compute device is a GPU and Triton is usable, else off (engine/placement.py)."""
 
+    chunked_hf_loss: bool = True
+    """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``
+    logits, and return ``logits=None`` (models/hf_loss.py, [Note: HF loss]: same loss and gradients, and when HF's
+    own forward runs instead). ``False`` leaves HF's forward untouched, for modules that read ``logits`` together
+    with ``labels``."""
+
     cpu_adam: CpuAdamMode = "auto"
     """Host Adam/AdamW implementation: ``"auto"`` (DeepSpeedCPUAdam when it builds, else torch fused AdamW; torch
     fused AdamW when the step is overlapped), ``"deepspeed"`` or ``"torch"`` (optim/host_optimizer.py)."""
@@ -70,6 +76,8 @@ class EngineConfig:
             out.append(f"gpu_optimizer_groups={self.gpu_optimizer_groups!r}: need an int >= 0")
         if not isinstance(self.compile_layers, bool) and self.compile_layers != "auto":
             out.append(f"compile_layers={self.compile_layers!r}: need 'auto', True or False")
+        if not isinstance(self.chunked_hf_loss, bool):
+            out.append(f"chunked_hf_loss={self.chunked_hf_loss!r}: need True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:
             out.append(f"cpu_adam={self.cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
         return out

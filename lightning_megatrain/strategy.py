@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_megatrain.callbacks import host_rss_gib
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
+from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.precision import MegaTrainPrecision
 
@@ -96,6 +97,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
             Triton on CUDA), checked at setup. ``"auto"`` (default): on with a CUDA compute device where Triton is
             usable, else off ([Note: auto placement]).
+        chunked_hf_loss: HF causal LMs in the module called with ``labels`` (``model(..., labels=...).loss``)
+            compute HF's loss with the chunked cross-entropy, without materialising ``[B, T, V]`` logits (at 32K
+            tokens and a 128K vocabulary a 15.7 GiB block and its gradient), and return ``logits=None``; the same
+            loss and gradients (models/hf_loss.py, [Note: HF loss], also lists when HF's own forward runs instead).
+            ``False`` leaves HF's forward untouched, for modules that read ``logits`` together with ``labels``.
+            Default True.
         cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
             with the step overlapped always torch fused AdamW, which releases the GIL while the forward thread
             issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
@@ -121,6 +128,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         overlap_optimizer: bool | Auto = "auto",
         gpu_optimizer_groups: int = 0,
         compile_layers: bool | Auto = "auto",
+        chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -133,12 +141,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             overlap_optimizer=overlap_optimizer,
             gpu_optimizer_groups=gpu_optimizer_groups,
             compile_layers=compile_layers,
+            chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,
         )
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
         self.parallel_devices: list[torch.device] | None = None
         self.engine: MegaTrainEngine | None = None
+        self._hf_loss: ChunkedHFLoss | None = None  # what install_chunked_hf_loss changed, undone at teardown
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
 
@@ -200,6 +210,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             )
         # gpu_optimizer_groups hold optimizer states: none without an optimizer step
         config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)
+        self._hf_loss = install_chunked_hf_loss(self.lightning_module, enabled=config.chunked_hf_loss)
         self.engine = MegaTrainEngine(self.lightning_module, self.root_device, precision.compute_dtype, config)
         self.engine.setup(fitting=fitting)
         self.model_to_device()
@@ -334,6 +345,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if self.engine is not None:
             self.engine.teardown()
             self.engine = None
+        if self._hf_loss is not None:
+            self._hf_loss.remove()
+            self._hf_loss = None
         super().teardown()
 
     @classmethod

@@ -17,6 +17,8 @@ from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
+from lightning_megatrain.models.hf_loss import install_chunked_hf_loss
+
 MICRO_BATCH = 2
 N_SAMPLES = 32  # 16 micro-batches: enough for steps * accumulate <= 16
 DATA_SEED = 1234  # data is the same for every run seed; only the init changes with `seed`
@@ -28,7 +30,12 @@ def make_data(n: int = N_SAMPLES, seq: int = SEQ, vocab: int = VOCAB) -> torch.T
 
 
 class ParityLM(LightningModule):
-    """fp32 ``AutoModelForCausalLM`` built from a ``FAMILIES`` config under ``seed``."""
+    """fp32 ``AutoModelForCausalLM`` built from a ``FAMILIES`` config under ``seed``.
+
+    Its HF loss runs through the chunked cross-entropy under every strategy (``install_chunked_hf_loss``, what
+    ``MegaTrainStrategy`` installs by default), so that a run and its reference compute the same loss to the bit;
+    ``tests/models/test_models_hf_loss.py`` checks that loss against HF's own.
+    """
 
     def __init__(
         self,
@@ -46,6 +53,7 @@ class ParityLM(LightningModule):
         cfg = FAMILIES[family]()
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        install_chunked_hf_loss(self.model)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss

@@ -553,7 +553,6 @@ def test_megatrain_trainer_with_the_chunked_loss_matches_hf():
         torch.testing.assert_close(param, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.skip(reason="wired in strategy")
 @pytest.mark.filterwarnings("ignore:.*does not have many workers.*", "ignore:.*smaller than the logging interval.*")
 def test_megatrain_strategy_installs_the_chunked_loss_by_default():
     module, _ = fit(MegaTrainStrategy(cpu_adam="torch"), install=False, steps=1)
