@@ -117,48 +117,28 @@ class MegaTrainEngine:
         self.groups = [pack_group(slots, registry, lazy_grad=i + 1 < n_device) for i, slots in enumerate(layer_slots)]
         resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=n_device > 0)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
-        # the order the next forward reads masters in: residents (the embedding) first, then the layers
-        forward_order = [resident_group, *self.groups]
-        self.device_groups = [
-            DeviceGroup(g, self.device, torch.float32 if g is resident_group else self.compute_dtype,
-                        own_grad=g is not resident_group)
-            for g in forward_order[:n_device]
-        ]
-        on_device = {id(d.group): d for d in self.device_groups}
-        host_order = [g for g in forward_order if id(g) not in on_device]
-        overlap = OverlappedStep(host_order) if self.config.overlap_optimizer else None
+        overlap = self._overlap = OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
         gate = self._gate = overlap.wait if overlap is not None else None
         if registry is not None:
-            layer_device_groups = {i: on_device[id(g)] for i, g in enumerate(self.groups) if id(g) in on_device}
-            self.transfer = CudaTransfer(
-                self.groups, self.device, self.compute_dtype, self.config.num_slots, registry, gate, layer_device_groups
-            )
+            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.config.num_slots, registry, gate)
             resident_buffers = [s for s in resident_slots if not s.is_param]
             self.residents = Residents(
-                resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream, gate,
-                on_device.get(id(resident_group)),
+                resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream, gate
             )
             buffers = [[(s, s.get().to(self.device)) for s in slots] for slots in layer_buffers]
         else:
             self.transfer = HostTransfer(self.groups, self.compute_dtype, gate)
             buffers = [[] for _ in layer_buffers]
-        self._step = OptimizerStep(
-            self.config, self.device, self.flat_groups, self.device_groups, overlap, self.transfer, self.residents
-        )
+        self._step = OptimizerStep(self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents)
         self._disable_kv_cache()
-        persistent = sum(1 for i in range(len(stack)) if self.transfer.persistent(i))  # the first layers, if any
         layer_bytes = max_layer * self.compute_dtype.itemsize
-        policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes, persistent)
-        self.streamed = StreamedLayers(stack, self.groups, self.transfer, buffers, policy, self.config.compile_layers)
+        self._policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes)
+        self.streamed = StreamedLayers(
+            stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers
+        )
         self.streamed.install(self.device.type)
-        if self.device_groups:
-            log.info(
-                "MegaTrain: %d groups (%.2fB params) keep their fp32 master, grad and Adam states on %s too and take "
-                "their optimizer step there",
-                n_device,
-                sum(device_numel) / 1e9,
-                self.device,
-            )
+        self.placement_pending = fitting and self.config.gpu_optimizer_groups == "auto"
+        self._place_device_groups(n_device)
         log.info(
             "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
             "%.2fB params in host RAM (%s), compute %s on %s with %d slots%s",
@@ -174,6 +154,37 @@ class MegaTrainEngine:
             ", layers compiled (torch.compile)" if self.config.compile_layers else "",
         )
 
+    def _place_device_groups(self, n: int) -> None:
+        """Make the first ``n`` groups the forward reads (the residents, then layers 0, 1, ...) device groups
+        ([Note: device groups]): at setup for an int ``gpu_optimizer_groups``, before the first training micro-batch
+        for ``"auto"`` (:meth:`place_for_batch`). No-op for ``n == 0``; needs no device groups yet and no step in
+        flight (nothing has stepped)."""
+        if n == 0:
+            return
+        assert not self.device_groups, "device groups are placed once"
+        forward_order = [self.resident_group, *self.groups]
+        numels = [g.numel for g in forward_order[:n]]
+        self.device_groups = [
+            DeviceGroup(g, self.device, torch.float32 if k == 0 else self.compute_dtype, own_grad=k != 0)
+            for k, g in enumerate(forward_order[:n])
+        ]
+        on_device = {id(d.group): d for d in self.device_groups}
+        if self._overlap is not None:
+            self._overlap.set_groups([g for g in forward_order if id(g) not in on_device])
+        layer_device_groups = {i: on_device[id(g)] for i, g in enumerate(self.groups) if id(g) in on_device}
+        self.transfer.set_device_groups(layer_device_groups)
+        if self.residents is not None:
+            self.residents.set_device_group(on_device.get(id(self.resident_group)))
+        self._step.set_device_groups(self.device_groups)
+        self._policy.persistent_layers = len(layer_device_groups)  # their weights stay on the device
+        log.info(
+            "MegaTrain: %d groups (%.2fB params) keep their fp32 master, grad and Adam states on %s too and take "
+            "their optimizer step there",
+            n,
+            sum(numels) / 1e9,
+            self.device,
+        )
+
     def _check_placement(self) -> None:
         for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
             if tensor.device.type != "cpu":
@@ -184,8 +195,11 @@ class MegaTrainEngine:
                 )
 
     def _check_gpu_optimizer_groups(self, n_layers: int) -> int:
-        """Validate ``gpu_optimizer_groups`` against the device and the model; returns it."""
+        """Validate ``gpu_optimizer_groups`` against the device and the model; returns it (0 for ``"auto"``, which
+        :meth:`place_for_batch` decides)."""
         n = self.config.gpu_optimizer_groups
+        if n == "auto":
+            return 0
         if n and not self.on_cuda:
             raise ValueError(
                 f"MegaTrainStrategy(gpu_optimizer_groups={n}) keeps optimizer states on a CUDA device, but the compute "

@@ -78,7 +78,6 @@ class OptimizerStep:
         config: the engine's options (``overlap_optimizer``, ``cpu_adam``, ``gpu_optimizer_groups``).
         device: the compute device.
         groups: every host flat group, the layers' then the residents' (the order clipping sums the norms in).
-        device_groups: the groups that step on the device (engine/device_state.py), in forward order.
         overlap: the worker thread of the host step, when ``overlap_optimizer``.
         transfer: the layers' slots (engine/transfer.py) and gradient drain (engine/drain.py).
         residents: the residents' compute copies and drain (CUDA only).
@@ -89,7 +88,6 @@ class OptimizerStep:
         config: EngineConfig,
         device: torch.device,
         groups: list[FlatGroup],
-        device_groups: list[DeviceGroup],
         overlap: OverlappedStep | None,
         transfer: Transfer,
         residents: Residents | None,
@@ -97,16 +95,22 @@ class OptimizerStep:
         self.config = config
         self.device = device
         self.groups = groups
-        self.device_groups = device_groups
+        self.device_groups: list[DeviceGroup] = []  # set_device_groups
         self.overlap = overlap
         self.transfer = transfer
         self.residents = residents
-        self._device_param_ids = frozenset(id(p) for d in device_groups for p in d.group.params)  # the host step skips
+        self._device_param_ids: frozenset[int] = frozenset()  # the host step skips them
         self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
         self._clip_host: torch.Tensor | None = None  # pinned 0-dim fp32: the device clip factor, for the host step
         # - CUDA event for stream synchronization
         self._clip_copied: torch.cuda.Event | None = None  # recorded by compute after the factor's D2H; host waits
+
+    def set_device_groups(self, device_groups: list[DeviceGroup]) -> None:
+        """The groups that step on the device from now on (engine/device_state.py), in forward order; called once,
+        before any step."""
+        self.device_groups = device_groups
+        self._device_param_ids = frozenset(id(p) for d in device_groups for p in d.group.params)
 
     @property
     def steps_after_return(self) -> bool:
@@ -130,7 +134,7 @@ class OptimizerStep:
         host_optimizers = []
         # DeepSpeedCPUAdam holds the GIL for each parameter's update, stalling the forward it overlaps with.
         cpu_adam = self.config.cpu_adam
-        mode = "torch" if self.config.overlap_optimizer and cpu_adam == "auto" else cpu_adam
+        mode = "torch" if self.overlap is not None and cpu_adam == "auto" else cpu_adam
         for optimizer in optimizers:
             host = to_host_optimizer(optimizer, mode)
             replaced[id(optimizer)] = host

@@ -38,6 +38,12 @@ class OverlappedStep:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
+    def set_groups(self, groups: list[FlatGroup]) -> None:
+        """Step ``groups`` from now on (device groups were placed: they leave the host step); no step in flight."""
+        self.wait_all()
+        self.groups = groups
+        self._done = {id(g): self._done[id(g)] for g in groups}
+
     def launch(self, make_update: Callable[[], Callable[[list[Tensor]], None]]) -> None:
         """Start ``update = make_update()`` on the worker, then ``update(group.params)`` for every group, in order."""
         self.wait_all()

@@ -38,12 +38,11 @@ class Residents:
         registry: HostRegistry,
         d2h_stream: torch.cuda.Stream,
         gate: Callable[[FlatGroup], None] | None = None,
-        device_group: DeviceGroup | None = None,
     ) -> None:
         self.group = group
         self.d2h_stream = d2h_stream  # the transfer layer's: the grads' D2H queues behind the layers' drains
         self.gate = gate
-        self.device_group = device_group
+        self.device_group: DeviceGroup | None = None  # set_device_group: the residents step on the device
         self.buffer_slots = buffer_slots
         self.device = device
         self._copies: list[Tensor] | None = None  # one fp32 device leaf per unique parameter, or None when stale
@@ -55,6 +54,12 @@ class Residents:
         self.grads_to_host = True
         # - CUDA event for stream synchronization
         self._landed: torch.cuda.Event | None = None  # recorded by D2H after the grads' copy; waited on by the host
+
+    def set_device_group(self, device_group: DeviceGroup | None) -> None:
+        """The residents became a device group (engine/device_state.py): their compute copies are views of its
+        mirror from the next step on. Called once, before any training step."""
+        self.device_group = device_group
+        self._copies = None  # copies uploaded before (validation) are not views of the mirror
 
     def _upload(self) -> list[Tensor]:
         if self.device_group is not None:

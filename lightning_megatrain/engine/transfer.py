@@ -190,12 +190,12 @@ class CudaTransfer:
         num_slots: int,
         registry: HostRegistry,
         gate: Gate | None = None,
-        device_groups: dict[int, DeviceGroup] | None = None,
     ) -> None:
         self.groups = groups
         self.gate = gate or _no_gate
-        # layers whose weights live on the device for good (engine/device_state.py): no slot, no upload
-        self.device_groups = device_groups or {}
+        # layers whose weights live on the device for good (engine/device_state.py): no slot, no upload; shared with
+        # the drain, filled in place by set_device_groups
+        self.device_groups: dict[int, DeviceGroup] = {}
         self.device = device
         self.compute_dtype = compute_dtype
         max_numel = max(g.numel for g in groups)
@@ -265,6 +265,11 @@ class CudaTransfer:
         assert slot is not None
         slot.free.record(torch.cuda.current_stream(self.device))
         self._in_use.discard(index)
+
+    def set_device_groups(self, device_groups: dict[int, DeviceGroup]) -> None:
+        """Layers that became device groups (engine/device_state.py): their weights and grads stay on the device from
+        the next step on. Called once, before any training step; the drain shares the mapping."""
+        self.device_groups.update(device_groups)
 
     def persistent(self, index: int) -> bool:
         """Whether layer ``index``'s weights stay where :meth:`acquire` put them until the optimizer step: a device

@@ -16,7 +16,9 @@ from lightning_megatrain.engine.optimizer_step import OptimizerStep
 
 def _step(device_groups: list, **config) -> OptimizerStep:
     # transfer and residents are not reached by what these tests call
-    return OptimizerStep(EngineConfig(**config), torch.device("cpu"), [], device_groups, None, None, None)
+    step = OptimizerStep(EngineConfig(**config), torch.device("cpu"), [], None, None, None)
+    step.set_device_groups(device_groups)
+    return step
 
 
 def _device_group() -> SimpleNamespace:
