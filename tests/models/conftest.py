@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_megatrain.models import loss as loss_module
 
 VOCAB = 128
 _COMMON = {
@@ -78,3 +81,46 @@ def trainer_kwargs(tmp_path):
 def tiny_archs() -> dict[str, tuple[dict, str]]:
     """``model_type -> (CausalLMModule config dict, attn_implementation)``."""
     return {name: (dict(config), attn) for name, (config, attn) in TINY_ARCHS.items()}
+
+
+aten = torch.ops.aten
+# ops whose host-side result (a value, or an output shape) needs the device's data: on a GPU the host waits for it
+_SYNCING = {
+    aten.nonzero,  # torch.nonzero, Tensor.nonzero, torch.where(cond), argwhere
+    aten._local_scalar_dense,  # .item(), bool(t), int(t), float(t), `if t:`
+    aten.is_nonzero,
+    aten.equal,
+    aten.masked_select,
+    aten._unique2,
+    aten.unique_consecutive,
+    aten.unique_dim,
+}
+
+
+class DeviceSyncs(TorchDispatchMode):
+    """Fails on any aten op that would make the host wait for a GPU (see ``_SYNCING``; boolean-mask indexing too),
+    while ``armed``; ``syncs`` lists the ops seen while disarmed."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = True
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func.overloadpacket in (aten.index, aten.index_put, aten.index_put_) and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ())
+        )
+        if func.overloadpacket in _SYNCING or bool_index:
+            if self.armed:
+                raise AssertionError(f"{func} would sync a GPU")
+            self.syncs.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch) -> type[DeviceSyncs]:
+    """``causal_lm_loss(rows=None)`` takes its GPU path on the CPU (all positions, masked: see [Note: target rows]);
+    returns :class:`DeviceSyncs`, to run code under ``with DeviceSyncs() as mode: ...``."""
+    monkeypatch.setattr(loss_module, "_counting_rows_syncs", lambda device: True)
+    return DeviceSyncs
