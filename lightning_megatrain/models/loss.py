@@ -144,13 +144,13 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
             if rows is None:  # all positions, masked: see [Note: target rows]
                 n_rows = batch * seq  # from the shape: no device sync
                 valid_flat = targets_flat != ignore_index  # [B*T]
-                n_valid = valid_flat.sum().clamp_(min=1).to(acc_dtype)  # [] max(N, 1), on the device
-                scale_flat = valid_flat.to(acc_dtype).div_(n_valid).unsqueeze(1)  # [B*T, 1] valid / max(N, 1)
+                divisor = valid_flat.sum().clamp_(min=1).to(acc_dtype)  # [] max(N, 1), on the device
+                scale_flat = valid_flat.to(acc_dtype).div_(divisor).unsqueeze(1)  # [B*T, 1] valid / max(N, 1)
                 safe_targets = targets_flat.masked_fill(~valid_flat, 0)  # [B*T] a valid index to gather
             else:
                 n_rows = rows.numel()  # from the shape: no device sync
-                n_valid = max(n_rows, 1)
-                scale = torch.full((), 1.0 / n_valid, dtype=acc_dtype, device=hidden.device)  # [] a kernel argument
+                divisor = max(n_rows, 1)
+                scale = torch.full((), 1.0 / divisor, dtype=acc_dtype, device=hidden.device)  # [] a kernel argument
             for start in range(0, n_rows, chunk_size):
                 if rows is None:
                     chunk = slice(start, start + chunk_size)
@@ -192,7 +192,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_weight)
         if token_nll is not None:
             return token_nll.view(batch, seq)  # [B, T]
-        return loss_sum / n_valid  # [] mean over the targets
+        return loss_sum / divisor  # [] mean over the targets
 
     @staticmethod
     @once_differentiable
