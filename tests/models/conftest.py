@@ -7,8 +7,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_megatrain.models import loss as loss_module
-
 VOCAB = 128
 _COMMON = {
     "hidden_size": 32,
@@ -98,29 +96,28 @@ _SYNCING = {
 
 
 class DeviceSyncs(TorchDispatchMode):
-    """Fails on any aten op that would make the host wait for a GPU (see ``_SYNCING``; boolean-mask indexing too),
-    while ``armed``; ``syncs`` lists the ops seen while disarmed."""
+    """Fails, while ``armed``, on an aten op that makes the host wait for a GPU's data: those in ``_SYNCING`` and
+    boolean-mask indexing. A copy to the host it cannot tell from a CPU-to-CPU copy; CUDA tests use
+    ``torch.cuda.set_sync_debug_mode("error")``, which sees those too."""
 
     def __init__(self):
         super().__init__()
         self.armed = True
-        self.syncs: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         bool_index = func.overloadpacket in (aten.index, aten.index_put, aten.index_put_) and any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ())
         )
-        if func.overloadpacket in _SYNCING or bool_index:
-            if self.armed:
-                raise AssertionError(f"{func} would sync a GPU")
-            self.syncs.append(str(func))
-        return func(*args, **kwargs)
+        if self.armed and (func.overloadpacket in _SYNCING or bool_index):
+            raise AssertionError(f"{func} would sync a GPU")
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
 def as_on_a_gpu(monkeypatch) -> type[DeviceSyncs]:
     """``causal_lm_loss(rows=None)`` takes its GPU path on the CPU (all positions, masked: see [Note: target rows]);
     returns :class:`DeviceSyncs`, to run code under ``with DeviceSyncs() as mode: ...``."""
-    monkeypatch.setattr(loss_module, "_counting_rows_syncs", lambda device: True)
+    # by name: importing lightning_megatrain while conftest loads (no root log handler yet) would turn off its
+    # loggers' propagation, and caplog with it
+    monkeypatch.setattr("lightning_megatrain.models.loss._counting_rows_syncs", lambda device: True)
     return DeviceSyncs

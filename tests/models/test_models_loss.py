@@ -366,3 +366,23 @@ def test_cuda_peak_memory_is_bounded_by_chunk():
     bound = 4 * chunk * vocab * fp32 + 3 * vocab * dim * fp32 + 3 * hidden.numel() * fp32
     assert peak < bound < full_logits / 2
     assert torch.isfinite(loss)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_default_is_all_positions_without_syncs():
+    # CUDA's own sync check raises on a synchronizing call; the first call compiles the chunk math and is not checked
+    hidden, weight, labels = (t.detach().cuda() for t in padded_inputs(4, 64))
+    hidden.requires_grad_(), weight.requires_grad_()
+    expected = causal_lm_loss(hidden, weight, labels, chunk_size=37, rows=target_rows(labels.cpu()))
+    exp_gh, exp_gw = grads(expected, hidden, weight)
+    causal_lm_loss(hidden, weight, labels, chunk_size=37).backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = causal_lm_loss(hidden, weight, labels, chunk_size=37)
+        gh, gw = grads(loss, hidden, weight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    assert_grad_close(gh, exp_gh)
+    assert_grad_close(gw, exp_gw)
