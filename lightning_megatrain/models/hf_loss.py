@@ -20,7 +20,10 @@ attribute shadowing the class's, as engine/streamed.py does for decoder layers) 
 Same loss, same gradients. HF pads ``labels`` with one ``ignore_index`` column, shifts it left and takes
 ``cross_entropy(logits, shifted, ignore_index)``: the mean over the N targets that are not ``ignore_index``, or, with
 ``num_items_in_batch``, their sum divided by it. ``causal_lm_loss`` shifts the same way and returns the same mean;
-with ``num_items_in_batch`` this returns ``mean * N / num_items_in_batch``. The hidden states are HF's own tensors, so
+with ``num_items_in_batch`` this returns ``mean * N / num_items_in_batch``. With no target and no
+``num_items_in_batch`` HF's mean is ``0 / 0``: NaN, with zero gradients; this returns the same, a ``masked_fill`` of
+``causal_lm_loss``'s value for no target (0, zero gradients). ``N`` is counted on the device, so neither case reads a
+value on the host. The hidden states are HF's own tensors, so
 in fp32 loss and every gradient agree to rounding (tests/models/test_models_hf_loss.py states the tolerances). Under
 bf16 autocast both project in bf16; this soft-caps and takes the log-softmax in fp32 where HF soft-caps the bf16
 logits, so the two are close, not bitwise equal.
@@ -44,9 +47,9 @@ would be a tuple (``return_dict=False``, as argument or config); ``output_router
 the router auxiliary loss; ``loss_function`` is not HF's ``ForCausalLMLoss``; ``lm_head`` is not a bias-free
 ``nn.Linear`` without hooks or a replaced ``forward``; the backbone is not the module hooked at install; the vocabulary
 size the loss reshapes by is not the head's row count; the soft-cap is not positive; the labels are not an integer
-``[B, T]`` tensor matching the inputs; ``ignore_index`` is not an int; ``num_items_in_batch`` has more than one
-element; or no position has a target and there is no ``num_items_in_batch`` (HF's mean is then NaN). Each reason is
-logged once per model at INFO.
+``[B, T]`` tensor matching the inputs; ``ignore_index`` is not an int; or ``num_items_in_batch`` has more than one
+element. Each reason is logged once per model at INFO. None of these reads a tensor's values: deciding costs no
+device sync.
 
 Why ``logits=None`` and not logits computed lazily on first read: the point is the memory, and a lazy value would
 materialise the same ``[B, T, V]`` block wherever it is read (after the loss, so at the step's peak) and keep the
@@ -58,13 +61,16 @@ A module that needs logits together with labels (accuracy metrics, a z-loss, dis
 (``enabled=False``; ``MegaTrainStrategy(chunked_hf_loss=False)``), or calls the model without labels and computes
 its loss itself.
 
-Costs and what stays untouched: counting the targets is a ``nonzero`` on the labels before the forward (a device
-sync per call on a GPU, as in ``causal_lm_loss`` without host-computed rows). Parameters, buffers, ``state_dict``,
-``save_pretrained`` and the class are unchanged (the hook and the instance attribute are not state; deep copies and
-pickles carry a working wrapper of their own model); ``inspect.signature(model.forward)`` is the original's
-(``generate`` reads it). ``torch.compile`` traces through the wrapper: the ``nonzero`` and the chunked loss's
-data-dependent chunk loop break the graph around HF's forward, which compiles as usual. :meth:`ChunkedHFLoss.remove`
-deletes the attribute and the hook; installing twice wraps nothing twice.
+Costs and what stays untouched: the wrapper adds no device sync. It only sees device tensors, so it cannot count the
+targets on the host as ``CausalLMModule`` does; on a GPU ``causal_lm_loss`` therefore chunks all ``B * T`` positions
+with the ignored ones masked ([Note: target rows] in models/loss.py): the head's FLOPs on every position, as HF's own
+loss spends them, instead of on the targets only. On the CPU it selects the target rows (a ``nonzero`` waits for
+nothing there). Parameters, buffers, ``state_dict``, ``save_pretrained`` and the class are unchanged (the hook and the
+instance attribute are not state; deep copies and pickles carry a working wrapper of their own model);
+``inspect.signature(model.forward)`` is the original's (``generate`` reads it). ``torch.compile`` traces through the
+wrapper: off the CPU HF's forward and the chunked loss (its chunk loop unrolled from the shapes) make one graph; on the
+CPU the target rows' ``nonzero`` breaks the graph around HF's forward, which compiles as usual.
+:meth:`ChunkedHFLoss.remove` deletes the attribute and the hook; installing twice wraps nothing twice.
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
+from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +210,6 @@ class _Call(NamedTuple):
     named: dict[str, Any]  # the call's arguments, positional ones by their parameter names
     inputs: Tensor  # [B, T] input_ids or [B, T, H] inputs_embeds
     labels: Tensor  # [B, T]
-    rows: Tensor  # [N] flat positions with a target (loss.target_rows)
     ignore_index: int
     softcap: float | None
     num_items_in_batch: Tensor | float | None
@@ -267,18 +272,21 @@ class _ChunkedLossForward:
                 f"{type(model).__name__}.forward ran without calling its backbone {self.form.backbone!r} hooked by "
                 "install_chunked_hf_loss (was the hook removed?). HINT: reinstall, or pass enabled=False."
             )
+        labels = call.labels.to(hidden.device, non_blocking=True)  # [B, T]
         loss = causal_lm_loss(
             hidden,
             model.lm_head.weight,  # [V, H] looked up per call: the engine binds its compute copy during a step
-            call.labels.to(hidden.device, non_blocking=True),
+            labels,
             chunk_size=self.chunk_size,
             softcap=call.softcap,
             ignore_index=call.ignore_index,
-            rows=call.rows,
-        )  # [] mean over the N targets
-        if call.num_items_in_batch is not None:  # HF: sum / num_items_in_batch
-            num = call.num_items_in_batch
-            loss = loss * call.rows.numel() / (num.to(loss.device) if isinstance(num, Tensor) else num)  # []
+        )  # [] mean over the N targets, 0 when N = 0; no device sync (see [Note: target rows] in models/loss.py)
+        n_targets = (labels[:, 1:] != call.ignore_index).sum()  # [] N, on the device
+        num = call.num_items_in_batch
+        if num is not None:  # HF: sum / num_items_in_batch; a host tensor is copied without waiting for the device
+            loss = loss * n_targets / (num.to(loss.device, non_blocking=True) if isinstance(num, Tensor) else num)
+        else:  # HF: sum / N, NaN (0 / 0) with zero gradients when N = 0
+            loss = loss.masked_fill(n_targets == 0, float("nan"))  # []
         return dataclasses.replace(out, loss=loss, logits=None)
 
     def _plan(self, args: tuple, kwargs: dict[str, Any]) -> _Call | str | None:
@@ -342,10 +350,7 @@ class _ChunkedLossForward:
         num = named.get("num_items_in_batch")
         if isinstance(num, Tensor) and num.numel() != 1:
             return "a num_items_in_batch of several elements"
-        rows = target_rows(labels, ignore_index)  # [N]; a device sync for labels on a GPU
-        if num is None and rows.numel() == 0:
-            return "no target token (HF's mean is NaN)"
-        return _Call(named, inputs, labels, rows, ignore_index, softcap, num)
+        return _Call(named, inputs, labels, ignore_index, softcap, num)
 
 
 @dataclasses.dataclass

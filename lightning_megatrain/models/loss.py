@@ -15,6 +15,26 @@ With Gemma-style soft-capping ``c(x) = s * tanh(x / s)`` applied to the raw logi
     dc/dx   = 1 - tanh(x / s) ** 2                          (chain rule through the cap)
 
 and with ``x = h @ W^T``: ``dL/dh = dL/dx @ W`` and ``dL/dW = dL/dx^T @ h``.
+
+[Note: target rows]
+The chunk loop needs its number of chunks on the host. :func:`causal_lm_loss` lays the chunks out one of two ways:
+
+- *Target rows* (``rows`` a tensor, or ``None`` on the CPU): the ``N`` positions of the flattened ``[B * T]`` batch
+  whose target is not ``ignore_index`` (:func:`target_rows`, a ``nonzero``), ``chunk_size`` of them a chunk, gathered
+  with ``index_select``. The head projects only the ``N`` targets. Their number is data: on a GPU counting them is a
+  device sync (the host waits for all queued work before it can queue the loss), unless they were computed on the
+  host before the batch moved (``CausalLMModule.on_before_batch_transfer`` does).
+- *All positions* (``rows="all"``, or ``None`` off the CPU): ``chunk_size`` consecutive positions of all ``B * T`` a
+  chunk, sliced without a copy. An ignored position gathers target 0 (any valid index), its NLL is zeroed, and its
+  ``dL/dz`` row by the per-row scale ``[C, 1]`` = ``valid / max(N, 1)`` (where the target-rows path scales by the
+  scalar ``1 / N``), with ``N`` counted on the device; the loss is ``loss_sum / max(N, 1)``, a device tensor. The
+  chunk count comes from the shape: no sync anywhere, forward or backward. The cost is head FLOPs, ``6 * V * H`` per
+  position (logits and both gradients), on all ``B * T`` positions instead of the ``N`` targets: ``B * T / N`` times
+  the head's work (1.43x with 30% of the labels ignored, as prompt-masked SFT batches or padding may have). HF's own
+  loss projects all ``B * T`` positions too.
+
+Both give the same loss and gradients to rounding (chunks group different positions, so sums run in another order;
+tests/models/test_models_loss.py states the tolerances), and 0 with zero gradients when no position has a target.
 """
 
 from __future__ import annotations
@@ -32,8 +52,8 @@ IGNORE_INDEX = -100
 
 def _nll_and_grad(
     logits: Tensor,  # [C, V] compute dtype
-    target: Tensor,  # [C]
-    scale: Tensor,  # [] 1 / N for the mean, acc dtype
+    target: Tensor,  # [C] valid indices
+    scale: Tensor,  # [] 1 / N for the mean, or [C, 1] per row (0 for an ignored row); acc dtype
     softcap: float | None,
     acc_dtype: torch.dtype,
     need_grad: bool,
@@ -45,6 +65,9 @@ def _nll_and_grad(
     once more for the gradient, which it writes in the logits' dtype, where eager ran about ten elementwise kernels
     over fp32 ``[C, V]`` buffers. On the H200 at 3B, 64K tokens a step (vocabulary 128K), that took the step's
     non-matmul, non-attention kernels from 0.46 to 0.34 s (benchmarks/results, 1558d8c against 2c8733b).
+
+    ``scale`` multiplies ``dL/dz`` by broadcasting: a ``[C, 1]`` scale (the all-positions path of [Note: target rows])
+    masks rows at no extra kernel. The NLLs are not scaled.
     """
     z = logits.to(acc_dtype, copy=True)  # [C, V] a private buffer: the in-place ops below never write ``logits``
     if softcap is not None:
@@ -54,7 +77,8 @@ def _nll_and_grad(
     nll = lse - z.gather(1, target.unsqueeze(1)).squeeze(1)  # [C]
     if not need_grad:
         return nll, None
-    # dL/dz = softmax(z) - onehot(y), scaled by 1/N for the mean; the one-hot as a comparison, so it fuses
+    # dL/dz = softmax(z) - onehot(y), scaled by 1/N for the mean (per row: [C, 1]); the one-hot as a comparison, so it
+    # fuses
     onehot = torch.arange(z.shape[1], device=z.device).unsqueeze(0) == target.unsqueeze(1)  # [C, V]
     grad = z.sub_(lse.unsqueeze(1)).exp_().sub_(onehot.to(acc_dtype)).mul_(scale)  # [C, V]
     if softcap is not None:
@@ -73,7 +97,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
     """Mean token NLL of ``hidden @ weight^T`` against pre-shifted targets, gradients in forward.
 
     With ``per_token`` it returns the ``[B, T]`` NLLs (0 where ignored) instead of their mean;
-    the caller then requests no gradients.
+    the caller then requests no gradients. ``rows=None`` chunks all positions, masked (see [Note: target rows]).
     """
 
     @staticmethod
@@ -82,7 +106,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         hidden: Tensor,  # [B, T, H]
         weight: Tensor,  # [V, H]
         shifted_labels: Tensor,  # [B, T] target of position t is the label of t + 1
-        rows: Tensor,  # [N] flat positions (into B*T) with a target
+        rows: Tensor | None,  # [N] flat positions (into B*T) with a target; None: all B*T, masked
         chunk_size: int,
         softcap: float | None,
         ignore_index: int,
@@ -95,7 +119,6 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             hidden_flat = hidden.reshape(batch * seq, dim)  # [B*T, H]
             targets_flat = shifted_labels.reshape(batch * seq)  # [B*T]
-            n_targets = rows.numel()  # from the shape: no device sync
             w = weight.to(compute_dtype)  # [V, H]
             acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # fp32 unless fp64 inputs
 
@@ -106,32 +129,56 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
                 else None
             )  # [B*T]
             grad_hidden_flat = (
-                torch.zeros_like(hidden_flat) if grad_hidden_needed else None
+                (torch.zeros_like if rows is not None else torch.empty_like)(hidden_flat)  # all rows written
+                if grad_hidden_needed
+                else None
             )  # [B*T, H]
             grad_weight = (
                 torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
                 if grad_weight_needed
                 else None
             )  # [V, H] accumulator
-            inv_n = 1.0 / max(n_targets, 1)
 
             need_grad = grad_hidden_flat is not None or grad_weight is not None
-            scale = torch.full((), inv_n, dtype=acc_dtype, device=hidden.device)  # [] a kernel argument, no copy
             nll_and_grad = _nll_and_grad_fused() if hidden.device.type == "cuda" else _nll_and_grad
-            for start in range(0, n_targets, chunk_size):
-                idx = rows[start : start + chunk_size]  # [C]
-                target = targets_flat.index_select(0, idx)  # [C]
-                h = hidden_flat.index_select(0, idx).to(compute_dtype)  # [C, H]
+            if rows is None:  # all positions, masked: see [Note: target rows]
+                n_rows = batch * seq  # from the shape: no device sync
+                valid_flat = targets_flat != ignore_index  # [B*T]
+                divisor = valid_flat.sum().clamp_(min=1).to(acc_dtype)  # [] max(N, 1), on the device
+                scale_flat = valid_flat.to(acc_dtype).div_(divisor).unsqueeze(1)  # [B*T, 1] valid / max(N, 1)
+                safe_targets = targets_flat.masked_fill(~valid_flat, 0)  # [B*T] a valid index to gather
+            else:
+                n_rows = rows.numel()  # from the shape: no device sync
+                divisor = max(n_rows, 1)
+                scale = torch.full((), 1.0 / divisor, dtype=acc_dtype, device=hidden.device)  # [] a kernel argument
+            for start in range(0, n_rows, chunk_size):
+                if rows is None:
+                    chunk = slice(start, start + chunk_size)
+                    target = safe_targets[chunk]  # [C]
+                    scale = scale_flat[chunk]  # [C, 1]
+                    h = hidden_flat[chunk].to(compute_dtype)  # [C, H] a view unless cast
+                else:
+                    idx = rows[start : start + chunk_size]  # [C]
+                    target = targets_flat.index_select(0, idx)  # [C]
+                    h = hidden_flat.index_select(0, idx).to(compute_dtype)  # [C, H]
                 logits = h @ w.t()  # [C, V] compute dtype
                 nll, grad_logits = nll_and_grad(logits, target, scale, softcap, acc_dtype, need_grad)  # [C], [C, V]
+                if rows is None:
+                    nll = torch.where(valid_flat[chunk], nll, 0.0)  # [C] 0 where ignored
                 loss_sum += nll.sum()  # []
                 if token_nll is not None:
-                    token_nll.index_copy_(0, idx, nll)  # [B*T]
+                    if rows is None:
+                        token_nll[chunk] = nll  # [B*T]
+                    else:
+                        token_nll.index_copy_(0, idx, nll)  # [B*T]
                 if grad_logits is None:
                     continue
                 if grad_hidden_flat is not None:
-                    grad_h = grad_logits @ w  # [C, H]
-                    grad_hidden_flat.index_copy_(0, idx, grad_h.to(hidden.dtype))  # [B*T, H]
+                    grad_h = (grad_logits @ w).to(hidden.dtype)  # [C, H] (0 in ignored rows)
+                    if rows is None:
+                        grad_hidden_flat[chunk] = grad_h  # [B*T, H]
+                    else:
+                        grad_hidden_flat.index_copy_(0, idx, grad_h)  # [B*T, H]
                 if grad_weight is not None:
                     if compute_dtype == acc_dtype:
                         grad_weight.addmm_(grad_logits.t(), h)  # [V, H]
@@ -145,7 +192,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_weight)
         if token_nll is not None:
             return token_nll.view(batch, seq)  # [B, T]
-        return loss_sum * inv_n  # []
+        return loss_sum / divisor  # [] mean over the targets
 
     @staticmethod
     @once_differentiable
@@ -169,13 +216,23 @@ def target_rows(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """``[N]`` positions of the flattened ``[B * T]`` batch that have a target (see :func:`causal_lm_loss`).
 
     Their number sets the loss's chunk loop, so on a GPU it costs a device sync (``nonzero``); computed on the host
-    from the batch before it moves to the device (``CausalLMModule.on_before_batch_transfer``), it costs none.
+    from the batch before it moves to the device (``CausalLMModule.on_before_batch_transfer``), it costs none. See
+    [Note: target rows].
     """
     return _rows_with_target(shift_labels(labels, ignore_index), ignore_index)
 
 
 def _rows_with_target(shifted_labels: Tensor, ignore_index: int) -> Tensor:
     return (shifted_labels.reshape(-1) != ignore_index).nonzero().squeeze(1)  # [N]
+
+
+def _counting_rows_syncs(device: torch.device) -> bool:
+    """Whether counting target rows (a ``nonzero``) on ``device`` waits for the device: everywhere but the CPU.
+
+    ``rows=None`` chunks all positions where it does (see [Note: target rows]); tests patch this to run that path on
+    the CPU.
+    """
+    return device.type != "cpu"
 
 
 def causal_lm_loss(
@@ -187,7 +244,7 @@ def causal_lm_loss(
     softcap: float | None = None,
     ignore_index: int = IGNORE_INDEX,
     reduction: Literal["mean", "none"] = "mean",
-    rows: Tensor | None = None,
+    rows: Tensor | Literal["all"] | None = None,
 ) -> Tensor:
     """Mean next-token cross-entropy of an LM head without materialising ``[B, T, V]`` logits.
 
@@ -210,18 +267,26 @@ def causal_lm_loss(
         hidden: Last hidden states ``[B, T, H]`` (after the final norm).
         weight: LM head weight ``[V, H]``.
         labels: Token ids ``[B, T]`` aligned with the inputs.
-        chunk_size: Number of target tokens per chunk; peak extra memory is a few ``[chunk, V]``
-            fp32 buffers.
+        chunk_size: Number of rows per chunk (target tokens, or positions with ``rows="all"``);
+            peak extra memory is a few ``[chunk, V]`` fp32 buffers.
         softcap: Gemma-style final-logit soft-capping ``softcap * tanh(logits / softcap)``;
             ``None`` disables it.
         ignore_index: Label value that contributes no loss.
         reduction: ``"mean"`` (differentiable 0-dim mean) or ``"none"`` (per-token ``[B, T]``,
             no gradients).
-        rows: :func:`target_rows` of ``labels``, computed ahead (on the host, so that the loss
-            needs no device sync); ``None`` computes them here.
+        rows: How the chunks are laid out (see [Note: target rows]). A tensor: :func:`target_rows`
+            of ``labels``, computed ahead (on the host, so that the loss needs no device sync);
+            chunks of target tokens only. ``"all"``: chunks of all ``B * T`` positions with the
+            ignored ones masked; no device sync, the head's FLOPs on every position. ``None``
+            (default): ``"all"`` off the CPU (counting targets there is a device sync), the
+            target rows computed here on the CPU.
 
     Returns:
         A 0-dim fp32 tensor (fp64 for fp64 inputs); ``[B, T]`` with ``reduction="none"``.
+
+    Raises:
+        ValueError: a shape, ``chunk_size``, ``softcap``, ``reduction`` or ``rows`` out of range,
+            or ``reduction="none"`` with inputs that need gradients.
     """
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
@@ -240,6 +305,8 @@ def causal_lm_loss(
         raise ValueError(f"softcap must be positive or None, got {softcap}")
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    if not (rows is None or isinstance(rows, Tensor) or (isinstance(rows, str) and rows == "all")):
+        raise ValueError(f"rows must be a tensor of target_rows(labels), 'all' or None, got {rows!r}")
     grad_enabled = torch.is_grad_enabled()
     per_token = reduction == "none"
     if per_token and grad_enabled and (hidden.requires_grad or weight.requires_grad):
@@ -254,13 +321,13 @@ def causal_lm_loss(
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     shifted_labels = shift_labels(labels, ignore_index)  # [B, T]
-    if rows is None:
-        rows = _rows_with_target(shifted_labels, ignore_index)  # [N]; syncs a GPU
+    if rows is None:  # see [Note: target rows]
+        rows = "all" if _counting_rows_syncs(hidden.device) else _rows_with_target(shifted_labels, ignore_index)
     loss = _ChunkedCausalLMLoss.apply(
         hidden,
         weight,
         shifted_labels,
-        rows.to(hidden.device, non_blocking=True),
+        None if isinstance(rows, str) else rows.to(hidden.device, non_blocking=True),  # [N] or None: all B*T
         chunk_size,
         softcap,
         ignore_index,

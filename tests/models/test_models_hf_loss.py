@@ -5,6 +5,9 @@ Tolerances (fp32 on the CPU; both sides run HF's backbone on the same inputs, on
 gradient's largest entry (seen: <= 1.1e-6 of it; the softmax - one-hot cancellation is in fp32 on both sides), as in
 test_models_causal_lm.py. Under bf16 autocast the loss to ``rtol=1e-4`` and each gradient to 2e-2 norm-wise (HF
 soft-caps bf16 logits, the chunked loss fp32 ones). Fallbacks run HF's own forward, so they are compared bitwise.
+Tests taking ``as_on_a_gpu`` (tests/models/conftest.py) run the loss's GPU layout on the CPU (all positions, masked: see
+[Note: target rows] in models/loss.py) under a guard that fails on any op that would sync a GPU; the tolerances above
+hold for it too.
 """
 
 from __future__ import annotations
@@ -241,7 +244,6 @@ FALLBACKS = {
     "logits_to_keep": ("llama_tied", lambda b: {"logits_to_keep": torch.arange(b["labels"].shape[1])}, None),
     "shift_labels": ("llama_tied", lambda b: {"shift_labels": b["labels"]}, None),
     "return_dict": ("llama_tied", lambda b: {"return_dict": False}, None),
-    "no_targets": ("llama_tied", lambda b: {"labels": torch.full_like(b["labels"], -100)}, None),
     "num_items_vector": ("llama_tied", lambda b: {"num_items_in_batch": torch.tensor([20.0, 30.0])}, None),
     "router_aux_loss": ("mixtral", lambda b: {"output_router_logits": True}, None),
     "hooked_head": ("llama_tied", lambda b: {}, _hooked_head),
@@ -255,7 +257,6 @@ REASONS = {
     "logits_to_keep": "logits_to_keep",
     "shift_labels": "shift_labels",
     "return_dict": "return_dict=False",
-    "no_targets": "no target token",
     "num_items_vector": "num_items_in_batch of several elements",
     "router_aux_loss": "output_router_logits=True",
     "hooked_head": "lm_head that is not a bias-free nn.Linear without hooks",
@@ -287,9 +288,103 @@ def test_fallbacks_return_exactly_hf_output(case, caplog):
     for got, want in zip(as_tuple(out), as_tuple(ref), strict=True):  # loss, logits, ...
         if isinstance(want, torch.Tensor):
             assert torch.equal(got, want) or (got.isnan().all() and want.isnan().all())
-    assert out[0].isnan().all() == (case == "no_targets")  # HF's mean over no target is NaN, kept as HF's
     messages = [r.getMessage() for r in caplog.records if "HF's own forward computes the loss" in r.getMessage()]
     assert len(messages) == 1 and REASONS[case] in messages[0], messages
+
+
+@pytest.mark.parametrize("on_gpu_path", [False, True])
+def test_no_target_gives_hf_nan_and_zero_grads_without_a_fallback(on_gpu_path, request):
+    # HF's mean over no target is 0 / 0: NaN, with zero gradients; the chunked loss returns the same without counting
+    # the targets on the host (with num_items_in_batch HF's sum / num is 0, and so is this)
+    model = build("gemma2")
+    batch = {**padded_batch(), "labels": torch.full((3, 16), -100)}
+    ref, ref_grads = loss_and_grads(model, **batch)
+    ref_num, ref_num_grads = loss_and_grads(model, **batch, num_items_in_batch=torch.tensor(5))
+    install_chunked_hf_loss(model, chunk_size=7)
+    if on_gpu_path:
+        request.getfixturevalue("as_on_a_gpu")
+    out, grads = loss_and_grads(model, **batch)
+    out_num, num_grads = loss_and_grads(model, **batch, num_items_in_batch=torch.tensor(5))
+
+    assert out.logits is None and out_num.logits is None  # the chunked loss ran: no fallback
+    assert ref.loss.isnan() and out.loss.isnan() and out.loss.dtype == ref.loss.dtype
+    assert ref_num.loss == 0 and out_num.loss == 0
+    for got, want in ((grads, ref_grads), (num_grads, ref_num_grads)):
+        assert got.keys() == want.keys()
+        assert all(torch.count_nonzero(g) == 0 and torch.equal(g, want[name]) for name, g in got.items())
+
+
+@pytest.mark.parametrize("arch", ["llama_tied", "gemma2"])
+@pytest.mark.parametrize("num_items", [None, 23, torch.tensor(23)])
+def test_gpu_layout_matches_hf_and_the_wrapper_never_syncs(arch, num_items, as_on_a_gpu):
+    # the guard is armed for the whole call and its backward except inside the backbone (HF's code: its masks may sync)
+    model = build(arch)
+    batch = padded_batch()
+    ref, ref_grads = loss_and_grads(model, **batch, num_items_in_batch=num_items)
+    install_chunked_hf_loss(model, chunk_size=5)
+    guard = as_on_a_gpu()
+    model.model.register_forward_pre_hook(lambda module, args: setattr(guard, "armed", False))
+    model.model.register_forward_hook(lambda module, args, output: setattr(guard, "armed", True))
+    with guard:
+        out, grads = loss_and_grads(model, **batch, num_items_in_batch=num_items)
+    assert guard.armed and out.logits is None
+    assert_same_loss_and_grads(out, grads, ref, ref_grads)
+
+
+def test_the_sync_guard_sees_the_target_rows_of_the_cpu_layout(as_on_a_gpu, monkeypatch):
+    # the harness above can fail: on the CPU layout the loss's nonzero runs after the backbone, where the guard is armed
+    monkeypatch.undo()  # rows=None selects the target rows again
+    model = build("llama_tied")
+    batch = padded_batch()
+    install_chunked_hf_loss(model)
+    guard = as_on_a_gpu()
+    model.model.register_forward_pre_hook(lambda module, args: setattr(guard, "armed", False))
+    model.model.register_forward_hook(lambda module, args, output: setattr(guard, "armed", True))
+    with pytest.raises(AssertionError, match=r"aten.nonzero.default would sync a GPU"), guard:
+        model(**batch)
+
+
+def test_compiled_gpu_layout_is_one_graph_and_matches_hf(as_on_a_gpu):
+    model = build("llama_tied")
+    batch = padded_batch()
+    ref, ref_grads = loss_and_grads(model, **batch)
+    install_chunked_hf_loss(model, chunk_size=5)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**batch)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")  # dynamo and AOT autograd, no C++ compiler needed
+    out, _ = loss_and_grads(compiled, **batch)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert out.logits is None
+    assert_same_loss_and_grads(out, grads, ref, ref_grads)
+    torch._dynamo.reset()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("num_items", [None, torch.tensor(23)])  # a host tensor: copied without a sync
+def test_cuda_wrapper_never_syncs(num_items):
+    # CUDA's own sync check (set_sync_debug_mode) raises on a synchronizing call anywhere but inside the backbone
+    # (HF's code); the first call compiles the chunk math (_nll_and_grad_fused) and is not checked
+    model = build("gemma2").cuda()
+    batch = {name: t.cuda() for name, t in padded_batch().items()}
+    ref = type(model).forward(model, **batch, num_items_in_batch=num_items).loss  # HF's own
+    install_chunked_hf_loss(model, chunk_size=5)
+    model(**batch, num_items_in_batch=num_items).loss.backward()
+    model.model.register_forward_pre_hook(lambda module, args: torch.cuda.set_sync_debug_mode("default"))
+    model.model.register_forward_hook(lambda module, args, output: torch.cuda.set_sync_debug_mode("error"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = model(**batch, num_items_in_batch=num_items)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref, rtol=1e-4, atol=0)
 
 
 def test_logits_are_none_only_when_the_chunked_loss_applied():
