@@ -57,16 +57,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_megatrain.callbacks import H100_BF16_PEAK_FLOPS
+from lightning_megatrain._hardware import GIB, H100_BF16_PEAK_FLOPS, meminfo_bytes
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import (
     check_layers_independent,
     find_layer_stack,
     tensor_slots,
 )
-from lightning_megatrain.engine.host_store import meminfo_bytes
-
-GIB = 1024**3
 
 # --- Constants: BENCHMARKS.md, lent nvidia-h200 (H200 + 16-core host), measured 2026-11-29 unless stated -----------
 PCIE_H2D_GBPS = 55.4  # pinned H2D, GB/s (1e9 B/s)
