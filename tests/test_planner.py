@@ -11,6 +11,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_megatrain import planner
+from lightning_megatrain.cli import main, plan_main
 from lightning_megatrain.engine.discovery import find_layer_stack, tensor_slots
 
 _COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -259,15 +260,15 @@ def test_32_true_streams_fp32():
 def test_main_report_and_json(tmp_path, capsys):
     _config(CONFIGS["llama_tied"]).save_pretrained(tmp_path)
     args = ["--model", str(tmp_path), "--seq-len", "64", "--micro-batch", "2", "--host-ram", "64", "--gpu-mem", "80"]
-    assert planner.main(args) == 0
+    assert plan_main(args) == 0
     out = capsys.readouterr().out
     assert "Host RAM" in out and "GPU memory" in out and "tokens/s" in out
-    assert planner.main(["plan", *args, "--json", "--optimizer", "sgd"]) == 0
+    assert main(["plan", *args, "--json", "--optimizer", "sgd"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["n_params"] == planner.plan(CONFIGS["llama_tied"], seq_len=64, **BIG).n_params
     assert d["host_state_bytes_per_param"] == 8 and d["gpu_limit"] == 80 * 2**30
     inline = json.dumps(CONFIGS["qwen3"])
-    assert planner.main(["--model", inline, "--seq-len", "32", "--json"]) == 0
+    assert plan_main(["--model", inline, "--seq-len", "32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["n_layers"] == 3
 
 

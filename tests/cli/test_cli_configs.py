@@ -14,7 +14,7 @@ from cli_paths import CONFIGS, DEMO_CONFIG, REPO
 
 from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy, planner
 from lightning_megatrain.callbacks import ThroughputLogger
-from lightning_megatrain.cli import MegaTrainCLI, main
+from lightning_megatrain.cli import MegaTrainCLI, main, plan_main
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
 from lightning_megatrain.models import CausalLMModule
 
@@ -164,7 +164,7 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
     readme_row = next(line for line in (REPO / "README.md").read_text().splitlines() if f"`configs/{name}.yaml`" in line)
     assert readme_row.endswith(row), (readme_row, row)
     args[args.index("--model") + 1] = str(REPO / args[args.index("--model") + 1])
-    assert planner.main([*args, "--json"]) == 0
+    assert plan_main([*args, "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
     assert run["n_params"] == p.n_params and run["gpu_total"] == p.gpu_total and run["host_total"] == p.host_total
     assert (run["seq_len"], run["micro_batch"], run["grad_accum"], run["precision"], run["gpu_limit"]) == (
