@@ -48,9 +48,18 @@ from torch.optim import Optimizer
 
 import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
 from lightning_megatrain.callbacks import ThroughputLogger
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
 from lightning_megatrain.models import CausalLMModule, export_checkpoint
-from lightning_megatrain.planner import ACHIEVED_TFLOPS, COMPILED_TFLOPS, GPU_REF_GIB, OPTIMIZERS, PRECISIONS, plan
+from lightning_megatrain.planner import (
+    ACHIEVED_TFLOPS,
+    COMPILED_TFLOPS,
+    GPU_REF_GIB,
+    OPTIMIZERS,
+    PRECISIONS,
+    Machine,
+    plan,
+)
 
 PROG = "megatrain"
 
@@ -270,14 +279,19 @@ def plan_main(argv: Sequence[str]) -> int:
     add("--loss-chunk-size", type=int, default=4096)
     add("--json", action="store_true", help="print the plan as JSON")
     ns = parser.parse_args(list(argv))
-    p = plan(
-        ns.model, seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum, precision=ns.precision,
-        optimizer=ns.optimizer, loss=ns.loss, host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem,
-        cpu_cores=ns.cpu_cores, achieved_tflops=ns.tflops, offload_activations=not ns.no_offload,
-        num_slots=ns.num_slots, loss_chunk_size=ns.loss_chunk_size, attn_implementation=ns.attn_implementation,
-        overlap_optimizer=ns.overlap_optimizer, gpu_optimizer_groups=ns.gpu_optimizer_groups,
-        compile_layers=ns.compile_layers,
-    )
+    try:
+        config = EngineConfig(num_slots=ns.num_slots, overlap_optimizer=ns.overlap_optimizer,
+                              gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers)
+        machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
+                          achieved_tflops=ns.tflops)
+        p = plan(
+            ns.model, seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,
+            precision=ns.precision, optimizer=ns.optimizer, loss=ns.loss, loss_chunk_size=ns.loss_chunk_size,
+            attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload, config=config,
+            machine=machine,
+        )
+    except ValueError as err:
+        parser.error(str(err))
     print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
     return 0
 

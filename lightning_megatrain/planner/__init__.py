@@ -1,6 +1,6 @@
 """Memory and throughput model of the MegaTrain engine: what ``megatrain plan`` prints (DESIGN principle 8).
 
-``plan(model, seq_len=..., micro_batch=...)`` builds the model on the ``meta`` device (no allocation), splits it into
+``plan(model, seq_len=..., micro_batch=..., config=EngineConfig(...), machine=Machine(...))`` builds the model on the ``meta`` device (no allocation), splits it into
 the streamed layer stack and the residents exactly as the engine does, and models host RAM and GPU memory in bytes
 and the time of one optimizer step in seconds. One module per job:
 
@@ -8,6 +8,7 @@ and the time of one optimizer step in seconds. One module per job:
 - ``shape.py``: the model shape the formulas read (:func:`describe`, :func:`load_config`);
 - ``memory.py``: host and GPU bytes, and the activation formula of one recomputed layer (:func:`layer_activation`);
 - ``timing.py``: seconds per step and the FLOPs counted (:func:`step_time`);
+- ``machine.py``: :class:`Machine`, the limits, cores and calibrated rates a plan is for;
 - ``planning.py``: :func:`plan`, :class:`Plan`, the micro-batch searches and the warnings.
 
 The ``megatrain plan`` command line is ``lightning_megatrain.cli.plan_main``.
@@ -32,6 +33,7 @@ from lightning_megatrain.planner.constants import (
     PROCESS_GIB,
     TORCH_ADAM_GPARAMS,
 )
+from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import gpu_bytes, host_bytes, layer_activation
 from lightning_megatrain.planner.planning import Plan, plan
 from lightning_megatrain.planner.shape import describe, load_config
@@ -55,6 +57,7 @@ __all__ = [
     "PRECISIONS",
     "PROCESS_GIB",
     "TORCH_ADAM_GPARAMS",
+    "Machine",
     "Plan",
     "_attn_flops",  # tests/test_planner.py checks the token-mixer FLOPs directly
     "describe",

@@ -14,23 +14,20 @@ from typing import Any
 
 from lightning_megatrain import _hardware
 from lightning_megatrain._hardware import GIB
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
     COMPILED_TFLOPS,
     CPU_REF_CORES,
     FP32_TFLOPS,
     GPU_REF_GIB,
-    GPU_RESERVE_GIB,
     HOST_REF_GIB,
     OPTIMIZERS,
-    PCIE_D2H_GBPS,
-    PCIE_DUPLEX_GBPS,
-    PCIE_H2D_GBPS,
     PEAK_TFLOPS,
     PRECISIONS,
-    PROCESS_GIB,
     TORCH_ADAM_GPARAMS,
 )
+from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import _gpu_peak, gpu_bytes, host_bytes
 from lightning_megatrain.planner.shape import _Shape, describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
@@ -130,39 +127,42 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",
-         host_ram_gib: float | None = None, gpu_mem_gib: float | None = None, optimizer: str = "adamw",
-         loss: str = "chunked", cpu_cores: int | None = None, grad_accum: int = 1, offload_activations: bool = True,
-         num_slots: int = 2, loss_chunk_size: int = 4096, achieved_tflops: float | None = None,
-         pcie_h2d_gbps: float = PCIE_H2D_GBPS, pcie_d2h_gbps: float = PCIE_D2H_GBPS,
-         pcie_duplex_gbps: float = PCIE_DUPLEX_GBPS, process_gib: float = PROCESS_GIB,
-         gpu_reserve_gib: float = GPU_RESERVE_GIB, pinned_pow2_rounding: bool = False,
-         attn_implementation: str | None = None, overlap_optimizer: bool = False,
-         gpu_optimizer_groups: int = 0, compile_layers: bool = False) -> Plan:
+def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",
+         optimizer: str = "adamw", loss: str = "chunked", loss_chunk_size: int = 4096,
+         attn_implementation: str | None = None, offload_activations: bool = True,
+         config: EngineConfig = EngineConfig(), machine: Machine = Machine()) -> Plan:
     """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
 
     Args:
         model: HF config, dict for ``AutoConfig.for_model``, inline JSON, .json file, local dir or hub name.
         seq_len, micro_batch, grad_accum: tokens per micro-batch = ``micro_batch * seq_len``; per step x grad_accum.
         precision: "bf16-mixed" or "32-true".
-        host_ram_gib / gpu_mem_gib: limits in GiB; default this machine's MemTotal (else 128) / its GPU (else 139).
         optimizer: "adamw", "adam", "sgd", "sgd_momentum". loss: "chunked" (CausalLMModule) or "naive" (HF).
-        cpu_cores: cores for the host optimizer (default this machine's); its rate scales linearly from 16 cores.
-        offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying.
-        achieved_tflops: sustained rate on executed FLOPs (default 450 under bf16, 580 under bf16 with
-            ``compile_layers``, 50 under 32-true).
-        pinned_pow2_rounding: model the engine before engine/pinned.py (commit b0ea63e), which took every pinned
-            buffer (masters, grads, slabs) from torch's caching host allocator, rounded up to a power of two, as the
-            2026-11-29 core runs measured. The offloaded layer inputs were rounded until session 13.
+        loss_chunk_size: tokens per chunk of the chunked loss, as ``CausalLMModule(loss_chunk_size=...)``.
         attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
             config's (transformers picks sdpa where the model supports it).
-        overlap_optimizer: as ``MegaTrainStrategy(overlap_optimizer=True)``: Adam (torch fused) runs beside the next
-            step's forward and only the part that outlasts it counts.
-        gpu_optimizer_groups: as ``MegaTrainStrategy(gpu_optimizer_groups=...)``: the residents and the first
-            ``gpu_optimizer_groups - 1`` layers keep their optimizer state on the GPU (engine/device_state.py).
-        compile_layers: as ``MegaTrainStrategy(compile_layers=True)``: the bf16 rate becomes
-            :data:`COMPILED_TFLOPS`. Memory stays planned for eager layers (compiled ones save less).
+        offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying.
+        config: the ``MegaTrainStrategy`` options, planned as the engine runs them:
+
+            - ``num_slots``: that many slots of the largest layer on the GPU.
+            - ``overlap_optimizer``: Adam (torch fused) runs beside the next step's forward and only the part that
+              outlasts it counts; the plan then suggests the fewest ``gpu_optimizer_groups`` that hide it.
+            - ``gpu_optimizer_groups``: the residents and the first ``gpu_optimizer_groups - 1`` layers keep their
+              optimizer state on the GPU (engine/device_state.py).
+            - ``compile_layers``: the bf16 rate becomes ``COMPILED_TFLOPS``. Memory stays planned for eager layers
+              (compiled ones save less).
+            - ``keep_layers`` is not modelled: the plan recomputes every layer (``keep_layers=0``), so its GPU peak
+              is the floor that must fit. ``"auto"`` keeps the graphs of as many layers as fill the GPU memory left
+              above that floor (engine/recompute.py); a fixed count needs more than the plan shows.
+            - ``layers`` and ``cpu_adam`` are not read: the stack is discovered as the engine discovers it, and the
+              host Adam runs at DeepSpeedCPUAdam's measured rate (torch fused AdamW's when overlapped).
+        machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine).
+
+    Raises:
+        ValueError: an unknown precision, optimizer or loss; a seq_len, micro_batch or grad_accum below 1;
+            ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than Adam/AdamW.
     """
+    m = machine
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
                          f"['chunked', 'naive']; got {precision!r}, {optimizer!r}, {loss!r}")
@@ -170,26 +170,27 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
         raise ValueError(f"seq_len, micro_batch, grad_accum must be >= 1; got {seq_len}, {micro_batch}, {grad_accum}")
     s = describe(model, "" if not isinstance(model, (str, Path)) or str(model).lstrip().startswith("{") else str(model),
                  attn_implementation)
-    if not 0 <= gpu_optimizer_groups <= 1 + len(s.layers):
+    if not 0 <= config.gpu_optimizer_groups <= 1 + len(s.layers):
         raise ValueError(f"gpu_optimizer_groups must be in [0, {1 + len(s.layers)}] (the residents and {len(s.layers)} "
-                         f"layers); got {gpu_optimizer_groups}")
-    if gpu_optimizer_groups and optimizer not in ("adamw", "adam"):
+                         f"layers); got {config.gpu_optimizer_groups}")
+    if config.gpu_optimizer_groups and optimizer not in ("adamw", "adam"):
         raise ValueError(f"gpu_optimizer_groups steps Adam/AdamW on the GPU; got optimizer={optimizer!r}")
     c = PRECISIONS[precision]
-    tflops = achieved_tflops or (FP32_TFLOPS if c >= 4 else COMPILED_TFLOPS if compile_layers else ACHIEVED_TFLOPS)
-    cores = cpu_cores or _hardware.cpu_cores()
-    host_limit = int((host_ram_gib or _hardware.host_ram_gib() or HOST_REF_GIB) * GIB)
-    gpu_limit = int((gpu_mem_gib or _hardware.gpu_mem_gib() or GPU_REF_GIB) * GIB)
-    gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size, "num_slots": num_slots,
-               "reserve_gib": gpu_reserve_gib, "gpu_groups": gpu_optimizer_groups}
-    opt_rate = TORCH_ADAM_GPARAMS if overlap_optimizer and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
-    tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": pcie_h2d_gbps,
-               "d2h": pcie_d2h_gbps, "duplex": pcie_duplex_gbps, "num_slots": num_slots,
-               "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap_optimizer,
-               "gpu_groups": gpu_optimizer_groups}
+    tflops = m.achieved_tflops or (
+        FP32_TFLOPS if c >= 4 else COMPILED_TFLOPS if config.compile_layers else ACHIEVED_TFLOPS)
+    cores = m.cpu_cores or _hardware.cpu_cores()
+    host_limit = int((m.host_ram_gib or _hardware.host_ram_gib() or HOST_REF_GIB) * GIB)
+    gpu_limit = int((m.gpu_mem_gib or _hardware.gpu_mem_gib() or GPU_REF_GIB) * GIB)
+    groups, overlap = config.gpu_optimizer_groups, config.overlap_optimizer
+    gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
+           "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups}
+    opt_rate = TORCH_ADAM_GPARAMS if overlap and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
+    tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
+           "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
+           "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups}
     gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
-    hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": process_gib,
-               "pinned_pow2": pinned_pow2_rounding, "gpu_groups": gpu_optimizer_groups}
+    hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
+           "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups}
     host = host_bytes(s, micro_batch, seq_len, **hkw)
     t = step_time(s, micro_batch, seq_len, **tkw)
     max_host = _largest(lambda b: sum(host_bytes(s, b, seq_len, **hkw).values()) <= host_limit)
@@ -216,13 +217,13 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, precision: str = "bf
         tokens_per_s=tokens / step, model_tflops=model_flops * tokens / step / 1e12,
         mfu=model_flops * tokens / step / (PEAK_TFLOPS * 1e12),
         mfu_with_attention=(model_flops + attn) * tokens / step / (PEAK_TFLOPS * 1e12),
-        assumptions={"achieved_tflops": tflops, "pcie_h2d_gbps": pcie_h2d_gbps, "pcie_d2h_gbps": pcie_d2h_gbps,
-                         "pcie_duplex_gbps": pcie_duplex_gbps, "cpu_cores": cores, "num_slots": num_slots,
-                         "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
-                         "optimizer_overlaps_gpu": overlap_optimizer, "pinned_pow2_rounding": pinned_pow2_rounding,
-                         "gpu_optimizer_groups": gpu_optimizer_groups, "compile_layers": compile_layers})
+        assumptions={"achieved_tflops": tflops, "pcie_h2d_gbps": m.pcie_h2d_gbps, "pcie_d2h_gbps": m.pcie_d2h_gbps,
+                     "pcie_duplex_gbps": m.pcie_duplex_gbps, "cpu_cores": cores, "num_slots": config.num_slots,
+                     "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
+                     "optimizer_overlaps_gpu": overlap, "pinned_pow2_rounding": m.pinned_pow2_rounding,
+                     "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers})
     p.warnings = _warnings(p, s)
-    if overlap_optimizer and optimizer in ("adamw", "adam"):
+    if overlap and optimizer in ("adamw", "adam"):
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
 

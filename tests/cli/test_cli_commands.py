@@ -86,6 +86,17 @@ def test_plan_help_lists_every_flag(capsys):
         assert flag in text, flag
 
 
+def test_plan_reports_invalid_options_as_usage_errors(capsys):
+    config = json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024})
+    for flags, message in ((["--num-slots", "1"], "num_slots=1: need an int >= 2"),
+                           (["--cpu-cores", "0"], "cpu_cores=0: need an int >= 1"),
+                           (["--gpu-optimizer-groups", "4"], r"gpu_optimizer_groups must be in [0, 3]")):
+        with pytest.raises(SystemExit) as error:
+            main(["plan", "--model", config, "--seq-len", "64", *flags])
+        assert error.value.code == 2
+        assert message in capsys.readouterr().err
+
 def test_plan_runs_the_real_planner(capsys):
     config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}

@@ -15,8 +15,10 @@ from cli_paths import CONFIGS, DEMO_CONFIG, REPO
 from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy, planner
 from lightning_megatrain.callbacks import ThroughputLogger
 from lightning_megatrain.cli import MegaTrainCLI, main, plan_main
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
 from lightning_megatrain.models import CausalLMModule
+from lightning_megatrain.planner import Machine
 
 _TINY = {
     "hidden_size": 32,
@@ -147,8 +149,8 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
     shape = CONFIGS / "hf" / f"{name}.json"  # the numbers of the Hub's config.json
     kwargs = dict(seq_len=data["cutoff_len"], grad_accum=accum, precision=trainer["precision"],
                   loss_chunk_size=model["loss_chunk_size"], attn_implementation=model["attn_implementation"],
-                  num_slots=trainer["strategy"]["init_args"]["num_slots"], gpu_mem_gib=H200_GIB,
-                  cpu_cores=H200_CORES, host_ram_gib=1 << 20)
+                  config=EngineConfig(num_slots=trainer["strategy"]["init_args"]["num_slots"]),
+                  machine=Machine(gpu_mem_gib=H200_GIB, cpu_cores=H200_CORES, host_ram_gib=1 << 20))
     p = planner.plan(shape, micro_batch=micro_batch, **kwargs)
     assert p.gpu_total <= p.gpu_limit and p.max_micro_batch == micro_batch
     assert planner.plan(shape, micro_batch=micro_batch + 1, **kwargs).gpu_total > p.gpu_limit
