@@ -1,8 +1,8 @@
 """Memory and throughput model of the MegaTrain engine: what ``megatrain plan`` prints (DESIGN principle 8).
 
-``plan(model, seq_len=..., micro_batch=..., config=EngineConfig(...), machine=Machine(...))`` builds the model on the ``meta`` device (no allocation), splits it into
-the streamed layer stack and the residents exactly as the engine does, and models host RAM and GPU memory in bytes
-and the time of one optimizer step in seconds. One module per job:
+``plan(model, seq_len=..., micro_batch=..., config=EngineConfig(...), machine=Machine(...))`` builds the model on
+the ``meta`` device (no allocation), splits it into the streamed layer stack and the residents exactly as the engine
+does, and models host RAM and GPU memory in bytes and the time of one optimizer step in seconds. One module per job:
 
 - ``constants.py``: every measured or assumed number, with where it comes from;
 - ``shape.py``: the model shape the formulas read (:func:`describe`, :func:`load_config`);

@@ -2,7 +2,7 @@
 micro-batch that fits, and warns about what limits the run; :class:`Plan` holds and prints the result.
 
 MFU follows shared/BENCHMARKS.md: 6 * (non-embedding active params incl. the LM head matmul) * tokens / time / the
-dense bf16 peak (``PEAK_TFLOPS``, 989 TFLOP/s).
+dense bf16 peak ``PEAK_TFLOPS`` (constants.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_megatrain import _hardware
-from lightning_megatrain._hardware import GIB
+from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_gib
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
@@ -178,9 +177,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     c = PRECISIONS[precision]
     tflops = m.achieved_tflops or (
         FP32_TFLOPS if c >= 4 else COMPILED_TFLOPS if config.compile_layers else ACHIEVED_TFLOPS)
-    cores = m.cpu_cores or _hardware.cpu_cores()
-    host_limit = int((m.host_ram_gib or _hardware.host_ram_gib() or HOST_REF_GIB) * GIB)
-    gpu_limit = int((m.gpu_mem_gib or _hardware.gpu_mem_gib() or GPU_REF_GIB) * GIB)
+    cores = m.cpu_cores or cpu_cores()
+    host_limit = int((m.host_ram_gib or host_ram_gib() or HOST_REF_GIB) * GIB)
+    gpu_limit = int((m.gpu_mem_gib or gpu_mem_gib() or GPU_REF_GIB) * GIB)
     groups, overlap = config.gpu_optimizer_groups, config.overlap_optimizer
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
            "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups}
