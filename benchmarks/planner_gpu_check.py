@@ -1,4 +1,4 @@
-"""Check lightning_megatrain/planner.py's memory and time formulas against one GPU (one device call).
+"""Check the planner's memory and time formulas (lightning_megatrain/planner/) against one GPU (one device call).
 
 Parts: (1) the pinned host allocator's rounding; (2) one Llama-3.2-3B-shaped HF decoder layer recomputed with grad
 the way engine/streamed.py does it (bf16 weights from a slot, fp32 input, autocast without cache): saved bytes, peak

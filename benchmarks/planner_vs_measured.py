@@ -17,9 +17,9 @@ import sys
 
 from workloads import split_system  # benchmarks/workloads.py: this script's folder is on sys.path
 
-from lightning_megatrain.planner import plan
-
-GIB = 1024**3
+from lightning_megatrain._hardware import GIB
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.planner import Machine, plan
 
 # The shapes of benchmarks/core_gpu.py, as HF config dicts (the planner builds them on the meta device).
 CONFIGS = {
@@ -53,11 +53,12 @@ def _row(r: dict, core: bool, commit: str) -> str:
     # the core runs predate the exact-size page-locked buffers (engine/pinned.py)
     system = r.get("system", "")
     base, groups, compiled = split_system(system)
+    options = EngineConfig(overlap_optimizer=base.startswith("megatrain_overlap"), gpu_optimizer_groups=groups,
+                           compile_layers=compiled)
+    machine = Machine(host_ram_gib=125, gpu_mem_gib=139, cpu_cores=16, pinned_pow2_rounding=core)
     p = plan(config, seq_len=r["seq_len"], micro_batch=r["micro_batch"], grad_accum=r.get("accumulate", 1),
              optimizer=r.get("optimizer", "adamw"), loss="chunked" if r.get("loss") == "chunked" else "naive",
-             host_ram_gib=125, gpu_mem_gib=139, cpu_cores=16, pinned_pow2_rounding=core,
-             overlap_optimizer=base.startswith("megatrain_overlap"), gpu_optimizer_groups=groups,
-             compile_layers=compiled).to_dict()
+             config=options, machine=machine).to_dict()
     host_measured = r["peak_host_rss_gib"] if core else r["peak_host_gib"]
     host = p["host_total"] / GIB
     host_cell = f"{host:.1f} / {host_measured:.1f} ({host / host_measured - 1:+.0%})"

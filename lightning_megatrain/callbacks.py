@@ -14,23 +14,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-#: Dense bf16 tensor-core peak of one H100 / H200 SXM GPU in FLOP/s (NVIDIA data sheet, without sparsity).
-H100_BF16_PEAK_FLOPS = 989e12
+from lightning_megatrain._hardware import GIB, H100_BF16_PEAK_FLOPS, host_rss_gib
 
 TRACE_FILE_NAME = "megatrain_trace.json"
-
-
-def host_rss_gib(field: str = "VmRSS") -> float | None:
-    """Resident set size of this process in GiB, read from ``/proc/self/status`` (``None`` where there is no procfs):
-    now (``VmRSS``) or its high-water mark so far (``VmHWM``). Both count pinned memory."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) / 2**20  # the value is in kB
-    except OSError:
-        return None
-    return None
 
 
 def matmul_params(module: nn.Module) -> int:
@@ -166,7 +152,7 @@ class ThroughputLogger(Callback):
             metrics["host_rss_gib"] = rss
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            metrics["gpu_max_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            metrics["gpu_max_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         for name, value in metrics.items():
             pl_module.log(name, float(value), prog_bar=self.prog_bar, on_step=True, on_epoch=False, batch_size=1)
 

@@ -32,6 +32,7 @@ What this CLI adds to a plain ``LightningCLI``:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,8 +48,18 @@ from torch.optim import Optimizer
 
 import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
 from lightning_megatrain.callbacks import ThroughputLogger
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
 from lightning_megatrain.models import CausalLMModule, export_checkpoint
+from lightning_megatrain.planner import (
+    ACHIEVED_TFLOPS,
+    COMPILED_TFLOPS,
+    GPU_REF_GIB,
+    OPTIMIZERS,
+    PRECISIONS,
+    Machine,
+    plan,
+)
 
 PROG = "megatrain"
 
@@ -235,10 +246,54 @@ def export_main(argv: Sequence[str]) -> int:
 
 
 def plan_main(argv: Sequence[str]) -> int:
-    """``megatrain plan ...``: delegates to ``lightning_megatrain.planner.main``."""
-    from lightning_megatrain import planner
-
-    return planner.main(list(argv))
+    """``megatrain plan --model NAME_OR_DIR_OR_JSON --seq-len L [--micro-batch B] ... [--json]``: prints the plan of
+    :func:`lightning_megatrain.planner.plan` as a table (or JSON); returns 0."""
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} plan",
+        description="Host RAM, GPU memory and throughput of Trainer(strategy='megatrain') for a model (no weights "
+        "are loaded).",
+    )
+    add = parser.add_argument
+    add("--model", required=True, help="local dir with config.json, a .json file, inline JSON "
+        "('{\"model_type\": \"llama\", ...}') or a hub name")
+    add("--seq-len", type=int, required=True)
+    add("--micro-batch", type=int, default=1)
+    add("--grad-accum", type=int, default=1)
+    add("--precision", choices=list(PRECISIONS), default="bf16-mixed")
+    add("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    add("--loss", choices=["chunked", "naive"], default="chunked")
+    add("--attn-implementation", help="as model.attn_implementation, e.g. eager (default: the config's)")
+    add("--host-ram", type=float, help="GiB (default: this machine's)")
+    add("--gpu-mem", type=float, help=f"GiB (default: this machine's GPU, else {GPU_REF_GIB:.0f} as on an H200)")
+    add("--cpu-cores", type=int)
+    add("--tflops", type=float, help=f"achieved TFLOP/s on executed FLOPs (default {ACHIEVED_TFLOPS:.0f} bf16, "
+        f"{COMPILED_TFLOPS:.0f} with --compile-layers)")
+    add("--no-offload", action="store_true", help="keep every layer's input on the GPU")
+    add("--num-slots", type=int, default=2)
+    add("--overlap-optimizer", action="store_true",
+        help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
+    add("--gpu-optimizer-groups", type=int, default=0,
+        help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU")
+    add("--compile-layers", action="store_true",
+        help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
+    add("--loss-chunk-size", type=int, default=4096)
+    add("--json", action="store_true", help="print the plan as JSON")
+    ns = parser.parse_args(list(argv))
+    try:
+        config = EngineConfig(num_slots=ns.num_slots, overlap_optimizer=ns.overlap_optimizer,
+                              gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers)
+        machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
+                          achieved_tflops=ns.tflops)
+        p = plan(
+            ns.model, seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,
+            precision=ns.precision, optimizer=ns.optimizer, loss=ns.loss, loss_chunk_size=ns.loss_chunk_size,
+            attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload, config=config,
+            machine=machine,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
+    return 0
 
 
 def main(args: Sequence[str] | None = None) -> int:

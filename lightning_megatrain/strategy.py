@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_megatrain.callbacks import host_rss_gib
+from lightning_megatrain._hardware import GIB, host_rss_gib
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
@@ -27,7 +27,6 @@ from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLaye
 from lightning_megatrain.precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
-_GIB = 2**30
 
 
 class MegaTrainStrategy(SingleDeviceStrategy):
@@ -320,7 +319,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         sizes["optimizer_states"] = sum(states.values())
         rss = host_rss_gib()
         if rss is not None:
-            sizes["rss"] = int(rss * _GIB)
+            sizes["rss"] = int(rss * GIB)
             sizes["other"] = sizes["rss"] - sum(v for k, v in sizes.items() if k != "rss")
         return sizes
 
@@ -329,15 +328,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         super().on_train_end()
         sizes = self.host_memory()  # sizes only; the barrier's on_train_end already waited for the optimizer
         n_params = sum(p.numel() for p in self.lightning_module.parameters())
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / _GIB:.1f}" for k, v in sizes.items() if k != "rss")
+        parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
         total = sizes.get("rss", sum(sizes.values()))
         peak = host_rss_gib("VmHWM")
         log.info(
             "MegaTrain: host memory at train end %.1f GiB (%.1f bytes/param): %s GiB%s",
-            total / _GIB,
+            total / GIB,
             total / max(n_params, 1),
             parts,
-            "" if peak is None else f"; peak so far {peak:.1f} GiB ({peak * _GIB / max(n_params, 1):.1f} bytes/param)",
+            "" if peak is None else f"; peak so far {peak:.1f} GiB ({peak * GIB / max(n_params, 1):.1f} bytes/param)",
         )
 
     @override

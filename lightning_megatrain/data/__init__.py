@@ -2,9 +2,9 @@
 
 from lightning_megatrain.data.collate import PackedCollator, PadCollator, pack_examples
 from lightning_megatrain.data.datamodule import SFTDataModule
+from lightning_megatrain.data.demo import DEMO_DIR, DEMO_TOKENIZER_DIR
 from lightning_megatrain.data.encoding import IGNORE_INDEX, Example, TemplateError
 from lightning_megatrain.data.formats import Conversation, DatasetFormatError
-from lightning_megatrain.data.registry import DEMO_DIR, DEMO_TOKENIZER_DIR
 from lightning_megatrain.data.tokenizer import build_demo_tokenizer
 
 __all__ = [

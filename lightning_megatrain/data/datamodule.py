@@ -20,7 +20,8 @@ from lightning_megatrain.data.encoding import (
 )
 from lightning_megatrain.data.formats import Conversation, convert_rows
 from lightning_megatrain.data.readers import dataset_files, read_rows
-from lightning_megatrain.data.registry import DEMO_DIR, DEMO_TOKENIZER_DIR, DatasetSpec, infer_spec, resolve_datasets
+from lightning_megatrain.data.demo import DEMO_DIR, DEMO_TOKENIZER_DIR
+from lightning_megatrain.data.registry import DatasetSpec, infer_spec, resolve_datasets
 from lightning_megatrain.data.sampling import EpochShuffleSampler, split_indices
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,6 @@ from typing import Any
 
 from lightning_megatrain.data.readers import SUPPORTED_SUFFIXES, dataset_files, decode_json_cell
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-DEMO_TOKENIZER_DIR = DEMO_DIR / "tokenizer"
 DATASET_INFO_FILE = "dataset_info.json"
 
 FORMATTINGS = ("alpaca", "sharegpt")

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from lightning_megatrain.data.readers import read_rows
-from lightning_megatrain.data.registry import DEMO_DIR
+from lightning_megatrain.data.demo import DEMO_DATA_FILES, DEMO_DIR
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-
-DEMO_DATA_FILES = ("demo_alpaca.json", "demo_sharegpt.json", "demo_messages.jsonl")
 
 
 def _strings(value: Any) -> Iterator[str]:

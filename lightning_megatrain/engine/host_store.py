@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from lightning_megatrain._hardware import GIB, meminfo_bytes
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.pinned import PAGE, HostRegistry, round_up
 
@@ -172,18 +173,6 @@ def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None, la
                      _grad=None if lazy_grad else new_grad())
 
 
-def meminfo_bytes(field: str) -> int | None:
-    """A /proc/meminfo field (``"MemAvailable"``, ``"MemTotal"``) in bytes; None where unknown (e.g. not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def available_host_bytes() -> int | None:
     """``MemAvailable``: what this process may still allocate without swapping or being killed."""
     return meminfo_bytes("MemAvailable")
@@ -215,11 +204,10 @@ def check_host_memory(
     if available is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
     if need > available:
-        gib = 1024**3
         raise RuntimeError(
-            f"MegaTrainStrategy needs about {need / gib:.1f} GiB more host RAM for {n_params / 1e9:.2f}B parameters "
-            f"(fp32 master and grad: {flats / gib:.1f} GiB{' pinned' if pinned else ''}"
-            f"{f', Adam exp_avg and exp_avg_sq: {adam / gib:.1f} GiB' if fitting else ''}, minus the "
-            f"model already loaded) but only {available / gib:.1f} GiB is available. HINT: use a machine with more "
+            f"MegaTrainStrategy needs about {need / GIB:.1f} GiB more host RAM for {n_params / 1e9:.2f}B parameters "
+            f"(fp32 master and grad: {flats / GIB:.1f} GiB{' pinned' if pinned else ''}"
+            f"{f', Adam exp_avg and exp_avg_sq: {adam / GIB:.1f} GiB' if fitting else ''}, minus the "
+            f"model already loaded) but only {available / GIB:.1f} GiB is available. HINT: use a machine with more "
             "RAM, a smaller model, or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know better."
         )

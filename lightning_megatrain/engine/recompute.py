@@ -33,6 +33,7 @@ import logging
 
 import torch
 
+from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import KeepLayers
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,8 @@ class RecomputePolicy:
         log.info(
             "MegaTrain: a layer's graph holds %.2f GiB at this micro-batch size, the recompute-all peak is %.1f GiB: "
             "keeping the graphs of %d layers per micro-batch from the next one on, recomputing the rest",
-            self._ratio * self.input_bytes / 2**30,
-            self.peak_bytes / 2**30,
+            self._ratio * self.input_bytes / GIB,
+            self.peak_bytes / GIB,
             self.limit(self.input_bytes),
         )
         return True
@@ -141,8 +142,8 @@ class RecomputePolicy:
                 "MegaTrain: keeping %d layers reserved a peak of %.1f GiB of a %.1f GiB top-up budget: keeping %d more "
                 "per micro-batch of this size",
                 self._kept,
-                peak / 2**30,
-                budget / 2**30,
+                peak / GIB,
+                budget / GIB,
                 extra,
             )
 

@@ -56,6 +56,10 @@ from lightning_megatrain.engine.transfer import Transfer
 # Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
 _TENSOR = object()
 
+# StreamedLayerFunction.forward's arguments before the layer's input leaves: owner, index, spec, out_box, anchor.
+# needs_input_grad and the tuple backward returns count them first, so leaf i sits at _LEADING_ARGS + i.
+_LEADING_ARGS = 5
+
 # kwargs through which HF layers receive a KV cache; a recompute would append to it twice, so training drops them
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
@@ -257,7 +261,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         if kept:
             outs, inputs, weights = ctx.kept
             ctx.kept = None
-            inputs_needing_grad = [(pos, x) for pos, x in inputs if ctx.needs_input_grad[5 + pos]]
+            inputs_needing_grad = [(pos, x) for pos, x in inputs if ctx.needs_input_grad[_LEADING_ARGS + pos]]
         else:
             outs, inputs_needing_grad, weights = _recompute(ctx, owner, index)
         pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
@@ -276,9 +280,9 @@ class StreamedLayerFunction(torch.autograd.Function):
         if index == 0 and owner.policy.end_backward():
             owner.transfer.trim_stash_cache()  # the calibrating micro-batch's offloaded inputs are all restored
 
-        result: list[Tensor | None] = [None] * (5 + len(ctx.other_leaves))
+        result: list[Tensor | None] = [None] * (_LEADING_ARGS + len(ctx.other_leaves))
         for (pos, _), g in zip(inputs_needing_grad, input_grads):
-            result[5 + pos] = g
+            result[_LEADING_ARGS + pos] = g
         return tuple(result)
 
 
@@ -339,7 +343,7 @@ def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], li
     inputs_needing_grad: list[tuple[int, Tensor]] = []
     for pos, stashed in zip(ctx.stashed_positions, ctx.stashed):
         x = transfer.unstash(stashed)
-        if ctx.needs_input_grad[5 + pos]:  # forward's first five arguments are not leaves
+        if ctx.needs_input_grad[_LEADING_ARGS + pos]:
             x.requires_grad_(True)
             inputs_needing_grad.append((pos, x))
         leaves[pos] = x

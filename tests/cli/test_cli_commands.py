@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-import types
 from importlib.metadata import entry_points
 
 import pytest
 from cli_paths import REPO
 
-import lightning_megatrain
+from lightning_megatrain import cli
 from lightning_megatrain.cli import main
 
 
@@ -71,17 +69,34 @@ def test_export_missing_checkpoint_is_a_usage_error(tmp_path, capsys):
     assert "is not a file" in capsys.readouterr().err
 
 
-def test_plan_dispatches_to_planner_main(monkeypatch):
+def test_plan_dispatches_to_plan_main(monkeypatch):
     seen = []
-    fake = types.ModuleType("lightning_megatrain.planner")
-    fake.main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "lightning_megatrain.planner", fake)
-    monkeypatch.setattr(lightning_megatrain, "planner", fake, raising=False)
+    monkeypatch.setattr(cli, "plan_main", lambda argv: seen.append(argv) or 7)
     assert main(["plan", "--model", "x", "--gpu-mem", "80"]) == 7
     assert seen == [["--model", "x", "--gpu-mem", "80"]]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lightning_megatrain.planner") is None, reason="planner not present")
+def test_plan_help_lists_every_flag(capsys):
+    text = _help(capsys, "plan", "--help")
+    assert "usage: megatrain plan" in text
+    for flag in ("--model", "--seq-len", "--micro-batch", "--grad-accum", "--precision", "--optimizer", "--loss",
+                 "--attn-implementation", "--host-ram", "--gpu-mem", "--cpu-cores", "--tflops", "--no-offload",
+                 "--num-slots", "--overlap-optimizer", "--gpu-optimizer-groups", "--compile-layers",
+                 "--loss-chunk-size", "--json"):
+        assert flag in text, flag
+
+
+def test_plan_reports_invalid_options_as_usage_errors(capsys):
+    config = json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024})
+    for flags, message in ((["--num-slots", "1"], "num_slots=1: need an int >= 2"),
+                           (["--cpu-cores", "0"], "cpu_cores=0: need an int >= 1"),
+                           (["--gpu-optimizer-groups", "4"], r"gpu_optimizer_groups must be in [0, 3]")):
+        with pytest.raises(SystemExit) as error:
+            main(["plan", "--model", config, "--seq-len", "64", *flags])
+        assert error.value.code == 2
+        assert message in capsys.readouterr().err
+
 def test_plan_runs_the_real_planner(capsys):
     config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}

@@ -14,9 +14,11 @@ from cli_paths import CONFIGS, DEMO_CONFIG, REPO
 
 from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy, planner
 from lightning_megatrain.callbacks import ThroughputLogger
-from lightning_megatrain.cli import MegaTrainCLI, main
+from lightning_megatrain.cli import MegaTrainCLI, main, plan_main
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
 from lightning_megatrain.models import CausalLMModule
+from lightning_megatrain.planner import Machine
 
 _TINY = {
     "hidden_size": 32,
@@ -148,8 +150,8 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
     shape = CONFIGS / "hf" / f"{name}.json"  # the numbers of the Hub's config.json
     kwargs = dict(seq_len=data["cutoff_len"], grad_accum=accum, precision=trainer["precision"],
                   loss_chunk_size=model["loss_chunk_size"], attn_implementation=model["attn_implementation"],
-                  num_slots=trainer["strategy"]["init_args"]["num_slots"], gpu_mem_gib=H200_GIB,
-                  cpu_cores=H200_CORES, host_ram_gib=1 << 20)
+                  config=EngineConfig(num_slots=trainer["strategy"]["init_args"]["num_slots"]),
+                  machine=Machine(gpu_mem_gib=H200_GIB, cpu_cores=H200_CORES, host_ram_gib=1 << 20))
     p = planner.plan(shape, micro_batch=micro_batch, **kwargs)
     assert p.gpu_total <= p.gpu_limit and p.max_micro_batch == micro_batch
     assert planner.plan(shape, micro_batch=micro_batch + 1, **kwargs).gpu_total > p.gpu_limit
@@ -166,7 +168,7 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
     docs_row = next(line for line in docs_lines if f"`configs/{name}.yaml`" in line)
     assert docs_row.endswith(row), (docs_row, row)
     args[args.index("--model") + 1] = str(REPO / args[args.index("--model") + 1])
-    assert planner.main([*args, "--json"]) == 0
+    assert plan_main([*args, "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
     assert run["n_params"] == p.n_params and run["gpu_total"] == p.gpu_total and run["host_total"] == p.host_total
     assert (run["seq_len"], run["micro_batch"], run["grad_accum"], run["precision"], run["gpu_limit"]) == (

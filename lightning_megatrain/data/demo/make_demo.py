@@ -20,11 +20,11 @@ import logging
 import random
 from pathlib import Path
 
+from lightning_megatrain.data.demo import DEMO_DIR
 from lightning_megatrain.data.tokenizer import build_demo_tokenizer, demo_corpus
 
 log = logging.getLogger(__name__)
 
-DEMO_DIR = Path(__file__).resolve().parent
 SEED = 1234
 
 CAPITALS = {

@@ -1,0 +1,70 @@
+"""Memory and throughput model of the MegaTrain engine: what ``megatrain plan`` prints (DESIGN principle 8).
+
+``plan(model, seq_len=..., micro_batch=..., config=EngineConfig(...), machine=Machine(...))`` builds the model on
+the ``meta`` device (no allocation), splits it into the streamed layer stack and the residents exactly as the engine
+does, and models host RAM and GPU memory in bytes and the time of one optimizer step in seconds. One module per job:
+
+- ``constants.py``: every measured or assumed number, with where it comes from;
+- ``shape.py``: the model shape the formulas read (:func:`describe`, :func:`load_config`);
+- ``memory.py``: host and GPU bytes, and the activation formula of one recomputed layer (:func:`layer_activation`);
+- ``timing.py``: seconds per step and the FLOPs counted (:func:`step_time`);
+- ``machine.py``: :class:`Machine`, the limits, cores and calibrated rates a plan is for;
+- ``planning.py``: :func:`plan`, :class:`Plan`, the micro-batch searches and the warnings.
+
+The ``megatrain plan`` command line is ``lightning_megatrain.cli.plan_main``.
+"""
+
+from lightning_megatrain.planner.constants import (
+    ACHIEVED_TFLOPS,
+    COMPILED_TFLOPS,
+    CPU_ADAM_GPARAMS,
+    CPU_REF_CORES,
+    FP32_TFLOPS,
+    GPU_REF_GIB,
+    GPU_RESERVE_GIB,
+    HOST_COPY_GBPS,
+    HOST_REF_GIB,
+    OPTIMIZERS,
+    PCIE_D2H_GBPS,
+    PCIE_DUPLEX_GBPS,
+    PCIE_H2D_GBPS,
+    PEAK_TFLOPS,
+    PRECISIONS,
+    PROCESS_GIB,
+    TORCH_ADAM_GPARAMS,
+)
+from lightning_megatrain.planner.machine import Machine
+from lightning_megatrain.planner.memory import gpu_bytes, host_bytes, layer_activation
+from lightning_megatrain.planner.planning import Plan, plan
+from lightning_megatrain.planner.shape import describe, load_config
+from lightning_megatrain.planner.timing import _attn_flops, step_time
+
+__all__ = [
+    "ACHIEVED_TFLOPS",
+    "COMPILED_TFLOPS",
+    "CPU_ADAM_GPARAMS",
+    "CPU_REF_CORES",
+    "FP32_TFLOPS",
+    "GPU_REF_GIB",
+    "GPU_RESERVE_GIB",
+    "HOST_COPY_GBPS",
+    "HOST_REF_GIB",
+    "OPTIMIZERS",
+    "PCIE_D2H_GBPS",
+    "PCIE_DUPLEX_GBPS",
+    "PCIE_H2D_GBPS",
+    "PEAK_TFLOPS",
+    "PRECISIONS",
+    "PROCESS_GIB",
+    "TORCH_ADAM_GPARAMS",
+    "Machine",
+    "Plan",
+    "_attn_flops",  # tests/test_planner.py checks the token-mixer FLOPs directly
+    "describe",
+    "gpu_bytes",
+    "host_bytes",
+    "layer_activation",
+    "load_config",
+    "plan",
+    "step_time",
+]

@@ -1,0 +1,43 @@
+"""Every measured or assumed number the planner uses, with where it comes from: the one home of each.
+
+Unless stated, measured on one H200 SXM with a 16-core host on 2026-11-29 and recorded in shared/BENCHMARKS.md
+("the H200" below). A number that is assumed rather than measured says so.
+"""
+
+from __future__ import annotations
+
+from lightning_megatrain._hardware import H100_BF16_PEAK_FLOPS
+
+# --- PCIe (Gen5 x16, pinned host memory), GB/s = 1e9 B/s -------------------------------------------------------------
+PCIE_H2D_GBPS = 55.4  # host to device
+PCIE_D2H_GBPS = 55.3  # device to host
+PCIE_DUPLEX_GBPS = 97.0  # both directions at once, in total
+
+# --- GPU rates, TFLOP/s on *executed* FLOPs (8N + attention + head, timing.py) ----------------------------------------
+# BENCHMARKS.md's bf16 3B layer (14.3 ms fwd, 43.3 ms fwd+bwd at 32K tokens, seq 4096 as in benchmarks/core_gpu.py)
+# and chunked head (150 ms) both run at ~515 counted this way (457 counting 6N only). The engine's own path (fp32
+# residual stream, autocast without cache, bf16 slot weights) measured 425-437 for fwd+bwd on the H200
+# (benchmarks/planner_gpu_check.py, 2026-11-29, 5 iterations): 450 default.
+ACHIEVED_TFLOPS = 450.0
+# compile_layers: plain GPU training with every decoder layer compiled ran 1.29x its eager rate on the same FLOPs
+# (3.21B on the H200: 21,459 / 16,589 tokens/s at 32K tokens, 21,672 / 16,802 at 64K with the chunked loss;
+# benchmarks/results/2026-11-29-llama-3.2-3b-h200.json); applied to the whole step: 450 x 1.29.
+COMPILED_TFLOPS = 580.0
+FP32_TFLOPS = 50.0  # 32-true: H200 datasheet fp32 (non-tensor) ~67 TFLOP/s; assumed ~75% achieved, not measured
+PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (_hardware.py); MFU is quoted against it
+
+# --- Host -------------------------------------------------------------------------------------------------------------
+CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s
+TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the overlapped step runs)
+CPU_REF_CORES = 16  # the cores those two rates were measured on; a plan scales them linearly to its cores
+HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s
+HOST_REF_GIB = 128.0  # host RAM of the H200's host: a plan's limit where this machine's is unknown
+GPU_REF_GIB = 139.0  # usable memory of the H200 (its device tool: "about 139 GiB"): the limit without a GPU here
+PROCESS_GIB = 3.0  # host: CUDA context, libraries, Python (engine estimate, not measured)
+GPU_RESERVE_GIB = 2.0  # GPU: CUDA context, cuBLAS workspaces, allocator fragmentation (estimate, not measured)
+
+# optimizer -> (host state bytes/param, Gparam/s at CPU_REF_CORES). Adam moves 28 B/param (read p,g,m,v; write p,m,v);
+# SGD is assumed to run at the same bytes/s: 12 B/param (p,g,p), with momentum 20 B/param. Derived, not measured.
+OPTIMIZERS = {"adamw": (8, CPU_ADAM_GPARAMS), "adam": (8, CPU_ADAM_GPARAMS),
+              "sgd": (0, CPU_ADAM_GPARAMS * 28 / 12), "sgd_momentum": (4, CPU_ADAM_GPARAMS * 28 / 20)}
+PRECISIONS = {"bf16-mixed": 2, "32-true": 4}  # compute itemsize

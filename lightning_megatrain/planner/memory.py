@@ -1,0 +1,161 @@
+"""Memory model: host RAM and GPU memory in bytes for one micro-batch shape (the items ``megatrain plan`` lists).
+
+- host RAM: fp32 masters 4 + fp32 grads 4 (both page-locked at their exact size) + optimizer states (AdamW 8,
+  SGD 0, SGD+momentum 4; none for ``gpu_optimizer_groups``) per parameter, 3 grad slabs, offloaded layer inputs
+  (page-locked at their exact size too) and the process itself;
+- GPU memory: slots, residents, ``gpu_optimizer_groups`` state, saved layer inputs, the runtime reserve, plus the
+  larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and the
+  loss. Every layer is recomputed (``keep_layers=0``): the floor that must fit.
+
+Activation bytes per token of one decoder layer recomputed with grad (``c`` = compute itemsize, 2 under bf16-mixed,
+4 under 32-true; the residual stream is fp32 because embeddings and norms are fp32 residents under autocast). Derived
+op by op from HF's Llama/Qwen/Gemma/Mixtral layers and checked against the tensors autograd saves
+(tests/test_planner.py counts them with ``saved_tensors_hooks``; exact for Llama/Mixtral/Qwen3 with sdpa)::
+
+    saved = 4H                         fp32 residual after attention (saved by the 2nd norm)
+          + n_norm * (4H + 4)          each H-wide RMSNorm saves its fp32 normalised value (+ rsqrt)
+          + (n_norm - 2) * 4H          Gemma-style post-norms also save an fp32 copy of their bf16 input
+          + n_read * 2H   (c = 2)      autocast copy of the fp32 stream for every Linear reading it (q,k,v,gate,up)
+          + c*(2A + 2K) + 4*nh         sdpa/flash inputs q,k,v and output, fp32 logsumexp
+            [eager: 4cA + nh*T*(4 + c (+c with attention logit softcap)): probabilities over all T keys]
+          + (4 + c)*(A + K) + 4(nh+nkv) q/k RMSNorm over head_dim (Qwen3, Gemma3)
+          + 2cA                        output gate (Qwen3.5): sigmoid(gate) and the gated output o_proj reads
+            [linear attention (Gated DeltaNet layers of Qwen3.5) instead of sdpa/eager: ``_linear_attn_saved``]
+          + 4cI (gated MLP: gate, act, up, product) or 2cI (fc1/act/fc2)
+          + MoE: 4E + 12k + k*(H(c + 4) + 5cI_e + 20)   router logits/top-k, per routed token gathered input,
+                                                         expert intermediates, weighted fp32 output
+    transient = 8H + 2c*max(I, k*I_e)   recompute output and incoming grad (fp32), grads of the MLP intermediates
+
+with H hidden, A = heads*head_dim, K = kv_heads*head_dim, I intermediate, E experts, k experts per token.
+Llama-3.2-3B on the H200 (benchmarks/planner_gpu_check.py, 2026-11-29, torch 2.11, flash sdpa): 149,608 B/token
+saved, measured = formula to the byte; backward peak 194,664 B/token + the incoming grad 4H allocated before it
+= 206,952 = saved + transient, exactly (plus one weight grad, down_proj's, as a constant).
+"""
+
+from __future__ import annotations
+
+from lightning_megatrain._hardware import GIB
+from lightning_megatrain.engine.device_state import gpu_bytes_per_param
+from lightning_megatrain.planner.constants import OPTIMIZERS
+from lightning_megatrain.planner.shape import _device_numels, _Layer, _LinearAttn, _Shape
+
+
+def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int) -> tuple[float, float]:
+    """(saved, transient) bytes per token of one layer recomputed with grad (formula: module docstring)."""
+    H, A, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    saved = 4 * H + layer.norms * (4 * H + 4) + max(layer.norms - 2, 0) * 4 * H
+    saved += layer.readers * 2 * H if c < 4 else 0
+    if layer.linear:
+        saved += _linear_attn_saved(s.linear_attn, seq_len, c)
+    elif s.attn == "eager":
+        # q, repeated k and v, output; fp32 softmax + low-precision probs over all T keys (+ tanh with softcap)
+        saved += 4 * c * A + s.heads * seq_len * (4 + c + (c if s.attn_softcap else 0))
+    else:
+        saved += c * (2 * A + 2 * K) + 4 * s.heads
+    if layer.out_gate:  # sigmoid(gate) and the gated output that o_proj reads (else o_proj reads the attention output)
+        saved += 2 * c * A
+    if layer.qk_norm:
+        saved += (4 + c) * (A + K) + 4 * (s.heads + s.kv_heads)
+    saved += (4 if layer.gated else 2) * c * layer.dense_i
+    widest = layer.dense_i
+    if layer.moe:
+        k = s.top_k
+        saved += 4 * s.experts + 12 * k + k * (H * (c + 4) + 5 * c * s.expert_i + 20)
+        widest = max(widest, k * s.expert_i)
+    return saved, 8 * H + 2 * c * widest
+
+
+def _linear_attn_saved(la: _LinearAttn, seq_len: int, c: int) -> float:
+    """Bytes per token that one Gated DeltaNet mixer saves for backward, op by op, in transformers' PyTorch chunked
+    delta rule (``torch_chunk_gated_delta_rule``, the path without flash-linear-attention / causal-conv1d; their
+    fused kernels save less). Checked against the tensors autograd saves (tests/test_planner.py).
+
+    q = k = v_heads * k_dim (q and k repeated to the value heads), v = v_heads * v_dim, C = chunk; under autocast
+    (c = 2) every matmul in the chunk loop saves compute-dtype copies of its inputs (no autocast cache), under
+    32-true the fp32 tensors, most of which are saved anyway."""
+    hv, C, autocast = la.v_heads, la.chunk, c < 4
+    q, v = hv * la.k_dim, hv * la.v_dim
+    chunks = -(-seq_len // C)
+    pad = chunks * C / seq_len  # tensors from the padding to whole chunks on are chunks * C long
+    # chunk 0 reads a zero state (its k_cumdecay and query products save no copy); the state update after the last
+    # chunk feeds nothing, so autograd frees what it saved
+    later = (chunks - 1) / chunks
+    state = hv * la.k_dim * la.v_dim / C  # one [v_heads, k_dim, v_dim] fp32 recurrent state per chunk
+    unpadded = (c * (2 * la.k_heads * la.k_dim + v) * (2 + (la.conv - 1) / seq_len)  # conv1d input, SiLU input
+                + c * hv + 8 * hv  # sigmoid(b); fp32 softplus input and output of the decay g
+                + 2 * (4 * q + 4 * hv)  # l2norm of q and of k: fp32 input, rsqrt
+                + (12 + 2 * c) * v + 4 * hv  # gated RMSNorm: fp32 input, rsqrt, normed, weighted, fp32 z, SiLU(z)
+                + c * v)  # out_proj input
+    padded = (4 * hv + 4 * v + 4 * q  # beta and value (v_beta), normalised key (k_beta)
+              + 4 * hv * C + 2 * c * hv * C  # exp of the pairwise decays [C, C]; k_beta k^T and q k^T products
+              + 4 * c * q  # copies of k_beta, key (twice) and query that those two 5-D matmuls save
+              + 4 * hv + 4 * q  # exp(cumulative decay), fp32 k_beta (decayed_k_beta)
+              + 4 * hv * C + 4 * v + 4 * q  # triangular solves: the system, new values, k_cumdecay
+              + 8 * hv + 4 * q)  # decays applied to query and key, the scaled query
+    if autocast:  # chunk loop: copies of k_cumdecay, query, key, intra-chunk attention, v_new (twice), state (twice);
+        # the fp32 state itself is saved only by its decay product, so not the last chunk's
+        loop = 3 * c * q * later + c * hv * C + c * v * (1 + later) + (2 * c + 4 * later) * state
+    else:  # decayed query and key, intra-chunk attention, v_new, state
+        loop = 8 * q * (chunks > 1) + 4 * hv * C + 4 * v + 4 * state
+    return unpadded + (padded + loop) * pad
+
+
+def _gpu_peak(gpu: dict[str, int]) -> int:
+    persistent = sum(v for k, v in gpu.items() if not k.startswith("phase"))
+    backward = sum(v for k, v in gpu.items() if k.startswith("phase backward"))
+    loss = sum(v for k, v in gpu.items() if k.startswith("phase loss"))
+    return persistent + max(backward, loss)
+
+
+def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
+              num_slots: int, reserve_gib: float, gpu_groups: int = 0) -> tuple[dict[str, int], tuple[float, float]]:
+    """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token."""
+    tokens, H, V = micro_batch * seq_len, s.hidden, s.vocab
+    max_layer = max(layer.numel for layer in s.layers)
+    act = max((layer_activation(s, layer, seq_len, c) for layer in s.layers), key=sum)
+    stream = 4 * H * tokens  # one layer's input: fp32 residual stream [B, T, H]
+    if loss == "chunked":  # models/loss.py: [C, V] fp32 logits + exp/softmax temporaries, bf16 copies
+        chunk = min(loss_chunk, tokens) * V * (8 + (4 if s.logit_softcap else 0))
+        head = V * H * (4 + (4 if c < 4 else 0)) + chunk  # fp32 dL/dW accumulator (+ bf16 W copy, bf16 product)
+    else:  # HF loss: bf16 logits, fp32 upcast, log_softmax output, its grad and the grad of the logits
+        head = tokens * V * 12
+    gpu = {
+        f"slots ({num_slots} x largest layer)": num_slots * max_layer * (4 + (c if c < 4 else 0)),
+        "residents (fp32 copy + grad)": 8 * s.resident_params + s.resident_buffer_bytes,
+        # engine/device_state.py: the residents' two moments; a layer's fp32 mirror, grad, moments (+ compute copy)
+        "optimizer groups on the GPU": gpu_bytes_per_param(c, resident=True) * _device_numels(s, gpu_groups)[0]
+        + gpu_bytes_per_param(c, resident=False) * sum(_device_numels(s, gpu_groups)[1]),
+        "saved layer inputs": (2 if offload else len(s.layers)) * stream + 8 * s.head_dim * tokens,
+        "runtime reserve": int(reserve_gib * GIB),
+        "phase backward: one layer's activations": int(sum(act) * tokens),
+        # autograd's per-parameter grads + the torch.cat pack + its fp32 cast (direct D2H into the host grads)
+        "phase backward: one layer's weight grads": max_layer * (2 * c + (4 if c < 4 else 0)),
+        # final norm saves 8H, its output 4H, dL/dh kept in ctx 4H (+ its scaled copy in backward)
+        "phase loss: head + loss": int(20 * H * tokens + head),
+    }
+    return gpu, act
+
+
+def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: str, offload: bool,
+               process_gib: float, pinned_pow2: bool, gpu_groups: int = 0) -> dict[str, int]:
+    """Host items in bytes (engine/host_store.py, transfer.py, residents.py)."""
+    n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
+    groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
+    stash = 4 * s.hidden * micro_batch * seq_len if offload else 0
+    # page-locked at their exact size (engine/pinned.py); ``pinned_pow2`` models the engine that took them from
+    # torch's power-of-two caching host allocator instead
+    rounded = ([stash] * len(s.layers) if offload else []) + groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3
+    rounded = rounded if pinned_pow2 else []
+    pow2 = lambda b: 1 << (int(b) - 1).bit_length() if b > 0 else 0
+    return {
+        "masters": 4 * n,
+        "grads": 4 * n,
+        "optimizer states": OPTIMIZERS[optimizer][0] * (n - _device_numels(s, gpu_groups)[0]
+                                                        - sum(_device_numels(s, gpu_groups)[1])),
+        "grad slabs": 3 * max_layer * c,
+        # the residents' grads go straight into their host grads; a staging buffer exists only in the old engine
+        "resident grad staging": 4 * s.resident_params if pinned_pow2 else 0,
+        "activation offload": stash * len(s.layers),
+        "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
+        "process": int(process_gib * GIB),
+    }

@@ -1,0 +1,288 @@
+"""The plan: :func:`plan` models one model and batch shape with memory.py and timing.py, searches the largest
+micro-batch that fits, and warns about what limits the run; :class:`Plan` holds and prints the result.
+
+MFU follows shared/BENCHMARKS.md: 6 * (non-embedding active params incl. the LM head matmul) * tokens / time / the
+dense bf16 peak ``PEAK_TFLOPS`` (constants.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_gib
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.planner.constants import (
+    ACHIEVED_TFLOPS,
+    COMPILED_TFLOPS,
+    CPU_REF_CORES,
+    FP32_TFLOPS,
+    GPU_REF_GIB,
+    HOST_REF_GIB,
+    OPTIMIZERS,
+    PEAK_TFLOPS,
+    PRECISIONS,
+    TORCH_ADAM_GPARAMS,
+)
+from lightning_megatrain.planner.machine import Machine
+from lightning_megatrain.planner.memory import _gpu_peak, gpu_bytes, host_bytes
+from lightning_megatrain.planner.shape import _Shape, describe
+from lightning_megatrain.planner.timing import _attn_flops, step_time
+
+
+@dataclass
+class Plan:
+    """Result of :func:`plan`. Bytes are bytes, times are seconds per optimizer step, rates per second."""
+
+    model: str
+    precision: str
+    optimizer: str
+    loss: str
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    offload_activations: bool
+    n_params: int
+    n_layers: int
+    layer_params: int  # all layers together
+    max_layer_params: int
+    resident_params: int
+    active_params: int  # per token: residents + shared layer weights + k/E of the experts
+    host: dict[str, int]
+    host_limit: int
+    gpu: dict[str, int]  # items; the "phase:" ones are alternatives (peak = persistent + the larger phase)
+    gpu_limit: int
+    max_micro_batch: int  # largest micro-batch that fits gpu_limit (0: none)
+    max_micro_batch_host: int  # largest whose host RAM (offloaded activations grow with it) fits host_limit
+    activation_per_token: dict[str, float]  # one layer recomputed with grad: saved, transient (bytes/token)
+    time: dict[str, float]
+    transfers_hidden: bool
+    min_micro_batch_to_hide: int | None
+    tokens_per_step: int
+    tokens_per_s: float
+    model_tflops: float
+    mfu: float
+    mfu_with_attention: float
+    assumptions: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    # overlap_optimizer only: the fewest gpu_optimizer_groups whose host Adam no longer outlasts the next forward
+    suggested_gpu_optimizer_groups: int | None = None
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def host_state_bytes_per_param(self) -> float:
+        """Masters + grads + optimizer states per parameter (16 with AdamW)."""
+        return (self.host["masters"] + self.host["grads"] + self.host["optimizer states"]) / self.n_params
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        return self.host_total / self.n_params
+
+    @property
+    def gpu_total(self) -> int:
+        return _gpu_peak(self.gpu)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(host_total=self.host_total, gpu_total=self.gpu_total, host_bytes_per_param=self.host_bytes_per_param,
+                 host_state_bytes_per_param=self.host_state_bytes_per_param)
+        return d
+
+    def report(self) -> str:
+        """A readable table (GiB = 2**30 bytes)."""
+        g = lambda b: f"{b / GIB:9.2f} GiB"
+        lines = [
+            f"MegaTrain plan: {self.model}  ({self.precision}, {self.optimizer}, {self.loss} loss)",
+            (f"  params {self.n_params / 1e9:.3f}B = {self.n_layers} layers x {self.max_layer_params / 1e6:.1f}M (max)"
+            f" + {self.resident_params / 1e6:.1f}M resident; active per token {self.active_params / 1e9:.3f}B"),
+            (f"  tokens/step {self.tokens_per_step:,} = micro-batch {self.micro_batch} x seq {self.seq_len} x accum "
+            f"{self.grad_accum}; activation offload {'on' if self.offload_activations else 'off'}"),
+            "", "  Host RAM", *(f"    {k:<28}{g(v)}" for k, v in self.host.items()),
+            (f"    {'total':<28}{g(self.host_total)}  of {self.host_limit / GIB:.1f} GiB  "
+            f"({self.host_bytes_per_param:.2f} B/param; state {self.host_state_bytes_per_param:.0f} B/param)"),
+            "", "  GPU memory (peak = persistent + the larger phase)",
+            *(f"    {k:<48}{g(v)}" for k, v in self.gpu.items()),
+            (f"    {'peak':<48}{g(self.gpu_total)}  of {self.gpu_limit / GIB:.1f} GiB; "
+            f"largest micro-batch that fits: {self.max_micro_batch} (host RAM: {self.max_micro_batch_host})"),
+            (f"    activations of one layer: {self.activation_per_token['saved']:,.0f} B/token saved + "
+            f"{self.activation_per_token['transient']:,.0f} transient"),
+            "", "  Time per optimizer step",
+            *(f"    {k:<36}{v * 1e3:10.1f} ms" for k, v in self.time.items()),
+            f"    transfers hidden behind compute: {'yes' if self.transfers_hidden else 'NO'}"
+            + (f" (needs micro-batch >= {self.min_micro_batch_to_hide})" if self.min_micro_batch_to_hide else ""),
+            (f"  Throughput {self.tokens_per_s:,.0f} tokens/s, {self.model_tflops:.0f} model TFLOP/s, "
+            f"MFU {self.mfu:.1%} ({self.mfu_with_attention:.1%} with attention) vs {PEAK_TFLOPS:.0f} TFLOP/s"),
+        ]
+        suggested = self.suggested_gpu_optimizer_groups
+        if suggested is not None and suggested != self.assumptions.get("gpu_optimizer_groups"):
+            lines.append(f"  gpu_optimizer_groups={suggested} is the fewest with which the host Adam no longer "
+                         "outlasts the next forward")
+        lines += [f"  WARNING: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",
+         optimizer: str = "adamw", loss: str = "chunked", loss_chunk_size: int = 4096,
+         attn_implementation: str | None = None, offload_activations: bool = True,
+         config: EngineConfig = EngineConfig(), machine: Machine = Machine()) -> Plan:
+    """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
+
+    Args:
+        model: HF config, dict for ``AutoConfig.for_model``, inline JSON, .json file, local dir or hub name.
+        seq_len, micro_batch, grad_accum: tokens per micro-batch = ``micro_batch * seq_len``; per step x grad_accum.
+        precision: "bf16-mixed" or "32-true".
+        optimizer: "adamw", "adam", "sgd", "sgd_momentum". loss: "chunked" (CausalLMModule) or "naive" (HF).
+        loss_chunk_size: tokens per chunk of the chunked loss, as ``CausalLMModule(loss_chunk_size=...)``.
+        attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
+            config's (transformers picks sdpa where the model supports it).
+        offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying.
+        config: the ``MegaTrainStrategy`` options, planned as the engine runs them:
+
+            - ``num_slots``: that many slots of the largest layer on the GPU.
+            - ``overlap_optimizer``: Adam (torch fused) runs beside the next step's forward and only the part that
+              outlasts it counts; the plan then suggests the fewest ``gpu_optimizer_groups`` that hide it.
+            - ``gpu_optimizer_groups``: the residents and the first ``gpu_optimizer_groups - 1`` layers keep their
+              optimizer state on the GPU (engine/device_state.py).
+            - ``compile_layers``: the bf16 rate becomes ``COMPILED_TFLOPS``. Memory stays planned for eager layers
+              (compiled ones save less).
+            - ``keep_layers`` is not modelled: the plan recomputes every layer (``keep_layers=0``), so its GPU peak
+              is the floor that must fit. ``"auto"`` keeps the graphs of as many layers as fill the GPU memory left
+              above that floor (engine/recompute.py); a fixed count needs more than the plan shows.
+            - ``layers`` and ``cpu_adam`` are not read: the stack is discovered as the engine discovers it, and the
+              host Adam runs at DeepSpeedCPUAdam's measured rate (torch fused AdamW's when overlapped).
+        machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine).
+
+    Raises:
+        ValueError: an unknown precision, optimizer or loss; a seq_len, micro_batch or grad_accum below 1;
+            ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than Adam/AdamW.
+    """
+    m = machine
+    if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
+        raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
+                         f"['chunked', 'naive']; got {precision!r}, {optimizer!r}, {loss!r}")
+    if seq_len < 1 or micro_batch < 1 or grad_accum < 1:
+        raise ValueError(f"seq_len, micro_batch, grad_accum must be >= 1; got {seq_len}, {micro_batch}, {grad_accum}")
+    s = describe(model, "" if not isinstance(model, (str, Path)) or str(model).lstrip().startswith("{") else str(model),
+                 attn_implementation)
+    if not 0 <= config.gpu_optimizer_groups <= 1 + len(s.layers):
+        raise ValueError(f"gpu_optimizer_groups must be in [0, {1 + len(s.layers)}] (the residents and {len(s.layers)} "
+                         f"layers); got {config.gpu_optimizer_groups}")
+    if config.gpu_optimizer_groups and optimizer not in ("adamw", "adam"):
+        raise ValueError(f"gpu_optimizer_groups steps Adam/AdamW on the GPU; got optimizer={optimizer!r}")
+    c = PRECISIONS[precision]
+    tflops = m.achieved_tflops or (
+        FP32_TFLOPS if c >= 4 else COMPILED_TFLOPS if config.compile_layers else ACHIEVED_TFLOPS)
+    cores = m.cpu_cores or cpu_cores()
+    host_limit = int((m.host_ram_gib or host_ram_gib() or HOST_REF_GIB) * GIB)
+    gpu_limit = int((m.gpu_mem_gib or gpu_mem_gib() or GPU_REF_GIB) * GIB)
+    groups, overlap = config.gpu_optimizer_groups, config.overlap_optimizer
+    gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
+           "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups}
+    opt_rate = TORCH_ADAM_GPARAMS if overlap and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
+    tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
+           "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
+           "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups}
+    gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
+    hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
+           "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups}
+    host = host_bytes(s, micro_batch, seq_len, **hkw)
+    t = step_time(s, micro_batch, seq_len, **tkw)
+    max_host = _largest(lambda b: sum(host_bytes(s, b, seq_len, **hkw).values()) <= host_limit)
+    max_mb = _largest(lambda b: _gpu_peak(gpu_bytes(s, b, seq_len, **gkw)[0]) <= gpu_limit)
+    exposed = lambda tb: tb["transfers exposed"] > 0.01 * tb["GPU compute"]
+    min_hide = None
+    if exposed(t):  # the smallest micro-batch whose transfers hide (None: none up to 2**16)
+        last = _largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
+        min_hide = last + 1 if last < 1 << 16 else None
+    step = sum(v for k, v in t.items() if not k.startswith(("  ", "H2D", "D2H")))
+    t["step total"] = step
+    tokens = micro_batch * seq_len * grad_accum
+    active = sum(ly.active for ly in s.layers) + s.resident_params
+    model_flops = 6 * (active - s.embedding_params + (s.vocab * s.hidden if s.tied else 0))  # non-embedding + head
+    attn = 3 * sum(_attn_flops(s, ly, seq_len) for ly in s.layers)  # fwd + bwd, no recompute
+    p = Plan(
+        model=s.name, precision=precision, optimizer=optimizer, loss=loss, seq_len=seq_len, micro_batch=micro_batch,
+        grad_accum=grad_accum, offload_activations=offload_activations, n_params=s.n_params, n_layers=len(s.layers),
+        layer_params=sum(ly.numel for ly in s.layers), max_layer_params=max(ly.numel for ly in s.layers),
+        resident_params=s.resident_params, active_params=active, host=host, host_limit=host_limit, gpu=gpu,
+        gpu_limit=gpu_limit, max_micro_batch=max_mb, max_micro_batch_host=max_host,
+        activation_per_token={"saved": act[0], "transient": act[1]}, time=t,
+        transfers_hidden=not exposed(t), min_micro_batch_to_hide=min_hide, tokens_per_step=tokens,
+        tokens_per_s=tokens / step, model_tflops=model_flops * tokens / step / 1e12,
+        mfu=model_flops * tokens / step / (PEAK_TFLOPS * 1e12),
+        mfu_with_attention=(model_flops + attn) * tokens / step / (PEAK_TFLOPS * 1e12),
+        assumptions={"achieved_tflops": tflops, "pcie_h2d_gbps": m.pcie_h2d_gbps, "pcie_d2h_gbps": m.pcie_d2h_gbps,
+                     "pcie_duplex_gbps": m.pcie_duplex_gbps, "cpu_cores": cores, "num_slots": config.num_slots,
+                     "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
+                     "optimizer_overlaps_gpu": overlap, "pinned_pow2_rounding": m.pinned_pow2_rounding,
+                     "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers})
+    p.warnings = _warnings(p, s)
+    if overlap and optimizer in ("adamw", "adam"):
+        p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
+    return p
+
+
+def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
+                              gpu_limit: int) -> int | None:
+    """The fewest ``gpu_optimizer_groups`` with which the overlapped host Adam no longer outlasts the next forward
+    and the GPU still fits one micro-batch; None when none does."""
+    for groups in range(len(s.layers) + 2):
+        hidden = step_time(s, micro_batch, seq_len, **{**tkw, "gpu_groups": groups})[
+            "CPU optimizer (beyond the next forward)"] <= 0.0
+        fits = _gpu_peak(gpu_bytes(s, micro_batch, seq_len, **{**gkw, "gpu_groups": groups})[0]) <= gpu_limit
+        if not fits:
+            return None
+        if hidden:
+            return groups
+    return None
+
+
+def _warnings(p: Plan, s: _Shape) -> list[str]:
+    out, t = [], p.time
+    if not p.transfers_hidden:
+        need = f"micro-batch >= {p.min_micro_batch_to_hide}" if p.min_micro_batch_to_hide else "no micro-batch"
+        out.append(f"too few tokens per micro-batch ({p.micro_batch * p.seq_len:,}) to hide PCIe: "
+                   f"{t['transfers exposed'] * 1e3:.0f} ms of transfers exposed per step (uploading the largest "
+                   f"layer takes {4 * p.max_layer_params / (p.assumptions['pcie_h2d_gbps'] * 1e6):.1f} ms); "
+                   f"{need} hides them at seq {p.seq_len}")
+    if p.host_total > p.host_limit:
+        top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host.items() if v >= 0.05 * p.host_total)
+        out.append(f"host RAM too small: needs {p.host_total / GIB:.1f} GiB ({top} GiB; "
+                   f"{p.host_bytes_per_param:.1f} B/param) but the limit is {p.host_limit / GIB:.1f} GiB")
+    if p.gpu_total > p.gpu_limit:
+        fix = (f"largest micro-batch that fits: {p.max_micro_batch}" if p.max_micro_batch else
+               "not even micro-batch 1 fits: shorten the sequence, use loss='chunked' or a larger GPU")
+        out.append(f"GPU memory too small: micro-batch {p.micro_batch} x {p.seq_len} needs "
+                   f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
+    if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
+        out.append(f"the CPU optimizer ({t['CPU optimizer (serial)']:.2f} s on {p.assumptions['cpu_cores']} cores) "
+                   f"is {t['CPU optimizer (serial)'] / t['step total']:.0%} of the step: it does not overlap the GPU "
+                   "(overlap_optimizer=True lets the next forward hide it); or raise tokens per step to amortise it")
+    if p.loss == "naive" and p.gpu["phase loss: head + loss"] > 0.25 * p.gpu_limit:
+        out.append(f"HF's loss materialises [B, T, V] logits ({p.gpu['phase loss: head + loss'] / GIB:.1f} GiB): "
+                   "use CausalLMModule's chunked loss")
+    if s.attn == "eager":
+        out.append("eager attention keeps [heads, T, T] probabilities per layer: activations grow with seq_len^2")
+    if any(ly.linear for ly in s.layers):
+        out.append(f"{sum(ly.linear for ly in s.layers)} linear-attention (Gated DeltaNet) layers are modelled as "
+                   "transformers' PyTorch fallback of the chunked delta rule (used when flash-linear-attention is not "
+                   "installed): fla's kernels save fewer activations; the time assumes fused kernels throughout")
+    return out
+
+
+def _largest(ok, hi: int = 1 << 24) -> int:
+    """Largest b in [1, hi] with ok(b) for a monotone (True, then False) predicate; 0 if none. Doubling, then
+    bisection: O(log b) evaluations."""
+    lo, top = 0, 1
+    while top <= hi and ok(top):
+        lo, top = top, top * 2
+    top = min(top, hi + 1)
+    while top - lo > 1:
+        mid = (lo + top) // 2
+        lo, top = (mid, top) if ok(mid) else (lo, mid)
+    return lo

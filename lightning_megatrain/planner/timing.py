@@ -1,0 +1,80 @@
+"""Time model: seconds per optimizer step (GPU compute, PCIe transfers busy and exposed, host optimizer, resident
+traffic) and the FLOPs it counts.
+
+FLOPs (per token): layers 8*N_active (6N fwd+bwd, Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
++2N for the forward recomputed in backward), attention 16*A*T_k per layer (PaLM, Chowdhery et al. 2022, app. B,
+counts 12*H*T for fwd+bwd over all T keys; we count the keys a causal mask leaves, T_k ~ T/2, because flash kernels
+skip masked blocks, and add one forward 4*A*T_k for the recompute), LM head 6*V*H. They run at the achieved rates of
+constants.py (measured on these executed FLOPs).
+"""
+
+from __future__ import annotations
+
+from lightning_megatrain.planner.constants import HOST_COPY_GBPS
+from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
+
+
+def _keys(seq_len: int, window: int | None) -> float:
+    """Average keys a causal (optionally sliding-window) query attends to."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window * (1 - window / (2 * seq_len))
+
+
+def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
+    """Forward token-mixer FLOPs per token of one layer: attention QK^T and PV over the keys a causal mask leaves;
+    linear attention, per value head and chunk row: k_beta k^T and q k^T (4 C k_dim), the two triangular solves
+    (C (k_dim + v_dim)), the intra-chunk product (2 C v_dim) and three state matmuls (6 k_dim v_dim)."""
+    if layer.linear:
+        la = s.linear_attn
+        return la.v_heads * (5 * la.chunk * la.k_dim + 3 * la.chunk * la.v_dim + 6 * la.k_dim * la.v_dim)
+    return 4 * s.heads * s.head_dim * _keys(seq_len, layer.window)
+
+
+def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,
+              h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float,
+              overlap_optimizer: bool = False, gpu_groups: int = 0) -> dict[str, float]:
+    """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
+    ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
+    when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
+    nor step on the host (their GPU step, ~28 B/param at HBM speed, is not counted)."""
+    on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
+    tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
+    both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
+    fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
+    bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
+    up = [4 * ly.numel / (h2d * 1e9) for ly in s.layers]  # fp32 masters stream and are cast on the GPU
+    up = [0.0] * len(on_gpu_layers) + up[len(on_gpu_layers):]
+    act = 4 * H * tok if offload else 0
+    # Grads go D2H in fp32 straight into the pinned host grads. The 1st micro-batch of a step writes them; later ones
+    # first upload them (H2D, fp32) and write back the sum made on the device (transfer.py [Note: gradient drain]).
+    grads = [4 * ly.numel for ly in s.layers]
+    grads_up = [[0] * len(s.layers), [0] * len(on_gpu_layers) + grads[len(on_gpu_layers):]]  # device groups sum there
+    L, exposed, fill = len(s.layers), 0.0, 0.0
+    for m in range(grad_accum):
+        for i in range(L):  # forward: upload i+1 and offload input i while i computes
+            exposed += max(0.0, max(up[i + 1] if i + 1 < L else 0, act / (d2h * 1e9)) - fwd[i])
+        for i in reversed(range(L)):  # backward: upload i-1 (not for the layers still in slots), restore its input
+            load = (4 * s.layers[i - 1].numel if len(on_gpu_layers) <= i - 1 < L - num_slots else 0)
+            load += act if i > 0 else 0
+            load += grads_up[min(m, 1)][i]
+            exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
+        fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
+    head = 6 * s.vocab * H * tok / rate
+    compute = sum(fwd) + sum(bwd) + head
+    r = s.resident_params
+    optimizer_s = (s.n_params - on_gpu_resident - sum(on_gpu_layers)) / (opt_rate * 1e9)
+    return {
+        "GPU compute": grad_accum * compute,
+        "  of which layers": grad_accum * (sum(fwd) + sum(bwd)),
+        "  of which LM head + loss": grad_accum * head,
+        "H2D busy": grad_accum * (sum(up) + sum(up[: max(L - num_slots, 0)]) + act * L / (h2d * 1e9))
+        + (grad_accum - 1) * sum(grads) / (h2d * 1e9),
+        "D2H busy": grad_accum * (sum(grads) + act * L) / (d2h * 1e9),
+        "transfers exposed": exposed,
+        "pipeline fill + last drain": fill,
+        "residents up + drain (serial)": (0 if on_gpu_resident else r * 4 / (h2d * 1e9)) + r * 4 / (d2h * 1e9)
+        + r * 12 / (HOST_COPY_GBPS * 1e9),
+        **({"CPU optimizer (beyond the next forward)": max(0.0, optimizer_s - sum(fwd) - head / 3)}
+           if overlap_optimizer else {"CPU optimizer (serial)": optimizer_s}),
+    }
