@@ -37,10 +37,11 @@ class EngineConfig:
     (engine/overlap.py). ``"auto"``: on where the compute device is a GPU (the host step would otherwise idle it),
     off on a CPU compute device (the step and the forward would share its cores) (engine/placement.py)."""
 
-    gpu_optimizer_groups: int = 0
+    gpu_optimizer_groups: int | Auto = "auto"
     """How many groups, in the order the forward reads them (the residents, then layers 0, 1, ...), keep fp32
     master, grad and Adam states on the GPU and step there (engine/device_state.py). 18 bytes of GPU memory per
-    layer parameter; CUDA and Adam/AdamW only."""
+    layer parameter; CUDA and Adam/AdamW only. ``"auto"``: the fewest that hide the overlapped host Adam behind the
+    forward, planned for the first training micro-batch (engine/placement.py)."""
 
     compile_layers: bool | Auto = "auto"
     """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).
@@ -72,8 +73,9 @@ class EngineConfig:
             out.append(f"keep_layers={self.keep_layers!r}: need 'auto' or an int >= 0 (layers not recomputed)")
         if not isinstance(self.overlap_optimizer, bool) and self.overlap_optimizer != "auto":
             out.append(f"overlap_optimizer={self.overlap_optimizer!r}: need 'auto', True or False")
-        if type(self.gpu_optimizer_groups) is not int or self.gpu_optimizer_groups < 0:
-            out.append(f"gpu_optimizer_groups={self.gpu_optimizer_groups!r}: need an int >= 0")
+        groups = self.gpu_optimizer_groups
+        if groups != "auto" and (type(groups) is not int or groups < 0):
+            out.append(f"gpu_optimizer_groups={groups!r}: need 'auto' or an int >= 0")
         if not isinstance(self.compile_layers, bool) and self.compile_layers != "auto":
             out.append(f"compile_layers={self.compile_layers!r}: need 'auto', True or False")
         if not isinstance(self.chunked_hf_loss, bool):

@@ -88,7 +88,10 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             hook reads their grads, which then stay on the GPU). Pays when the host Adam step outlasts a forward
             (``megatrain plan`` says so); the host masters stay the parameters (written back when the host reads
             them: checkpoints, validation, epoch and train end) and checkpoints are unchanged. Needs a CUDA device
-            and Adam/AdamW, norm clipping or none. Default 0.
+            and Adam/AdamW, norm clipping or none. ``"auto"`` (default): before the first training micro-batch, the
+            fewest groups that hide the overlapped host Adam behind the forward at that micro-batch's shape and
+            still fit, as ``megatrain plan`` computes them; 0 where that does not apply (a CPU device, no overlap,
+            another optimizer, clipping by value, no HF config) ([Note: auto placement]). The log says which and why.
         compile_layers: run every decoder layer through ``torch.compile`` (inductor): the elementwise work between
             the matmuls fuses into few kernels, and a layer keeps only its matmul and attention outputs for backward
             (31% fewer bytes for Llama, so ``keep_layers="auto"`` keeps more layers). One graph per layer class and
@@ -125,7 +128,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
         overlap_optimizer: bool | Auto = "auto",
-        gpu_optimizer_groups: int = 0,
+        gpu_optimizer_groups: int | Auto = "auto",
         compile_layers: bool | Auto = "auto",
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
@@ -202,7 +205,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.config.gpu_optimizer_groups and fitting and trainer.gradient_clip_algorithm == "value":
+        groups = self.config.gpu_optimizer_groups
+        if groups != "auto" and groups > 0 and fitting and trainer.gradient_clip_algorithm == "value":
             raise ValueError(
                 "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
                 "got gradient_clip_algorithm='value'. HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
@@ -282,6 +286,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None and self.engine.placement_pending:  # gpu_optimizer_groups="auto"
+            trainer = self.lightning_module.trainer
+            self.engine.place_for_batch(
+                args[0] if args else kwargs.get("batch"),
+                grad_accum=trainer.accumulate_grad_batches,
+                optimizers=self.optimizers,
+                clip_by_value=trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value",
+                chunked_loss=bool(self._hf_loss is not None and self._hf_loss.models),
+            )
         with self._step_context():
             return super().training_step(*args, **kwargs)
 

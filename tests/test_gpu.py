@@ -11,8 +11,15 @@ import torch
 from parity import ParityLM, assert_records_close, run
 
 from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain.engine import engine as engine_module
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _strategy(**options) -> MegaTrainStrategy:
+    """One mechanism at a time: the "auto" choices (compiled layers, overlapped step, device groups) off unless a
+    test names them; ``test_cuda_defaults_parity`` runs the defaults."""
+    return MegaTrainStrategy(**{"compile_layers": False, "overlap_optimizer": False, "gpu_optimizer_groups": 0, **options})
 
 
 def _fit_cuda(strategy, module_factory, **kwargs):
@@ -39,17 +46,42 @@ def _fit_cuda(strategy, module_factory, **kwargs):
 def test_cuda_fp32_parity(family, accumulate, clip, keep):
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, _ = _fit_cuda("auto", lambda: ParityLM(family), accumulate=accumulate, clip=clip)
-    strategy = MegaTrainStrategy(cpu_adam="torch", keep_layers=keep)
+    strategy = _strategy(cpu_adam="torch", keep_layers=keep)
     got, _ = _fit_cuda(strategy, lambda: ParityLM(family), accumulate=accumulate, clip=clip)
     # CUDA kernels may pick other reduction orders for the host-bound recompute: 1e-4 instead of CPU's 1e-5
     assert_records_close(got, ref, rtol=1e-4)
+
+
+@pytest.mark.parametrize("groups", [None, 2])
+def test_cuda_defaults_parity(groups, monkeypatch, caplog):
+    torch._dynamo.reset()
+    # MegaTrainStrategy() on CUDA: compiled layers, the overlapped step, device groups decided before the first
+    # training micro-batch (after the sanity validation ran on the engine without them); None: the planner's own
+    # choice for the tiny model, 2: forced, so that the late placement path runs
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if groups is not None:
+        monkeypatch.setattr(engine_module, "choose_gpu_optimizer_groups", lambda *a, **k: (groups, "forced by the test"))
+    ref, _ = _fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0)
+
+    class Check(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            config = trainer.strategy.engine.config
+            self.choices = (config.compile_layers, config.overlap_optimizer, config.gpu_optimizer_groups)
+
+    check = Check()
+    with caplog.at_level("INFO", logger="lightning_megatrain"):
+        got, _ = _fit_cuda(MegaTrainStrategy(cpu_adam="torch"), lambda: ParityLM("llama_untied"), accumulate=2,
+                           clip=1.0, callbacks=[check])
+    assert check.choices[:2] == (True, True) and (groups is None or check.choices[2] == groups)
+    assert all(f"{k}=" in caplog.text for k in ("compile_layers", "overlap_optimizer", "gpu_optimizer_groups"))
+    assert_records_close(got, ref, rtol=1e-4, rtol_updated=1e-3)  # compiled layers: as test_cuda_compiled_layers_parity
 
 
 def test_cuda_overlapped_optimizer_step_parity():
     # step N's host AdamW on the worker thread while step N+1's uploads wait per layer (engine/overlap.py)
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, _ = _fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0)
-    strategy = MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True)
+    strategy = _strategy(cpu_adam="torch", overlap_optimizer=True)
     got, _ = _fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0)
     assert_records_close(got, ref, rtol=1e-4)
 
@@ -67,7 +99,7 @@ def test_cuda_late_grads_parity(groups):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ref, _ = _fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False)
-    strategy = MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True, gpu_optimizer_groups=groups)
+    strategy = _strategy(cpu_adam="torch", overlap_optimizer=True, gpu_optimizer_groups=groups)
     landed = mock.patch.object(OptimizerStep, "_landed_update", autospec=True,
                                side_effect=OptimizerStep._landed_update)
 
@@ -108,7 +140,7 @@ def test_cuda_device_groups_keep_unread_grads_without_overlap():
             self.mirrors_equal = all(torch.equal(d.master.cpu(), d.group.master) for d in engine.device_groups)
 
     check = Check()
-    strategy = MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=3)
+    strategy = _strategy(cpu_adam="torch", gpu_optimizer_groups=3)
     got, _ = _fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=False,
                        callbacks=[check])
     assert_records_close(got, ref, rtol=1e-4)
@@ -126,7 +158,7 @@ def test_cuda_masters_pinned_on_host():
 
     check = Check()
     module = ParityLM("llama_tied")
-    _fit_cuda(MegaTrainStrategy(), lambda: module, steps=1, callbacks=[check])
+    _fit_cuda(_strategy(), lambda: module, steps=1, callbacks=[check])
     assert check.grads_pinned
     # teardown unregistered the page-locked regions; the parameters still hold their (now pageable) values
     assert not any(p.is_pinned() for p in module.parameters())
@@ -142,7 +174,7 @@ def test_accumulated_grads_are_summed_on_the_device():
             self.norms_on_device = all(g.device_norm_sq is not None for g in engine.groups)
 
     check = Check()
-    _fit_cuda(MegaTrainStrategy(cpu_adam="torch"), lambda: ParityLM("llama_untied"), accumulate=3, callbacks=[check])
+    _fit_cuda(_strategy(cpu_adam="torch"), lambda: ParityLM("llama_untied"), accumulate=3, callbacks=[check])
     assert check.norms_on_device
 
 
@@ -166,7 +198,7 @@ def test_calibration_frees_its_exact_size_offload_buffers():
                 self.after = engine.transfer.offload.stash_pool.nbytes, len(engine.registry._regions)
 
     check = Check()
-    _fit_cuda(MegaTrainStrategy(), lambda: ParityLM("llama_tied"), steps=2, callbacks=[check])
+    _fit_cuda(_strategy(), lambda: ParityLM("llama_tied"), steps=2, callbacks=[check])
     assert check.layers == 3 and check.lent == check.layers * check.input_bytes
     assert check.after == (0, check.regions)
 
@@ -182,7 +214,7 @@ def test_offloaded_inputs_reuse_one_micro_batch_of_pinned_buffers():
             self.nbytes = engine.transfer.offload.stash_pool.nbytes
 
     check = Check()
-    _fit_cuda(MegaTrainStrategy(keep_layers=0), lambda: ParityLM("llama_tied"), steps=4, accumulate=2,
+    _fit_cuda(_strategy(keep_layers=0), lambda: ParityLM("llama_tied"), steps=4, accumulate=2,
               callbacks=[check])
     assert check.layers == 3 and len(check.sizes) == check.layers and len(set(check.sizes)) == 1
     assert check.nbytes == sum(check.sizes)  # none lent, none retiring: one micro-batch's buffers
@@ -200,7 +232,7 @@ def test_auto_policy_keeps_every_layer_of_a_small_model_after_calibrating():
     check = Check()
     module = ParityLM("llama_tied")
     layers = module.model.config.num_hidden_layers
-    _fit_cuda(MegaTrainStrategy(), lambda: module, steps=3, callbacks=[check])
+    _fit_cuda(_strategy(), lambda: module, steps=3, callbacks=[check])
     assert check.kept[0] == (False, [])  # step 1: calibrated while recomputing every layer
     assert check.kept[1:] == [(False, list(range(layers)))] * 2
 
@@ -214,7 +246,7 @@ def test_auto_policy_keeps_every_layer_of_a_small_model_after_calibrating():
 )
 def test_cuda_bf16_tracks_plain_bf16(options):
     ref, _ = _fit_cuda("auto", lambda: ParityLM("qwen3"), precision="bf16-mixed", steps=5)
-    strategy = MegaTrainStrategy(**options)
+    strategy = _strategy(**options)
     got, _ = _fit_cuda(strategy, lambda: ParityLM("qwen3"), precision="bf16-mixed", steps=5)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=2e-2, atol=0)
 
@@ -234,7 +266,7 @@ def test_gpu_memory_does_not_grow_with_depth():
 
     peaks = {}
     for layers in (4, 8):
-        strategy = MegaTrainStrategy(keep_layers=0)  # recompute every layer: the depth-independent mode
+        strategy = _strategy(keep_layers=0)  # recompute every layer: the depth-independent mode
         _, peaks[layers] = _fit_cuda(strategy, lambda: Wide(layers), steps=2, precision="bf16-mixed")
     plain = {}
     for layers in (4, 8):
@@ -295,7 +327,7 @@ def test_gpu_optimizer_groups_parity(family, groups, accumulate, clip, overlap):
 
     check = Check()
     ref, _ = _fit_cuda("auto", lambda: ParityLM(family), accumulate=accumulate, clip=clip)
-    strategy = MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=groups, overlap_optimizer=overlap)
+    strategy = _strategy(cpu_adam="torch", gpu_optimizer_groups=groups, overlap_optimizer=overlap)
     got, _ = _fit_cuda(strategy, lambda: ParityLM(family), accumulate=accumulate, clip=clip, callbacks=[check])
     assert_records_close(got, ref, rtol=1e-4)
     assert check.n_device == groups
@@ -318,7 +350,7 @@ def test_cuda_compiled_layers_parity(family, keep, groups, accumulate, clip):
     ref, _ = _fit_cuda("auto", lambda: ParityLM(family), accumulate=accumulate, clip=clip)
     torch._dynamo.reset()
     counters.clear()
-    strategy = MegaTrainStrategy(cpu_adam="torch", keep_layers=keep, gpu_optimizer_groups=groups, compile_layers=True)
+    strategy = _strategy(cpu_adam="torch", keep_layers=keep, gpu_optimizer_groups=groups, compile_layers=True)
     got, _ = _fit_cuda(strategy, lambda: ParityLM(family), accumulate=accumulate, clip=clip)
     assert counters["stats"]["unique_graphs"] >= 2
     assert_records_close(got, ref, rtol=1e-4, rtol_updated=1e-3)
@@ -333,7 +365,7 @@ def test_gpu_optimizer_groups_resume_exactly(tmp_path):
         L.seed_everything(0)
         module = ParityLM("qwen3")  # no dropout: Lightning checkpoints do not restore RNG states
         trainer = L.Trainer(
-            accelerator="cuda", devices=1, strategy=MegaTrainStrategy(cpu_adam="torch", gpu_optimizer_groups=groups),
+            accelerator="cuda", devices=1, strategy=_strategy(cpu_adam="torch", gpu_optimizer_groups=groups),
             max_steps=steps, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
             enable_model_summary=False, default_root_dir=root, callbacks=list(callbacks),
         )
@@ -369,4 +401,4 @@ def test_gpu_optimizer_groups_resume_exactly(tmp_path):
 
 def test_gpu_optimizer_groups_refuse_other_optimizers():
     with pytest.raises(ValueError, match="gpu_optimizer_groups=1. steps Adam/AdamW on the GPU, got SGD"):
-        _fit_cuda(MegaTrainStrategy(gpu_optimizer_groups=1), lambda: ParityLM("llama_tied", optimizer="sgd"))
+        _fit_cuda(_strategy(gpu_optimizer_groups=1), lambda: ParityLM("llama_tied", optimizer="sgd"))

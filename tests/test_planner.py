@@ -29,6 +29,13 @@ CONFIGS = {
 LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
                 "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
 BIG = Machine(host_ram_gib=1024, gpu_mem_gib=139, cpu_cores=16)
+# The engine without its "auto" choices (eager layers, serial host step, no device groups): what these numbers pin.
+SERIAL = EngineConfig(overlap_optimizer=False, compile_layers=False, gpu_optimizer_groups=0)
+
+
+def _plan(*args, **kwargs) -> planner.Plan:
+    kwargs.setdefault("config", SERIAL)
+    return planner.plan(*args, **kwargs)
 # Qwen3.5 hybrid stack: Gated DeltaNet (linear attention) layers and gated full-attention layers. Value head dim !=
 # key head dim != hidden, so that every term of the formula has its own size.
 HYBRID = dict(model_type="qwen3_5_text", intermediate_size=176, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -53,7 +60,7 @@ def test_parameter_counts_match_the_real_model(name):
     model = AutoModelForCausalLM.from_config(_config(CONFIGS[name]))
     _, stack = find_layer_stack(model)
     residents = [s.get() for s in tensor_slots(model, skip=stack) if s.is_param]
-    p = planner.plan(CONFIGS[name], seq_len=32, micro_batch=2, machine=BIG)
+    p = _plan(CONFIGS[name], seq_len=32, micro_batch=2, machine=BIG)
     assert p.n_params == _unique(model.parameters())
     assert p.layer_params == _unique(stack.parameters())
     assert p.max_layer_params == max(_unique(layer.parameters()) for layer in stack)
@@ -62,26 +69,26 @@ def test_parameter_counts_match_the_real_model(name):
 
 
 def test_tied_embeddings_counted_once():
-    tied = planner.plan(CONFIGS["llama_tied"], seq_len=16, machine=BIG)
-    untied = planner.plan(CONFIGS["llama_untied"], seq_len=16, machine=BIG)
+    tied = _plan(CONFIGS["llama_tied"], seq_len=16, machine=BIG)
+    untied = _plan(CONFIGS["llama_untied"], seq_len=16, machine=BIG)
     assert untied.n_params - tied.n_params == 128 * 64
 
 
 def test_moe_active_params():
-    p = planner.plan(CONFIGS["mixtral"], seq_len=16, machine=BIG)
+    p = _plan(CONFIGS["mixtral"], seq_len=16, machine=BIG)
     experts = 4 * 3 * 64 * 48  # per layer: 4 experts x (gate, up, down) x H x I
     assert p.n_params - p.active_params == 3 * experts // 2  # top-2 of 4 experts
 
 
 @pytest.mark.parametrize("optimizer, per_param", [("adamw", 16), ("sgd", 8), ("sgd_momentum", 12)])
 def test_host_state_bytes_per_param(optimizer, per_param):
-    p = planner.plan(CONFIGS["llama_untied"], seq_len=16, optimizer=optimizer, machine=BIG)
+    p = _plan(CONFIGS["llama_untied"], seq_len=16, optimizer=optimizer, machine=BIG)
     assert p.host_state_bytes_per_param == per_param
     assert p.host_bytes_per_param > per_param  # slabs, staging, offload, process come on top
 
 
 def test_gpu_independent_of_depth_host_linear():
-    plans = {n: planner.plan(LLAMA_3B | {"num_hidden_layers": n}, seq_len=4096, micro_batch=4, machine=BIG)
+    plans = {n: _plan(LLAMA_3B | {"num_hidden_layers": n}, seq_len=4096, micro_batch=4, machine=BIG)
              for n in (4, 8, 16)}
     assert plans[4].gpu == plans[8].gpu == plans[16].gpu
     assert plans[4].max_micro_batch == plans[16].max_micro_batch
@@ -91,7 +98,7 @@ def test_gpu_independent_of_depth_host_linear():
         assert plans[8].host[key] - plans[4].host[key] == 4 * per_layer
         assert plans[16].host[key] - plans[8].host[key] == 8 * per_layer
     # without offload every layer's input stays on the GPU
-    no = {n: planner.plan(LLAMA_3B | {"num_hidden_layers": n}, seq_len=4096, micro_batch=4, offload_activations=False,
+    no = {n: _plan(LLAMA_3B | {"num_hidden_layers": n}, seq_len=4096, micro_batch=4, offload_activations=False,
                           machine=BIG) for n in (4, 8)}
     assert no[8].gpu_total - no[4].gpu_total == 4 * 4 * 4096 * 3072 * 4
     assert no[4].host["activation offload"] == 0
@@ -145,7 +152,7 @@ def test_activation_formula_matches_saved_tensors(name, attn, tolerance):
         d |= {"layer_types": ["full_attention"], "attn_logit_softcapping": 50.0}
     config = _config(d)
     measured = _saved_bytes_of_one_layer(config, batch, seq) / (batch * seq)
-    p = planner.plan(_config(d), seq_len=seq, micro_batch=batch, machine=BIG)
+    p = _plan(_config(d), seq_len=seq, micro_batch=batch, machine=BIG)
     assert p.activation_per_token["saved"] == pytest.approx(measured, rel=tolerance)
 
 
@@ -160,7 +167,7 @@ def test_hybrid_activation_formula_matches_saved_tensors(layer_type, precision, 
     d = HYBRID | {"num_hidden_layers": 1, "layer_types": [layer_type], "attn_implementation": "sdpa"}
     batch = 2
     measured = _saved_bytes_of_one_layer(_config(d), batch, seq, bf16=precision == "bf16-mixed") / (batch * seq)
-    p = planner.plan(_config(d), seq_len=seq, micro_batch=batch, precision=precision, machine=BIG)
+    p = _plan(_config(d), seq_len=seq, micro_batch=batch, precision=precision, machine=BIG)
     assert p.activation_per_token["saved"] == pytest.approx(measured, rel=tolerance)
 
 
@@ -179,19 +186,19 @@ def test_hybrid_stack_layers_counts_and_flops():
     assert planner._attn_flops(s, linear, 512) == planner._attn_flops(s, linear, 8192) > 0
     assert planner._attn_flops(s, full, 8192) == 16 * planner._attn_flops(s, full, 512)
     # the larger of the two layer kinds sets the GPU activation phase
-    p = planner.plan(_config(HYBRID), seq_len=256, micro_batch=2, machine=BIG)
+    p = _plan(_config(HYBRID), seq_len=256, micro_batch=2, machine=BIG)
     per_kind = [sum(planner.layer_activation(s, ly, 256, 2)) for ly in (linear, full)]
     assert sum(p.activation_per_token.values()) == max(per_kind) == per_kind[0]
     assert any("linear-attention (Gated DeltaNet)" in w for w in p.warnings)
     assert not any("Gated DeltaNet" in w
-                   for w in planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG).warnings)
+                   for w in _plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG).warnings)
 
 
 def test_attn_implementation_override():
     d = CONFIGS["qwen3"]
     config = _config(d)
-    eager = planner.plan(config, seq_len=256, micro_batch=2, attn_implementation="eager", machine=BIG)
-    sdpa = planner.plan(config, seq_len=256, micro_batch=2, machine=BIG)
+    eager = _plan(config, seq_len=256, micro_batch=2, attn_implementation="eager", machine=BIG)
+    sdpa = _plan(config, seq_len=256, micro_batch=2, machine=BIG)
     assert eager.assumptions["attn_implementation"] == "eager" and sdpa.assumptions["attn_implementation"] == "sdpa"
     # eager keeps fp32 scores and bf16 probabilities over all T keys (heads * T * 6 bytes per token) and 4 bf16
     # [A]-wide tensors, sdpa q, k, v, output and a fp32 logsumexp (A = 4 x 16, K = 2 x 16)
@@ -202,61 +209,61 @@ def test_attn_implementation_override():
 
 
 def test_llama_3b_shape_counts_and_calibration():
-    p = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG)
+    p = _plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG)
     assert p.n_params == 3_212_749_824  # Llama-3.2-3B: 3.21B
     assert p.max_layer_params == 100_669_440
     # BENCHMARKS.md (2026-11-29), 32K tokens: 28 x (43.3 ms fwd+bwd + 14.3 ms recompute) + 150 ms head = 1763 ms,
     # i.e. 515 TFLOP/s on the executed FLOPs the planner counts (8N + causal attention + 6VH)
-    at_515 = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG.replace(achieved_tflops=515))
+    at_515 = _plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG.replace(achieved_tflops=515))
     assert at_515.time["GPU compute"] == pytest.approx(1.763, rel=0.02)
     assert p.time["GPU compute"] == pytest.approx(at_515.time["GPU compute"] * 515 / 450)
     # saved activations of one layer: 4.2 GiB measured at 32K tokens (no recompute) vs 4.57 GiB from the formula
     assert p.activation_per_token["saved"] * 32768 / 2**30 == pytest.approx(4.2, rel=0.15)
     assert p.transfers_hidden and [w for w in p.warnings if "CPU optimizer" not in w] == []
-    assert not planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, grad_accum=4, machine=BIG).warnings
+    assert not _plan(LLAMA_3B, seq_len=4096, micro_batch=8, grad_accum=4, machine=BIG).warnings
     assert p.gpu_total < 139 * 2**30 and p.max_micro_batch >= 8
 
 
 def test_max_micro_batch_search_is_monotone_and_respects_the_limit():
     previous = 0
     for gib in (4, 8, 16, 32, 64, 128):
-        p = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=1, machine=Machine(host_ram_gib=1024, gpu_mem_gib=gib))
+        p = _plan(LLAMA_3B, seq_len=4096, micro_batch=1, machine=Machine(host_ram_gib=1024, gpu_mem_gib=gib))
         assert p.max_micro_batch >= previous
         previous = p.max_micro_batch
         if p.max_micro_batch:
-            at = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=p.max_micro_batch,
+            at = _plan(LLAMA_3B, seq_len=4096, micro_batch=p.max_micro_batch,
                               machine=Machine(host_ram_gib=1024, gpu_mem_gib=gib))
             assert at.gpu_total <= gib * 2**30
-            over = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=p.max_micro_batch + 1,
+            over = _plan(LLAMA_3B, seq_len=4096, micro_batch=p.max_micro_batch + 1,
                                 machine=Machine(host_ram_gib=1024, gpu_mem_gib=gib))
             assert over.gpu_total > gib * 2**30
     assert previous > 0
-    host = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=1, machine=Machine(host_ram_gib=64, gpu_mem_gib=139))
+    host = _plan(LLAMA_3B, seq_len=4096, micro_batch=1, machine=Machine(host_ram_gib=64, gpu_mem_gib=139))
     assert 0 < host.max_micro_batch_host < host.max_micro_batch  # offloaded inputs grow host RAM with the batch
-    at = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=host.max_micro_batch_host,
+    at = _plan(LLAMA_3B, seq_len=4096, micro_batch=host.max_micro_batch_host,
                       machine=Machine(host_ram_gib=64, gpu_mem_gib=139))
     assert at.host_total <= 64 * 2**30 and not any("host RAM" in w for w in at.warnings)
 
 
 def test_warnings():
-    assert not planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, grad_accum=4, machine=BIG).warnings
-    few = planner.plan(LLAMA_3B, seq_len=512, micro_batch=1, machine=BIG)
+    assert not _plan(LLAMA_3B, seq_len=4096, micro_batch=8, grad_accum=4, machine=BIG).warnings
+    few = _plan(LLAMA_3B, seq_len=512, micro_batch=1, machine=BIG)
     assert not few.transfers_hidden and few.min_micro_batch_to_hide > 1
     assert any("too few tokens" in w for w in few.warnings)
-    host = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG.replace(host_ram_gib=32))
+    host = _plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG.replace(host_ram_gib=32))
     [w] = [w for w in host.warnings if "host RAM too small" in w]
     assert "32.0 GiB" in w and f"{host.host_total / 2**30:.1f} GiB" in w
-    gpu = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=64, machine=BIG.replace(gpu_mem_gib=24))
+    gpu = _plan(LLAMA_3B, seq_len=4096, micro_batch=64, machine=BIG.replace(gpu_mem_gib=24))
     assert any("GPU memory too small" in w and f"largest micro-batch that fits: {gpu.max_micro_batch}" in w
                for w in gpu.warnings)
-    naive = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, loss="naive", machine=BIG)
-    assert naive.gpu_total > planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG).gpu_total + 40 * 2**30
-    slow = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG.replace(cpu_cores=2))
+    naive = _plan(LLAMA_3B, seq_len=4096, micro_batch=8, loss="naive", machine=BIG)
+    assert naive.gpu_total > _plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG).gpu_total + 40 * 2**30
+    slow = _plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG.replace(cpu_cores=2))
     assert any("CPU optimizer" in w for w in slow.warnings)
 
 
 def test_32_true_streams_fp32():
-    p = planner.plan(CONFIGS["llama_untied"], seq_len=16, precision="32-true", machine=BIG)
+    p = _plan(CONFIGS["llama_untied"], seq_len=16, precision="32-true", machine=BIG)
     assert p.gpu["slots (2 x largest layer)"] == 2 * p.max_layer_params * 4
     assert p.host["grad slabs"] == 3 * p.max_layer_params * 4
 
@@ -269,7 +276,7 @@ def test_main_report_and_json(tmp_path, capsys):
     assert "Host RAM" in out and "GPU memory" in out and "tokens/s" in out
     assert main(["plan", *args, "--json", "--optimizer", "sgd"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["n_params"] == planner.plan(CONFIGS["llama_tied"], seq_len=64, machine=BIG).n_params
+    assert d["n_params"] == _plan(CONFIGS["llama_tied"], seq_len=64, machine=BIG).n_params
     assert d["host_state_bytes_per_param"] == 8 and d["gpu_limit"] == 80 * 2**30
     inline = json.dumps(CONFIGS["qwen3"])
     assert plan_main(["--model", inline, "--seq-len", "32", "--json"]) == 0
@@ -279,7 +286,7 @@ def test_main_report_and_json(tmp_path, capsys):
 def test_formula_matches_h200_measurement_of_the_3b_layer():
     # benchmarks/planner_gpu_check.py on the H200 (2026-11-29, torch 2.11): one Llama-3.2-3B layer, bf16 weights,
     # fp32 input, autocast: saved 149,608 B/token; backward peak 194,664 B/token + the incoming grad (4H) before it.
-    p = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG)
+    p = _plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=BIG)
     assert p.activation_per_token["saved"] == 149_608
     assert sum(p.activation_per_token.values()) == 194_664 + 4 * 3072
 
@@ -289,21 +296,21 @@ def test_pinned_rounding():
     # the H200): before engine/pinned.py a 3B layer's fp32 master and grad flats paid 1/3 more each, and until
     # session 13 every offloaded layer input did. Now every pinned buffer has its exact size.
     shape = LLAMA_3B | {"num_hidden_layers": 2}
-    old = planner.plan(shape, seq_len=4096, micro_batch=8, machine=BIG.replace(pinned_pow2_rounding=True))
-    new = planner.plan(shape, seq_len=4096, micro_batch=8, machine=BIG)
+    old = _plan(shape, seq_len=4096, micro_batch=8, machine=BIG.replace(pinned_pow2_rounding=True))
+    new = _plan(shape, seq_len=4096, micro_batch=8, machine=BIG)
     stash = 4 * 3072 * 8 * 4096  # 384 MiB per layer input -> a 512 MiB block
     assert new.host["pinned pow2 rounding"] == 0 and new.host["activation offload"] == 2 * stash
     per_layer = 2**29 - 4 * old.max_layer_params
     assert old.host["pinned pow2 rounding"] >= 2 * (2**29 - stash) + 4 * per_layer  # the inputs, masters + grads
-    no_offload = planner.plan(shape, seq_len=4096, micro_batch=8, offload_activations=False, machine=BIG)
+    no_offload = _plan(shape, seq_len=4096, micro_batch=8, offload_activations=False, machine=BIG)
     assert no_offload.host["pinned pow2 rounding"] == 0
 
 
 def test_gpu_optimizer_groups_move_state_and_adam_to_the_gpu():
     kw = dict(seq_len=1024, micro_batch=32, loss="naive", machine=BIG)
-    groups = lambda n: EngineConfig(overlap_optimizer=True, gpu_optimizer_groups=n)
-    base = planner.plan(LLAMA_3B, config=groups(0), **kw)
-    p = planner.plan(LLAMA_3B, config=groups(6), **kw)  # residents (394M) + 5 layers (100.7M each)
+    groups = lambda n: SERIAL.replace(overlap_optimizer=True, gpu_optimizer_groups=n)
+    base = _plan(LLAMA_3B, config=groups(0), **kw)
+    p = _plan(LLAMA_3B, config=groups(6), **kw)  # residents (394M) + 5 layers (100.7M each)
     on_gpu = p.resident_params + 5 * 100_669_440
     assert base.host["optimizer states"] - p.host["optimizer states"] == 8 * on_gpu
     assert p.gpu["optimizer groups on the GPU"] == 8 * p.resident_params + 18 * 5 * 100_669_440
@@ -312,31 +319,31 @@ def test_gpu_optimizer_groups_move_state_and_adam_to_the_gpu():
     assert p.time["transfers exposed"] <= base.time["transfers exposed"]  # 5 layers fewer to upload
     # the suggestion is the first count that hides the host Adam
     g = base.suggested_gpu_optimizer_groups
-    assert g is not None and hidden(planner.plan(LLAMA_3B, config=groups(g), **kw)) == 0.0
-    assert hidden(planner.plan(LLAMA_3B, config=groups(g - 1), **kw)) > 0.0
+    assert g is not None and hidden(_plan(LLAMA_3B, config=groups(g), **kw)) == 0.0
+    assert hidden(_plan(LLAMA_3B, config=groups(g - 1), **kw)) > 0.0
     with pytest.raises(ValueError, match=r"gpu_optimizer_groups must be in \[0, 29\]"):
-        planner.plan(LLAMA_3B, config=groups(30), **kw)
+        _plan(LLAMA_3B, config=groups(30), **kw)
     with pytest.raises(ValueError, match="steps Adam/AdamW on the GPU"):
-        planner.plan(LLAMA_3B, config=EngineConfig(gpu_optimizer_groups=1), optimizer="sgd", seq_len=1024)
+        _plan(LLAMA_3B, config=SERIAL.replace(gpu_optimizer_groups=1), optimizer="sgd", seq_len=1024)
 
 
 def test_compile_layers_plans_the_compiled_rate():
     kw = dict(seq_len=1024, micro_batch=32, loss="naive")
-    compile_layers = EngineConfig(compile_layers=True)
-    eager = planner.plan(LLAMA_3B, machine=BIG, **kw)
-    compiled = planner.plan(LLAMA_3B, config=compile_layers, machine=BIG, **kw)
+    compile_layers = SERIAL.replace(compile_layers=True)
+    eager = _plan(LLAMA_3B, machine=BIG, **kw)
+    compiled = _plan(LLAMA_3B, config=compile_layers, machine=BIG, **kw)
     assert compiled.assumptions["achieved_tflops"] == planner.COMPILED_TFLOPS > planner.ACHIEVED_TFLOPS
     ratio = planner.ACHIEVED_TFLOPS / planner.COMPILED_TFLOPS
     assert compiled.time["GPU compute"] == pytest.approx(eager.time["GPU compute"] * ratio, rel=1e-9)
     assert compiled.gpu == eager.gpu and compiled.host == eager.host  # memory stays planned for eager layers
     # an explicit rate and 32-true are left alone
-    assert planner.plan(LLAMA_3B, config=compile_layers, machine=BIG.replace(achieved_tflops=300),
+    assert _plan(LLAMA_3B, config=compile_layers, machine=BIG.replace(achieved_tflops=300),
                         **kw).assumptions["achieved_tflops"] == 300
-    fp32 = planner.plan(LLAMA_3B, config=compile_layers, precision="32-true", machine=BIG, **kw)
+    fp32 = _plan(LLAMA_3B, config=compile_layers, precision="32-true", machine=BIG, **kw)
     assert fp32.assumptions["achieved_tflops"] == planner.FP32_TFLOPS
     # a faster forward hides less of the host Adam: more groups step on the GPU (15 -> 18 for this shape; 18 was the
     # fastest of 12, 15, 18 and 21 measured with compiled layers on the H200)
-    suggested = [planner.plan(LLAMA_3B, config=EngineConfig(overlap_optimizer=True, compile_layers=c), machine=BIG,
+    suggested = [_plan(LLAMA_3B, config=SERIAL.replace(overlap_optimizer=True, compile_layers=c), machine=BIG,
                               **kw).suggested_gpu_optimizer_groups for c in (False, True)]
     assert suggested == [15, 18]
 
@@ -348,7 +355,7 @@ def test_machine_collects_every_problem_and_reads_this_machine_for_none():
     with pytest.raises(ValueError, match="achieved_tflops=0: need a number > 0"):
         BIG.replace(achieved_tflops=0)
     assert BIG.replace(cpu_cores=2).cpu_cores == 2 and BIG.cpu_cores == 16  # frozen: replace() copies
-    p = planner.plan(CONFIGS["llama_tied"], seq_len=16)  # EngineConfig() and Machine(): this machine's sizes
+    p = _plan(CONFIGS["llama_tied"], seq_len=16)  # EngineConfig() and Machine(): this machine's sizes
     assert p.assumptions["cpu_cores"] == _hardware.cpu_cores() and p.assumptions["num_slots"] == 2
     assert p.host_limit == int(_hardware.host_ram_gib() * 2**30)
     assert p.gpu_limit == int((_hardware.gpu_mem_gib() or planner.GPU_REF_GIB) * 2**30)

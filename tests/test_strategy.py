@@ -224,7 +224,7 @@ def test_too_little_gpu_memory_error():
 
 
 def test_gpu_optimizer_groups_validated_up_front():
-    with pytest.raises(ValueError, match=r"gpu_optimizer_groups=-1: need an int >= 0"):
+    with pytest.raises(ValueError, match=r"gpu_optimizer_groups=-1: need 'auto' or an int >= 0"):
         MegaTrainStrategy(gpu_optimizer_groups=-1)
     with pytest.raises(ValueError, match=r"keeps optimizer states on a CUDA device, but the compute device is cpu"):
         _trainer(strategy=MegaTrainStrategy(gpu_optimizer_groups=1)).fit(ParityLM("llama_tied"))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
@@ -17,15 +19,14 @@ from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, 
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.placement import resolve
+from lightning_megatrain.engine.placement import choose_gpu_optimizer_groups, resolve
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
+from lightning_megatrain.optim.host_optimizer import overlappable
 
 log = logging.getLogger(__name__)
-
-_GIB = 1024**3
 
 
 class MegaTrainEngine:
@@ -154,6 +155,33 @@ class MegaTrainEngine:
             ", layers compiled (torch.compile)" if self.config.compile_layers else "",
         )
 
+    def place_for_batch(
+        self,
+        batch: Any,
+        *,
+        grad_accum: int,
+        optimizers: Sequence[torch.optim.Optimizer],
+        clip_by_value: bool,
+        chunked_loss: bool,
+    ) -> None:
+        """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them (engine/placement.py,
+        [Note: auto placement]); logs the choice. Called once, before that micro-batch's forward."""
+        self.placement_pending = False
+        n, why = choose_gpu_optimizer_groups(
+            self.module,
+            batch,
+            config=self.config,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            grad_accum=grad_accum,
+            adam_only=all(overlappable(o) for o in optimizers),
+            clip_by_value=clip_by_value,
+            chunked_loss=chunked_loss,
+        )
+        log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
+        self.config = self.config.replace(gpu_optimizer_groups=n)
+        self._place_device_groups(n)
+
     def _place_device_groups(self, n: int) -> None:
         """Make the first ``n`` groups the forward reads (the residents, then layers 0, 1, ...) device groups
         ([Note: device groups]): at setup for an int ``gpu_optimizer_groups``, before the first training micro-batch
@@ -223,10 +251,10 @@ class MegaTrainEngine:
         device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
         if need + device_bytes > free:
             raise RuntimeError(
-                f"MegaTrainStrategy needs {(need + device_bytes) / _GIB:.1f} GiB of GPU memory for {slots} "
+                f"MegaTrainStrategy needs {(need + device_bytes) / GIB:.1f} GiB of GPU memory for {slots} "
                 f"layer slots of {max_layer / 1e6:.0f}M parameters, {n_resident / 1e6:.0f}M resident parameters"
                 f"{f' and {len(device_numel)} groups with their optimizer on the GPU' if device_numel else ''}, "
-                f"before any activations, but only {free / _GIB:.1f} GiB is free on {self.device}. HINT: one decoder "
+                f"before any activations, but only {free / GIB:.1f} GiB is free on {self.device}. HINT: one decoder "
                 "layer must fit on the GPU; use precision='bf16-mixed', fewer slots (num_slots=2), fewer "
                 "gpu_optimizer_groups or a smaller model."
             )

@@ -15,16 +15,30 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   between the step and the next forward (the strategy's ``_OptimizerBarrier``). Off on a CPU compute device, where
   the step and the forward would share the same cores.
 
+- ``gpu_optimizer_groups``: decided before the first training micro-batch, whose shape the choice needs
+  (:func:`choose_gpu_optimizer_groups`): the fewest groups with which the overlapped host Adam no longer outlasts
+  the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device and
+  host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU memory
+  before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, without the overlapped step (the
+  groups pay by hiding it), with an optimizer other than Adam/AdamW or clipping by value (which device groups
+  refuse), or where the model has no HF config to plan with.
+
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
 
+from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.planner import Machine, plan
 
 log = logging.getLogger(__name__)
 
@@ -58,4 +72,68 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
             else "CPU compute device: the step and the forward would share its cores"
         )
         log.info("MegaTrain: overlap_optimizer=%s (auto: %s)", on_cuda, reason)
+    if config.gpu_optimizer_groups == "auto" and not on_cuda:
+        changes["gpu_optimizer_groups"] = 0
+        log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")
     return config.replace(**changes) if changes else config
+
+
+def token_shape(batch: Any) -> tuple[int, int] | None:
+    """``(B, T)`` of a training batch's token ids: ``batch["input_ids"]``, the batch itself, or its first 2-D integer
+    tensor; None when there is none."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
+        batch = batch["input_ids"]
+    candidates = [batch] if isinstance(batch, Tensor) else list(batch.values()) if isinstance(batch, Mapping) else (
+        list(batch) if isinstance(batch, (list, tuple)) else [])
+    for t in candidates:
+        if isinstance(t, Tensor) and t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool:
+            return int(t.shape[0]), int(t.shape[1])
+    return None
+
+
+def choose_gpu_optimizer_groups(
+    module: nn.Module,
+    batch: Any,
+    *,
+    config: EngineConfig,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    grad_accum: int,
+    adam_only: bool,
+    clip_by_value: bool,
+    chunked_loss: bool,
+) -> tuple[int, str]:
+    """``gpu_optimizer_groups="auto"`` for the first training micro-batch ``batch``: the count and why (see
+    [Note: auto placement]). ``adam_only``: every optimizer is Adam/AdamW; ``chunked_loss``: the module's HF loss
+    runs chunked (models/hf_loss.py), else the plan counts full logits."""
+    if not config.overlap_optimizer:
+        return 0, "the host step is not overlapped (overlap_optimizer=False): nothing for device groups to hide"
+    if not adam_only:
+        return 0, "an optimizer other than Adam/AdamW (device groups step Adam/AdamW only)"
+    if clip_by_value:
+        return 0, "gradient_clip_algorithm='value' (device groups clip by norm)"
+    shape = token_shape(batch)
+    hf_config = next((m.config for m in module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)),
+                     None)
+    if shape is None or hf_config is None:
+        return 0, "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
+    micro_batch, seq_len = shape
+    _, total = torch.cuda.mem_get_info(device)
+    p = plan(
+        hf_config,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        precision="bf16-mixed" if compute_dtype == torch.bfloat16 else "32-true",
+        loss="chunked" if chunked_loss else "naive",
+        attn_implementation=getattr(hf_config, "_attn_implementation", None),
+        config=config.replace(gpu_optimizer_groups=0),
+        machine=Machine(gpu_mem_gib=total / GIB),
+    )
+    n = p.suggested_gpu_optimizer_groups
+    tokens = f"{micro_batch} x {seq_len} tokens x {grad_accum} micro-batches"
+    if n is None:
+        return 0, f"at {tokens} no count both hides the host Adam behind the forward and fits the GPU"
+    if n == 0:
+        return 0, f"at {tokens} the host Adam already hides behind the forward"
+    return n, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"

@@ -155,6 +155,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
               above that floor (engine/recompute.py); a fixed count needs more than the plan shows.
             - ``layers`` and ``cpu_adam`` are not read: the stack is discovered as the engine discovers it, and the
               host Adam runs at DeepSpeedCPUAdam's measured rate (torch fused AdamW's when overlapped).
+            - ``"auto"`` is planned as the engine decides it on a CUDA device (engine/placement.py, [Note: auto
+              placement]): ``overlap_optimizer`` and ``compile_layers`` on; ``gpu_optimizer_groups`` the suggested
+              count (0 where none hides the host Adam and fits).
         machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine).
 
     Raises:
@@ -162,6 +165,13 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than Adam/AdamW.
     """
     m = machine
+    config = config.replace(**{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"})
+    if config.gpu_optimizer_groups == "auto":
+        kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
+                      optimizer=optimizer, loss=loss, loss_chunk_size=loss_chunk_size,
+                      attn_implementation=attn_implementation, offload_activations=offload_activations, machine=m)
+        suggested = plan(model, config=config.replace(gpu_optimizer_groups=0), **kwargs).suggested_gpu_optimizer_groups
+        return plan(model, config=config.replace(gpu_optimizer_groups=suggested or 0), **kwargs)
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
                          f"['chunked', 'naive']; got {precision!r}, {optimizer!r}, {loss!r}")

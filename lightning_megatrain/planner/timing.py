@@ -47,7 +47,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     up = [0.0] * len(on_gpu_layers) + up[len(on_gpu_layers):]
     act = 4 * H * tok if offload else 0
     # Grads go D2H in fp32 straight into the pinned host grads. The 1st micro-batch of a step writes them; later ones
-    # first upload them (H2D, fp32) and write back the sum made on the device (transfer.py [Note: gradient drain]).
+    # first upload them (H2D, fp32) and write back the sum made on the device (engine/drain.py, [Note: gradient drain]).
     grads = [4 * ly.numel for ly in s.layers]
     grads_up = [[0] * len(s.layers), [0] * len(on_gpu_layers) + grads[len(on_gpu_layers):]]  # device groups sum there
     L, exposed, fill = len(s.layers), 0.0, 0.0

@@ -150,7 +150,9 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
     shape = CONFIGS / "hf" / f"{name}.json"  # the numbers of the Hub's config.json
     kwargs = dict(seq_len=data["cutoff_len"], grad_accum=accum, precision=trainer["precision"],
                   loss_chunk_size=model["loss_chunk_size"], attn_implementation=model["attn_implementation"],
-                  config=EngineConfig(num_slots=trainer["strategy"]["init_args"]["num_slots"]),
+                  # the headers' `megatrain plan` commands give no engine flags: eager layers, serial host step
+                  config=EngineConfig(num_slots=trainer["strategy"]["init_args"]["num_slots"], overlap_optimizer=False,
+                                      compile_layers=False, gpu_optimizer_groups=0),
                   machine=Machine(gpu_mem_gib=H200_GIB, cpu_cores=H200_CORES, host_ram_gib=1 << 20))
     p = planner.plan(shape, micro_batch=micro_batch, **kwargs)
     assert p.gpu_total <= p.gpu_limit and p.max_micro_batch == micro_batch
