@@ -341,6 +341,13 @@ def make_recorder(profile_step: int | None, sync: bool):
 
                 step._landed_update = counted
 
+        def on_train_end(self, trainer, pl_module):
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is not None:  # megatrain: the options it ran with, "auto" ones as decided
+                import dataclasses
+
+                self.engine_config = dataclasses.asdict(engine.config)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             # Lightning reports loss / accumulate_grad_batches; undo that to log the micro-batch's mean token loss.
             # Reading it waits for the compute stream: without sync marks too, a step ends where the GPU is done.
@@ -472,6 +479,7 @@ def train(spec: dict) -> dict:
         "measured_steps": len(measured), "step_times_s": [s["step_s"] for s in steps],
         "losses": [s["losses"] for s in steps], "fit_s": fit_s, "child_s": time.perf_counter() - t_child,
         "notes": notes, "device_name": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "engine_config": getattr(recorder, "engine_config", None),
     }
     if active != params:
         row.update(params_active=active, mfu_active=6 * active * tokens_per_s / PEAK_FLOPS)

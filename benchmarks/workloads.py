@@ -1,10 +1,14 @@
 """What the throughput benchmark trains: the systems a Lightning user would pick and the model shapes.
 
 Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a row with "error"):
-  megatrain                MegaTrainStrategy() defaults, bf16-mixed, AdamW (mapped to DeepSpeedCPUAdam on the host),
-                           clip 1.0; keep_layers="auto": the graphs of the layers that fit stay on the GPU, the rest
-                           are recomputed in backward (all are on the first, calibrating, micro-batch).
-  megatrain_overlap        the same with overlap_optimizer=True: step N's host Adam (and the clip scaling) runs layer
+  megatrain                MegaTrainStrategy() with no arguments, what `strategy="megatrain"` gives: every "auto"
+                           choice is the engine's (engine/placement.py: on CUDA compiled layers, the overlapped host
+                           step, gpu_optimizer_groups planned for the first micro-batch; keep_layers="auto"; the
+                           chunked HF loss), bf16-mixed, torch AdamW, clip 1.0; the row's engine_config records the
+                           choices. Rows before the "auto" defaults ran compile_layers=False, overlap_optimizer=False,
+                           gpu_optimizer_groups=0 and HF's own loss here.
+  megatrain_overlap        explicit options from here on (compile_layers=False, gpu_optimizer_groups=0 unless the
+                           name says otherwise): overlap_optimizer=True: step N's host Adam (and the clip scaling) runs layer
                            by layer on a worker thread while step N+1's forward starts (engine/overlap.py); the
                            host AdamW is then torch's fused one (cpu_adam="auto" with the overlap).
   megatrain_overlap_deepspeed  overlap_optimizer=True with cpu_adam="deepspeed" (DeepSpeedCPUAdam holds the GIL).
@@ -234,6 +238,9 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
         if system == "megatrain_recompute_all":
             return (MegaTrainStrategy(keep_layers=0, gpu_optimizer_groups=groups, compile_layers=compiled), 1.0,
                     "adamw", "megatrain: every layer recomputed", [])
+        if system == "megatrain" and not groups and not compiled:
+            return (MegaTrainStrategy(), 1.0, "adamw", "megatrain defaults: every 'auto' choice the engine's",
+                    ["MegaTrainStrategy() with no arguments: the choices are in engine_config"])
         overlap = system.startswith("megatrain_overlap")
         cpu_adam = "deepspeed" if system == "megatrain_overlap_deepspeed" else "auto"
         strategy = MegaTrainStrategy(overlap_optimizer=overlap, cpu_adam=cpu_adam, gpu_optimizer_groups=groups,
