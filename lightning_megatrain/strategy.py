@@ -267,7 +267,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def wait_for_optimizer(self) -> None:
         """Block until the host parameters and optimizer states hold the last optimizer step: the overlapped host
         step finished and ``gpu_optimizer_groups`` written back. Lightning's own readers (checkpoints, validation,
-        epoch and train end) already wait; call it before reading parameters in, e.g., ``on_train_batch_end``."""
+        epoch and train end) and every user hook that may read parameters already wait (hooks.py, [Note: user
+        hooks]); call it before reading parameters elsewhere (inside ``training_step``, from another thread)."""
         if self.engine is not None:
             self.engine.wait_for_optimizer()
 

@@ -139,8 +139,9 @@ def test_overlapped_optimizer_step_parity(family, accumulate, clip, scheduler):
     assert_records_close(rec, ref)
 
 
-# A callback that reads parameters between steps (an EMA, say) calls strategy.wait_for_optimizer() first: it then
-# sees every step's update in full, as under plain Lightning, although the update runs on the overlap worker.
+# Calling strategy.wait_for_optimizer() explicitly (what code outside Lightning's hooks does) gives every step's update
+# in full, as under plain Lightning, although the update runs on the overlap worker; hooks need not call it
+# (tests/test_hooks.py).
 def test_wait_for_optimizer_gives_callbacks_each_steps_parameters():
     class Snapshots(Callback):
         def __init__(self):

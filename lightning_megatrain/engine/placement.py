@@ -12,7 +12,7 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 - ``overlap_optimizer``: on for a CUDA compute device. The host Adam step otherwise idles the GPU for its whole
   length (0.73 s for 3.2B parameters on 16 cores, longer than a 32K-token forward). What made it opt-in, hooks
   reading parameters mid-update, the strategy now covers: it waits for the step before any user hook that runs
-  between the step and the next forward (the strategy's ``_OptimizerBarrier``). Off on a CPU compute device, where
+  between the step and the next forward (hooks.py, [Note: user hooks]). Off on a CPU compute device, where
   the step and the forward would share the same cores.
 
 - ``gpu_optimizer_groups``: decided before the first training micro-batch, whose shape the choice needs
