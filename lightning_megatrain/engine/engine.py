@@ -204,6 +204,8 @@ class MegaTrainEngine:
         if self.residents is not None:
             self.residents.set_device_group(on_device.get(id(self.resident_group)))
         self._step.set_device_groups(self.device_groups)
+        for device_group in self.device_groups:  # placed late ("auto"): the host grads setup allocated go back
+            device_group.group.release_grad(self.registry.free if self.registry is not None else None)
         self._policy.persistent_layers = len(layer_device_groups)  # their weights stay on the device
         log.info(
             "MegaTrain: %d groups (%.2fB params) keep their fp32 master, grad and Adam states on %s too and take "

@@ -47,6 +47,15 @@ class FlatGroup:
     def numel(self) -> int:
         return self.master.numel()
 
+    def release_grad(self, free: Callable[[Tensor], None] | None) -> None:
+        """Drop the grad buffer while no ``p.grad`` views it (a group that became a device group: its grads are
+        allocated again only if code reads them); ``free`` unregisters page-locked memory first."""
+        if self._grad is None or any(p.grad is not None for p in self.params):
+            return
+        if free is not None:
+            free(self._grad)
+        self._grad = None
+
     @property
     def grad_nbytes(self) -> int:
         """Host bytes of the grad buffer, 0 while it is not allocated."""

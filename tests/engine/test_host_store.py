@@ -44,6 +44,19 @@ def test_lazy_grad_buffer_is_allocated_by_the_first_gradient():
     assert group.params[0].grad.data_ptr() == group.grad.data_ptr()
 
 
+def test_release_grad_drops_an_unviewed_buffer_until_a_gradient_needs_it():
+    # a group placed as a device group before the first step (gpu_optimizer_groups="auto"): its host grads go back
+    group, _ = _group((6,), (3,))
+    assert group.grad_nbytes == 9 * 4
+    freed = []
+    group.release_grad(freed.append)
+    assert group.grad_nbytes == 0 and len(freed) == 1 and freed[0].numel() == 9
+    group.accumulate([torch.ones(6), None])  # code that reads grads gets them again
+    assert group.grad_nbytes == 9 * 4 and torch.equal(group.params[0].grad, torch.ones(6))
+    group.release_grad(freed.append)  # p.grad views the buffer: kept
+    assert group.grad_nbytes == 9 * 4 and len(freed) == 1
+
+
 def test_device_norm_stands_for_grads_the_host_does_not_hold():
     # a device group whose grads stay on the device: clipping reads the norm measured there
     module = nn.ParameterList(nn.Parameter(torch.randn(s)) for s in (6, 3))
