@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from parity import Recorder, assert_records_close
+from helpers.parity import Recorder, assert_records_close
 from torch import nn
 from torch.utils.data import DataLoader
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from parity import ParityLM, assert_records_close, run
+from helpers.parity import ParityLM, assert_records_close, run
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.engine import engine as engine_module

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
-from parity import ParityLM, assert_records_close, make_data, run
+from helpers.parity import ParityLM, assert_records_close, make_data, run
 from torch import nn
 from torch.utils.data import DataLoader
 

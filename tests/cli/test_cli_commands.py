@@ -8,7 +8,7 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
-from cli_paths import REPO
+from helpers.cli_paths import REPO
 
 from lightning_megatrain import cli
 from lightning_megatrain.cli import main

@@ -10,7 +10,7 @@ import shlex
 import pytest
 import transformers
 import yaml
-from cli_paths import CONFIGS, DEMO_CONFIG, REPO
+from helpers.cli_paths import CONFIGS, DEMO_CONFIG, REPO
 
 from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy, planner
 from lightning_megatrain.callbacks import ThroughputLogger

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_paths import DEMO_CONFIG, QUIET
+from helpers.cli_paths import DEMO_CONFIG, QUIET
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy

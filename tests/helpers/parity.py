@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from families import FAMILIES, SEQ, VOCAB
+from helpers.families import FAMILIES, SEQ, VOCAB
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
