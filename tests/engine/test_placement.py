@@ -15,7 +15,7 @@ from lightning_megatrain.engine import placement
 from lightning_megatrain.planner import Machine, plan
 
 CUDA = torch.device("cuda", 0)
-# The Llama-3.2-3B shape (3.21B parameters), as tests/test_planner.py plans it
+# The Llama-3.2-3B shape (3.21B parameters), as tests/planner/test_planner.py plans it
 LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                 num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 
