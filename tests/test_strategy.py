@@ -233,38 +233,6 @@ def test_gpu_optimizer_groups_validated_up_front():
                            gradient_clip_algorithm="value")
         trainer.fit(ParityLM("llama_tied"))
 
-
-def test_device_update_is_the_adamw_step_with_clipping():
-    """engine/device_state.py's update (here on CPU tensors) equals AdamW.step() on grads scaled by the clip factor,
-    per param group (weight decay on one, not the other), with the moments held apart from the parameters, and
-    skips a parameter without a gradient as step() does."""
-    from lightning_megatrain.optim.host_optimizer import device_update
-
-    torch.manual_seed(0)
-    shapes = [(8, 4), (4,), (3, 5), (2,)]
-    ref_params = [torch.randn(s) for s in shapes]
-    params = [p.clone() for p in ref_params]  # keys of the optimizer state, as the host masters are
-    mirrors = [p.clone() for p in ref_params]  # what the update writes, as the device mirrors are
-
-    def adamw(ps):
-        return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=1e-2,
-                                 weight_decay=0.1, fused=True)
-
-    ref, opt = adamw(ref_params), adamw(params)
-    for p, m in zip(params, mirrors):
-        opt.state[p].update(step=torch.zeros(()), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
-    for step in range(3):
-        grads = [torch.randn(s) for s in shapes[:3]] + [None]
-        coef = None if step == 0 else torch.tensor(0.5)
-        for p, g in zip(ref_params, grads):
-            p.grad = None if g is None else g * (1.0 if coef is None else coef)
-        ref.step()
-        device_update(opt, coef)(params, mirrors, grads)
-    for k, (a, b) in enumerate(zip(mirrors, ref_params)):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"param {k}")
-    assert torch.equal(mirrors[3], params[3])  # never had a gradient: untouched
-
-
 def test_more_than_one_device_refused():
     strategy = MegaTrainStrategy()
     trainer = _trainer(strategy=strategy)
@@ -340,34 +308,6 @@ def test_bf16_mixed_on_cpu_tracks_plain_bf16():
     # bf16 weights inside the layers (plain autocast keeps fp32 norm weights): close, not equal.
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=2e-2, atol=0)
 
-
-def test_deepspeed_cpu_adam_matches_torch():
-    from lightning_megatrain.optim import host_optimizer
-
-    torch.manual_seed(0)
-    init = [torch.randn(257, 33), torch.randn(1000)]
-    grads = [[torch.randn_like(t) for t in init] for _ in range(3)]
-    results = []
-    for mode in ("deepspeed", "torch"):
-        params = [nn.Parameter(t.clone()) for t in init]
-        opt = torch.optim.AdamW(
-            [{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1
-        )
-        try:
-            opt = host_optimizer.to_host_optimizer(opt, mode)
-        except RuntimeError as e:
-            pytest.skip(f"DeepSpeedCPUAdam does not build here: {e}")
-        assert (type(opt).__name__ == "HostCPUAdam") == (mode == "deepspeed")
-        for step in grads:
-            for p, g in zip(params, step):
-                p.grad = g.clone()
-            opt.step()
-        results.append(params)
-    for a, b in zip(*results):
-        # different fp32 instruction order (AVX vs ATen): weights agree to 1e-4 of one update (lr 1e-2)
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
-
 def test_schedulers_follow_replaced_optimizer(recwarn):
     ref = run("auto", "llama_tied", scheduler=True)
     got = run(MegaTrainStrategy(cpu_adam="auto"), "llama_tied", scheduler=True)
@@ -385,27 +325,6 @@ def test_clipping_uses_the_engine_path():
         got = run(MegaTrainStrategy(cpu_adam="torch"), "llama_tied", clip=1.0, steps=2)
     ref = run("auto", "llama_tied", clip=1.0, steps=2)
     assert_records_close(got, ref)
-
-
-def test_host_update_skips_parameters_stepped_on_the_gpu():
-    """snapshot_update(skip=...) leaves the parameters of gpu_optimizer_groups (and their states) to the device step."""
-    from lightning_megatrain.optim.host_optimizer import snapshot_update
-
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for p, r in zip(params, ref):
-        p.grad = torch.randn_like(p)
-        r.grad = p.grad.clone()
-    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
-    reference = torch.optim.AdamW(ref[:1], lr=1e-2, fused=True)
-    before = params[1].detach().clone()
-    with torch.no_grad():
-        snapshot_update(opt, None, skip=frozenset({id(params[1])}))(params)
-    reference.step()
-    torch.testing.assert_close(params[0], ref[0], rtol=0, atol=0)
-    assert torch.equal(params[1], before) and params[1] not in opt.state
-
 
 def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
     # checked before the parameters are packed into host flats: a 100B model would otherwise fail in its first step
