@@ -20,10 +20,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
+from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
-from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
       go to the host on the D2H stream, straight into the fp32 host grads or through pinned slabs that a worker
       thread accumulates in fp32.
     - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
-      optimizer run on the host fp32 masters (with ``overlap_optimizer``, on a GPU by default, layer by layer on a worker thread,
-      while the next step's forward waits for each layer's update before uploading it); the groups
+      optimizer run on the host fp32 masters (with ``overlap_optimizer``, on a GPU by default, layer by layer on a
+      worker thread, while the next step's forward waits for each layer's update before uploading it); the groups
       ``gpu_optimizer_groups`` names step on the GPU instead (their masters reach the host when it reads them).
 
     GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
@@ -209,7 +209,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if groups != "auto" and groups > 0 and fitting and trainer.gradient_clip_algorithm == "value":
             raise ValueError(
                 "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
-                "got gradient_clip_algorithm='value'. HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
+                "got gradient_clip_algorithm='value'. "
+                "HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
             )
         # gpu_optimizer_groups hold optimizer states: none without an optimizer step
         config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)

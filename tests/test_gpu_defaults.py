@@ -27,7 +27,8 @@ def test_cuda_defaults_parity(groups, monkeypatch, caplog):
     # choice for the tiny model, 2: forced, so that the late placement path runs
     torch.backends.cuda.matmul.allow_tf32 = False
     if groups is not None:
-        monkeypatch.setattr(engine_module, "choose_gpu_optimizer_groups", lambda *a, **k: (groups, "forced by the test"))
+        monkeypatch.setattr(engine_module, "choose_gpu_optimizer_groups",
+                            lambda *a, **k: (groups, "forced by the test"))
     ref, _ = fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0)
 
     class Check(L.Callback):

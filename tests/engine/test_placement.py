@@ -70,7 +70,9 @@ def test_auto_groups_are_the_planners_suggestion(monkeypatch):
     monkeypatch.setattr("lightning_megatrain.planner.planning.cpu_cores", lambda: 16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (20 * 2**30, 24 * 2**30))
     assert _choose(_WithConfig(**LLAMA_3B), batch) == (
-        0, "at 32 x 1024 tokens x 1 micro-batches no count both hides the host Adam behind the forward and fits the GPU")
+        0,
+        "at 32 x 1024 tokens x 1 micro-batches no count both hides the host Adam behind the forward and fits the GPU",
+    )
 
 
 @pytest.mark.parametrize(

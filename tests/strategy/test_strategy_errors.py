@@ -25,7 +25,9 @@ def test_invalid_arguments_listed_together():
         MegaTrainStrategy(keep_layers="all")
     with pytest.raises(ValueError, match=r"compile_layers='yes': need 'auto', True or False"):
         MegaTrainStrategy(compile_layers="yes")
-    with pytest.raises(ValueError, match=r"layers=3: need a dotted path(.|\n)*overlap_optimizer='yes': need 'auto', True"):
+    with pytest.raises(
+        ValueError, match=r"layers=3: need a dotted path(.|\n)*overlap_optimizer='yes': need 'auto', True"
+    ):
         MegaTrainStrategy(layers=3, overlap_optimizer="yes")
 
 

@@ -91,7 +91,9 @@ def test_arguments_become_one_engine_config():
     check = Check()
     cpu_trainer(strategy=strategy, callbacks=[check]).validate(WithVal("llama_tied"), DataLoader(make_data()[:2]))
     # a CPU device refuses 1 when fitting; the "auto" options resolved for a CPU compute device
-    assert check.config == strategy.config.replace(gpu_optimizer_groups=0, overlap_optimizer=False, compile_layers=False)
+    assert check.config == strategy.config.replace(
+        gpu_optimizer_groups=0, overlap_optimizer=False, compile_layers=False
+    )
 
 
 def test_host_residency_after_setup():
