@@ -105,10 +105,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             loss and gradients (models/hf_loss.py, [Note: HF loss], also lists when HF's own forward runs instead).
             ``False`` leaves HF's forward untouched, for modules that read ``logits`` together with ``labels``.
             Default True.
-        cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
-            with the step overlapped always torch fused AdamW, which releases the GIL while the forward thread
-            issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
-            build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
+        cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when DeepSpeed, the optional extra
+            ``lightning-megatrain[deepspeed]``, is installed and its extension builds, else torch fused AdamW with a
+            warning; with the step overlapped always torch fused AdamW, which releases the GIL while the forward
+            thread issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it
+            is not installed or does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
         checkpoint_io: Lightning checkpoint IO plugin.
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
