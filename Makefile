@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` (trains a tiny model with strategy="megatrain" through the `megatrain`
-# CLI and exports it as a HuggingFace folder) and `make test`.
+# CLI and exports it as a HuggingFace folder) and `make test` (lint, then the test suite).
 PYTHON ?= python3
 # A pinned torch first: on CPU-only machines this takes a local CPU build instead of a multi-GB CUDA download.
 TORCH ?= torch==2.13.0
@@ -14,4 +14,5 @@ demo: install
 	$(PYTHON) -m lightning_megatrain export checkpoints/demo/last.ckpt out/demo-hf --overwrite
 
 test: install
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q

@@ -206,8 +206,8 @@ RUNS = {
 
 def summarize(results: list[dict]) -> str:
     lines = [
-        "| strategy | model | params | tokens/step | tokens/s | MFU | peak GPU GiB | peak host RSS GiB | step breakdown "
-        "(median) / error |",
+        "| strategy | model | params | tokens/step | tokens/s | MFU | peak GPU GiB | peak host RSS GiB "
+        "| step breakdown (median) / error |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:

@@ -22,8 +22,9 @@ from transformers.models.llama.modeling_llama import (
 from lightning_megatrain import planner
 from lightning_megatrain.models.loss import causal_lm_loss
 
-SHAPE = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 2,
-             "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True, "max_position_embeddings": 8192}
+SHAPE = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
+         "num_hidden_layers": 2, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True,
+         "max_position_embeddings": 8192}
 dev = torch.device("cuda")
 
 

@@ -36,8 +36,8 @@ THROUGHPUT_SYSTEMS = ("megatrain", "megatrain_overlap", "megatrain_overlap_deeps
 
 
 def main(paths: list[str]) -> None:
-    print("| model | engine | micro x accum x seq | host GiB plan / measured (err) | GPU GiB plan / measured (err) | tokens/s "
-          "plan / measured |")
+    print("| model | engine | micro x accum x seq | host GiB plan / measured (err) | GPU GiB plan / measured (err) "
+          "| tokens/s plan / measured |")
     print("|---|---|---|---|---|---|")
     for path in paths:
         data = json.load(open(path))

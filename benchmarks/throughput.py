@@ -25,11 +25,11 @@ with an error keeps the step_times_s its run printed before it ended (a run kill
   breakdown    medians per optimizer step, summed over its micro-batches, with torch.cuda.synchronize at each mark:
                forward, backward, grad_finalize (backward end -> on_before_optimizer_step; with sync marks only,
                since session 10: without them the hook is left out and that time counts in clip_and_optimizer),
-               clip_and_optimizer, other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are fractions of the
-               profiled step (torch.profiler; union of kernel / memcpy intervals over all streams, record_function
-               ranges excluded since 2026-11-29 session 8: earlier megatrain and FSDP rows count them; since session
-               10 the profile starts where the previous step ended, so it spans the whole step); kernels sums
-               that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels;
+               clip_and_optimizer, other (data, Lightning); gpu_compute_busy / h2d_busy / d2h_busy / gpu_idle are
+               fractions of the profiled step (torch.profiler; union of kernel / memcpy intervals over all streams,
+               record_function ranges excluded since 2026-11-29 session 8: earlier megatrain and FSDP rows count them;
+               since session 10 the profile starts where the previous step ended, so it spans the whole step);
+               kernels sums that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels;
                kernel_gaps (since session 10) sums that step's stretches with no kernel running and names what the
                training thread was doing in each (kernel_gaps()).
 

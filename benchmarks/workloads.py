@@ -245,7 +245,8 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
         cpu_adam = "deepspeed" if system == "megatrain_overlap_deepspeed" else "auto"
         strategy = MegaTrainStrategy(overlap_optimizer=overlap, cpu_adam=cpu_adam, gpu_optimizer_groups=groups,
                                      compile_layers=compiled)
-        notes = [f"gpu_optimizer_groups={groups}: the residents and {groups - 1} layers step on the GPU"] if groups else []
+        notes = ([f"gpu_optimizer_groups={groups}: the residents and {groups - 1} layers step on the GPU"]
+                 if groups else [])
         return (strategy, 1.0, "adamw",
                 "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", notes)
     if system == "plain":

@@ -119,7 +119,9 @@ class MegaTrainPrecision(Precision):
         super().clip_grad_by_value(optimizer, clip_val)
 
     @override
-    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         engine = self.engine
         if engine.step.takes_step(optimizer) and not kwargs:
             # forward/backward/clipping now; the update runs on the device and/or the overlap worker

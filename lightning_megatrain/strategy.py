@@ -20,10 +20,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
+from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
-from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
       go to the host on the D2H stream, straight into the fp32 host grads or through pinned slabs that a worker
       thread accumulates in fp32.
     - **optimizer step**: the host waits once for all drains, residents' grads are drained, clipping and the
-      optimizer run on the host fp32 masters (with ``overlap_optimizer``, on a GPU by default, layer by layer on a worker thread,
-      while the next step's forward waits for each layer's update before uploading it); the groups
+      optimizer run on the host fp32 masters (with ``overlap_optimizer``, on a GPU by default, layer by layer on a
+      worker thread, while the next step's forward waits for each layer's update before uploading it); the groups
       ``gpu_optimizer_groups`` names step on the GPU instead (their masters reach the host when it reads them).
 
     GPU memory is two layers' weights, the residents, the activations of one layer and at most two layers' saved
@@ -105,10 +105,11 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             loss and gradients (models/hf_loss.py, [Note: HF loss], also lists when HF's own forward runs instead).
             ``False`` leaves HF's forward untouched, for modules that read ``logits`` together with ``labels``.
             Default True.
-        cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when its extension builds, else torch fused AdamW with a warning;
-            with the step overlapped always torch fused AdamW, which releases the GIL while the forward thread
-            issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it does not
-            build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
+        cpu_adam: ``"auto"`` (DeepSpeedCPUAdam when DeepSpeed, the optional extra
+            ``lightning-megatrain[deepspeed]``, is installed and its extension builds, else torch fused AdamW with a
+            warning; with the step overlapped always torch fused AdamW, which releases the GIL while the forward
+            thread issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it
+            is not installed or does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
         checkpoint_io: Lightning checkpoint IO plugin.
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
@@ -209,7 +210,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         if groups != "auto" and groups > 0 and fitting and trainer.gradient_clip_algorithm == "value":
             raise ValueError(
                 "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
-                "got gradient_clip_algorithm='value'. HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
+                "got gradient_clip_algorithm='value'. "
+                "HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
             )
         # gpu_optimizer_groups hold optimizer states: none without an optimizer step
         config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)

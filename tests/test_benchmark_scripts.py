@@ -253,7 +253,8 @@ def test_gpu_events_leave_out_record_function_ranges():
     events = [Event("[pl][profile]run_training_batch", DeviceType.CPU, annotation=True),
               Event("[pl][profile]run_training_batch", DeviceType.CUDA),  # its range on the GPU timeline
               Event("megatrain::recompute_layer_3", DeviceType.CUDA), Event("aten::mm", DeviceType.CPU),
-              Event("nvjet_sm90_tst_192x192", DeviceType.CUDA), Event("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA)]
+              Event("nvjet_sm90_tst_192x192", DeviceType.CUDA),
+              Event("Memcpy HtoD (Pinned -> Device)", DeviceType.CUDA)]
     assert [n for n, _, _ in throughput.gpu_events(events)] == ["nvjet_sm90_tst_192x192",
                                                                   "Memcpy HtoD (Pinned -> Device)"]
 

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import (
     TQDMProgressBar,
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from parity import ParityLM, run
+from helpers.parity import ParityLM, run
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.callbacks import ThroughputLogger

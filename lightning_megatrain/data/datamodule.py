@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_megatrain.data.collate import PackedCollator, PadCollator, pack_examples
+from lightning_megatrain.data.demo import DEMO_DIR, DEMO_TOKENIZER_DIR
 from lightning_megatrain.data.encoding import (
     IGNORE_INDEX,
     Example,
@@ -20,7 +21,6 @@ from lightning_megatrain.data.encoding import (
 )
 from lightning_megatrain.data.formats import Conversation, convert_rows
 from lightning_megatrain.data.readers import dataset_files, read_rows
-from lightning_megatrain.data.demo import DEMO_DIR, DEMO_TOKENIZER_DIR
 from lightning_megatrain.data.registry import DatasetSpec, infer_spec, resolve_datasets
 from lightning_megatrain.data.sampling import EpochShuffleSampler, split_indices
 

@@ -22,8 +22,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lightning_megatrain.data.readers import read_rows
 from lightning_megatrain.data.demo import DEMO_DATA_FILES, DEMO_DIR
+from lightning_megatrain.data.readers import read_rows
 
 log = logging.getLogger(__name__)
 

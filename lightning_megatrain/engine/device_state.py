@@ -65,7 +65,9 @@ class DeviceGroup:
         n = group.numel
         self.master = torch.empty(n, dtype=torch.float32, device=device)  # [numel] fp32 mirror of group.master
         # [numel] the weights forward and backward read: the mirror itself under fp32, else a cast refreshed per step
-        self.compute = self.master if compute_dtype == torch.float32 else torch.empty(n, dtype=compute_dtype, device=device)
+        self.compute = (
+            self.master if compute_dtype == torch.float32 else torch.empty(n, dtype=compute_dtype, device=device)
+        )
         # [numel] fp32, the sum over micro-batches; None for the residents, whose autograd leaves hold their grads
         self.grad = torch.empty(n, dtype=torch.float32, device=device) if own_grad else None
         self.present = [False] * len(group.params)  # which parameters have a gradient in ``grad`` since zero_grad

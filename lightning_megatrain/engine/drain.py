@@ -21,9 +21,10 @@ no pass over host memory. Otherwise (an expert without tokens, or a layer whose 
 buffer goes into a free pinned *grad slab* and a worker thread adds the slab into the fp32 host grads. In every case
 the worker waits for the copy's event and then owns the host side. Holding the device buffers in the worker's queue
 entry until the copy's event has completed is what keeps the caching allocator from reusing them while the D2H
-stream still reads them: a structural invariant, not bookkeeping (tests/test_gpu.py runs every path against plain
-training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer step, on the training
-thread or, when grads land late (engine/optimizer_step.py, [Note: late grads]), on the optimizer step's worker.
+stream still reads them: a structural invariant, not bookkeeping (the GPU tests, tests/**/test_gpu_*.py, run every
+path against plain training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer
+step, on the training thread or, when grads land late (engine/optimizer_step.py, [Note: late grads]), on the optimizer
+step's worker.
 """
 
 from __future__ import annotations

@@ -118,10 +118,14 @@ class MegaTrainEngine:
         self.groups = [pack_group(slots, registry, lazy_grad=i + 1 < n_device) for i, slots in enumerate(layer_slots)]
         resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=n_device > 0)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
-        overlap = self._overlap = OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
+        overlap = self._overlap = (
+            OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
+        )
         gate = self._gate = overlap.wait if overlap is not None else None
         if registry is not None:
-            self.transfer = CudaTransfer(self.groups, self.device, self.compute_dtype, self.config.num_slots, registry, gate)
+            self.transfer = CudaTransfer(
+                self.groups, self.device, self.compute_dtype, self.config.num_slots, registry, gate
+            )
             resident_buffers = [s for s in resident_slots if not s.is_param]
             self.residents = Residents(
                 resident_group, resident_buffers, self.device, registry, self.transfer.d2h_stream, gate
@@ -164,8 +168,9 @@ class MegaTrainEngine:
         clip_by_value: bool,
         chunked_loss: bool,
     ) -> None:
-        """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them (engine/placement.py,
-        [Note: auto placement]); logs the choice. Called once, before that micro-batch's forward."""
+        """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them
+        (engine/placement.py, [Note: auto placement]); logs the choice. Called once, before that micro-batch's
+        forward."""
         self.placement_pending = False
         n, why = choose_gpu_optimizer_groups(
             self.module,

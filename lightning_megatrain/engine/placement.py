@@ -7,8 +7,8 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 
 - ``compile_layers``: on for a CUDA compute device where Triton is usable. Compiled Llama layers fuse the
   elementwise work between the matmuls and keep 31% fewer activation bytes ([Note: compiled layers]); on the H200
-  they made plain GPU training of the 3B shape 1.29x faster (docs/planner.md). Off on a CPU compute device, where inductor's C++ build
-  costs more than it saves for the small models one trains there, and where Triton is missing.
+  they made plain GPU training of the 3B shape 1.29x faster (docs/planner.md). Off on a CPU compute device, where
+  inductor's C++ build costs more than it saves for the small models one trains there, and where Triton is missing.
 - ``overlap_optimizer``: on for a CUDA compute device. The host Adam step otherwise idles the GPU for its whole
   length (0.73 s for 3.2B parameters on 16 cores, longer than a 32K-token forward). What made it opt-in, hooks
   reading parameters mid-update, the strategy now covers: it waits for the step before any user hook that runs

@@ -12,7 +12,8 @@ prefetch i-1 and its stashed input, re-run the layer with grad under the saved R
 input grads. A layer the recompute policy *keeps* (engine/recompute.py, [Note: keep or recompute]) instead runs with
 grad in forward on a private copy of its weights (a device group's weights stay put: no copy) and keeps its graph;
 its backward is the ``autograd.grad`` alone. Plain ``loss.backward()`` therefore walks the layers in reverse and
-Lightning's loops, the user's loss and manual optimization stay untouched. Without grad (validation, predict) the layer simply runs on bound weights.
+Lightning's loops, the user's loss and manual optimization stay untouched. Without grad (validation, predict) the
+layer simply runs on bound weights.
 
 [Note: compiled layers]
 With ``compile_layers`` every layer runs its class's ``forward`` through ``torch.compile`` (inductor): the

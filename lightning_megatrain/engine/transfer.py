@@ -33,7 +33,6 @@ from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.offload import ActivationOffload, _Stashed
 from lightning_megatrain.engine.pinned import HostRegistry
 
-
 Gate = Callable[[FlatGroup], None]  # blocks until a group's masters are final (engine/overlap.py)
 
 
@@ -314,7 +313,8 @@ class CudaTransfer:
         self.grad_drain.drain(index, grads)
 
     def take_host_added(self) -> bool:
-        """Whether a drain since the last call left host grads to a host add (engine/optimizer_step.py, [Note: late grads])."""
+        """Whether a drain since the last call left host grads to a host add (engine/optimizer_step.py, [Note: late
+        grads])."""
         return self.grad_drain.take_host_added()
 
     def wait_drained(self) -> None:

@@ -1,9 +1,10 @@
 """Map the optimizer from ``configure_optimizers`` to a fast host (CPU) implementation of the same update.
 
-Adam/AdamW become DeepSpeed's ``DeepSpeedCPUAdam`` (AVX, measured 3.6 Gparam/s on 16 cores) when its extension
-builds, else torch's fused AdamW on CPU (3.1 Gparam/s; the for-loop default manages 0.73). The new optimizer is
-built on the *same* param-group dicts, so LR schedulers created in ``configure_optimizers`` keep driving it. Any
-other optimizer runs as given on the host masters.
+Adam/AdamW become DeepSpeed's ``DeepSpeedCPUAdam`` (AVX, measured 3.6 Gparam/s on 16 cores) when DeepSpeed is
+installed (the optional extra: ``pip install lightning-megatrain[deepspeed]``; imported only here, on first use) and
+its extension builds, else torch's fused AdamW on CPU (3.1 Gparam/s; the for-loop default manages 0.73). The new
+optimizer is built on the *same* param-group dicts, so LR schedulers created in ``configure_optimizers`` keep driving
+it. Any other optimizer runs as given on the host masters.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def to_host_optimizer(optimizer: Optimizer, mode: CpuAdamMode = "auto") -> Optim
             ``"deepspeed"`` requires DeepSpeedCPUAdam; ``"torch"`` always uses torch fused AdamW.
 
     Raises:
-        RuntimeError: ``mode="deepspeed"`` and the DeepSpeed CPUAdam extension cannot be imported or built.
+        RuntimeError: ``mode="deepspeed"`` and DeepSpeed is not installed or its CPUAdam extension does not build.
     """
     global _deepspeed_failure, _warned
     if not _is_adam(optimizer) or any(optimizer.defaults.get(flag) for flag in _UNSUPPORTED_FLAGS):
@@ -93,14 +94,15 @@ def to_host_optimizer(optimizer: Optimizer, mode: CpuAdamMode = "auto") -> Optim
     if mode == "deepspeed":
         raise RuntimeError(
             f"MegaTrainStrategy(cpu_adam='deepspeed') could not build DeepSpeedCPUAdam ({_deepspeed_failure}). "
-            "HINT: `pip install deepspeed` and make sure g++ and the Python headers are installed, or use "
-            "cpu_adam='auto' to fall back to torch's fused AdamW."
+            "HINT: DeepSpeed is an optional extra: `pip install lightning-megatrain[deepspeed]`; its CPUAdam "
+            "extension builds on first use and needs g++ and the Python headers. Or use cpu_adam='auto' to fall "
+            "back to torch's fused AdamW."
         )
     if mode == "auto" and not _warned:
         _warned = True
         warnings.warn(
             f"MegaTrain: DeepSpeedCPUAdam is unavailable ({_deepspeed_failure}); using torch fused AdamW on the "
-            "CPU instead (about 15% slower).",
+            "CPU instead (about 15% slower; `pip install lightning-megatrain[deepspeed]` for DeepSpeedCPUAdam).",
             stacklevel=2,
         )
     return _torch_fused(optimizer)

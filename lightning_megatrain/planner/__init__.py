@@ -59,7 +59,7 @@ __all__ = [
     "TORCH_ADAM_GPARAMS",
     "Machine",
     "Plan",
-    "_attn_flops",  # tests/test_planner.py checks the token-mixer FLOPs directly
+    "_attn_flops",  # tests/planner/test_planner.py checks the token-mixer FLOPs directly
     "describe",
     "gpu_bytes",
     "host_bytes",

@@ -10,7 +10,7 @@
 Activation bytes per token of one decoder layer recomputed with grad (``c`` = compute itemsize, 2 under bf16-mixed,
 4 under 32-true; the residual stream is fp32 because embeddings and norms are fp32 residents under autocast). Derived
 op by op from HF's Llama/Qwen/Gemma/Mixtral layers and checked against the tensors autograd saves
-(tests/test_planner.py counts them with ``saved_tensors_hooks``; exact for Llama/Mixtral/Qwen3 with sdpa)::
+(tests/planner/test_planner.py counts them with ``saved_tensors_hooks``; exact for Llama/Mixtral/Qwen3 with sdpa)::
 
     saved = 4H                         fp32 residual after attention (saved by the 2nd norm)
           + n_norm * (4H + 4)          each H-wide RMSNorm saves its fp32 normalised value (+ rsqrt)
@@ -68,7 +68,7 @@ def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int) -> tuple[fl
 def _linear_attn_saved(la: _LinearAttn, seq_len: int, c: int) -> float:
     """Bytes per token that one Gated DeltaNet mixer saves for backward, op by op, in transformers' PyTorch chunked
     delta rule (``torch_chunk_gated_delta_rule``, the path without flash-linear-attention / causal-conv1d; their
-    fused kernels save less). Checked against the tensors autograd saves (tests/test_planner.py).
+    fused kernels save less). Checked against the tensors autograd saves (tests/planner/test_planner.py).
 
     q = k = v_heads * k_dim (q and k repeated to the value heads), v = v_heads * v_dim, C = chunk; under autocast
     (c = 2) every matmul in the chunk loop saves compute-dtype copies of its inputs (no autocast cache), under

@@ -165,7 +165,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than Adam/AdamW.
     """
     m = machine
-    config = config.replace(**{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"})
+    config = config.replace(
+        **{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"}
+    )
     if config.gpu_optimizer_groups == "auto":
         kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
                       optimizer=optimizer, loss=loss, loss_chunk_size=loss_chunk_size,

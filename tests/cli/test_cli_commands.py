@@ -8,10 +8,11 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
-from cli_paths import REPO
 
 from lightning_megatrain import cli
 from lightning_megatrain.cli import main
+
+from helpers.cli_paths import REPO
 
 
 def _help(capsys, *args: str) -> str:

@@ -10,7 +10,6 @@ import shlex
 import pytest
 import transformers
 import yaml
-from cli_paths import CONFIGS, DEMO_CONFIG, REPO
 
 from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy, planner
 from lightning_megatrain.callbacks import ThroughputLogger
@@ -19,6 +18,8 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
 from lightning_megatrain.models import CausalLMModule
 from lightning_megatrain.planner import Machine
+
+from helpers.cli_paths import CONFIGS, DEMO_CONFIG, REPO
 
 _TINY = {
     "hidden_size": 32,

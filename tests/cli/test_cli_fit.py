@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_paths import DEMO_CONFIG, QUIET
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_megatrain import MegaTrainPrecision, MegaTrainStrategy
@@ -17,6 +16,8 @@ from lightning_megatrain.callbacks import ThroughputLogger
 from lightning_megatrain.cli import MegaTrainCLI, main
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR
 from lightning_megatrain.models import CausalLMModule
+
+from helpers.cli_paths import DEMO_CONFIG, QUIET
 
 
 def _fit_args(*extra: str) -> list[str]:

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from cli_paths import EXAMPLES
+
+from helpers.cli_paths import EXAMPLES
 
 
 @pytest.mark.parametrize("script", ["train_demo.py", "existing_project.py"])

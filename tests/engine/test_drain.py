@@ -1,9 +1,9 @@
 """Gradient drain (engine/drain.py): the host side of [Note: gradient drain], on the CPU.
 
-The D2H copies need CUDA (tests/test_gpu.py runs every drain path against plain training); here a queue entry stands
-for a copy in flight, and an event the test opens stands for its ``done`` event, so the worker's bookkeeping is
-checked exactly: slabs come back, device buffers stay referenced until the copy is done, counts of drains in flight,
-and a worker failure surfaces on the training thread.
+The D2H copies need CUDA (the GPU tests, tests/**/test_gpu_*.py, run every drain path against plain training); here
+a queue entry stands for a copy in flight, and an event the test opens stands for its ``done`` event, so the worker's
+bookkeeping is checked exactly: slabs come back, device buffers stay referenced until the copy is done, counts of
+drains in flight, and a worker failure surfaces on the training thread.
 """
 
 from __future__ import annotations

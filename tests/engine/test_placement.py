@@ -15,7 +15,7 @@ from lightning_megatrain.engine import placement
 from lightning_megatrain.planner import Machine, plan
 
 CUDA = torch.device("cuda", 0)
-# The Llama-3.2-3B shape (3.21B parameters), as tests/test_planner.py plans it
+# The Llama-3.2-3B shape (3.21B parameters), as tests/planner/test_planner.py plans it
 LLAMA_3B = dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                 num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 
@@ -70,7 +70,9 @@ def test_auto_groups_are_the_planners_suggestion(monkeypatch):
     monkeypatch.setattr("lightning_megatrain.planner.planning.cpu_cores", lambda: 16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (20 * 2**30, 24 * 2**30))
     assert _choose(_WithConfig(**LLAMA_3B), batch) == (
-        0, "at 32 x 1024 tokens x 1 micro-batches no count both hides the host Adam behind the forward and fits the GPU")
+        0,
+        "at 32 x 1024 tokens x 1 micro-batches no count both hides the host Adam behind the forward and fits the GPU",
+    )
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ def test_the_protocol_names_every_call_the_engine_and_the_streamed_function_make
 @pytest.mark.parametrize("backend", [HostTransfer, CudaTransfer])
 def test_each_backend_implements_every_member_with_the_protocol_s_signature(backend):
     # the CUDA backend cannot be built without a GPU: its class is held to the protocol here, its behaviour in
-    # tests/test_gpu.py
+    # tests/engine/test_gpu_transfer.py and the other GPU tests
     for name in _METHODS:
         assert name in vars(backend), name
         ours = list(inspect.signature(getattr(backend, name)).parameters)

@@ -143,7 +143,7 @@ def test_eval_loss_is_token_weighted(stage, tiny_archs, trainer_kwargs):
     with torch.no_grad():
         losses = [module.model(input_ids=b["input_ids"], labels=b["labels"]).loss for b in batches]
     counts = [(b["labels"][:, 1:] != -100).sum() for b in batches]
-    expected = sum(l * n for l, n in zip(losses, counts)) / sum(counts)
+    expected = sum(loss * n for loss, n in zip(losses, counts)) / sum(counts)
 
     trainer = Trainer(**trainer_kwargs)
     (result,) = getattr(trainer, stage)(module, DataLoader(batches, batch_size=None), verbose=False)

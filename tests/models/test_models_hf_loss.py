@@ -465,7 +465,8 @@ def test_finds_models_inside_a_module_and_skips_what_it_cannot_reproduce(caplog)
         handle = install_chunked_hf_loss(holder)
     assert handle.models == {"student": "LlamaForCausalLM"}
     assert handle.skipped.keys() == {"other", "replaced"}
-    assert "takes no labels or logits_to_keep" in handle.skipped["other"] and "already replaced" in handle.skipped["replaced"]
+    assert ("takes no labels or logits_to_keep" in handle.skipped["other"]
+            and "already replaced" in handle.skipped["replaced"])
     assert sum("keeps HF's own loss" in r.getMessage() for r in caplog.records) == 2
     assert holder.other(**padded_batch()).logits is not None
 
@@ -588,7 +589,7 @@ def test_invalid_arguments_raise():
         install_chunked_hf_loss(nn.Linear(2, 2), enabled="yes", chunk_size=0)
 
 
-# --- under Trainer(strategy=MegaTrainStrategy(...)) on the CPU ---------------------------------------------------------
+# --- under Trainer(strategy=MegaTrainStrategy(...)) on the CPU -----------------------------------------------------
 
 
 class HFLossModule(LightningModule):

@@ -18,12 +18,13 @@ import functools
 
 import pytest
 import torch
-from families import FAMILIES
 from lightning.pytorch import Callback
-from parity import ExpertUsage, ParityLM, Record, assert_records_close, make_data, run
 
 import lightning_megatrain  # noqa: F401  (registers the "megatrain" strategy)
 from lightning_megatrain import MegaTrainStrategy
+
+from helpers.families import FAMILIES
+from helpers.parity import ExpertUsage, ParityLM, Record, assert_records_close, make_data, run
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers.*",

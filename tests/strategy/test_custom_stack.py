@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from parity import Recorder, assert_records_close
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_megatrain import MegaTrainStrategy
+
+from helpers.parity import Recorder, assert_records_close
 
 
 class Block(nn.Module):

@@ -11,13 +11,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from families import FAMILIES, SEQ, VOCAB
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.strategies import Strategy
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from lightning_megatrain.models.hf_loss import install_chunked_hf_loss
+
+from helpers.families import FAMILIES, SEQ, VOCAB
 
 MICRO_BATCH = 2
 N_SAMPLES = 32  # 16 micro-batches: enough for steps * accumulate <= 16

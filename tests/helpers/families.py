@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import transformers
-
 from transformers import (
     Gemma2Config,
     Gemma3TextConfig,

@@ -1,0 +1,8 @@
+"""Shared test helpers (not tests): ``pyproject.toml`` puts ``tests/`` on ``sys.path`` (pytest's ``pythonpath``), so
+test files import them as ``from helpers.parity import ...``.
+
+- ``families``: tiny random-init configs of real causal-LM architectures.
+- ``parity``: train one of them under a strategy and record losses, gradients and weights; compare two records.
+- ``gpu``: the CUDA tests' strategy with the "auto" mechanisms off, and ``parity.run`` on the GPU.
+- ``cli_paths``: repository paths and quiet flags for the ``megatrain`` app tests.
+"""

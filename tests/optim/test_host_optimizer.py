@@ -1,0 +1,164 @@
+"""lightning_megatrain.optim.host_optimizer: the host Adam implementations and the update functions the engine applies
+layer by layer (snapshot_update on the host, device_update for gpu_optimizer_groups), against torch's AdamW; and
+DeepSpeed as an optional extra: the fallback and the error without it."""
+
+from __future__ import annotations
+
+import builtins
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain.optim import host_optimizer
+
+from helpers.parity import assert_records_close, run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_device_update_is_the_adamw_step_with_clipping():
+    """engine/device_state.py's update (here on CPU tensors) equals AdamW.step() on grads scaled by the clip factor,
+    per param group (weight decay on one, not the other), with the moments held apart from the parameters, and
+    skips a parameter without a gradient as step() does."""
+    from lightning_megatrain.optim.host_optimizer import device_update
+
+    torch.manual_seed(0)
+    shapes = [(8, 4), (4,), (3, 5), (2,)]
+    ref_params = [torch.randn(s) for s in shapes]
+    params = [p.clone() for p in ref_params]  # keys of the optimizer state, as the host masters are
+    mirrors = [p.clone() for p in ref_params]  # what the update writes, as the device mirrors are
+
+    def adamw(ps):
+        return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=1e-2,
+                                 weight_decay=0.1, fused=True)
+
+    ref, opt = adamw(ref_params), adamw(params)
+    for p, m in zip(params, mirrors):
+        opt.state[p].update(step=torch.zeros(()), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+    for step in range(3):
+        grads = [torch.randn(s) for s in shapes[:3]] + [None]
+        coef = None if step == 0 else torch.tensor(0.5)
+        for p, g in zip(ref_params, grads):
+            p.grad = None if g is None else g * (1.0 if coef is None else coef)
+        ref.step()
+        device_update(opt, coef)(params, mirrors, grads)
+    for k, (a, b) in enumerate(zip(mirrors, ref_params)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"param {k}")
+    assert torch.equal(mirrors[3], params[3])  # never had a gradient: untouched
+
+
+def test_deepspeed_cpu_adam_matches_torch():
+    from lightning_megatrain.optim import host_optimizer
+
+    torch.manual_seed(0)
+    init = [torch.randn(257, 33), torch.randn(1000)]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(3)]
+    results = []
+    for mode in ("deepspeed", "torch"):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = torch.optim.AdamW(
+            [{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1
+        )
+        try:
+            opt = host_optimizer.to_host_optimizer(opt, mode)
+        except RuntimeError as e:
+            pytest.skip(f"DeepSpeedCPUAdam does not build here: {e}")
+        assert (type(opt).__name__ == "HostCPUAdam") == (mode == "deepspeed")
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        results.append(params)
+    for a, b in zip(*results):
+        # different fp32 instruction order (AVX vs ATen): weights agree to 1e-4 of one update (lr 1e-2)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_host_update_skips_parameters_stepped_on_the_gpu():
+    """snapshot_update(skip=...) leaves the parameters of gpu_optimizer_groups (and their states) to the device step."""
+    from lightning_megatrain.optim.host_optimizer import snapshot_update
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, r in zip(params, ref):
+        p.grad = torch.randn_like(p)
+        r.grad = p.grad.clone()
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    reference = torch.optim.AdamW(ref[:1], lr=1e-2, fused=True)
+    before = params[1].detach().clone()
+    with torch.no_grad():
+        snapshot_update(opt, None, skip=frozenset({id(params[1])}))(params)
+    reference.step()
+    torch.testing.assert_close(params[0], ref[0], rtol=0, atol=0)
+    assert torch.equal(params[1], before) and params[1] not in opt.state
+
+
+# --- DeepSpeed is an optional extra (`pip install lightning-megatrain[deepspeed]`) --------------------------------
+
+
+@pytest.fixture
+def without_deepspeed(monkeypatch):
+    """``import deepspeed`` fails as it does where the extra is not installed; host_optimizer's once-per-process
+    memory of a failed build and of its warning starts empty."""
+    real_import = builtins.__import__
+
+    def import_without_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise ModuleNotFoundError("No module named 'deepspeed'", name="deepspeed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", import_without_deepspeed)
+    monkeypatch.setattr(host_optimizer, "_deepspeed_failure", None)
+    monkeypatch.setattr(host_optimizer, "_warned", False)
+
+
+def _adamw() -> torch.optim.AdamW:
+    return torch.optim.AdamW([nn.Parameter(torch.randn(4, 3))], lr=1e-2, weight_decay=0.1)
+
+
+def test_auto_without_deepspeed_falls_back_to_torch_fused_adamw_with_one_warning(without_deepspeed):
+    with pytest.warns(UserWarning, match=r"DeepSpeedCPUAdam is unavailable \(ModuleNotFoundError: No module named "
+                      r"'deepspeed'\); using torch fused AdamW(.|\n)*lightning-megatrain\[deepspeed\]") as record:
+        optimizers = [host_optimizer.to_host_optimizer(_adamw(), "auto") for _ in range(2)]
+    assert sum("DeepSpeedCPUAdam is unavailable" in str(w.message) for w in record) == 1  # once per process
+    for optimizer in optimizers:  # the same object, flipped to torch's fused kernel
+        assert type(optimizer) is torch.optim.AdamW and all(g["fused"] for g in optimizer.param_groups)
+
+
+def test_deepspeed_mode_without_deepspeed_names_the_extra(without_deepspeed):
+    with pytest.raises(RuntimeError, match=r"cpu_adam='deepspeed'\) could not build DeepSpeedCPUAdam \("
+                       r"ModuleNotFoundError: No module named 'deepspeed'\)(.|\n)*HINT(.|\n)*"
+                       r"`pip install lightning-megatrain\[deepspeed\]`"):
+        host_optimizer.to_host_optimizer(_adamw(), "deepspeed")
+
+
+def test_strategy_trains_without_deepspeed(without_deepspeed):
+    # the default cpu_adam="auto" through Trainer.fit: the one warning, then torch's fused AdamW, step for step the
+    # same as plain Lightning with the same kernel
+    with pytest.warns(UserWarning, match="DeepSpeedCPUAdam is unavailable"):
+        got = run(MegaTrainStrategy(), "llama_tied", steps=2)
+    assert_records_close(got, run("auto", "llama_tied", steps=2, optimizer="adamw_fused"))
+
+
+def test_the_package_imports_without_deepspeed():
+    # no module of the package imports deepspeed at import time: only to_host_optimizer does, on first use
+    code = textwrap.dedent(
+        """
+        import importlib, pkgutil, sys
+        sys.modules["deepspeed"] = None  # `import deepspeed` now raises ModuleNotFoundError, as where not installed
+        import lightning_megatrain
+        for module in pkgutil.walk_packages(lightning_megatrain.__path__, "lightning_megatrain."):
+            if not module.name.endswith("__main__"):  # that one runs the CLI
+                importlib.import_module(module.name)
+        print("imported", len(sys.modules))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-3000:]

@@ -1,0 +1,128 @@
+"""MegaTrainStrategy's errors: invalid arguments, a model it cannot stream, too little host RAM or GPU memory, more
+than one device, and a torch.compile that cannot build, each refused before training starts."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain.engine import host_store
+
+from helpers.parity import ParityLM, assert_records_close, run
+from helpers.trainers import cpu_trainer
+
+
+def test_invalid_arguments_listed_together():
+    with pytest.raises(ValueError, match=r"num_slots=1(.|\n)*keep_layers=-1(.|\n)*cpu_adam='gpu'"):
+        MegaTrainStrategy(num_slots=1, keep_layers=-1, cpu_adam="gpu")
+    with pytest.raises(ValueError, match=r"keep_layers='all'"):
+        MegaTrainStrategy(keep_layers="all")
+    with pytest.raises(ValueError, match=r"compile_layers='yes': need 'auto', True or False"):
+        MegaTrainStrategy(compile_layers="yes")
+    with pytest.raises(
+        ValueError, match=r"layers=3: need a dotted path(.|\n)*overlap_optimizer='yes': need 'auto', True"
+    ):
+        MegaTrainStrategy(layers=3, overlap_optimizer="yes")
+
+
+def test_no_layer_stack_error():
+    class Flat(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match=r"found no decoder-layer stack(.|\n)*MegaTrainStrategy\(layers="):
+        cpu_trainer(strategy="megatrain").fit(Flat(), DataLoader(torch.randn(4, 4)))
+
+
+def test_explicit_layers_path_and_bad_path():
+    module = ParityLM("llama_tied")
+    with pytest.raises(ValueError, match=r"layers='model.nope'\) does not name"):
+        cpu_trainer(strategy=MegaTrainStrategy(layers="model.nope")).fit(module)
+    ref = run("auto", "llama_tied", steps=1)
+    got = run(MegaTrainStrategy(layers="model.model.layers", cpu_adam="torch"), "llama_tied", steps=1)
+    assert_records_close(got, ref)
+
+
+def test_manual_placement_error():
+    from lightning_megatrain.engine import MegaTrainEngine
+
+    module = ParityLM("llama_tied")
+    module.model.model.register_buffer("placed", torch.zeros(1, device="meta"))  # stands in for a .cuda() call
+    with pytest.raises(ValueError, match=r"'model.model.placed' is on meta(.|\n)*remove manual placement"):
+        MegaTrainEngine(module, torch.device("cpu"), torch.float32).setup(fitting=True)
+
+
+def test_too_little_host_ram_error():
+    with mock.patch.object(host_store, "available_host_bytes", return_value=1024):
+        with pytest.raises(RuntimeError, match=r"needs about .* GiB more host RAM"):
+            cpu_trainer(strategy="megatrain").fit(ParityLM("llama_tied"))
+
+
+def test_too_little_gpu_memory_error():
+    from lightning_megatrain.engine import MegaTrainEngine
+
+    engine = MegaTrainEngine(nn.Linear(1, 1), torch.device("cuda", 0), torch.bfloat16)
+    with mock.patch.object(torch.cuda, "mem_get_info", return_value=(2 * 1024**3, 80 * 1024**3)):
+        with pytest.raises(RuntimeError, match=r"one decoder layer must fit on the GPU"):
+            engine._check_gpu_memory(max_layer=1_000_000_000, n_resident=0, device_numel=[])
+        engine._check_gpu_memory(max_layer=10_000_000, n_resident=50_000_000, device_numel=[])  # 0.6 GiB: fits
+        # the same plus the residents' moments (8 B/param) and 10 layers' device state (18 B/param): 2.2 GB more
+        with pytest.raises(RuntimeError, match=r"2.6 GiB .* 11 groups with their optimizer on the GPU"):
+            engine._check_gpu_memory(
+                max_layer=10_000_000, n_resident=50_000_000, device_numel=[50_000_000] + [10_000_000] * 10
+            )
+
+
+def test_gpu_optimizer_groups_validated_up_front():
+    with pytest.raises(ValueError, match=r"gpu_optimizer_groups=-1: need 'auto' or an int >= 0"):
+        MegaTrainStrategy(gpu_optimizer_groups=-1)
+    with pytest.raises(ValueError, match=r"keeps optimizer states on a CUDA device, but the compute device is cpu"):
+        cpu_trainer(strategy=MegaTrainStrategy(gpu_optimizer_groups=1)).fit(ParityLM("llama_tied"))
+    with pytest.raises(ValueError, match=r"clips by norm only"):
+        trainer = cpu_trainer(strategy=MegaTrainStrategy(gpu_optimizer_groups=1), gradient_clip_val=1.0,
+                           gradient_clip_algorithm="value")
+        trainer.fit(ParityLM("llama_tied"))
+
+
+def test_more_than_one_device_refused():
+    strategy = MegaTrainStrategy()
+    trainer = cpu_trainer(strategy=strategy)
+    strategy.parallel_devices = [torch.device("cpu"), torch.device("cpu")]
+    with pytest.raises(ValueError, match=r"trains on one device(.|\n)*devices=1"):
+        trainer.fit(ParityLM("llama_tied"))
+
+
+def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
+    # checked before the parameters are packed into host flats: a 100B model would otherwise fail in its first step
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    from lightning_megatrain.engine import streamed
+
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise InvalidCxxCompiler()
+
+        return run
+
+    module = ParityLM("llama_tied")
+    storage = [p.data_ptr() for p in module.parameters()]  # packing moves every parameter into a host flat
+    with mock.patch.object(streamed.torch, "compile", broken_compile):
+        with pytest.raises(RuntimeError, match=r"cannot build CPU kernels here \(InvalidCxxCompiler\)(.|\n)*HINT"):
+            cpu_trainer(strategy=MegaTrainStrategy(compile_layers=True)).fit(module)
+    assert [p.data_ptr() for p in module.parameters()] == storage  # refused before packing
+    with mock.patch("torch.utils._triton.has_triton", lambda: False):
+        with pytest.raises(RuntimeError, match=r"needs Triton for torch.compile on CUDA"):
+            streamed.check_compilable(torch.device("cuda", 0))
