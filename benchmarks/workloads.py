@@ -8,9 +8,9 @@ Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a 
                            choices. Rows before the "auto" defaults ran compile_layers=False, overlap_optimizer=False,
                            gpu_optimizer_groups=0 and HF's own loss here.
   megatrain_overlap        explicit options from here on (compile_layers=False, gpu_optimizer_groups=0 unless the
-                           name says otherwise): overlap_optimizer=True: step N's host Adam (and the clip scaling) runs layer
-                           by layer on a worker thread while step N+1's forward starts (engine/overlap.py); the
-                           host AdamW is then torch's fused one (cpu_adam="auto" with the overlap).
+                           name says otherwise): overlap_optimizer=True: step N's host Adam (and the clip scaling)
+                           runs layer by layer on a worker thread while step N+1's forward starts (engine/overlap.py);
+                           the host AdamW is then torch's fused one (cpu_adam="auto" with the overlap).
   megatrain_overlap_deepspeed  overlap_optimizer=True with cpu_adam="deepspeed" (DeepSpeedCPUAdam holds the GIL).
   megatrain_overlap_gpuN   megatrain_overlap with gpu_optimizer_groups=N (any megatrain system takes the _gpuN
                            suffix): the residents and the first N-1 layers keep fp32 master, grad and Adam states

@@ -25,12 +25,13 @@ from lightning.pytorch.callbacks import (
     TQDMProgressBar,
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from helpers.parity import ParityLM, run
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.callbacks import ThroughputLogger
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.hooks import PARAMETER_HOOKS, OptimizerBarrier, grads_read_by_hooks, parameter_readers
+
+from helpers.parity import ParityLM, run
 
 FAMILY = "llama_tied"
 STEPS = 4
