@@ -20,7 +20,6 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 from transformers import (
     AutoConfig,
@@ -40,6 +39,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.models import install_chunked_hf_loss
 from lightning_megatrain.models.hf_loss import _head_form, _HeadForm
+
+from helpers.dispatch import LargestTensor
 
 VOCAB = 128
 _COMMON = {
@@ -134,21 +135,6 @@ def test_loss_and_grads_match_hf(arch):
         assert abs(uncapped.item() - ref.loss.item()) > 1e-2
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an aten op produces (as in test_models_loss.py)."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 def test_never_materialises_or_saves_full_logits():
     # V = 4096 dominates: B*T*V = 128 * 4096 logits, 4x the [V, H] head weight and 16x a [chunk, V] chunk
     model_type, overrides, attn = ARCHS["llama_tied"]
@@ -164,7 +150,7 @@ def test_never_materialises_or_saves_full_logits():
             saved[0] = max(saved[0], t.numel())
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _LargestTensor() as mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), LargestTensor() as mode:
             model(input_ids=input_ids, labels=input_ids, **kwargs).loss.backward()
         return mode.max_numel, saved[0]
 

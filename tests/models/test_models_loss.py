@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_megatrain.models import causal_lm_loss
 from lightning_megatrain.models.loss import _nll_and_grad, shift_labels, target_rows
+
+from helpers.dispatch import LargestTensor
 
 V, H = 97, 16
 
@@ -139,21 +140,6 @@ def test_bf16_inputs_give_bf16_grads():
     assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor produced by an aten op."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("rows", [None, "all"])
 def test_never_materialises_or_saves_full_logits(rows):
     batch, seq, chunk = 4, 64, 16  # N = 4 * 63 = 252 targets, V = 97
@@ -164,7 +150,7 @@ def test_never_materialises_or_saves_full_logits(rows):
         saved_shapes.append(tuple(t.shape))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _LargestTensor() as mode:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), LargestTensor() as mode:
         loss = causal_lm_loss(hidden, weight, labels, chunk_size=chunk, rows=rows)
         loss.backward()
 
