@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +17,7 @@ from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
@@ -152,6 +153,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None
         self.engine: MegaTrainEngine | None = None
         self._hf_loss: ChunkedHFLoss | None = None  # what install_chunked_hf_loss changed, undone at teardown
+        self._unguard_zero_grad: Callable[[], None] | None = None  # undoes the module's waiting zero_grad
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
 
@@ -227,7 +229,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             schedulers = [config.scheduler for config in self.lr_scheduler_configs]
             self.optimizers = step.to_host_optimizers(self.optimizers, schedulers)  # Adam/AdamW on the host
             if step.steps_after_return:
-                trainer.callbacks.insert(0, OptimizerBarrier())  # first: waits before hooks that read parameters
+                if not any(isinstance(c, OptimizerBarrier) for c in trainer.callbacks):  # once per Trainer
+                    trainer.callbacks.insert(0, OptimizerBarrier())  # first: waits before hooks that read parameters
+                self._unguard_zero_grad = step.guard_module_zero_grad(self.lightning_module)
         self.setup_precision_plugin()
         # no _optimizers_to_device: optimizer states live with the host masters
 
@@ -295,7 +299,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 args[0] if args else kwargs.get("batch"),
                 grad_accum=trainer.accumulate_grad_batches,
                 optimizers=self.optimizers,
-                clip_by_value=trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value",
+                custom_clipping=(trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
+                or is_overridden("configure_gradient_clipping", self.lightning_module),
                 chunked_loss=bool(self._hf_loss is not None and self._hf_loss.models),
             )
         with self._step_context():
@@ -357,13 +362,16 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.teardown()
+        try:
+            if self.engine is not None:
+                self.engine.teardown()  # raises a failed overlapped step's error, after restoring the layers
+        finally:
             self.engine = None
-        if self._hf_loss is not None:
-            self._hf_loss.remove()
-            self._hf_loss = None
-        super().teardown()
+            for undo in (self._unguard_zero_grad, self._hf_loss.remove if self._hf_loss is not None else None):
+                if undo is not None:
+                    undo()
+            self._unguard_zero_grad = self._hf_loss = None
+            super().teardown()
 
     @classmethod
     @override

@@ -284,3 +284,50 @@ def test_grads_read_by_hooks():
     assert grads_read_by_hooks(_attached(_Module(), [_GradNorms()]))
     assert grads_read_by_hooks(_attached(_ModuleReadsGrads(), []))
     assert grads_read_by_hooks(_attached(_ModuleClipsItself(), []))
+
+
+def test_validation_between_steps_waits_for_a_late_host_step(monkeypatch):
+    # Lightning sets every p.grad to None before validation (on_validation_model_zero_grad), before any hook the
+    # barrier waits in, while the overlapped host step's worker reads p.grad only once the last grads have landed
+    # ([Note: late grads]). Landing is slowed down here; the module's zero_grad must wait for the step, or the
+    # parameters whose grads were cleared skip their update.
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from lightning_megatrain.engine.optimizer_step import OptimizerStep
+    from lightning_megatrain.engine.transfer import HostTransfer
+
+    from helpers.parity import make_data
+
+    land = OptimizerStep._land_grads
+
+    def slow_landing(self):
+        time.sleep(0.2)
+        land(self)
+
+    monkeypatch.setattr(OptimizerStep, "_land_grads", slow_landing)
+    # the CPU backend adds every drain on the host, which makes grads land at once; a CUDA drain that wrote the
+    # fp32 grads from the device does not: take that path here
+    monkeypatch.setattr(HostTransfer, "take_host_added", lambda self: False)
+
+    class WithValidation(ParityLM):
+        def validation_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def val_dataloader(self):
+            return DataLoader(make_data()[:2], batch_size=2)
+
+    def fit(strategy):
+        L.seed_everything(0, verbose=False)
+        module = WithValidation(FAMILY, optimizer="adamw_fused")
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, val_check_interval=1,
+                            limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module)
+        return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    ref = fit("auto")
+    got = fit(MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True))
+    for name, value in got.items():  # the same fused AdamW kernel and fp32 forward: as the EMA test's bound
+        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-7, msg=name)

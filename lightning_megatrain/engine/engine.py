@@ -165,7 +165,7 @@ class MegaTrainEngine:
         *,
         grad_accum: int,
         optimizers: Sequence[torch.optim.Optimizer],
-        clip_by_value: bool,
+        custom_clipping: bool,
         chunked_loss: bool,
     ) -> None:
         """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them
@@ -179,8 +179,8 @@ class MegaTrainEngine:
             device=self.device,
             compute_dtype=self.compute_dtype,
             grad_accum=grad_accum,
-            adam_only=all(overlappable(o) for o in optimizers),
-            clip_by_value=clip_by_value,
+            adam_only=len(optimizers) == 1 and overlappable(optimizers[0]),
+            custom_clipping=custom_clipping,
             chunked_loss=chunked_loss,
         )
         log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
@@ -331,12 +331,16 @@ class MegaTrainEngine:
         return sizes
 
     def teardown(self) -> None:
-        self.wait_for_optimizer()
-        if self.streamed is not None:
-            self.streamed.uninstall()
-        if self.transfer is not None:
-            self.transfer.close()
-        if self.registry is not None:
-            torch.cuda.synchronize(self.device)  # no copy may still touch a region being unregistered
-            self.registry.release()
-        self.transfer = self.residents = self.streamed = self.registry = self._step = None
+        """Wait for the step in flight, restore each layer's own ``forward`` and free the engine's resources; a
+        failed overlapped step's error is raised after that, so an exception leaves a restored module."""
+        try:
+            self.wait_for_optimizer()
+        finally:
+            if self.streamed is not None:
+                self.streamed.uninstall()
+            if self.transfer is not None:
+                self.transfer.close()
+            if self.registry is not None:
+                torch.cuda.synchronize(self.device)  # no copy may still touch a region being unregistered
+                self.registry.release()
+            self.transfer = self.residents = self.streamed = self.registry = self._step = None

@@ -166,6 +166,29 @@ class OptimizerStep:
                 rebind_scheduler(scheduler, host)
         return host_optimizers
 
+    def guard_module_zero_grad(self, module: torch.nn.Module) -> Callable[[], None]:
+        """Make ``module.zero_grad()`` wait for the host step first, and return the undo.
+
+        Lightning zeroes the module's grads itself before validation (``on_validation_model_zero_grad``, before any
+        hook the barrier waits in) and user code may call ``self.zero_grad()``; with grads landing late the host
+        step's worker reads ``p.grad`` only once they have landed ([Note: late grads]), so grads set to ``None``
+        before that would silently skip those parameters' update.
+        """
+        zero_grad = module.zero_grad
+
+        @functools.wraps(zero_grad)
+        def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
+            self.wait_for_host_step()
+            zero_grad(*args, **kwargs)
+
+        module.zero_grad = waiting_zero_grad  # type: ignore[method-assign]
+
+        def undo() -> None:
+            if module.__dict__.get("zero_grad") is waiting_zero_grad:
+                del module.zero_grad
+
+        return undo
+
     def _hook_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """``zero_grad`` (``set_to_none=False`` zeroes in place) must not race the overlapped step reading the grads,
         and clears the device groups' grad sums too (engine/device_state.py)."""

@@ -20,8 +20,9 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device and
   host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU memory
   before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, without the overlapped step (the
-  groups pay by hiding it), with an optimizer other than Adam/AdamW or clipping by value (which device groups
-  refuse), or where the model has no HF config to plan with.
+  groups pay by hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
+  ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot
+  describe the model (no HF config, or one it cannot build).
 
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
@@ -100,18 +101,19 @@ def choose_gpu_optimizer_groups(
     compute_dtype: torch.dtype,
     grad_accum: int,
     adam_only: bool,
-    clip_by_value: bool,
+    custom_clipping: bool,
     chunked_loss: bool,
 ) -> tuple[int, str]:
     """``gpu_optimizer_groups="auto"`` for the first training micro-batch ``batch``: the count and why (see
-    [Note: auto placement]). ``adam_only``: every optimizer is Adam/AdamW; ``chunked_loss``: the module's HF loss
-    runs chunked (models/hf_loss.py), else the plan counts full logits."""
+    [Note: auto placement]). ``adam_only``: one optimizer, Adam/AdamW; ``custom_clipping``: clipping by value or by
+    the module's own ``configure_gradient_clipping``; ``chunked_loss``: the module's HF loss runs chunked
+    (models/hf_loss.py), else the plan counts full logits."""
     if not config.overlap_optimizer:
         return 0, "the host step is not overlapped (overlap_optimizer=False): nothing for device groups to hide"
     if not adam_only:
-        return 0, "an optimizer other than Adam/AdamW (device groups step Adam/AdamW only)"
-    if clip_by_value:
-        return 0, "gradient_clip_algorithm='value' (device groups clip by norm)"
+        return 0, "not one Adam/AdamW optimizer (device groups step one Adam/AdamW only)"
+    if custom_clipping:
+        return 0, "clipping by value or by the module's configure_gradient_clipping (device groups clip by norm)"
     shape = token_shape(batch)
     hf_config = next((m.config for m in module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)),
                      None)
@@ -119,7 +121,23 @@ def choose_gpu_optimizer_groups(
         return 0, "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
     micro_batch, seq_len = shape
     _, total = torch.cuda.mem_get_info(device)
-    p = plan(
+    try:
+        p = _plan_first_batch(hf_config, micro_batch, seq_len, grad_accum, config, compute_dtype, chunked_loss, total)
+    except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
+        return 0, f"the planner cannot describe this model ({type(e).__name__}: {e})"
+    n = p.suggested_gpu_optimizer_groups
+    tokens = f"{micro_batch} x {seq_len} tokens x {grad_accum} micro-batches"
+    if n is None:
+        return 0, f"at {tokens} no count both hides the host Adam behind the forward and fits the GPU"
+    if n == 0:
+        return 0, f"at {tokens} the host Adam already hides behind the forward"
+    return n, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"
+
+
+def _plan_first_batch(hf_config: PretrainedConfig, micro_batch: int, seq_len: int, grad_accum: int,
+                      config: EngineConfig, compute_dtype: torch.dtype, chunked_loss: bool, gpu_bytes: int):
+    """The planner's plan of this run without device groups, on a GPU of ``gpu_bytes``."""
+    return plan(
         hf_config,
         seq_len=seq_len,
         micro_batch=micro_batch,
@@ -128,12 +146,5 @@ def choose_gpu_optimizer_groups(
         loss="chunked" if chunked_loss else "naive",
         attn_implementation=getattr(hf_config, "_attn_implementation", None),
         config=config.replace(gpu_optimizer_groups=0),
-        machine=Machine(gpu_mem_gib=total / GIB),
+        machine=Machine(gpu_mem_gib=gpu_bytes / GIB),
     )
-    n = p.suggested_gpu_optimizer_groups
-    tokens = f"{micro_batch} x {seq_len} tokens x {grad_accum} micro-batches"
-    if n is None:
-        return 0, f"at {tokens} no count both hides the host Adam behind the forward and fits the GPU"
-    if n == 0:
-        return 0, f"at {tokens} the host Adam already hides behind the forward"
-    return n, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"

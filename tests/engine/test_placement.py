@@ -51,7 +51,7 @@ class _WithConfig(nn.Module):
 
 def _choose(module, batch, **overrides):
     kwargs = dict(config=EngineConfig(overlap_optimizer=True, compile_layers=True), device=CUDA,
-                  compute_dtype=torch.bfloat16, grad_accum=1, adam_only=True, clip_by_value=False, chunked_loss=False)
+                  compute_dtype=torch.bfloat16, grad_accum=1, adam_only=True, custom_clipping=False, chunked_loss=False)
     return placement.choose_gpu_optimizer_groups(module, batch, **{**kwargs, **overrides})
 
 
@@ -79,8 +79,8 @@ def test_auto_groups_are_the_planners_suggestion(monkeypatch):
     ("overrides", "module", "reason"),
     [
         (dict(config=EngineConfig(overlap_optimizer=False)), _WithConfig, "not overlapped"),
-        (dict(adam_only=False), _WithConfig, "other than Adam/AdamW"),
-        (dict(clip_by_value=True), _WithConfig, "gradient_clip_algorithm='value'"),
+        (dict(adam_only=False), _WithConfig, "not one Adam/AdamW optimizer"),
+        (dict(custom_clipping=True), _WithConfig, "clipping by value or by the module's configure_gradient_clipping"),
         ({}, nn.Linear, "no HF config"),
     ],
 )
@@ -89,3 +89,13 @@ def test_auto_groups_are_zero_where_they_do_not_apply(overrides, module, reason)
     n, why = _choose(m, torch.zeros(2, 8, dtype=torch.long), **overrides)
     assert n == 0 and reason in why
     assert _choose(_WithConfig(**LLAMA_3B), {"x": torch.zeros(2, 8)}) == (0, "no [B, T] token ids in the batch")
+
+
+def test_auto_groups_are_zero_where_the_planner_cannot_build_the_model(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 139 * 2**30))
+    from transformers import T5Config
+
+    module = nn.Module()
+    module.config = T5Config()  # an encoder-decoder: AutoModelForCausalLM has no class for it
+    n, why = _choose(module, torch.zeros(2, 8, dtype=torch.long))
+    assert n == 0 and why.startswith("the planner cannot describe this model (ValueError")
