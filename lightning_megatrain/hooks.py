@@ -15,6 +15,9 @@ either:
   (an EMA callback's ``on_train_batch_end``, a module logging weight norms in ``on_before_zero_grad``), and always
   at epoch end, train end, validation start and on an exception. A run without such hooks keeps all the overlap.
 
+Zeroing grads waits too: ``optimizer.zero_grad()`` and the module's ``zero_grad()``, which Lightning calls before
+validation (engine/optimizer_step.py, ``guard_module_zero_grad``).
+
 Lightning's own callbacks that read neither (progress bars, model summary, LR monitor, timer, early stopping, and
 checkpointing, whose save waits through the strategy) do not count, nor does a callback whose class sets
 ``megatrain_reads_state = False`` (the package's ``ThroughputLogger``). Code that reads parameters elsewhere (inside
