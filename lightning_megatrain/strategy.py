@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
+from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
 from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
@@ -111,7 +112,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             warning; with the step overlapped always torch fused AdamW, which releases the GIL while the forward
             thread issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it
             is not installed or does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
-        checkpoint_io: Lightning checkpoint IO plugin.
+        checkpoint_io: Lightning checkpoint IO plugin. Default: local saves are written to a temporary file beside
+            the target and renamed over it, never buffered whole in host RAM (checkpoint_io.py, [Note: atomic
+            checkpoints]).
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
             ``"bf16-true"`` is mapped to ``"bf16-mixed"`` with a warning: masters are never kept in bf16.
@@ -148,6 +151,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,
         )
+        # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints])
+        checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
         self.parallel_devices: list[torch.device] | None = None
