@@ -26,6 +26,7 @@ from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLaye
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
+from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # The base class would move the states to root_device; they belong with the host masters.
         self.wait_for_optimizer()
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(state)
+            load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning
 
     @property
     @override

@@ -108,6 +108,25 @@ def to_host_optimizer(optimizer: Optimizer, mode: CpuAdamMode = "auto") -> Optim
     return _torch_fused(optimizer)
 
 
+# Param-group keys that say how an update is computed, not what it computes. A checkpoint written by another host
+# implementation (DeepSpeedCPUAdam, torch's fused AdamW, plain Lightning's AdamW) must not bring its own: a torch
+# checkpoint lacks DeepSpeedCPUAdam's "bias_correction" (KeyError at the first step), a DeepSpeed one sets torch's
+# "fused" to None (the step silently loses its fused, overlappable path).
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable", "bias_correction")
+
+
+def load_host_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)`` across host implementations: hyperparameters, moments and step
+    counts from the checkpoint; the implementation flags (and the step counter's type) this optimizer's own."""
+    own = [{k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
+    if hasattr(optimizer, "ds_opt_adam"):  # DeepSpeedCPUAdam counts steps in a Python int
+        state = {k: {**v, "step": int(v["step"])} if "step" in v else v for k, v in state_dict["state"].items()}
+        state_dict = {**state_dict, "state": state}
+    optimizer.load_state_dict(state_dict)
+    for group, flags in zip(optimizer.param_groups, own):
+        group.update(flags)
+
+
 def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
     """Point an LR scheduler built on the replaced optimizer at the host optimizer.
 
