@@ -7,6 +7,8 @@ callbacks all may import it (and none of them has to import another for these).
 from __future__ import annotations
 
 import os
+import resource
+from pathlib import Path
 
 import torch
 
@@ -41,6 +43,36 @@ def host_rss_gib(field: str = "VmRSS") -> float | None:
     except OSError:
         return None
     return None
+
+
+def _read_int(path: Path) -> int | None:
+    """An integer file (cgroup counters); None where missing or unlimited (``max``)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_host_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str] | None:
+    """What this process may still allocate before swapping or being killed, and which limit that is: the smallest of
+    ``MemAvailable``, the cgroup's memory limit less its usage (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), and
+    the address-space limit (``RLIMIT_AS``) less this process's ``VmSize``. None where none is known."""
+    bounds = []
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        bounds.append((available, "MemAvailable"))
+    for limit, usage, name in (("memory.max", "memory.current", "cgroup memory.max"),
+                               ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                "cgroup memory.limit_in_bytes")):
+        cap, used = _read_int(cgroup_root / limit), _read_int(cgroup_root / usage)
+        if cap is not None and used is not None and cap < 1 << 60:  # v1 reports "no limit" as a huge number
+            bounds.append((max(cap - used, 0), name))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    vm_size = host_rss_gib("VmSize")
+    if soft != resource.RLIM_INFINITY and vm_size is not None:
+        bounds.append((max(soft - int(vm_size * GIB), 0), "RLIMIT_AS (ulimit -v)"))
+    return min(bounds) if bounds else None
 
 
 def host_ram_gib() -> float | None:

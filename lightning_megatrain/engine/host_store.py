@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lightning_megatrain._hardware import GIB, meminfo_bytes
+from lightning_megatrain._hardware import GIB, available_host_bytes
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.pinned import PAGE, HostRegistry, round_up
 
@@ -182,11 +182,6 @@ def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None, la
                      _grad=None if lazy_grad else new_grad())
 
 
-def available_host_bytes() -> int | None:
-    """``MemAvailable``: what this process may still allocate without swapping or being killed."""
-    return meminfo_bytes("MemAvailable")
-
-
 def check_host_memory(
     group_numels: list[int], fitting: bool, pinned: bool, slab_bytes: int = 0, device_numel: int = 0
 ) -> None:
@@ -202,21 +197,28 @@ def check_host_memory(
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
     Raises:
-        RuntimeError: the estimate exceeds ``MemAvailable`` (set ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` to override).
+        RuntimeError: the estimate exceeds what the process may allocate (``MemAvailable``, the cgroup's limit or
+            ``RLIMIT_AS``: ``_hardware.available_host_bytes``; set ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` to override).
     """
     n_params = sum(group_numels)
     block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
     flats = sum(2 * block(4 * n) for n in group_numels)  # fp32 master + fp32 grad per group
     adam = 8 * (n_params - device_numel) if fitting else 0
     need = flats + adam + 3 * block(slab_bytes) - 4 * n_params
-    available = available_host_bytes()
-    if available is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
+    bound = available_host_bytes()
+    if bound is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
+    available, limit = bound
     if need > available:
         raise RuntimeError(
-            f"MegaTrainStrategy needs about {need / GIB:.1f} GiB more host RAM for {n_params / 1e9:.2f}B parameters "
-            f"(fp32 master and grad: {flats / GIB:.1f} GiB{' pinned' if pinned else ''}"
-            f"{f', Adam exp_avg and exp_avg_sq: {adam / GIB:.1f} GiB' if fitting else ''}, minus the "
-            f"model already loaded) but only {available / GIB:.1f} GiB is available. HINT: use a machine with more "
+            f"MegaTrainStrategy needs about {_size(need)} more host RAM for {n_params / 1e9:.2f}B parameters "
+            f"(fp32 master and grad: {_size(flats)}{' pinned' if pinned else ''}"
+            f"{f', Adam exp_avg and exp_avg_sq: {_size(adam)}' if fitting else ''}, minus the "
+            f"model already loaded) but only {_size(available)} is available ({limit}). HINT: use a machine with more "
             "RAM, a smaller model, or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know better."
         )
+
+
+def _size(nbytes: int) -> str:
+    """GiB for large sizes, MiB below one GiB (a small model's needs do not print as 0.0 GiB)."""
+    return f"{nbytes / GIB:.1f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"

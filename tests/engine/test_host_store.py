@@ -92,10 +92,39 @@ def test_host_check_counts_page_locked_buffers_at_their_size(monkeypatch):
     gib = 1024**3
     # 1.5 GiB of fp32 per group: 2 groups x (master + grad) = 6 GiB, minus the 3 GiB model already loaded
     numels = [(3 * gib // 2) // 4] * 2
-    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 4 * gib)
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (4 * gib, "MemAvailable"))
     host_store.check_host_memory(numels, fitting=False, pinned=True)  # 3 GiB + a few pages: no power-of-two blocks
-    with pytest.raises(RuntimeError, match=r"needs about 9.0 GiB more host RAM(.|\n)*pinned(.|\n)*Adam"):
+    with pytest.raises(RuntimeError, match=r"needs about 9.0 GiB more host RAM(.|\n)*pinned(.|\n)*Adam(.|\n)*"
+                       r"only 4.0 GiB is available \(MemAvailable\)"):
         host_store.check_host_memory(numels, fitting=True, pinned=True)  # + 8 bytes/param of Adam moments: 6 + 6 - 3
+
+
+def test_host_bound_is_the_smallest_of_meminfo_cgroup_and_rlimit(tmp_path, monkeypatch):
+    import resource
+
+    from lightning_megatrain import _hardware
+
+    gib = 1024**3
+    monkeypatch.setattr(_hardware, "meminfo_bytes", lambda field: 100 * gib)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert _hardware.available_host_bytes(tmp_path) == (100 * gib, "MemAvailable")  # no cgroup files, no rlimit
+    (tmp_path / "memory.max").write_text(f"{24 * gib}\n")
+    (tmp_path / "memory.current").write_text(f"{4 * gib}\n")
+    assert _hardware.available_host_bytes(tmp_path) == (20 * gib, "cgroup memory.max")
+    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2 without a limit
+    assert _hardware.available_host_bytes(tmp_path)[1] == "MemAvailable"
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * gib, resource.RLIM_INFINITY))
+    monkeypatch.setattr(_hardware, "host_rss_gib", lambda field="VmRSS": 3.0 if field == "VmSize" else None)
+    assert _hardware.available_host_bytes(tmp_path) == (5 * gib, "RLIMIT_AS (ulimit -v)")
+
+
+def test_small_needs_print_in_mib(monkeypatch):
+    from lightning_megatrain.engine import host_store
+
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (1024, "cgroup memory.max"))
+    with pytest.raises(RuntimeError, match=r"needs about [1-9][0-9.]* MiB more host RAM(.|\n)*only 0.0 MiB is "
+                                           r"available \(cgroup memory.max\)"):
+        host_store.check_host_memory([1 << 20], fitting=True, pinned=False)
 
 
 class _FakeCudart:

@@ -66,8 +66,8 @@ def test_manual_placement_error():
 
 
 def test_too_little_host_ram_error():
-    with mock.patch.object(host_store, "available_host_bytes", return_value=1024):
-        with pytest.raises(RuntimeError, match=r"needs about .* GiB more host RAM"):
+    with mock.patch.object(host_store, "available_host_bytes", return_value=(1024, "MemAvailable")):
+        with pytest.raises(RuntimeError, match=r"needs about .* MiB more host RAM(.|\n)*\(MemAvailable\)"):
             cpu_trainer(strategy="megatrain").fit(ParityLM("llama_tied"))
 
 
