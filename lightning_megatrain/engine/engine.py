@@ -57,6 +57,10 @@ class MegaTrainEngine:
         self.residents: Residents | None = None
         self.transfer: Transfer | None = None  # engine/transfer.py: HostTransfer or CudaTransfer
         self.registry: HostRegistry | None = None  # page-locked host buffers (CUDA only)
+        self._overlap: OverlappedStep | None = None  # the host step's worker, when overlap_optimizer
+        self._policy: RecomputePolicy | None = None  # keep or recompute, per layer (engine/recompute.py)
+        # gpu_optimizer_groups="auto" and fitting: place_for_batch decides before the first training micro-batch
+        self.placement_pending = False
 
     @property
     def on_cuda(self) -> bool:

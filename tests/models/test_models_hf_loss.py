@@ -330,6 +330,18 @@ def test_the_sync_guard_sees_the_target_rows_of_the_cpu_layout(as_on_a_gpu, monk
         model(**batch)
 
 
+def _assert_compiled_matches(model, batch, ref, ref_grads):
+    """``torch.compile`` of the wrapped model (dynamo and AOT autograd, no C++ compiler needed) gives HF's loss and
+    gradients, without logits."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    out, _ = loss_and_grads(compiled, **batch)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert out.logits is None
+    assert_same_loss_and_grads(out, grads, ref, ref_grads)
+    torch._dynamo.reset()
+
+
 def test_compiled_gpu_layout_is_one_graph_and_matches_hf(as_on_a_gpu):
     model = build("llama_tied")
     batch = padded_batch()
@@ -338,13 +350,7 @@ def test_compiled_gpu_layout_is_one_graph_and_matches_hf(as_on_a_gpu):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(**batch)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")  # dynamo and AOT autograd, no C++ compiler needed
-    out, _ = loss_and_grads(compiled, **batch)
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    assert out.logits is None
-    assert_same_loss_and_grads(out, grads, ref, ref_grads)
-    torch._dynamo.reset()
+    _assert_compiled_matches(model, batch, ref, ref_grads)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -551,13 +557,7 @@ def test_state_dict_save_pretrained_copies_and_compile(tmp_path):
         assert out.logits is None
         assert_same_loss_and_grads(out, grads, ref, ref_grads)
 
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager")  # dynamo and AOT autograd, no C++ compiler needed
-    out, _ = loss_and_grads(compiled, **batch)
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    assert out.logits is None
-    assert_same_loss_and_grads(out, grads, ref, ref_grads)
-    torch._dynamo.reset()
+    _assert_compiled_matches(model, batch, ref, ref_grads)
 
 
 def test_a_backbone_that_was_not_captured_raises():
