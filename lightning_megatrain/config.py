@@ -47,6 +47,24 @@ class EngineConfig:
     """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).
     ``"auto"``: on where the compute device is a GPU and Triton is usable, else off (engine/placement.py)."""
 
+    seq_tile: int | Auto | None = "auto"
+    """Sequence positions per tile for the position-wise block of every decoder layer (its MLP or MoE block), in
+    forward and in the recompute: that block's transient memory is then set by a tile, not by the sequence
+    (engine/tiling.py, [Note: sequence tiles]). ``None``: untiled; an int: tiles of that many positions;
+    ``"auto"``: tiled only for long sequences (engine/tiling.py says where)."""
+
+    segment_layers: int | Auto = "auto"
+    """Layers per recompute segment. ``1``: every recomputed layer saves its input (one layer-input checkpoint per
+    layer). ``k > 1``: only the first layer of every ``k`` saves its input; backward replays the segment's forward
+    from it (one more forward of ``k - 1`` layers per ``k``) so the checkpoints take ``k`` times less memory
+    (engine/segments.py, [Note: recompute segments]). ``"auto"``: ``1`` unless the checkpoints fit neither GPU nor
+    host memory, then the smallest ``k`` that fits (engine/placement.py)."""
+
+    device_checkpoints: int | Auto = "auto"
+    """Layer-input checkpoints kept in GPU memory instead of offloaded to pinned host memory, the last layers' first
+    (backward restores them first). ``"auto"``: 0 unless the host cannot hold them all, then as many as the GPU
+    holds (engine/placement.py)."""
+
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``
     logits, and return ``logits=None`` (models/hf_loss.py, [Note: HF loss]: same loss and gradients, and when HF's
@@ -78,6 +96,14 @@ class EngineConfig:
             out.append(f"gpu_optimizer_groups={groups!r}: need 'auto' or an int >= 0")
         if not isinstance(self.compile_layers, bool) and self.compile_layers != "auto":
             out.append(f"compile_layers={self.compile_layers!r}: need 'auto', True or False")
+        tile = self.seq_tile
+        if not (tile is None or tile == "auto" or (type(tile) is int and tile >= 1)):
+            out.append(f"seq_tile={tile!r}: need 'auto', None (untiled) or an int >= 1 (positions per tile)")
+        if not (self.segment_layers == "auto" or (type(self.segment_layers) is int and self.segment_layers >= 1)):
+            out.append(f"segment_layers={self.segment_layers!r}: need 'auto' or an int >= 1 (layers per segment)")
+        checkpoints = self.device_checkpoints
+        if not (checkpoints == "auto" or (type(checkpoints) is int and checkpoints >= 0)):
+            out.append(f"device_checkpoints={checkpoints!r}: need 'auto' or an int >= 0")
         if not isinstance(self.chunked_hf_loss, bool):
             out.append(f"chunked_hf_loss={self.chunked_hf_loss!r}: need True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:

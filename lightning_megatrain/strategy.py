@@ -102,6 +102,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
             Triton on CUDA), checked at setup. ``"auto"`` (default): on with a CUDA compute device where Triton is
             usable, else off ([Note: auto placement]).
+        seq_tile: sequence positions per tile for each decoder layer's MLP or MoE block, in forward and recompute, so
+            its transient memory follows the tile, not the sequence; ``None`` untiled, ``"auto"`` (default) tiled for
+            long sequences only (engine/tiling.py, [Note: sequence tiles]). Results equal the untiled layer's.
+        segment_layers: layers per recompute segment: ``1`` saves every recomputed layer's input; ``k > 1`` saves
+            the first input of every ``k`` layers and replays the rest in backward (engine/segments.py, [Note:
+            recompute segments]); ``"auto"`` (default): 1 unless the checkpoints fit neither memory.
+        device_checkpoints: saved layer inputs that stay in GPU memory instead of pinned host memory, the last
+            layers' first; ``"auto"`` (default): 0 unless the host cannot hold them (engine/placement.py).
         chunked_hf_loss: HF causal LMs in the module called with ``labels`` (``model(..., labels=...).loss``)
             compute HF's loss with the chunked cross-entropy, without materialising ``[B, T, V]`` logits (at 32K
             tokens and a 128K vocabulary a 15.7 GiB block and its gradient), and return ``logits=None``; the same
@@ -136,6 +144,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         overlap_optimizer: bool | Auto = "auto",
         gpu_optimizer_groups: int | Auto = "auto",
         compile_layers: bool | Auto = "auto",
+        seq_tile: int | Auto | None = "auto",
+        segment_layers: int | Auto = "auto",
+        device_checkpoints: int | Auto = "auto",
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
         checkpoint_io: CheckpointIO | None = None,
@@ -149,6 +160,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             overlap_optimizer=overlap_optimizer,
             gpu_optimizer_groups=gpu_optimizer_groups,
             compile_layers=compile_layers,
+            seq_tile=seq_tile,
+            segment_layers=segment_layers,
+            device_checkpoints=device_checkpoints,
             chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,
         )
