@@ -146,6 +146,11 @@ class MegaTrainEngine:
             stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers
         )
         self.streamed.install(self.device.type)
+        # "auto" starts as one checkpoint per layer, all offloaded ([Note: recompute segments])
+        self.streamed.segments.configure(
+            self.config.segment_layers if isinstance(self.config.segment_layers, int) else 1,
+            self.config.device_checkpoints if isinstance(self.config.device_checkpoints, int) else 0,
+        )
         self.placement_pending = fitting and self.config.gpu_optimizer_groups == "auto"
         self._place_device_groups(n_device)
         log.info(

@@ -52,6 +52,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.recompute import RecomputePolicy
+from lightning_megatrain.engine.segments import LayerRecord, Segments, replay_state
 from lightning_megatrain.engine.transfer import Transfer
 
 # Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
@@ -162,6 +163,9 @@ class StreamedLayers:
         # Layers of the current micro-batch that kept their graph, so backward does not prefetch their weights or
         # inputs (a hint, like ``stashed``).
         self.kept: set[int] = set()
+        # Which recomputed layers save their input and which are replayed from a segment's first ([Note: recompute
+        # segments]); configured by the engine (segment_layers, device_checkpoints).
+        self.segments = Segments(len(stack))
         # The function each layer runs: its class's own ``forward``, or that function compiled once per class (see
         # [Note: compiled layers]).
         self.forwards: dict[type, Callable[..., Any]] = {}
@@ -187,6 +191,15 @@ class StreamedLayers:
         layer = self.stack[index]
         with bind(self.bindings(index, weights)):
             return self.forwards[type(layer)](layer, *args, **kwargs)
+
+    def replay_layer(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """Layer ``index``'s forward again, as in forward (the caller sets grad mode and RNG): a segment's replay."""
+        flat = self.transfer.acquire(index)
+        self.transfer.prefetch(index + 1)
+        try:
+            return self.run_layer(index, self.groups[index].views(flat), args, kwargs)
+        finally:
+            self.transfer.release(index)
 
 
 class _LayerForward:
@@ -215,6 +228,7 @@ class _LayerForward:
         # A leaf that requires grad makes sure this node exists even when no input requires grad (frozen embeddings).
         anchor = torch.empty(0, requires_grad=True)
         outputs = StreamedLayerFunction.apply(owner, index, spec, out_box, anchor, *leaves)
+        owner.segments.produced(index, outputs)  # the next layer may chain on its first output
         out_spec, out_leaves = out_box
         tensors = iter(outputs)
         return pytree.tree_unflatten([next(tensors) if x is _TENSOR else x for x in out_leaves], out_spec)
@@ -242,8 +256,10 @@ class StreamedLayerFunction(torch.autograd.Function):
         if index == 0:
             owner.policy.start_forward()
             owner.kept.clear()
+            owner.segments.start_forward()
         ctx.kept = None
         ctx.stashed = []
+        ctx.segment = None
         if owner.policy.keep(input_bytes):
             output = _forward_kept(ctx, owner, index, leaves)
         else:
@@ -312,6 +328,7 @@ def _forward_kept(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> Any:
         output = owner.run_layer(index, weights, args, kwargs)
     ctx.kept = ([x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)], inputs, weights)
     owner.kept.add(index)
+    owner.segments.close()
     return output
 
 
@@ -322,7 +339,17 @@ def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple)
     ctx.autocast = (torch.is_autocast_enabled(owner.device_type), torch.get_autocast_dtype(owner.device_type))
     ctx.other_leaves = [None if isinstance(x, Tensor) else x for x in leaves]
     ctx.save_for_backward(*(leaves[i] for i in ctx.saved_positions))
-    ctx.stashed = [transfer.stash(leaves[i].detach()) for i in ctx.stashed_positions]
+    segments = owner.segments
+    ctx.segment = segments.join(index, leaves, ctx.stashed_positions) if segments.layers > 1 else None
+    if ctx.segment is None:  # saves its input: offloaded, or on the device for the last checkpoints
+        on_device = segments.on_device(index)
+        ctx.stashed = [transfer.stash(leaves[i].detach(), on_device) for i in ctx.stashed_positions]
+        if segments.layers > 1 and len(ctx.stashed) == 1:
+            ctx.segment = segments.open(index, ctx.stashed.pop())
+    if ctx.segment is not None:  # what a replay of this layer needs ([Note: recompute segments])
+        (position,) = ctx.stashed_positions
+        replay_leaves = [None if i == position else x for i, x in enumerate(leaves)]
+        ctx.segment.records.append(LayerRecord(index, ctx.spec, replay_leaves, position, ctx.rng, ctx.autocast))
     flat = transfer.acquire(index)
     transfer.prefetch(index + 1)
     with torch.profiler.record_function(f"megatrain::forward_layer_{index}"):
@@ -342,36 +369,35 @@ def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], li
     for pos, saved in zip(ctx.saved_positions, ctx.saved_tensors):
         leaves[pos] = saved
     inputs_needing_grad: list[tuple[int, Tensor]] = []
-    for pos, stashed in zip(ctx.stashed_positions, ctx.stashed):
-        x = transfer.unstash(stashed)
+    if ctx.segment is not None:  # restored or replayed from the segment's checkpoint ([Note: recompute segments])
+        restored = [ctx.segment.input(index, transfer, owner.replay_layer)]
+    else:
+        restored = [transfer.unstash(stashed) for stashed in ctx.stashed]
+    for pos, x in zip(ctx.stashed_positions, restored):
         if ctx.needs_input_grad[_LEADING_ARGS + pos]:
             x.requires_grad_(True)
             inputs_needing_grad.append((pos, x))
         leaves[pos] = x
-    ctx.stashed = None
+    ctx.stashed = ctx.segment = None
     if owner.stashed.get(index) is not None:
         del owner.stashed[index]
 
     flat = transfer.acquire(index)
-    if index - 1 not in owner.kept:  # a kept layer needs neither weights nor input in backward
-        transfer.prefetch(index - 1)
-        for stashed in owner.stashed.get(index - 1, ()):
+    previous = index - 1
+    if previous not in owner.kept:  # a kept layer needs neither weights nor input in backward
+        transfer.prefetch(owner.segments.weights_to_prefetch(previous))  # a segment's start when it replays
+        segment = owner.segments.by_layer.get(previous)
+        for stashed in [segment.checkpoint] if segment is not None else owner.stashed.get(previous, ()):
             transfer.prefetch_stash(stashed)
     weights = _weight_leaves(owner.groups[index], flat)
     policy = owner.policy
     input_bytes = sum(leaves[pos].numel() * leaves[pos].element_size() for pos in ctx.stashed_positions)
     before = torch.cuda.memory_allocated(transfer.device) if policy.calibrating else 0
-    cpu_rng, device_rng = ctx.rng
-    enabled, dtype = ctx.autocast
     with (
         torch.profiler.record_function(f"megatrain::recompute_layer_{index}"),
-        torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_rng is not None else []),
+        replay_state(owner.device_type, ctx.rng, ctx.autocast),
         torch.enable_grad(),
-        torch.autocast(owner.device_type, dtype=dtype, enabled=enabled),
     ):
-        torch.set_rng_state(cpu_rng)
-        if device_rng is not None:
-            torch.cuda.set_rng_state(device_rng)
         args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
         output = owner.run_layer(index, weights, args, kwargs)
     if policy.calibrating:

@@ -71,8 +71,8 @@ class Transfer(Protocol):
         """The masters may have changed: the next :meth:`acquire` reads them again."""
 
     # - saved layer inputs (see engine/offload.py, [Note: activation offload])
-    def stash(self, x: Tensor) -> Stashed:
-        """Keep a saved layer input for its recompute in backward."""
+    def stash(self, x: Tensor, on_device: bool = False) -> Stashed:
+        """Keep a saved layer input for its recompute in backward (``on_device``: where compute runs, not offloaded)."""
 
     def prefetch_stash(self, stashed: Stashed | None) -> None:
         """Start bringing a stashed input back (no-op for ``None`` or one already back)."""
@@ -133,7 +133,7 @@ class HostTransfer:
         """Whether :meth:`acquire`'s weights stay unchanged until the optimizer step: never assumed on the host."""
         return False
 
-    def stash(self, x: Tensor) -> Tensor:
+    def stash(self, x: Tensor, on_device: bool = False) -> Tensor:
         """Keep a saved layer input as is: host memory is where it lives anyway."""
         return x
 
@@ -282,21 +282,23 @@ class CudaTransfer:
                 slot.layer = None
 
     # ------------------------------------------------------------------------------------------ activation offload
-    def stash(self, x: Tensor) -> _Stashed:
-        """Offload a saved layer input to pinned host memory (see engine/offload.py, [Note: activation offload])."""
-        return self.offload.stash(x)
+    def stash(self, x: Tensor, on_device: bool = False) -> _Stashed | Tensor:
+        """Offload a saved layer input to pinned host memory (see engine/offload.py, [Note: activation offload]), or
+        keep it on the device (``on_device``: the last checkpoints, see [Note: recompute segments])."""
+        return x if on_device else self.offload.stash(x)
 
-    def prefetch_stash(self, stashed: _Stashed | None) -> None:
-        """Start copying an offloaded input back to the device (no-op if already there)."""
-        self.offload.prefetch_stash(stashed)
+    def prefetch_stash(self, stashed: _Stashed | Tensor | None) -> None:
+        """Start copying an offloaded input back to the device (no-op if already there or never offloaded)."""
+        if not isinstance(stashed, Tensor):
+            self.offload.prefetch_stash(stashed)
 
     def trim_stash_cache(self) -> None:
         """Return the stash pool's idle buffers to the OS once the auto recompute policy has calibrated."""
         self.offload.trim_stash_cache()
 
-    def unstash(self, stashed: _Stashed) -> Tensor:
+    def unstash(self, stashed: _Stashed | Tensor) -> Tensor:
         """The offloaded input on the device, ready for the compute stream."""
-        return self.offload.unstash(stashed)
+        return stashed if isinstance(stashed, Tensor) else self.offload.unstash(stashed)
 
     # ------------------------------------------------------------------------------------------------- D2H / drain
     @property
