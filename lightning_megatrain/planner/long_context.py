@@ -50,8 +50,13 @@ class Placement:
     why: str  # the reason for the choice, or, where none fits, the numbers of the closest
 
 
+def _count(n: int) -> str:
+    return f"{n} layer-input checkpoint{'s' if n != 1 else ''}"
+
+
 def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
+    """GiB, or MiB below one GiB (a short sequence's checkpoints do not print as 0.0 GiB)."""
+    return f"{nbytes / GIB:.1f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gkw: dict, host_free: int,
@@ -96,19 +101,19 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
     for k in range(1, L + 1) if auto_k else [config.segment_layers]:
         C = checkpoints(s, k)
         if auto_n and host(k, 0) <= host_free and gpu(k, 0) <= gpu_limit:
-            n, why = 0, f"all {C} layer-input checkpoints {each} fit pinned host memory: {offloaded(k, 0)}"
+            n, why = 0, f"all {_count(C)} {each} fit pinned host memory: {offloaded(k, 0)}"
         elif auto_n:
             n = most_on_gpu(k)
-            why = (f"the {C} layer-input checkpoints {each}, {_size(C * S)} in all, exceed the {free}: the last {n} "
-                   f"stay on the GPU, as many as fit beside its peak; {offloaded(k, n)}")
+            why = (f"the {_count(C)} {each}, {_size(C * S)} in all, exceed the {free}: the last {n} stay on the "
+                   f"GPU, as many as fit beside its peak; {offloaded(k, n)}")
         else:
             n = min(config.device_checkpoints, C)
-            why = f"{C} layer-input checkpoints {each}: {n} on the GPU as given, {offloaded(k, n)}"
+            why = f"{_count(C)} {each}: {n} on the GPU as given, {offloaded(k, n)}"
         if n >= 0 and host(k, n) <= host_free and gpu(k, n) <= gpu_limit:
             if k > 1 and auto_k:
                 replayed = f"{k - 1} layer forward{'s' if k > 2 else ''} replayed per {k}"
-                why = (f"one checkpoint per layer fits neither the host nor, with as many on the GPU as fit, both; "
-                       f"segments of {k} layers ({replayed}): {why}")
+                on_gpu = "as many on the GPU as fit" if auto_n else f"device_checkpoints={config.device_checkpoints}"
+                why = f"one checkpoint per layer does not fit with {on_gpu}; segments of {k} layers ({replayed}): {why}"
             return result(k, n, True, why)
         if n >= 0 and (closest is None or host(k, n) - host_free < closest[0]):
             closest = (host(k, n) - host_free, k, n)
@@ -130,7 +135,7 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
         lines.append(f"the GPU's {_size(gpu_limit)} leave {_size(spare)} beside its {_size(gpu(k0, n0))} peak: "
                      f"{spare // S} more inputs; segments of k layers leave ceil({L}/k) - n checkpoints on the "
                      "host and put k - 1 replayed inputs and all but one of the n device checkpoints on the GPU")
-        if closest is not None:
+        if closest is not None and (auto_k or auto_n):
             _, k, n = closest
             lines.append(f"the closest, segment_layers={k} with device_checkpoints={n}, needs {_size(host(k, n))} "
                          f"of host and a GPU peak of {_size(gpu(k, n))}")

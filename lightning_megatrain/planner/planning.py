@@ -170,7 +170,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         loss_chunk_size: tokens per chunk of the chunked loss, as ``CausalLMModule(loss_chunk_size=...)``.
         attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
             config's (transformers picks sdpa where the model supports it).
-        offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying.
+        offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying
+            (then every layer-input checkpoint stays on the GPU: ``device_checkpoints`` is not read).
         config: the ``MegaTrainStrategy`` options, planned as the engine runs them:
 
             - ``num_slots``: that many slots of the largest layer on the GPU.
@@ -185,6 +186,14 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
               above that floor (engine/recompute.py); a fixed count needs more than the plan shows.
             - ``layers`` and ``cpu_adam`` are not read: the stack is discovered as the engine discovers it, and the
               host Adam runs at DeepSpeedCPUAdam's measured rate (torch fused AdamW's when overlapped).
+            - ``seq_tile``, ``segment_layers``, ``device_checkpoints``: planned as the engine places them
+              (planner/long_context.py): ``seq_tile`` through engine/tiling.py's ``tile_length``; ``"auto"``
+              segments and device checkpoints as ``choose_checkpoints`` decides them, with the host memory the
+              plan's other items leave free; where nothing fits, one checkpoint per layer, offloaded, and a warning.
+              The plan's ``long_context`` (and its report's "Long context" section) gives the placement, its reason
+              and the longest sequence that fits this machine at this micro-batch; it is None for a plan those
+              options leave as the engine was before them (a sequence up to ``AUTO_MIN_POSITIONS``, ``"auto"``
+              resolving to untiled, one checkpoint per layer, all offloaded).
             - ``"auto"`` is planned as the engine decides it on a CUDA device (engine/placement.py, [Note: auto
               placement]): ``overlap_optimizer`` and ``compile_layers`` on; ``gpu_optimizer_groups`` the suggested
               count (0 where none hides the host Adam and fits).
