@@ -127,7 +127,11 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
     lines = [f"the layer-input checkpoints of micro-batch {micro_batch} x {seq_len:,} tokens fit neither host nor "
              f"GPU{given}: {checkpoints(s, k0)} {each}, {_size(host(k0, 0))} in all; the host holds "
              f"{max(host_free, 0) // S} ({free})"]
-    if gpu(k0, n0) > gpu_limit:
+    if host_free < 0:
+        lines[0] = (f"no host memory is left for the layer-input checkpoints of micro-batch {micro_batch} x "
+                    f"{seq_len:,} tokens ({_count(checkpoints(s, k0))} {each}): what else it holds already exceeds "
+                    f"it by {_size(-host_free)}")
+    elif gpu(k0, n0) > gpu_limit:
         lines.append(f"the GPU peak is {_size(gpu(k0, n0))} of {_size(gpu_limit)} at segment_layers={k0}, "
                      f"device_checkpoints={n0}, and longer segments or more checkpoints on the GPU only raise it")
     else:

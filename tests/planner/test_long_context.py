@@ -154,6 +154,11 @@ def test_place_says_why_nothing_fits(s7):
                  "the closest, segment_layers=3 with device_checkpoints=1, needs 80.0 GiB of host and a GPU peak of "
                  "140.3 GiB", "(seq_tile=16384)"):
         assert text in p.why, text
+    # the host state alone does not fit: no memory left for any checkpoint
+    p = _place(s7, 131_072, -1.5)
+    assert not p.fits and p.why.startswith("no host memory is left for the layer-input checkpoints of micro-batch 1 x "
+                                           "131,072 tokens (32 layer-input checkpoints of 2.0 GiB")
+    assert "what else it holds already exceeds it by 1.5 GiB" in p.why
     # untiled, the GPU alone is too small: the sequence's activations, not the checkpoints
     p = _place(s7, 524_288, 1000, seq_tile=None)
     assert not p.fits and "the GPU peak is 164.8 GiB of 141.0 GiB at segment_layers=1" in p.why
@@ -238,3 +243,21 @@ def test_plan_command_flags(capsys):
         with pytest.raises(SystemExit) as error:
             plan_main([*args, *flags])
         assert error.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape, seq_len", [(LLAMA_7B, 524_288), (LLAMA_3B, 262_144)])
+def test_docs_long_context_examples_are_the_commands_output(shape, seq_len, capsys):
+    """docs/planner.md's two examples: every line but the time table's is what the command prints."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    model = {k: v for k, v in shape.items() if k != "num_key_value_heads" or v != shape["num_attention_heads"]}
+    args = ["--model", json.dumps(model), "--seq-len", str(seq_len), "--host-ram", "125", "--gpu-mem", "141",
+            "--cpu-cores", "16"]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    timing, throughput = out.index("  Time per optimizer step"), next(i for i, line in enumerate(out)
+                                                                      if line.startswith("  Throughput"))
+    shown = out[:timing] + [line for line in out[timing:throughput] if "step total" in line] + out[throughput:]
+    assert any(line.startswith("    longest sequence that fits this machine") for line in shown)
+    assert f'--seq-len {seq_len} ' in docs
+    for line in shown:
+        assert line in docs, line
