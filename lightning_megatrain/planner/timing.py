@@ -6,6 +6,19 @@ FLOPs (per token): layers 8*N_active (6N fwd+bwd, Kaplan et al. 2020, "Scaling L
 counts 12*H*T for fwd+bwd over all T keys; we count the keys a causal mask leaves, T_k ~ T/2, because flash kernels
 skip masked blocks, and add one forward 4*A*T_k for the recompute), LM head 6*V*H. They run at the achieved rates of
 constants.py (measured on these executed FLOPs).
+
+Attention, per layer and row of T positions (A = heads * head_dim): the forward's QK^T and PV take 2A FLOPs each per
+(query, key) pair, and causal query t attends to t keys, so 4A * T(T+1)/2 ~ 4 * T^2 * A / 2 FLOPs: the causal forward
+count of FlashAttention-2's benchmarks (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
+Work Partitioning"), i.e. 4*A*T_k per token with T_k = T/2 (``_keys``). Its backward executes 5 matmuls to the
+forward's 2 (2.5x); we count 2x, as PaLM does, and the rates are measured on the FLOPs counted so. At long sequences
+attention is most of a layer (Llama-2-7B: 73% of the forward at 131,072 tokens, 91% at 524,288), and the rate holds:
+one 7B layer at 131,072 tokens on the H200 ran 517 (forward) and 463 (recompute + backward) TFLOP/s counted this way,
+causal flash attention alone 556 and 463 (benchmarks/results/2026-12-01-planner-long-context-h200.json), against
+ACHIEVED_TFLOPS = 450.
+
+Long context (``step_time``'s docstring): segments replay ``L - ceil(L/k)`` layer forwards per micro-batch, a tiled
+position-wise block runs its forward once more (2 * ``mlp_active`` per token and layer).
 """
 
 from __future__ import annotations

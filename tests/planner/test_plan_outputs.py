@@ -3,7 +3,8 @@ input offloaded) print exactly what they printed before those options existed: `
 ``to_dict()``, byte for byte, for the ready configs and the shapes the other planner tests use.
 
 The expected outputs are in ``plan_outputs.json`` beside this file. Regenerate them only for a change that is meant
-to change these plans: ``python tests/planner/test_plan_outputs.py``, and say why in the commit.
+to change these plans: ``PYTHONPATH=. python tests/planner/test_plan_outputs.py`` from the repository root, and say
+why in the commit.
 """
 
 from __future__ import annotations
