@@ -245,6 +245,20 @@ def export_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _auto_int(none: bool = False):
+    """An argparse type: ``auto``, an int, or (``none=True``) ``none`` for None; the range is EngineConfig's check."""
+
+    def parse(text: str) -> int | str | None:
+        if text == "auto" or (none and text == "none"):
+            return None if text == "none" else text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"need auto{', none' if none else ''} or an int; got {text!r}") from None
+
+    return parse
+
+
 def plan_main(argv: Sequence[str]) -> int:
     """``megatrain plan --model NAME_OR_DIR_OR_JSON --seq-len L [--micro-batch B] ... [--json]``: prints the plan of
     :func:`lightning_megatrain.planner.plan` as a table (or JSON); returns 0."""
@@ -277,11 +291,21 @@ def plan_main(argv: Sequence[str]) -> int:
     add("--compile-layers", action="store_true",
         help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
     add("--loss-chunk-size", type=int, default=4096)
+    add("--seq-tile", type=_auto_int(none=True), default="auto", metavar="auto|none|N",
+        help="as MegaTrainStrategy(seq_tile=...): positions per tile of the MLP/MoE block (default auto: "
+        "engine/tiling.py's rule)")
+    add("--segment-layers", type=_auto_int(), default="auto", metavar="auto|K",
+        help="as MegaTrainStrategy(segment_layers=K): one layer-input checkpoint per K recomputed layers "
+        "(default auto)")
+    add("--device-checkpoints", type=_auto_int(), default="auto", metavar="auto|N",
+        help="as MegaTrainStrategy(device_checkpoints=N): the last N checkpoints stay on the GPU (default auto)")
     add("--json", action="store_true", help="print the plan as JSON")
     ns = parser.parse_args(list(argv))
     try:
         config = EngineConfig(num_slots=ns.num_slots, overlap_optimizer=ns.overlap_optimizer,
-                              gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers)
+                              gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers,
+                              seq_tile=ns.seq_tile, segment_layers=ns.segment_layers,
+                              device_checkpoints=ns.device_checkpoints)
         machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
                           achieved_tflops=ns.tflops)
         p = plan(

@@ -24,6 +24,22 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot
   describe the model (no HF config, or one it cannot build).
 
+- ``segment_layers`` and ``device_checkpoints``: where the layer-input checkpoints go (config.py), decided at the
+  first training micro-batch, whose ``B x T`` sizes them (:func:`choose_checkpoints`), after
+  ``gpu_optimizer_groups`` and before ``keep_layers="auto"`` measures what is left. Each checkpoint is the fp32
+  residual stream of one micro-batch (``4 * H * B * T`` bytes: 8 GiB for Llama-2-7B at 524,288 tokens), one per
+  segment of recomputed layers, and the host's free memory and the GPU's must hold them beside everything else. In
+  that order: one per layer, all in pinned host memory, where they fit there (what the engine did before these
+  options, and what short sequences get); else the last ones on the GPU, as many as fit beside the planned peak;
+  else the smallest segment length with which both fit (each replays ``k - 1`` layer forwards per ``k`` in
+  backward). Explicit ints are checked the same way. Nothing fitting is an error, raised before the micro-batch
+  allocates anything, with the bytes needed and free on the host and the GPU and the longest sequence that fits this
+  machine at this micro-batch. This is also the host-memory check of the checkpoints: the setup preflight
+  (engine/host_store.py, ``check_host_memory``) runs before any batch exists, so it checks the masters, grads, Adam
+  states and slabs only. ``1`` and ``0`` on a CPU compute device, where a layer's input stays in host memory with
+  its activations. ``seq_tile`` is not decided here: engine/tiling.py's ``tile_length`` resolves it per sequence,
+  and the plan counts its tiles.
+
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
 
@@ -39,7 +55,7 @@ from transformers import PretrainedConfig
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.planner import Machine, plan
+from lightning_megatrain.planner import Machine, place_checkpoints, plan
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +92,10 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
     if config.gpu_optimizer_groups == "auto" and not on_cuda:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")
+    for name, value in (("segment_layers", 1), ("device_checkpoints", 0)):
+        if getattr(config, name) == "auto" and not on_cuda:
+            changes[name] = value
+            log.info("MegaTrain: %s=%d (auto: CPU compute device, layer inputs stay in host memory)", name, value)
     return config.replace(**changes) if changes else config
 
 
@@ -148,3 +168,82 @@ def _plan_first_batch(hf_config: PretrainedConfig, micro_batch: int, seq_len: in
         config=config.replace(gpu_optimizer_groups=0),
         machine=Machine(gpu_mem_gib=gpu_bytes / GIB),
     )
+
+
+def choose_checkpoints(
+    hf_config: PretrainedConfig,
+    micro_batch: int,
+    seq_len: int,
+    grad_accum: int,
+    *,
+    config: EngineConfig,
+    compute_dtype: torch.dtype,
+    chunked_loss: bool,
+    gpu_bytes: int,
+    host_bytes: int,
+) -> tuple[int, int, str]:
+    """``segment_layers`` and ``device_checkpoints`` for the first training micro-batch: ``(segment_layers,
+    device_checkpoints, why)``, ``"auto"`` decided and explicit ints checked (see [Note: auto placement]; the rule
+    and the memory it counts: planner/long_context.py).
+
+    Call it on a CUDA compute device, once, at the first training micro-batch, before its forward: after
+    ``gpu_optimizer_groups`` is decided (pass ``config`` with that int: the plan counts those groups' GPU memory) and
+    before ``keep_layers="auto"`` measures the GPU. Log ``why`` as the other decisions are logged.
+
+    Args:
+        hf_config: the module's HF config (the one :func:`choose_gpu_optimizer_groups` finds).
+        micro_batch, seq_len: ``B x T`` of the micro-batch's token ids (:func:`token_shape`). Later micro-batches are
+            not checked: one longer than this one needs larger checkpoints than were placed.
+        grad_accum: micro-batches per step; not in the decision (each checkpoint lives for one micro-batch and the
+            pinned buffers are reused by the next), named in ``why``.
+        config: the strategy's options after :func:`resolve`: ``seq_tile`` (its tiles lower the planned peak),
+            ``segment_layers``, ``device_checkpoints``, ``num_slots`` and ``gpu_optimizer_groups`` are read.
+        compute_dtype: ``torch.bfloat16`` plans bf16-mixed, anything else 32-true.
+        chunked_loss: the loss runs chunked (models/hf_loss.py, models/loss.py), else the plan counts full logits.
+        gpu_bytes: the device's total memory (``torch.cuda.mem_get_info(device)[1]``): the plan counts the slots,
+            residents, device groups and reserve itself.
+        host_bytes: host memory free for the offloaded checkpoints: ``_hardware.available_host_bytes()[0]`` read
+            now, after setup allocated the masters, grads and slabs, less the host memory still to be allocated
+            before this micro-batch's backward ends and kept through it: the host Adam/AdamW states if the first
+            step has not yet allocated them (8 bytes per parameter not in a device group; 0 once they exist, as on
+            resume). Where ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
+
+    Returns:
+        ``(segment_layers, device_checkpoints, why)``: ints for the engine (``device_checkpoints`` at most the
+        number of checkpoints), and the reason with the bytes. Where the planner cannot build the model from
+        ``hf_config``, the engine as before these options for ``"auto"`` (``1``, ``0``) and explicit ints as given,
+        unchecked, with that reason.
+
+    Raises:
+        RuntimeError: no placement fits: the message has the checkpoints' size and count, host bytes needed and free,
+            the GPU peak and limit of the closest placement, and a HINT with the longest sequence that fits this
+            machine at this micro-batch (a multiple of 1024).
+    """
+    k = 1 if config.segment_layers == "auto" else config.segment_layers
+    n = 0 if config.device_checkpoints == "auto" else config.device_checkpoints
+    try:
+        placed, longest = place_checkpoints(
+            hf_config,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            gpu_limit=gpu_bytes,
+            host_free=host_bytes,
+            precision="bf16-mixed" if compute_dtype == torch.bfloat16 else "32-true",
+            loss="chunked" if chunked_loss else "naive",
+            attn_implementation=getattr(hf_config, "_attn_implementation", None),
+            config=config,
+        )
+    except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
+        return k, n, f"the planner cannot describe this model ({type(e).__name__}: {e}): placed unchecked"
+    tokens = f"{micro_batch} x {seq_len} tokens"
+    if not placed.fits:
+        hint = (f"the longest sequence that fits this machine at micro-batch {micro_batch} is {longest:,} tokens"
+                if longest else f"not even {1024:,} tokens fit this machine at micro-batch {micro_batch}")
+        raise RuntimeError(
+            f"MegaTrainStrategy cannot place the first training micro-batch ({tokens}): {placed.why}. HINT: {hint} "
+            f"(planned with seq_tile={config.seq_tile!r}, segment_layers={config.segment_layers!r}, "
+            f"device_checkpoints={config.device_checkpoints!r}; `megatrain plan --seq-len N` prints the placement); "
+            "else shorten the sequences, lower the micro-batch, or use more host RAM or a larger GPU."
+        )
+    why = f"{placed.why}; planned for {tokens} x {grad_accum} micro-batches"
+    return placed.segment_layers, placed.device_checkpoints, why

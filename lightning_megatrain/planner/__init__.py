@@ -9,7 +9,9 @@ does, and models host RAM and GPU memory in bytes and the time of one optimizer 
 - ``memory.py``: host and GPU bytes, and the activation formula of one recomputed layer (:func:`layer_activation`);
 - ``timing.py``: seconds per step and the FLOPs counted (:func:`step_time`);
 - ``machine.py``: :class:`Machine`, the limits, cores and calibrated rates a plan is for;
-- ``planning.py``: :func:`plan`, :class:`Plan`, the micro-batch searches and the warnings.
+- ``long_context.py``: where the layer-input checkpoints go (``seq_tile``, ``segment_layers``,
+  ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`);
+- ``planning.py``: :func:`plan`, :class:`Plan`, :func:`place_checkpoints`, the searches and the warnings.
 
 The ``megatrain plan`` command line is ``lightning_megatrain.cli.plan_main``.
 """
@@ -33,9 +35,10 @@ from lightning_megatrain.planner.constants import (
     PROCESS_GIB,
     TORCH_ADAM_GPARAMS,
 )
+from lightning_megatrain.planner.long_context import Placement, longest_seq_len
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import gpu_bytes, host_bytes, layer_activation
-from lightning_megatrain.planner.planning import Plan, plan
+from lightning_megatrain.planner.planning import Plan, place_checkpoints, plan
 from lightning_megatrain.planner.shape import describe, load_config
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
@@ -58,6 +61,7 @@ __all__ = [
     "PROCESS_GIB",
     "TORCH_ADAM_GPARAMS",
     "Machine",
+    "Placement",
     "Plan",
     "_attn_flops",  # tests/planner/test_planner.py checks the token-mixer FLOPs directly
     "describe",
@@ -65,6 +69,8 @@ __all__ = [
     "host_bytes",
     "layer_activation",
     "load_config",
+    "longest_seq_len",
+    "place_checkpoints",
     "plan",
     "step_time",
 ]

@@ -6,6 +6,9 @@
 - GPU memory: slots, residents, ``gpu_optimizer_groups`` state, saved layer inputs, the runtime reserve, plus the
   larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and the
   loss. Every layer is recomputed (``keep_layers=0``): the floor that must fit.
+- Long context (``gpu_bytes``' docstring): layer-input checkpoints kept on the GPU, the inputs a recompute segment
+  regenerates (backward phase), and a tiled position-wise block's activations (:func:`_tiled`); on the host, only
+  the checkpoints not kept on the GPU are offloaded.
 
 Activation bytes per token of one decoder layer recomputed with grad (``c`` = compute itemsize, 2 under bf16-mixed,
 4 under 32-true; the residual stream is fp32 because embeddings and norms are fp32 residents under autocast). Derived
@@ -29,7 +32,9 @@ op by op from HF's Llama/Qwen/Gemma/Mixtral layers and checked against the tenso
 with H hidden, A = heads*head_dim, K = kv_heads*head_dim, I intermediate, E experts, k experts per token.
 Llama-3.2-3B on the H200 (benchmarks/planner_gpu_check.py, 2026-11-29, torch 2.11, flash sdpa): 149,608 B/token
 saved, measured = formula to the byte; backward peak 194,664 B/token + the incoming grad 4H allocated before it
-= 206,952 = saved + transient, exactly (plus one weight grad, down_proj's, as a constant).
+= 206,952 = saved + transient, exactly (plus one weight grad, down_proj's, as a constant). Llama-2-7B (multi-head
+attention) at 32,768 tokens (benchmarks/planner_long_context_check.py, 2026-12-01, torch 2.11): 211,080 B/token
+saved and a backward peak of 274,248 = saved + transient - 4H + down_proj's grad, both to the byte.
 """
 
 from __future__ import annotations
@@ -40,8 +45,11 @@ from lightning_megatrain.planner.constants import OPTIMIZERS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _LinearAttn, _Shape
 
 
-def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int) -> tuple[float, float]:
-    """(saved, transient) bytes per token of one layer recomputed with grad (formula: module docstring)."""
+def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int | None = None) -> tuple[float, float]:
+    """(saved, transient) bytes per token of one layer recomputed with grad (formula: module docstring); with
+    ``tile`` positions per tile of its position-wise block, as :func:`_tiled` changes them."""
+    if tile is not None:
+        return _tiled(s, layer, seq_len, c, tile)
     H, A, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     saved = 4 * H + layer.norms * (4 * H + 4) + max(layer.norms - 2, 0) * 4 * H
     saved += layer.readers * 2 * H if c < 4 else 0
@@ -63,6 +71,57 @@ def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int) -> tuple[fl
         saved += 4 * s.experts + 12 * k + k * (H * (c + 4) + 5 * c * s.expert_i + 20)
         widest = max(widest, k * s.expert_i)
     return saved, 8 * H + 2 * c * widest
+
+
+def _block_saved(s: _Shape, layer: _Layer, c: int) -> float:
+    """Bytes per token of :func:`layer_activation`'s ``saved`` that the position-wise block (the MLP or MoE module)
+    saves: the autocast copies its Linears read, its intermediates, the MoE terms. The norm before it is not part of
+    it (its saved values stay over all T)."""
+    H = s.hidden
+    saved = layer.mlp_readers * 2 * H if c < 4 else 0
+    saved += (4 if layer.gated else 2) * c * layer.dense_i
+    if layer.moe:
+        k = s.top_k
+        saved += 4 * s.experts + 12 * k + k * (H * (c + 4) + 5 * c * s.expert_i + 20)
+    return saved
+
+
+def _tiled(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int) -> tuple[float, float]:
+    """(saved, transient) bytes per token of one recomputed layer whose position-wise block (the MLP or MoE module)
+    runs ``tile`` positions at a time (engine/tiling.py, [Note: sequence tiles]): each tile under its own
+    checkpoint, so the block keeps only its input (the fp32 output of the norm before it) from its forward, and in
+    backward runs each tile's forward again with grad, then that tile's backward. Its activations and intermediate
+    grads then exist for one tile at a time (``f = tile / seq_len`` of the tokens); the token mixer is untiled::
+
+        saved     = layer_activation(...).saved - block + 4H       all but the block's own saved values, + its input
+        transient = max(14H + f * (block + 2c * max(I, k*I_e)),     the block's backward, one tile at a time: the
+                                                                    incoming grad (fp32) and its copy in c for the
+                                                                    block's output, the block input's grad (fp32)
+                                                                    and each tile's, sliced into a full-size fp32
+                                                                    tensor before it is added
+                        8H + c*(2A + 2K) + 4A)                      then the attention's: the incoming grad and the
+                                                                    grad of the residual after attention (fp32), the
+                                                                    grads of q, k, v, out and flash's fp32 dq
+
+    (``block``: :func:`_block_saved`.) Measured on the H200 with the tiles under ``torch.utils.checkpoint``
+    (benchmarks/planner_long_context_check.py, 2026-12-01, torch 2.11, flash sdpa; results in
+    benchmarks/results/2026-12-01-planner-long-context-h200.json): ``saved`` to the byte for the Llama-2-7B shape at
+    32,768 and 131,072 tokens and the Llama-3.2-3B shape at 65,536; backward peak = saved + transient - 4H (the
+    incoming grad, allocated before) + the block's three weight grads, to the byte where the block's phase is the
+    larger (7B at tiles of 8,192 of 32,768; 3B at 16,384 of 65,536), 4 B/token above where the attention's is (7B at
+    16,384 of 131,072). A mechanism that writes each tile's input grad into one buffer instead saves 4H of the 14H.
+    Untiled, the block's intermediate grads (``2c * I`` per token) exceed the attention backward's for every shape
+    measured, so ``transient`` there has no attention term. Eager attention adds the grads of its [heads, T, T]
+    scores and probabilities (``nh * T * (4 + c)``, not measured)."""
+    H, A, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    saved, _ = layer_activation(s, layer, seq_len, c)
+    block = _block_saved(s, layer, c)
+    widest = max(layer.dense_i, s.top_k * s.expert_i if layer.moe else 0)
+    attention = 8 * H + c * (2 * A + 2 * K) + 4 * A
+    if s.attn == "eager" and not layer.linear:
+        attention += s.heads * seq_len * (4 + c)
+    per_tile = 14 * H + min(tile, seq_len) / seq_len * (block + 2 * c * widest)
+    return saved - block + 4 * H, max(per_tile, attention)
 
 
 def _linear_attn_saved(la: _LinearAttn, seq_len: int, c: int) -> float:
@@ -107,13 +166,33 @@ def _gpu_peak(gpu: dict[str, int]) -> int:
     return persistent + max(backward, loss)
 
 
+def checkpoints(s: _Shape, segment: int) -> int:
+    """Layer-input checkpoints per micro-batch: one per segment of ``segment`` recomputed layers (every layer is
+    planned recomputed, ``keep_layers=0``)."""
+    return -(-len(s.layers) // segment)
+
+
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
-              num_slots: int, reserve_gib: float, gpu_groups: int = 0) -> tuple[dict[str, int], tuple[float, float]]:
-    """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token."""
+              num_slots: int, reserve_gib: float, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
+              device_checkpoints: int = 0) -> tuple[dict[str, int], tuple[float, float]]:
+    """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token.
+
+    Long context (engine/tiling.py, [Note: recompute segments]; each item appears only where it is not zero):
+    ``tile`` positions per tile of the position-wise block (:func:`_tiled`); ``segment`` recomputed layers per
+    checkpoint: backward replays a segment's forward from its checkpoint and holds the ``segment - 1`` regenerated
+    layer inputs while the segment's layers run backward; the last ``device_checkpoints`` checkpoints (at most
+    :func:`checkpoints`) stay on the GPU. The backward then starts from the top one, which needs no restore, so the
+    stream it would have been restored into is not needed: saved layer inputs are one stream plus the checkpoints
+    (the same peak for one checkpoint on the GPU as for none)."""
     tokens, H, V = micro_batch * seq_len, s.hidden, s.vocab
     max_layer = max(layer.numel for layer in s.layers)
-    act = max((layer_activation(s, layer, seq_len, c) for layer in s.layers), key=sum)
+    act = max((layer_activation(s, layer, seq_len, c, tile) for layer in s.layers), key=sum)
     stream = 4 * H * tokens  # one layer's input: fp32 residual stream [B, T, H]
+    on_gpu = min(device_checkpoints, checkpoints(s, segment)) if offload else 0
+    if not offload:
+        live = checkpoints(s, segment)
+    else:
+        live = 2 if on_gpu == 0 else 1
     if loss == "chunked":  # models/loss.py: [C, V] fp32 logits + exp/softmax temporaries, bf16 copies
         chunk = min(loss_chunk, tokens) * V * (8 + (4 if s.logit_softcap else 0))
         head = V * H * (4 + (4 if c < 4 else 0)) + chunk  # fp32 dL/dW accumulator (+ bf16 W copy, bf16 product)
@@ -125,9 +204,11 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
         # engine/device_state.py: the residents' two moments; a layer's fp32 mirror, grad, moments (+ compute copy)
         "optimizer groups on the GPU": gpu_bytes_per_param(c, resident=True) * _device_numels(s, gpu_groups)[0]
         + gpu_bytes_per_param(c, resident=False) * sum(_device_numels(s, gpu_groups)[1]),
-        "saved layer inputs": (2 if offload else len(s.layers)) * stream + 8 * s.head_dim * tokens,
+        "saved layer inputs": live * stream + 8 * s.head_dim * tokens,
+        **({"layer-input checkpoints on the GPU": on_gpu * stream} if on_gpu else {}),
         "runtime reserve": int(reserve_gib * GIB),
         "phase backward: one layer's activations": int(sum(act) * tokens),
+        **({"phase backward: the segment's regenerated inputs": (segment - 1) * stream} if segment > 1 else {}),
         # autograd's per-parameter grads + the torch.cat pack + its fp32 cast (direct D2H into the host grads)
         "phase backward: one layer's weight grads": max_layer * (2 * c + (4 if c < 4 else 0)),
         # final norm saves 8H, its output 4H, dL/dh kept in ctx 4H (+ its scaled copy in backward)
@@ -137,14 +218,17 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
 
 
 def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: str, offload: bool,
-               process_gib: float, pinned_pow2: bool, gpu_groups: int = 0) -> dict[str, int]:
-    """Host items in bytes (engine/host_store.py, transfer.py, residents.py)."""
+               process_gib: float, pinned_pow2: bool, gpu_groups: int = 0, segment: int = 1,
+               device_checkpoints: int = 0) -> dict[str, int]:
+    """Host items in bytes (engine/host_store.py, transfer.py, residents.py). The offloaded layer inputs are the
+    checkpoints not kept on the GPU: :func:`checkpoints` less ``device_checkpoints`` (:func:`gpu_bytes`)."""
     n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
     groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
     stash = 4 * s.hidden * micro_batch * seq_len if offload else 0
+    offloaded = max(checkpoints(s, segment) - device_checkpoints, 0) if offload else 0
     # page-locked at their exact size (engine/pinned.py); ``pinned_pow2`` models the engine that took them from
     # torch's power-of-two caching host allocator instead
-    rounded = ([stash] * len(s.layers) if offload else []) + groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3
+    rounded = [stash] * offloaded + groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3
     rounded = rounded if pinned_pow2 else []
     pow2 = lambda b: 1 << (int(b) - 1).bit_length() if b > 0 else 0
     return {
@@ -155,7 +239,7 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
         "grad slabs": 3 * max_layer * c,
         # the residents' grads go straight into their host grads; a staging buffer exists only in the old engine
         "resident grad staging": 4 * s.resident_params if pinned_pow2 else 0,
-        "activation offload": stash * len(s.layers),
+        "activation offload": stash * offloaded,
         "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
         "process": int(process_gib * GIB),
     }

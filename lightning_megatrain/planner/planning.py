@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_gib
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
     COMPILED_TFLOPS,
@@ -26,8 +27,9 @@ from lightning_megatrain.planner.constants import (
     PRECISIONS,
     TORCH_ADAM_GPARAMS,
 )
+from lightning_megatrain.planner.long_context import SEQ_STEP, Placement, longest_placeable, place
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import _gpu_peak, gpu_bytes, host_bytes
+from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes, host_bytes
 from lightning_megatrain.planner.shape import _Shape, describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
@@ -69,6 +71,10 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     # overlap_optimizer only: the fewest gpu_optimizer_groups whose host Adam no longer outlasts the next forward
     suggested_gpu_optimizer_groups: int | None = None
+    # long sequences, or seq_tile / segment_layers / device_checkpoints in effect: the placement planned, its
+    # reason, and the longest sequence that fits this machine at this micro-batch (planner/long_context.py); None
+    # for a plan those options leave as the engine was before them (and then absent from to_dict and report)
+    long_context: dict[str, Any] | None = None
 
     @property
     def host_total(self) -> int:
@@ -89,6 +95,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if d["long_context"] is None:
+            del d["long_context"]
         d.update(host_total=self.host_total, gpu_total=self.gpu_total, host_bytes_per_param=self.host_bytes_per_param,
                  host_state_bytes_per_param=self.host_state_bytes_per_param)
         return d
@@ -118,12 +126,34 @@ class Plan:
             (f"  Throughput {self.tokens_per_s:,.0f} tokens/s, {self.model_tflops:.0f} model TFLOP/s, "
             f"MFU {self.mfu:.1%} ({self.mfu_with_attention:.1%} with attention) vs {PEAK_TFLOPS:.0f} TFLOP/s"),
         ]
+        if self.long_context is not None:
+            lines += _long_context_lines(self)
         suggested = self.suggested_gpu_optimizer_groups
         if suggested is not None and suggested != self.assumptions.get("gpu_optimizer_groups"):
             lines.append(f"  gpu_optimizer_groups={suggested} is the fewest with which the host Adam no longer "
                          "outlasts the next forward")
         lines += [f"  WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _long_context_lines(p: Plan) -> list[str]:
+    lc, g = p.long_context, lambda b: f"{b / GIB:.2f} GiB"
+    asked = ", ".join(f"{k}={v!r}" for k, v in lc["requested"].items())
+    tile = (f"{lc['seq_tile']:,} positions per tile of the MLP/MoE block" if lc["seq_tile"] is not None
+            else "untiled")
+    longest = lc["longest_seq_len"]
+    return [
+        "", f"  Long context ({asked})",
+        f"    seq_tile: {tile}; segment_layers {lc['segment_layers']}; device_checkpoints {lc['device_checkpoints']}",
+        (f"    layer-input checkpoints: {lc['checkpoints']} x {g(lc['checkpoint_bytes'])}: "
+         + (f"{lc['device_checkpoints']} on the GPU, {lc['checkpoints'] - lc['device_checkpoints']} in pinned host "
+            f"memory ({g(lc['checkpoints_host_bytes'])})" if p.offload_activations else "all on the GPU (no offload)")),
+        f"    {'chosen' if lc['fits'] else 'NOTHING FITS'}: {lc['why']}",
+        f"    predicted: host RAM {g(p.host_total)} of {g(p.host_limit)}; GPU peak {g(p.gpu_total)} of "
+        f"{g(p.gpu_limit)}",
+        (f"    longest sequence that fits this machine at micro-batch {p.micro_batch}: {longest:,} tokens" if longest
+         else f"    no sequence of {SEQ_STEP:,} tokens or more fits this machine at micro-batch {p.micro_batch}"),
+    ]
 
 
 def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",
@@ -140,7 +170,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         loss_chunk_size: tokens per chunk of the chunked loss, as ``CausalLMModule(loss_chunk_size=...)``.
         attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
             config's (transformers picks sdpa where the model supports it).
-        offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying.
+        offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying
+            (then every layer-input checkpoint stays on the GPU: ``device_checkpoints`` is not read).
         config: the ``MegaTrainStrategy`` options, planned as the engine runs them:
 
             - ``num_slots``: that many slots of the largest layer on the GPU.
@@ -155,6 +186,14 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
               above that floor (engine/recompute.py); a fixed count needs more than the plan shows.
             - ``layers`` and ``cpu_adam`` are not read: the stack is discovered as the engine discovers it, and the
               host Adam runs at DeepSpeedCPUAdam's measured rate (torch fused AdamW's when overlapped).
+            - ``seq_tile``, ``segment_layers``, ``device_checkpoints``: planned as the engine places them
+              (planner/long_context.py): ``seq_tile`` through engine/tiling.py's ``tile_length``; ``"auto"``
+              segments and device checkpoints as ``choose_checkpoints`` decides them, with the host memory the
+              plan's other items leave free; where nothing fits, one checkpoint per layer, offloaded, and a warning.
+              The plan's ``long_context`` (and its report's "Long context" section) gives the placement, its reason
+              and the longest sequence that fits this machine at this micro-batch; it is None for a plan those
+              options leave as the engine was before them (a sequence up to ``AUTO_MIN_POSITIONS``, ``"auto"``
+              resolving to untiled, one checkpoint per layer, all offloaded).
             - ``"auto"`` is planned as the engine decides it on a CUDA device (engine/placement.py, [Note: auto
               placement]): ``overlap_optimizer`` and ``compile_layers`` on; ``gpu_optimizer_groups`` the suggested
               count (0 where none hides the host Adam and fits).
@@ -199,9 +238,18 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups}
-    gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups}
+    # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
+    # every other host item, which no sequence length changes
+    host_free = host_limit - sum(v for k, v in host_bytes(s, micro_batch, seq_len, **hkw).items()
+                                 if k != "activation offload")
+    placed = _placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit, offload_activations)
+    long_kw = {"segment": placed.segment_layers, "device_checkpoints": placed.device_checkpoints}
+    gkw.update(tile=placed.seq_tile, **long_kw)
+    hkw.update(long_kw)
+    tkw.update(tile=placed.seq_tile, **long_kw)
+    gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
     host = host_bytes(s, micro_batch, seq_len, **hkw)
     t = step_time(s, micro_batch, seq_len, **tkw)
     max_host = _largest(lambda b: sum(host_bytes(s, b, seq_len, **hkw).values()) <= host_limit)
@@ -233,10 +281,68 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                      "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
                      "optimizer_overlaps_gpu": overlap, "pinned_pow2_rounding": m.pinned_pow2_rounding,
                      "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers})
+    requested = {k: getattr(config, k) for k in ("seq_tile", "segment_layers", "device_checkpoints")}
+    if (seq_len > AUTO_MIN_POSITIONS or placed.seq_tile is not None or placed.segment_layers > 1
+            or placed.device_checkpoints > 0 or any(v != "auto" for v in requested.values())):
+        base = {k: v for k, v in gkw.items() if k not in ("tile", "segment", "device_checkpoints")}
+        p.long_context = {
+            "requested": requested, "seq_tile": placed.seq_tile, "segment_layers": placed.segment_layers,
+            "device_checkpoints": placed.device_checkpoints, "checkpoints": checkpoints(s, placed.segment_layers),
+            "checkpoint_bytes": placed.checkpoint_bytes, "checkpoints_host_bytes": host["activation offload"],
+            "host_free_for_checkpoints": host_free, "fits": placed.fits, "why": placed.why,
+            "longest_seq_len": longest_placeable(s, micro_batch, config=config, gkw=base, host_free=host_free,
+                                                 gpu_limit=gpu_limit) if offload_activations else None,
+        }
     p.warnings = _warnings(p, s)
     if overlap and optimizer in ("adamw", "adam"):
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
+
+
+def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: int, host_free: int,
+                      precision: str = "bf16-mixed", loss: str = "chunked", loss_chunk_size: int = 4096,
+                      attn_implementation: str | None = None, config: EngineConfig = EngineConfig(),
+                      gpu_reserve_gib: float = Machine().gpu_reserve_gib) -> tuple[Placement, int | None]:
+    """The long-context options for one micro-batch (planner/long_context.py's ``place``) on a GPU of ``gpu_limit``
+    bytes with ``host_free`` bytes of host memory free for the offloaded checkpoints, and, where nothing fits, the
+    longest sequence (a multiple of 1024) that fits these limits at this micro-batch (else None).
+
+    ``config``'s ``num_slots``, ``gpu_optimizer_groups`` (an int; ``"auto"`` plans none) and the three long-context
+    options are read. Reads nothing of this machine.
+
+    Raises:
+        ValueError: an unknown precision or loss; ``seq_len`` or ``micro_batch`` below 1.
+    """
+    if precision not in PRECISIONS or loss not in ("chunked", "naive"):
+        raise ValueError(f"precision in {list(PRECISIONS)}, loss in ['chunked', 'naive']; got {precision!r}, {loss!r}")
+    if seq_len < 1 or micro_batch < 1:
+        raise ValueError(f"seq_len, micro_batch must be >= 1; got {seq_len}, {micro_batch}")
+    s = describe(model, attn_implementation=attn_implementation)
+    groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
+    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
+           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups}
+    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
+    longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
+                                                         gpu_limit=gpu_limit)
+    return placed, longest
+
+
+def _placement(s: _Shape, micro_batch: int, seq_len: int, config: EngineConfig, gkw: dict, host_free: int,
+               gpu_limit: int, offload: bool) -> Placement:
+    """The long-context options planned: decided by :func:`~lightning_megatrain.planner.long_context.place`; where
+    nothing fits, ``"auto"`` as the engine was before them (one checkpoint per layer, none on the GPU) so the tables
+    show what that needs, explicit values as given. Without offload every checkpoint stays on the GPU."""
+    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free if offload else 1 << 62,
+                   gpu_limit=gpu_limit)
+    if not offload:
+        k = 1 if config.segment_layers == "auto" else config.segment_layers
+        return dataclasses.replace(placed, segment_layers=k, device_checkpoints=0, host_need=0,
+                                   why="no activation offload: every checkpoint stays on the GPU")
+    if placed.fits:
+        return placed
+    return dataclasses.replace(placed, segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
+                               device_checkpoints=0 if config.device_checkpoints == "auto"
+                               else config.device_checkpoints)
 
 
 def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
@@ -278,6 +384,13 @@ def _warnings(p: Plan, s: _Shape) -> list[str]:
     if p.loss == "naive" and p.gpu["phase loss: head + loss"] > 0.25 * p.gpu_limit:
         out.append(f"HF's loss materialises [B, T, V] logits ({p.gpu['phase loss: head + loss'] / GIB:.1f} GiB): "
                    "use CausalLMModule's chunked loss")
+    lc = p.long_context
+    if lc is not None and not lc["fits"]:
+        longest = (f"the longest that fits at micro-batch {p.micro_batch} is {lc['longest_seq_len']:,} tokens"
+                   if lc["longest_seq_len"] else
+                   f"none of {SEQ_STEP:,} tokens or more fits at micro-batch {p.micro_batch}")
+        out.append(f"no placement of the layer-input checkpoints fits this machine at {p.seq_len:,} tokens (Long "
+                   f"context above; the tables show one per layer, offloaded): {longest}")
     if s.attn == "eager":
         out.append("eager attention keeps [heads, T, T] probabilities per layer: activations grow with seq_len^2")
     if any(ly.linear for ly in s.layers):

@@ -34,6 +34,9 @@ class _Layer:
     window: int | None  # sliding window, None = full causal attention
     linear: bool = False  # token mixer is linear attention (Gated DeltaNet, layer_types "linear_attention")
     out_gate: bool = False  # q_proj also computes a sigmoid gate on the attention output (Qwen3.5, Qwen3-Next)
+    # the position-wise block (MLP or MoE), which seq_tile runs a tile of positions at a time (engine/tiling.py)
+    mlp_readers: int = 0  # of ``readers``, those in that block (gate, up; a MoE router)
+    mlp_active: int = 0  # parameters a token passes through in that block (MoE: shared + router + k/E of the experts)
 
 
 @dataclass
@@ -138,6 +141,9 @@ def describe(model: Any, name: str = "", attn_implementation: str | None = None)
         else:
             sliding = bool(window) and getattr(text, "use_sliding_window", True) is not False
         q_proj = next((m for n, m in linears if n.endswith("q_proj")), None)
+        mixer = lambda n: "attn" in n or "attention" in n  # the token mixer's modules; norms are neither block's
+        mlp_dense = sum(p.numel() for n, p in layer.named_parameters()
+                        if ".experts." not in f".{n}" and not mixer(n) and "norm" not in n)
         layers.append(_Layer(
             numel=numel,
             active=numel - expert + (expert * top_k // experts if experts else 0),
@@ -147,7 +153,9 @@ def describe(model: Any, name: str = "", attn_implementation: str | None = None)
             qk_norm=any(n.endswith(("q_norm", "q_layernorm")) for n, _ in layer.named_modules()),
             dense_i=dense_i, gated=gate_up >= 2 * dense_i > 0, moe=expert > 0, window=window if sliding else None,
             linear=i < len(layer_types) and layer_types[i] == "linear_attention",
-            out_gate=q_proj is not None and q_proj.out_features == 2 * heads * head_dim))
+            out_gate=q_proj is not None and q_proj.out_features == 2 * heads * head_dim,
+            mlp_readers=sum(1 for n, _ in readers if not mixer(n)),
+            mlp_active=mlp_dense + (expert * top_k // experts if experts else 0)))
     embeddings, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     return _Shape(
         name=name or getattr(config, "name_or_path", "") or config.model_type,

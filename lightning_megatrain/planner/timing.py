@@ -6,6 +6,19 @@ FLOPs (per token): layers 8*N_active (6N fwd+bwd, Kaplan et al. 2020, "Scaling L
 counts 12*H*T for fwd+bwd over all T keys; we count the keys a causal mask leaves, T_k ~ T/2, because flash kernels
 skip masked blocks, and add one forward 4*A*T_k for the recompute), LM head 6*V*H. They run at the achieved rates of
 constants.py (measured on these executed FLOPs).
+
+Attention, per layer and row of T positions (A = heads * head_dim): the forward's QK^T and PV take 2A FLOPs each per
+(query, key) pair, and causal query t attends to t keys, so 4A * T(T+1)/2 ~ 4 * T^2 * A / 2 FLOPs: the causal forward
+count of FlashAttention-2's benchmarks (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
+Work Partitioning"), i.e. 4*A*T_k per token with T_k = T/2 (``_keys``). Its backward executes 5 matmuls to the
+forward's 2 (2.5x); we count 2x, as PaLM does, and the rates are measured on the FLOPs counted so. At long sequences
+attention is most of a layer (Llama-2-7B: 73% of the forward at 131,072 tokens, 91% at 524,288), and the rate holds:
+one 7B layer at 131,072 tokens on the H200 ran 517 (forward) and 463 (recompute + backward) TFLOP/s counted this way,
+causal flash attention alone 556 and 463 (benchmarks/results/2026-12-01-planner-long-context-h200.json), against
+ACHIEVED_TFLOPS = 450.
+
+Long context (``step_time``'s docstring): segments replay ``L - ceil(L/k)`` layer forwards per micro-batch, a tiled
+position-wise block runs its forward once more (2 * ``mlp_active`` per token and layer).
 """
 
 from __future__ import annotations
@@ -33,30 +46,48 @@ def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
 
 def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,
               h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float,
-              overlap_optimizer: bool = False, gpu_groups: int = 0) -> dict[str, float]:
+              overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
+              device_checkpoints: int = 0) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
     when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
-    nor step on the host (their GPU step, ~28 B/param at HBM speed, is not counted)."""
+    nor step on the host (their GPU step, ~28 B/param at HBM speed, is not counted).
+
+    Long context (planner/memory.py's ``gpu_bytes`` names the options): a tiled position-wise block runs its forward
+    once more in backward (``2 * mlp_active`` FLOPs per token); a segment's last layer first replays the forward of
+    the segment's other layers (attention included), each uploading its weights once more; only checkpoints move
+    over PCIe, and only those not kept on the GPU (the last ``device_checkpoints``)."""
     on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
     bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
+    if tile is not None:  # the tiled block's forward again, tile by tile, before its backward
+        bwd = [b + 2 * ly.mlp_active * tok / rate for b, ly in zip(bwd, s.layers)]
+    L = len(s.layers)
+    firsts = list(range(0, L, segment))  # the layers whose input is a checkpoint
+    replays: list[list[int]] = [[] for _ in range(L)]  # at a segment's last layer: the others, replayed first
+    for first in firsts:
+        last = min(first + segment, L) - 1
+        replays[last] = list(range(first, last))
+    bwd = [b + sum(fwd[j] for j in r) for b, r in zip(bwd, replays)]
     up = [4 * ly.numel / (h2d * 1e9) for ly in s.layers]  # fp32 masters stream and are cast on the GPU
     up = [0.0] * len(on_gpu_layers) + up[len(on_gpu_layers):]
     act = 4 * H * tok if offload else 0
+    on_host = firsts[: max(len(firsts) - device_checkpoints, 0)] if offload else []
+    stash = [act if i in on_host else 0 for i in range(L)]  # D2H in forward, H2D (restore) in backward
     # Grads go D2H in fp32 straight into the pinned host grads. The 1st micro-batch of a step writes them; later ones
     # first upload them (H2D, fp32) and write back the sum made on the device (engine/drain.py, [Note: gradient drain]).
     grads = [4 * ly.numel for ly in s.layers]
     grads_up = [[0] * len(s.layers), [0] * len(on_gpu_layers) + grads[len(on_gpu_layers):]]  # device groups sum there
-    L, exposed, fill = len(s.layers), 0.0, 0.0
+    exposed, fill = 0.0, 0.0
     for m in range(grad_accum):
         for i in range(L):  # forward: upload i+1 and offload input i while i computes
-            exposed += max(0.0, max(up[i + 1] if i + 1 < L else 0, act / (d2h * 1e9)) - fwd[i])
+            exposed += max(0.0, max(up[i + 1] if i + 1 < L else 0, stash[i] / (d2h * 1e9)) - fwd[i])
         for i in reversed(range(L)):  # backward: upload i-1 (not for the layers still in slots), restore its input
             load = (4 * s.layers[i - 1].numel if len(on_gpu_layers) <= i - 1 < L - num_slots else 0)
-            load += act if i > 0 else 0
+            load += stash[i - segment] if i - segment >= 0 else 0  # the segment below's checkpoint, prefetched
+            load += sum(4 * s.layers[j].numel for j in replays[i] if j >= len(on_gpu_layers))  # replayed weights
             load += grads_up[min(m, 1)][i]
             exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
         fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
@@ -68,9 +99,10 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         "GPU compute": grad_accum * compute,
         "  of which layers": grad_accum * (sum(fwd) + sum(bwd)),
         "  of which LM head + loss": grad_accum * head,
-        "H2D busy": grad_accum * (sum(up) + sum(up[: max(L - num_slots, 0)]) + act * L / (h2d * 1e9))
+        "H2D busy": grad_accum * (sum(up) + sum(up[: max(L - num_slots, 0)]) + sum(up[j] for r in replays for j in r)
+                                  + sum(stash) / (h2d * 1e9))
         + (grad_accum - 1) * sum(grads) / (h2d * 1e9),
-        "D2H busy": grad_accum * (sum(grads) + act * L) / (d2h * 1e9),
+        "D2H busy": grad_accum * (sum(grads) + sum(stash)) / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
         "residents up + drain (serial)": (0 if on_gpu_resident else r * 4 / (h2d * 1e9)) + r * 4 / (d2h * 1e9)

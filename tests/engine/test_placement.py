@@ -99,3 +99,81 @@ def test_auto_groups_are_zero_where_the_planner_cannot_build_the_model(monkeypat
     module.config = T5Config()  # an encoder-decoder: AutoModelForCausalLM has no class for it
     n, why = _choose(module, torch.zeros(2, 8, dtype=torch.long))
     assert n == 0 and why.startswith("the planner cannot describe this model (ValueError")
+
+
+# The Llama-2-7B shape (6.74B parameters, 32 layers of multi-head attention)
+LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=32)
+GIB = 2**30
+
+
+def _checkpoints(shape, seq_len, gpu_gib, host_gib, **options):
+    return placement.choose_checkpoints(LlamaConfig(**shape), 1, seq_len, 2, config=EngineConfig(**options),
+                                        compute_dtype=torch.bfloat16, chunked_loss=True, gpu_bytes=int(gpu_gib * GIB),
+                                        host_bytes=int(host_gib * GIB))
+
+
+def test_auto_checkpoints_one_per_layer_on_the_host_where_they_fit():
+    k, n, why = _checkpoints(LLAMA_3B, 4096, 139, 50)
+    assert (k, n) == (1, 0)
+    assert why == ("all 28 layer-input checkpoints of 48.0 MiB (4 B x hidden 3072 x 1 x 4,096 tokens) fit pinned "
+                   "host memory: 28 offloaded (1.3 GiB of 50.0 GiB free); planned for 1 x 4096 tokens x 2 "
+                   "micro-batches")
+
+
+def test_auto_checkpoints_go_to_the_gpu_when_the_host_is_short():
+    # 28 x 3 GiB do not fit 60 GiB: as many on the GPU as fit beside the planned peak, all 28 on 139 GiB, 22 on 110
+    k, n, why = _checkpoints(LLAMA_3B, 262_144, 139, 60)
+    assert (k, n) == (1, 28) and "exceed the 60.0 GiB of pinned host memory free: the last 28 stay on the GPU" in why
+    k, n, why = _checkpoints(LLAMA_3B, 262_144, 110, 60)
+    assert (k, n) == (1, 22) and "6 offloaded (18.0 GiB of 60.0 GiB free)" in why
+
+
+def test_auto_checkpoints_take_segments_when_neither_holds_one_per_layer():
+    k, n, why = _checkpoints(LLAMA_7B, 262_144, 141, 20.5)
+    assert (k, n) == (2, 16)
+    assert why.startswith("one checkpoint per layer does not fit with as many on the GPU as fit; segments of 2 layers")
+    assert _checkpoints(LLAMA_7B, 404_480, 141, 20.5)[:2] == (4, 5)
+
+
+def test_explicit_checkpoint_options_are_checked():
+    assert _checkpoints(LLAMA_7B, 404_480, 141, 20.5, segment_layers=4, device_checkpoints=5)[:2] == (4, 5)
+    assert _checkpoints(LLAMA_7B, 131_072, 141, 20.5, segment_layers=32, device_checkpoints=100)[:2] == (32, 1)
+    assert _checkpoints(LLAMA_7B, 131_072, 141, 20.5, device_checkpoints=3)[:2] == (3, 3)
+    with pytest.raises(RuntimeError, match=r"fit neither host nor GPU with segment_layers=4, device_checkpoints=0: "
+                       r"8 of 6\.2 GiB .*HINT: the longest sequence that fits this machine at micro-batch 1 is "
+                       r"167,936 tokens \(planned with seq_tile='auto', segment_layers=4, device_checkpoints=0"):
+        _checkpoints(LLAMA_7B, 404_480, 141, 20.5, segment_layers=4, device_checkpoints=0)
+
+
+def test_no_checkpoint_placement_fits_raises_with_the_numbers():
+    with pytest.raises(RuntimeError) as error:
+        _checkpoints(LLAMA_7B, 524_288, 141, 20.5)
+    text = str(error.value)
+    for part in ("MegaTrainStrategy cannot place the first training micro-batch (1 x 524288 tokens)",
+                 "32 of 8.0 GiB (4 B x hidden 4096 x 1 x 524,288 tokens), 256.0 GiB in all",
+                 "the host holds 2 (20.5 GiB of pinned host memory free)",
+                 "the GPU's 141.0 GiB leave 16.7 GiB beside its 124.3 GiB peak",
+                 "HINT: the longest sequence that fits this machine at micro-batch 1 is 404,480 tokens"):
+        assert part in text, part
+    with pytest.raises(RuntimeError, match=r"HINT: not even 1,024 tokens fit this machine at micro-batch 1"):
+        _checkpoints(LLAMA_7B, 524_288, 8, 20.5)  # 8 GiB: not even the slots, residents and reserve with a layer
+
+
+def test_checkpoints_unchecked_where_the_planner_cannot_build_the_model():
+    from transformers import T5Config
+
+    k, n, why = placement.choose_checkpoints(T5Config(), 1, 4096, 1, config=EngineConfig(device_checkpoints=2),
+                                             compute_dtype=torch.bfloat16, chunked_loss=True, gpu_bytes=139 * GIB,
+                                             host_bytes=100 * GIB)
+    assert (k, n) == (1, 2) and why.startswith("the planner cannot describe this model (ValueError")
+
+
+def test_checkpoint_options_resolve_on_a_cpu_compute_device(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
+        cpu = placement.resolve(EngineConfig(), torch.device("cpu"))
+    assert (cpu.segment_layers, cpu.device_checkpoints, cpu.seq_tile) == (1, 0, "auto")
+    assert "segment_layers=1 (auto: CPU compute device, layer inputs stay in host memory)" in caplog.text
+    assert placement.resolve(EngineConfig(segment_layers=3), torch.device("cpu")).segment_layers == 3
+    cuda = placement.resolve(EngineConfig(), CUDA)
+    assert (cuda.segment_layers, cuda.device_checkpoints) == ("auto", "auto")  # decided at the first micro-batch

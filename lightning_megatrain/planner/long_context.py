@@ -1,0 +1,172 @@
+"""Long context: where one micro-batch's layer-input checkpoints go, and the longest sequence that fits a machine.
+
+A recomputed layer's input (the fp32 residual stream, ``4 * H * B * T`` bytes) is saved for its recompute: the
+*layer-input checkpoint*. At long sequences these outgrow host memory (Llama-2-7B at 524,288 tokens: 8 GiB each, 256
+GiB for 32 layers), so three options place them (config.py; memory.py's ``gpu_bytes`` and ``host_bytes`` model
+each): ``seq_tile`` (the position-wise block run a tile at a time, which lowers the GPU peak), ``segment_layers``
+(``k``: one checkpoint per ``k`` layers, ``ceil(L / k)`` in all, backward replaying the other ``k - 1``) and
+``device_checkpoints`` (``n``: the last ``n`` stay on the GPU). With ``S`` the size of one checkpoint, ``P(k, n)`` the
+GPU peak (memory.py) and ``F`` the host memory free for checkpoints:
+
+    host  (ceil(L / k) - n) * S  <=  F          GPU  P(k, n)  <=  the GPU's memory
+
+:func:`place` decides the ``"auto"`` ones as config.py declares them: ``k = 1, n = 0`` when every checkpoint fits the
+host; else, still at ``k = 1``, as many on the GPU as fit beside its peak (``P`` grows by ``S`` per checkpoint there
+beyond the first); else the smallest ``k`` that fits both (``P`` grows by ``S`` per replayed input held), each ``k``
+again with ``n = 0`` first, then as many as fit. An explicit int is taken as given and checked. ``seq_tile`` is not
+searched: engine/tiling.py's ``tile_length`` resolves it. Every layer is planned recomputed (``keep_layers=0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_megatrain._hardware import GIB
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.tiling import tile_length
+from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes
+from lightning_megatrain.planner.shape import _Shape
+
+# The longest-sequence search: multiples of this many positions, up to LONGEST_CAP.
+SEQ_STEP = 1024
+LONGEST_CAP = 1 << 24
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The long-context options for one micro-batch shape, decided (:func:`place`). Bytes are bytes."""
+
+    seq_tile: int | None  # positions per tile of the position-wise block; None: untiled
+    segment_layers: int
+    device_checkpoints: int  # at most ``checkpoints``
+    checkpoints: int  # ceil(layers / segment_layers)
+    checkpoint_bytes: int  # one: 4 * hidden * micro-batch * seq (fp32 residual stream)
+    host_need: int  # the checkpoints offloaded to pinned host memory
+    host_free: int  # host memory free for them
+    gpu_peak: int  # memory.py's peak with this placement
+    gpu_limit: int
+    fits: bool
+    why: str  # the reason for the choice, or, where none fits, the numbers of the closest
+
+
+def _count(n: int) -> str:
+    return f"{n} layer-input checkpoint{'s' if n != 1 else ''}"
+
+
+def _size(nbytes: float) -> str:
+    """GiB, or MiB below one GiB (a short sequence's checkpoints do not print as 0.0 GiB)."""
+    return f"{nbytes / GIB:.1f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gkw: dict, host_free: int,
+          gpu_limit: int) -> Placement:
+    """Decide ``segment_layers`` and ``device_checkpoints`` (``"auto"`` as the module docstring says; ints checked)
+    for one micro-batch of ``seq_len`` positions. ``gkw``: memory.py ``gpu_bytes``'s keyword arguments, without the
+    long-context ones. Never raises for a shape that fits nothing: ``fits`` is False and ``why`` has the numbers."""
+    tile = tile_length(config.seq_tile, seq_len)
+    S, L = 4 * s.hidden * micro_batch * seq_len, len(s.layers)
+    peaks: dict[tuple[int, int], int] = {}
+
+    def gpu(k: int, n: int) -> int:
+        if (k, n) not in peaks:
+            items, _ = gpu_bytes(s, micro_batch, seq_len, **gkw, tile=tile, segment=k, device_checkpoints=n)
+            peaks[k, n] = _gpu_peak(items)
+        return peaks[k, n]
+
+    def host(k: int, n: int) -> int:
+        return (checkpoints(s, k) - n) * S
+
+    def most_on_gpu(k: int) -> int:
+        """The most checkpoints the GPU holds beside the peak at segments of ``k``; -1 if not even none."""
+        lo, hi = -1, checkpoints(s, k)  # gpu() grows with n: bisect for the last n that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if gpu(k, mid) <= gpu_limit else (lo, mid - 1)
+        return lo
+
+    def result(k: int, n: int, fits: bool, why: str) -> Placement:
+        return Placement(seq_tile=tile, segment_layers=k, device_checkpoints=n, checkpoints=checkpoints(s, k),
+                         checkpoint_bytes=S, host_need=host(k, n), host_free=host_free, gpu_peak=gpu(k, n),
+                         gpu_limit=gpu_limit, fits=fits, why=why)
+
+    auto_k, auto_n = config.segment_layers == "auto", config.device_checkpoints == "auto"
+    each = f"of {_size(S)} (4 B x hidden {s.hidden} x {micro_batch} x {seq_len:,} tokens)"
+    free = f"{_size(host_free)} of pinned host memory free"
+
+    def offloaded(k: int, n: int) -> str:
+        return f"{checkpoints(s, k) - n} offloaded ({_size(host(k, n))} of {_size(host_free)} free)"
+
+    closest: tuple[int, int, int] | None = None  # (host shortfall, k, n) of the candidate nearest to fitting
+    for k in range(1, L + 1) if auto_k else [config.segment_layers]:
+        C = checkpoints(s, k)
+        if auto_n and host(k, 0) <= host_free and gpu(k, 0) <= gpu_limit:
+            n, why = 0, f"all {_count(C)} {each} fit pinned host memory: {offloaded(k, 0)}"
+        elif auto_n:
+            n = most_on_gpu(k)
+            why = (f"the {_count(C)} {each}, {_size(C * S)} in all, exceed the {free}: the last {n} stay on the "
+                   f"GPU, as many as fit beside its peak; {offloaded(k, n)}")
+        else:
+            n = min(config.device_checkpoints, C)
+            why = f"{_count(C)} {each}: {n} on the GPU as given, {offloaded(k, n)}"
+        if n >= 0 and host(k, n) <= host_free and gpu(k, n) <= gpu_limit:
+            if k > 1 and auto_k:
+                replayed = f"{k - 1} layer forward{'s' if k > 2 else ''} replayed per {k}"
+                on_gpu = "as many on the GPU as fit" if auto_n else f"device_checkpoints={config.device_checkpoints}"
+                why = f"one checkpoint per layer does not fit with {on_gpu}; segments of {k} layers ({replayed}): {why}"
+            return result(k, n, True, why)
+        if n >= 0 and (closest is None or host(k, n) - host_free < closest[0]):
+            closest = (host(k, n) - host_free, k, n)
+        if gpu(k, max(n, 0)) > gpu_limit:  # longer segments hold more replayed inputs: the peak only rises
+            break
+    # nothing fits: the numbers of the floor (one checkpoint per layer, none on the GPU) and of the closest candidate
+    k0 = 1 if auto_k else config.segment_layers
+    n0 = 0 if auto_n else min(config.device_checkpoints, checkpoints(s, k0))
+    given = "" if auto_k and auto_n else f" with segment_layers={config.segment_layers!r}, device_checkpoints=" \
+        f"{config.device_checkpoints!r}"
+    lines = [f"the layer-input checkpoints of micro-batch {micro_batch} x {seq_len:,} tokens fit neither host nor "
+             f"GPU{given}: {checkpoints(s, k0)} {each}, {_size(host(k0, 0))} in all; the host holds "
+             f"{max(host_free, 0) // S} ({free})"]
+    if host_free < 0:
+        lines[0] = (f"no host memory is left for the layer-input checkpoints of micro-batch {micro_batch} x "
+                    f"{seq_len:,} tokens ({_count(checkpoints(s, k0))} {each}): what else it holds already exceeds "
+                    f"it by {_size(-host_free)}")
+    elif gpu(k0, n0) > gpu_limit:
+        lines.append(f"the GPU peak is {_size(gpu(k0, n0))} of {_size(gpu_limit)} at segment_layers={k0}, "
+                     f"device_checkpoints={n0}, and longer segments or more checkpoints on the GPU only raise it")
+    else:
+        spare = gpu_limit - gpu(k0, n0)
+        lines.append(f"the GPU's {_size(gpu_limit)} leave {_size(spare)} beside its {_size(gpu(k0, n0))} peak: "
+                     f"{spare // S} more inputs; segments of k layers leave ceil({L}/k) - n checkpoints on the "
+                     "host and put k - 1 replayed inputs and all but one of the n device checkpoints on the GPU")
+        if closest is not None and (auto_k or auto_n):
+            _, k, n = closest
+            lines.append(f"the closest, segment_layers={k} with device_checkpoints={n}, needs {_size(host(k, n))} "
+                         f"of host and a GPU peak of {_size(gpu(k, n))}")
+    tiled = f"seq_tile={tile}" if tile is not None else "untiled (seq_tile=None)"
+    return result(k0, n0, False, "; ".join(lines) + f" ({tiled})")
+
+
+def longest_seq_len(fits: Callable[[int], bool], step: int = SEQ_STEP, cap: int = LONGEST_CAP) -> int:
+    """The longest multiple of ``step`` up to ``cap`` for which ``fits`` holds; 0 if not even ``step`` does.
+
+    Memory grows with the sequence except where ``seq_tile="auto"`` starts tiling (engine/tiling.py:
+    ``AUTO_MIN_POSITIONS``, a power of two times ``step``), where it drops. So every doubling of ``step`` up to
+    ``cap`` is tried (not only up to the first that fails), then the gap above the longest that fits is bisected."""
+    doublings = [step << j for j in range((cap // step).bit_length()) if step << j <= cap]
+    fitting = [t for t in doublings if fits(t)]
+    if not fitting:
+        return 0
+    lo, hi = fitting[-1] // step, min(2 * fitting[-1], cap + step) // step  # in steps: lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+def longest_placeable(s: _Shape, micro_batch: int, *, config: EngineConfig, gkw: dict, host_free: int,
+                      gpu_limit: int) -> int:
+    """The longest sequence (a multiple of ``SEQ_STEP``) whose checkpoints :func:`place` fits, at ``micro_batch``
+    with ``config``'s options (``"auto"`` decided again at each length) and these limits."""
+    return longest_seq_len(lambda t: place(s, micro_batch, t, config=config, gkw=gkw, host_free=host_free,
+                                           gpu_limit=gpu_limit).fits)
