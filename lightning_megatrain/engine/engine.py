@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
-from lightning_megatrain._hardware import GIB
+from lightning_megatrain._hardware import GIB, available_host_bytes
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
@@ -19,7 +20,7 @@ from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, 
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.placement import choose_gpu_optimizer_groups, resolve
+from lightning_megatrain.engine.placement import choose_checkpoints, choose_gpu_optimizer_groups, resolve, token_shape
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
@@ -151,7 +152,8 @@ class MegaTrainEngine:
             self.config.segment_layers if isinstance(self.config.segment_layers, int) else 1,
             self.config.device_checkpoints if isinstance(self.config.device_checkpoints, int) else 0,
         )
-        self.placement_pending = fitting and self.config.gpu_optimizer_groups == "auto"
+        # decided (and checked) at the first training micro-batch, whose shape they need ([Note: auto placement])
+        self.placement_pending = fitting and (self.config.gpu_optimizer_groups == "auto" or self.on_cuda)
         self._place_device_groups(n_device)
         log.info(
             "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
@@ -177,10 +179,17 @@ class MegaTrainEngine:
         custom_clipping: bool,
         chunked_loss: bool,
     ) -> None:
-        """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them
-        (engine/placement.py, [Note: auto placement]); logs the choice. Called once, before that micro-batch's
-        forward."""
+        """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them, then place (or
+        check) the layer-input checkpoints (engine/placement.py, [Note: auto placement]); logs each choice. Called
+        once, before that micro-batch's forward. Raises before any allocation of the micro-batch when no placement of
+        its checkpoints fits, with the numbers."""
         self.placement_pending = False
+        if self.config.gpu_optimizer_groups == "auto":
+            self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss)
+        if self.on_cuda:
+            self._place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
+
+    def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss) -> None:
         n, why = choose_gpu_optimizer_groups(
             self.module,
             batch,
@@ -195,6 +204,36 @@ class MegaTrainEngine:
         log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
         self.config = self.config.replace(gpu_optimizer_groups=n)
         self._place_device_groups(n)
+
+    def _place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
+        """``segment_layers`` and ``device_checkpoints`` for the first training micro-batch: decided where "auto",
+        checked against the free host and GPU memory where given ([Note: recompute segments])."""
+        shape = token_shape(batch)
+        hf_config = next(
+            (m.config for m in self.module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)), None
+        )
+        auto = [name for name in ("segment_layers", "device_checkpoints") if getattr(self.config, name) == "auto"]
+        if shape is None or hf_config is None:
+            k, n = (1 if "segment_layers" in auto else self.config.segment_layers,
+                    0 if "device_checkpoints" in auto else self.config.device_checkpoints)
+            why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
+        else:
+            # what the host still has for offloaded checkpoints, less what it allocates before backward ends: the
+            # fp32 grads not yet allocated and, before the first step, the host Adam states (8 B/param)
+            free = available_host_bytes()
+            host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
+            to_come = sum(4 * g.numel - g.grad_nbytes for g in host_groups)
+            if not any(o.state for o in optimizers):
+                to_come += 8 * sum(g.numel for g in host_groups)
+            k, n, why = choose_checkpoints(
+                hf_config, *shape, grad_accum, config=self.config, compute_dtype=self.compute_dtype,
+                chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
+                host_bytes=free[0] - to_come if free is not None else 1 << 62,
+            )
+        log.info("MegaTrain: segment_layers=%d, device_checkpoints=%d (%s: %s)", k, n,
+                 "auto" if auto else "as given, checked", why)
+        self.config = self.config.replace(segment_layers=k, device_checkpoints=n)
+        self.streamed.segments.configure(k, n)
 
     def _place_device_groups(self, n: int) -> None:
         """Make the first ``n`` groups the forward reads (the residents, then layers 0, 1, ...) device groups
