@@ -1,7 +1,8 @@
 """lightning_megatrain: train causal LMs larger than GPU memory on one GPU with ``Trainer(strategy="megatrain")``.
 
 Importing the package registers ``"megatrain"`` in Lightning's strategy registry (Lightning has no entry-point
-discovery for strategies), and shows the package's INFO messages (layout, kept layers, host memory) the way
+discovery for strategies) and the ``"packed_sdpa"`` attention in transformers' (see [Note: packed attention] in
+``models/packed_attention.py``), and shows the package's INFO messages (layout, kept layers, host memory) the way
 Lightning shows its own: on stderr unless the application configured logging itself.
 """
 
@@ -9,6 +10,7 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_megatrain.models import packed_attention
 from lightning_megatrain.precision import MegaTrainPrecision
 from lightning_megatrain.strategy import MegaTrainStrategy
 
@@ -20,6 +22,7 @@ if not logging.getLogger().hasHandlers():  # as lightning.pytorch does for its l
 
 if MegaTrainStrategy.strategy_name not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)
+packed_attention.register()
 
 __all__ = ["MegaTrainPrecision", "MegaTrainStrategy"]
 __version__ = "0.1.0"

@@ -16,6 +16,8 @@ A packed batch deliberately has no ``attention_mask``: transformers 5.x then der
 from ``position_ids`` (``masking_utils.find_packed_sequence_indices``, used by ``create_causal_mask`` only when
 the 2D attention mask is ``None`` and no KV cache is passed, so call the model with ``use_cache=False``).
 The padding tail is its own pseudo-sequence with positions ``0..p-1``, so real tokens never attend to it.
+``packed_sdpa`` attends within each sequence without building the mask (see [Note: packed attention] in
+``models/packed_attention.py``).
 """
 
 from __future__ import annotations

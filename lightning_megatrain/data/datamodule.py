@@ -68,9 +68,10 @@ class SFTDataModule(LightningDataModule):
         train_on_prompt: Also train on system/user/template tokens instead of only assistant turns. More
             tokens contribute to the loss, but the model also learns to imitate prompts. Default ``False``.
         packing: Pack several examples into each row of ``cutoff_len`` tokens (best-fit decreasing) with
-            per-sequence ``position_ids`` and no ``attention_mask``. Removes padding waste (faster) and keeps
-            sequences isolated with sdpa/eager/flex attention. With flash-attention kernels transformers only
-            detects packing when the batch has one row, so use ``micro_batch_size=1`` there. Default ``False``.
+            per-sequence ``position_ids`` and no ``attention_mask``. Removes padding waste (faster); the model's
+            attention keeps the sequences apart: ``CausalLMModule``'s default ``packed_sdpa`` per sequence without a
+            mask, ``sdpa``/``eager`` over a dense ``[B, 1, T, T]`` mask (refused from 1 GiB), flash-attention
+            kernels only with ``micro_batch_size=1`` (see docs/data.md#packing). Default ``False``.
         micro_batch_size: Rows per batch (per optimizer micro-step). Larger uses more activation memory.
             Default 1.
         val_size: Held-out validation share: a float in [0, 1) is a fraction of the rows, an int >= 0 a row

@@ -14,6 +14,13 @@ from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
+from lightning_megatrain.models.packed_attention import (
+    AUTO,
+    apply_auto,
+    hf_attn_implementation,
+    is_packed,
+    packed_batch_problem,
+)
 
 # Config attributes of heads that rescale logits beyond soft-capping; the chunked loss does
 # not reproduce them, so such models are refused instead of being trained on a wrong loss.
@@ -73,9 +80,15 @@ class CausalLMModule(LightningModule):
             config attributes. Exactly one of ``model`` and ``config`` is required.
         tokenizer: Tokenizer directory or Hub name saved with exported checkpoints; defaults to
             ``model``. With only ``config`` and no tokenizer, exports contain no tokenizer.
-        attn_implementation: HuggingFace attention backend ("sdpa", "eager",
-            "flash_attention_2", ...). Some architectures lack "sdpa" in some transformers
-            versions (e.g. Gemma 2 and gpt-oss in 5.24) and need "eager".
+        attn_implementation: HuggingFace attention backend. ``"auto"`` (default): transformers'
+            own choice ("sdpa", or "eager" for architectures without it, e.g. Gemma 2 and
+            gpt-oss in 5.24), with "sdpa" replaced by ``"packed_sdpa"``: the same SDPA kernels,
+            run per document on packed rows instead of over a dense ``[B, 1, T, T]`` mask (see
+            [Note: packed attention] in ``packed_attention.py``). Or any transformers name
+            ("sdpa", "eager", "flex_attention", "flash_attention_2", ...); packed rows whose
+            dense mask would take 1 GiB or more (T >= 32K at one row) are refused under "sdpa"
+            and "eager", and packed batches of several rows under "flash_attention_*", which
+            would let their documents attend to each other.
         trust_remote_code: Allow custom modelling code from the model repository.
         loss_chunk_size: Target tokens per chunk of the LM-head loss; bounds the loss's extra
             memory to a few ``[loss_chunk_size, vocab_size]`` fp32 buffers.
@@ -93,7 +106,7 @@ class CausalLMModule(LightningModule):
         model: str | None = None,
         config: dict[str, Any] | None = None,
         tokenizer: str | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = AUTO,
         trust_remote_code: bool = False,
         loss_chunk_size: int = 4096,
         learning_rate: float = 1e-4,
@@ -164,7 +177,7 @@ class CausalLMModule(LightningModule):
         hp = self.hparams
         kwargs = {
             "dtype": torch.float32,
-            "attn_implementation": hp.attn_implementation,
+            "attn_implementation": hf_attn_implementation(hp.attn_implementation),
             "trust_remote_code": hp.trust_remote_code,
         }
         if hp.model is not None:
@@ -173,6 +186,7 @@ class CausalLMModule(LightningModule):
             )
         else:
             self.model = AutoModelForCausalLM.from_config(self.hf_config, **kwargs)
+        apply_auto(self.model, hp.attn_implementation)
 
     def _decoder(self) -> nn.Module:
         """The base model under the LM head; returns last hidden states (after the final norm)."""
@@ -229,10 +243,29 @@ class CausalLMModule(LightningModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Adds the loss's target positions (``target_rows``), computed on the host: on a GPU the loss then
-        selects them without a device sync, and the token count is known without one."""
-        if isinstance(batch, dict) and "input_ids" in batch and TARGET_ROWS not in batch:
+        selects them without a device sync, and the token count is known without one.
+
+        Raises:
+            ValueError: The batch is packed (restarting ``position_ids``, no ``attention_mask``) and the model's
+                attention would build a dense mask of 1 GiB or more, or mix documents (see ``packed_batch_problem``).
+        """
+        if not (isinstance(batch, dict) and "input_ids" in batch):
+            return batch
+        self._check_packed(batch)
+        if TARGET_ROWS not in batch:
             batch = {**batch, TARGET_ROWS: target_rows(_labels(batch))}
         return batch
+
+    def _check_packed(self, batch: dict[str, Tensor]) -> None:
+        """Refuses a packed batch the model's attention implementation cannot take (see ``packed_batch_problem``)."""
+        position_ids = batch.get("position_ids")
+        if self.model is None or position_ids is None or batch.get("attention_mask") is not None:
+            return
+        attn = self.model.config.get_text_config()._attn_implementation
+        batch_size, length = batch["input_ids"].shape
+        problem = packed_batch_problem(attn, batch_size, length) if is_packed(position_ids) else None
+        if problem is not None:
+            raise ValueError(f"Packed batch: {problem}")
 
     def forward(
         self,

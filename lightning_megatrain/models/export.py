@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.initialization import no_init_weights
 
 from lightning_megatrain.models.causal_lm import CausalLMModule
+from lightning_megatrain.models.packed_attention import hf_attn_implementation
 
 _PREFIX = "model."
 
@@ -76,7 +77,7 @@ def export_checkpoint(
         model = AutoModelForCausalLM.from_config(
             config,
             dtype=torch.float32,
-            attn_implementation=hparams["attn_implementation"],
+            attn_implementation=hf_attn_implementation(hparams["attn_implementation"]),
             trust_remote_code=hparams["trust_remote_code"],
         )
     model.tie_weights()

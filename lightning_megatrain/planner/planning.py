@@ -168,8 +168,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         precision: "bf16-mixed" or "32-true".
         optimizer: "adamw", "adam", "sgd", "sgd_momentum". loss: "chunked" (CausalLMModule) or "naive" (HF).
         loss_chunk_size: tokens per chunk of the chunked loss, as ``CausalLMModule(loss_chunk_size=...)``.
-        attn_implementation: "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default the
-            config's (transformers picks sdpa where the model supports it).
+        attn_implementation: "auto", "sdpa", "eager", ... as ``CausalLMModule(attn_implementation=...)``; default
+            (and "auto") the config's (transformers picks sdpa where the model supports it).
         offload_activations: layer inputs go to pinned host memory (the engine's CUDA path) instead of staying
             (then every layer-input checkpoint stays on the GPU: ``device_checkpoints`` is not read).
         config: the ``MegaTrainStrategy`` options, planned as the engine runs them:

@@ -100,12 +100,13 @@ def _unique_numel(params) -> int:
 def describe(model: Any, name: str = "", attn_implementation: str | None = None) -> _Shape:
     """Count parameters exactly on the ``meta`` device and read the layer shapes the formulas need.
 
-    ``attn_implementation`` overrides the config's (as ``model.attn_implementation`` does in the CLI)."""
+    ``attn_implementation`` overrides the config's (as ``model.attn_implementation`` does in the CLI); ``"auto"``
+    plans transformers' default, whose sdpa ``CausalLMModule`` runs as ``packed_sdpa`` with the same memory."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(model)
     kwargs = {}
-    if attn_implementation:
+    if attn_implementation and attn_implementation != "auto":
         config = copy.deepcopy(config)  # from_config writes the implementation into the config it is given
         kwargs["attn_implementation"] = attn_implementation
     with torch.device("meta"):

@@ -33,12 +33,12 @@ _TINY = {
 }
 # config file -> (Hub id it names, attn_implementation, tiny model.config of the same architecture)
 READY = {
-    "llama3-8b": ("meta-llama/Llama-3.1-8B-Instruct", "sdpa", {"model_type": "llama", **_TINY}),
-    "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "sdpa", {"model_type": "qwen2", **_TINY}),
-    "qwen3-8b": ("Qwen/Qwen3-8B", "sdpa", {"model_type": "qwen3", **_TINY}),
+    "llama3-8b": ("meta-llama/Llama-3.1-8B-Instruct", "auto", {"model_type": "llama", **_TINY}),
+    "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "auto", {"model_type": "qwen2", **_TINY}),
+    "qwen3-8b": ("Qwen/Qwen3-8B", "auto", {"model_type": "qwen3", **_TINY}),
     "mixtral-8x7b": (
         "mistralai/Mixtral-8x7B-Instruct-v0.1",
-        "sdpa",
+        "auto",
         {"model_type": "mixtral", **_TINY, "num_local_experts": 4, "output_router_logits": False},
     ),
     "gpt-oss-20b": ("openai/gpt-oss-20b", "eager", {"model_type": "gpt_oss", **_TINY, "num_local_experts": 4}),
@@ -61,7 +61,7 @@ READY = {
     # Also multimodal on the Hub (Qwen3_5ForConditionalGeneration); AutoModelForCausalLM builds the text model.
     "qwen3.5-27b": (
         "Qwen/Qwen3.5-27B",
-        "sdpa",
+        "auto",
         {
             "model_type": "qwen3_5",
             "text_config": {**_TINY, "layer_types": ["linear_attention", "full_attention"],
