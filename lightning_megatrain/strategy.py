@@ -104,7 +104,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             usable, else off ([Note: auto placement]).
         seq_tile: sequence positions per tile for each decoder layer's MLP or MoE block, in forward and recompute, so
             its transient memory follows the tile, not the sequence; ``None`` untiled, ``"auto"`` (default) tiled for
-            long sequences only (engine/tiling.py, [Note: sequence tiles]). Results equal the untiled layer's.
+            long sequences only (engine/tiling.py, [Note: sequence tiles]). The block's forward runs once more per
+            step (each tile is re-run in backward); results equal the untiled block's to fp32 rounding.
         segment_layers: layers per recompute segment: ``1`` saves every recomputed layer's input; ``k > 1`` saves
             the first input of every ``k`` layers and replays the rest in backward (engine/segments.py, [Note:
             recompute segments]); ``"auto"`` (default): 1 unless the checkpoints fit neither memory.

@@ -24,6 +24,7 @@ from lightning_megatrain.engine.placement import choose_checkpoints, choose_gpu_
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
+from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
 from lightning_megatrain.optim.host_optimizer import overlappable
 
@@ -55,6 +56,7 @@ class MegaTrainEngine:
         self.groups: list[FlatGroup] = []  # one per layer of the stack
         self.resident_group: FlatGroup | None = None  # the residents' masters (CPU and CUDA backends alike)
         self.streamed: StreamedLayers | None = None
+        self.tiles: SequenceTiles | None = None  # the layers' tiled position-wise blocks, unless seq_tile=None
         self.residents: Residents | None = None
         self.transfer: Transfer | None = None  # engine/transfer.py: HostTransfer or CudaTransfer
         self.registry: HostRegistry | None = None  # page-locked host buffers (CUDA only)
@@ -152,6 +154,9 @@ class MegaTrainEngine:
             self.config.segment_layers if isinstance(self.config.segment_layers, int) else 1,
             self.config.device_checkpoints if isinstance(self.config.device_checkpoints, int) else 0,
         )
+        if self.config.seq_tile is not None:  # tiled per call, from each row's length ([Note: sequence tiles])
+            self.tiles = SequenceTiles(stack, self.config.seq_tile)
+            self.tiles.install()
         # decided (and checked) at the first training micro-batch, whose shape they need ([Note: auto placement])
         self.placement_pending = fitting and (self.config.gpu_optimizer_groups == "auto" or self.on_cuda)
         self._place_device_groups(n_device)
@@ -379,16 +384,19 @@ class MegaTrainEngine:
         return sizes
 
     def teardown(self) -> None:
-        """Wait for the step in flight, restore each layer's own ``forward`` and free the engine's resources; a
-        failed overlapped step's error is raised after that, so an exception leaves a restored module."""
+        """Wait for the step in flight, restore each layer's and each tiled block's own ``forward`` and free the
+        engine's resources; a failed overlapped step's error is raised after that, so an exception leaves a restored
+        module."""
         try:
             self.wait_for_optimizer()
         finally:
             if self.streamed is not None:
                 self.streamed.uninstall()
+            if self.tiles is not None:
+                self.tiles.uninstall()
             if self.transfer is not None:
                 self.transfer.close()
             if self.registry is not None:
                 torch.cuda.synchronize(self.device)  # no copy may still touch a region being unregistered
                 self.registry.release()
-            self.transfer = self.residents = self.streamed = self.registry = self._step = None
+            self.transfer = self.residents = self.streamed = self.tiles = self.registry = self._step = None

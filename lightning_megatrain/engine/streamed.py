@@ -34,7 +34,8 @@ fewer; the results are bitwise those of
 the plain compiled layer. A recomputed layer's backward runs the same graph, so calibration measures what a kept
 one holds. Where dynamo cannot trace the layer whole (Mixtral's routing on the GPU), the checkpoint runs eagerly:
 it saves the same outputs and re-runs the layer's own code inside backward, which therefore binds the layer's
-weights again around ``autograd.grad``.
+weights again around ``autograd.grad``. A layer whose MLP or MoE block runs in sequence tiles compiles them into the
+same graph, and the policy leaves a tile's matmuls to the tile's own checkpoint (see [Note: sequence tiles]).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.segments import LayerRecord, Segments, replay_state
+from lightning_megatrain.engine.tiling import inside_tile
 from lightning_megatrain.engine.transfer import Transfer
 
 # Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
@@ -81,7 +83,9 @@ _SAVED_OPS = frozenset(
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # not a sequence tile's: its own checkpoint re-runs it in backward (see [Note: sequence tiles])
+    save = op in _SAVED_OPS and not inside_tile()
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _compile(forward: Callable[..., Any]) -> Callable[..., Any]:

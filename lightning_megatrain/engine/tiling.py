@@ -2,18 +2,92 @@
 time, in forward and in the recompute.
 
 [Note: sequence tiles]
-(to be written with the mechanism)
+What: the block a decoder layer applies to each position alone (``mlp``, ``block_sparse_moe``, ``feed_forward`` or
+``ffn``, see ``BLOCK_NAMES``) gets a ``forward`` that splits its input [B, T, H] along T into tiles of ``t =
+tile_length(seq_tile, T)`` positions, runs the block's own forward on each and concatenates the outputs; a block
+that also returns rows flattened to [B * t, E] (MoE router logits or scores) gets them back in the untiled (b, t)
+order. Attention is untouched: it is not position-wise, and a block that mixes positions (an MoE router with a
+capacity over all tokens) would compute something else tiled: ``seq_tile=None`` for such a model. The dropless
+routers of the HF families route each token alone. Without grad the tiles just run one after the other. With
+grad each tile runs under a non-reentrant ``torch.utils.checkpoint``, which saves only the tile's input (a view of
+the block's input) and re-runs the tile inside backward, so one tile's intermediates are alive at a time, in the
+engine's recompute and its backward alike (engine/streamed.py, [Note: streamed layer]).
+
+Memory: an eager Llama MLP with grad holds 4 tensors of [B, T, I] until backward (gate and up projections, SiLU of
+gate, their product) and about 3 more at once in backward (their grads): at the 7B shape (H 4096, I 11008), B = 1
+and T = 512K in bf16 each is T * I * 2 bytes = 10.8 GiB, 43 GiB held. Tiled, the same counts apply to [B, t, I]:
+about 7 * B * t * I * bytes at the peak, 2.3 GiB for t = 16,384 (344 MiB per tensor), whatever T. What stays
+[B, T, H]: the block's input (kept alive by the tiles' views of it), its output, and while ``torch.cat`` runs a
+second copy of the output (the tiles' outputs), 4 GiB each at 512K. An MoE block's intermediates are those of the
+routed copies, B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
+
+Compute: a tile under a checkpoint runs its forward twice with grad, so the block's forward runs once more per
+step: three times instead of two in a recomputed layer (forward without grad, the recompute, the re-run in
+backward), twice instead of once in a kept layer. At the 7B shape a layer's forward spends about 2 * 3 * H * I
+FLOPs per position in the MLP, 2 * 4 * H^2 in the attention projections and 2 * T * H in causal attention; a step
+of a recomputed layer costs about four forwards, so one more MLP forward adds about 10% of the layer's compute at
+T = 32K (the MLP is 40% of its forward) and 1.4% at 512K (6%). Hence ``seq_tile="auto"`` tiles only rows longer
+than ``AUTO_MIN_POSITIONS`` = 32,768: below, the block holds at most 4 * 32K * I * 2 bytes = 2.7 GiB at 7B, not
+worth 10% of the compute; above, attention dominates the FLOPs and the block's memory grows to tens of GiB. Its
+tiles of ``AUTO_TILE`` = 16,384 positions keep the block's matmuls large ([B * t, H] x [H, I]).
+
+Equality: the tiles compute each position as the untiled block does. Measured in fp32 on the CPU (and tested,
+tests/engine/test_tiling.py): a dense MLP's output and input grad are bitwise those of the untiled block (a
+position's row is the same GEMM row; a GPU's GEMM may pick other kernels per shape, so there only within rounding);
+weight grads add the tiles' partial sums, another summation order: ~2e-7 relative. An MoE block groups each tile's
+tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise.
+
+Randomness: the checkpoint saves the RNG state (the CPU's, and the device's of a CUDA tile) before each tile and
+restores it when re-running the tile in backward, and the engine's recompute restores the layer's, so dropout inside
+a block replays the forward's masks. Such a block (dropout, Mixtral's ``router_jitter_noise`` in training) draws
+its random numbers tile by tile, though: its masks are not the untiled run's, only from the same distribution. No
+family the tests train draws any inside the block (Phi-3's ``resid_mlp_dropout`` is applied outside it).
+
+Compiled layers ([Note: compiled layers] in engine/streamed.py): dynamo traces the tiles into the layer's graph, each
+as a nested checkpoint region, without a graph break. The regions' tags override the layer's selective policy, so
+the graph saves the block's input, not every tile's matmul outputs, and inductor's backward re-runs each tile just
+before that tile's backward, reusing the tile's buffers (read off the generated code on the CPU, 8 tiles: peak of
+the backward's own buffers 0.84 * T * I values instead of 4.0). Results: output and input grad bitwise those of the
+untiled compiled layer, weight grads within 2e-7 (CPU). The tiled forward is a method all blocks share (bound per
+block, with its state in block attributes), so dynamo guards on one function and one graph per grad mode serves
+every layer and tile. The number of tiles is part of the graph, though: a row length with another number of tiles
+compiles again (once per grad mode; within a count T stays dynamic), and past dynamo's ``recompile_limit`` (8 per
+function) new counts run eagerly. Packed rows of one length compile once. Where the layer runs eagerly (dynamo could
+not trace it, or the limit), the selective checkpoint's cache would keep every tile's matmul outputs until the
+layer's backward; its policy asks :func:`inside_tile` and leaves a tile's ops to the tile's own checkpoint.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
 from lightning_megatrain.config import Auto
+
+log = logging.getLogger(__name__)
 
 # ``seq_tile="auto"`` tiles only rows longer than this many positions: below it the block's transient memory is small
 # next to a layer's saved activations, and a tiled block inside a kept layer's graph is recomputed in backward.
 AUTO_MIN_POSITIONS = 32_768
 # ``seq_tile="auto"``'s tile: long enough that the block's matmuls stay efficient ([tile * B, H] x [H, I]).
 AUTO_TILE = 16_384
+
+# Attribute names of a decoder layer's position-wise block, tried in this order: ``mlp`` (Llama, Qwen2/3, Mistral,
+# Gemma, Phi-3, and in transformers 5.x also the MoE blocks of Mixtral, Qwen3-MoE and gpt-oss), ``block_sparse_moe``
+# (Mixtral and Granite-MoE in older transformers), ``feed_forward`` (Llama 4, Jamba), ``ffn`` (DBRX).
+BLOCK_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")
+
+# Tiles running eagerly on this thread (``depth``): the compiled layer's selective checkpoint policy
+# (engine/streamed.py) reads it and leaves their ops to the tiles' own checkpoints (see [Note: sequence tiles]).
+_running = threading.local()
 
 
 def tile_length(seq_tile: int | Auto | None, seq_len: int) -> int | None:
@@ -23,3 +97,149 @@ def tile_length(seq_tile: int | Auto | None, seq_len: int) -> int | None:
     if seq_tile == "auto":
         return AUTO_TILE if seq_len > AUTO_MIN_POSITIONS else None
     return seq_tile if seq_len > seq_tile else None
+
+
+def find_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """The decoder layer's position-wise block as ``(attribute, module)``, or None (see ``BLOCK_NAMES``)."""
+    for name in BLOCK_NAMES:
+        block = getattr(layer, name, None)
+        if isinstance(block, nn.Module):
+            return name, block
+    return None
+
+
+def run_tiled(forward: Callable[[Tensor], Any], hidden: Tensor, tile: int) -> Any:
+    """``forward(hidden)`` for a position-wise ``forward`` on ``hidden`` [B, T, H], ``tile`` positions at a time.
+
+    With grad each tile runs under a non-reentrant ``checkpoint``: it saves the tile's input (a view of ``hidden``)
+    and re-runs the tile in backward, so only one tile's intermediates are alive at a time. Outputs are put back in
+    the untiled order: tensors shaped [B, t, ...] are concatenated along T, tensors flattened to [B * t, ...] (MoE
+    router logits or scores) along the (b, t) rows; other outputs (None, ints) must be equal across tiles.
+
+    Raises:
+        ValueError: an output leaf that is neither (a scalar aux loss, a tensor of another shape): no per-position
+            layout to reassemble it in. HINT in the message: ``seq_tile=None``.
+    """
+    batch = hidden.shape[0]
+    tiles = hidden.split(tile, dim=1)  # views: [B, t, H], the last one shorter where tile does not divide T
+    if torch.is_grad_enabled():  # saves each tile's input and its RNG state; re-runs the tile in backward
+        outputs = [checkpoint(_run_tile, forward, x, use_reentrant=False) for x in tiles]
+    else:
+        outputs = [_run_tile(forward, x) for x in tiles]
+    lengths = [x.shape[1] for x in tiles]
+    flat, spec = zip(*(pytree.tree_flatten(o) for o in outputs))
+    merged = [_merge([leaves[k] for leaves in flat], batch, lengths, hidden.dim()) for k in range(len(flat[0]))]
+    return pytree.tree_unflatten(merged, spec[0])
+
+
+def inside_tile() -> bool:
+    """Whether this thread is running a tile eagerly (under dynamo the tile is traced and this stays False)."""
+    return getattr(_running, "depth", 0) > 0
+
+
+def _run_tile(forward: Callable[[Tensor], Any], x: Tensor) -> Any:
+    # Inside the checkpoint (with grad): the copy a [B, t, H] slice needs for B > 1 (blocks ``view`` it to
+    # [B * t, H]) is made again in backward, not saved beside the slice.
+    if torch.compiler.is_compiling():  # traced: the nested checkpoint's own tags keep the tile's outputs unsaved
+        return forward(x.contiguous())
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        return forward(x.contiguous())
+    finally:
+        _running.depth -= 1
+
+
+def _merge(leaves: list[Any], batch: int, lengths: list[int], ndim: int) -> Any:
+    """One output leaf of every tile, put back in the untiled order."""
+    first = leaves[0]
+    if not isinstance(first, Tensor):
+        if any(leaf != first for leaf in leaves[1:]):
+            raise ValueError(_cannot_merge(first))
+        return first
+    shapes = [tuple(leaf.shape) for leaf in leaves]
+    if all(s[:2] == (batch, t) and len(s) == ndim for s, t in zip(shapes, lengths)):
+        return torch.cat(leaves, dim=1)  # [B, t, ...] -> [B, T, ...]
+    if all(len(s) >= 1 and s[0] == batch * t for s, t in zip(shapes, lengths)):
+        # rows flattened in (b, t) order: [B * t, ...] -> [B, t, ...] -> [B, T, ...] -> [B * T, ...]
+        per_row = [leaf.reshape(batch, t, *leaf.shape[1:]) for leaf, t in zip(leaves, lengths)]
+        return torch.cat(per_row, dim=1).flatten(0, 1)
+    raise ValueError(_cannot_merge(first))
+
+
+def _cannot_merge(leaf: Any) -> str:
+    what = f"a tensor of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else repr(leaf)
+    return (
+        f"MegaTrainStrategy(seq_tile=...): a decoder layer's position-wise block returned {what}, which is neither "
+        "[B, t, ...] nor [B * t, ...] for a tile of t positions, so tiles cannot be put back together. HINT: use "
+        "seq_tile=None for this model."
+    )
+
+
+def _tiled_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A block's ``forward``, tiled along T when :func:`tile_length` says so for the actual sequence length.
+
+    Installed as a method bound to each block, reading the block's own forward and ``seq_tile`` from attributes, not
+    as a callable object per block: dynamo guards on the function, which all blocks share, so one compiled layer
+    serves every layer (see [Note: compiled layers] in engine/streamed.py). A call with more than the hidden states
+    (no HF block takes any) runs untiled.
+    """
+    untiled = self._megatrain_untiled_forward
+    tile = tile_length(self._megatrain_seq_tile, hidden_states.shape[1]) if hidden_states.dim() == 3 else None
+    if tile is None or args or kwargs:
+        return untiled(hidden_states, *args, **kwargs)
+    return run_tiled(untiled, hidden_states, tile)
+
+
+class SequenceTiles:
+    """Installs the tiled forward on the position-wise block of every layer of ``stack``; :meth:`uninstall` restores
+    each block's own ``forward``."""
+
+    def __init__(self, stack: nn.ModuleList, seq_tile: int | Auto) -> None:
+        self.stack = stack
+        self.seq_tile = seq_tile
+        # the blocks the tiled forward is installed on, each with the instance ``forward`` it shadows (or None)
+        self.blocks: list[tuple[nn.Module, Any]] = []
+
+    def install(self) -> None:
+        missing, names = set(), set()
+        for layer in self.stack:
+            found = find_block(layer)
+            if found is None:
+                missing.add(type(layer).__name__)
+                continue
+            name, block = found
+            names.add(name)
+            self.blocks.append((block, block.__dict__.get("forward")))
+            # what _tiled_forward reads; removed by uninstall
+            block._megatrain_untiled_forward = block.forward
+            block._megatrain_seq_tile = self.seq_tile
+            block.forward = types.MethodType(_tiled_forward, block)  # instance attribute shadows the class method
+        if self.blocks:
+            when = (
+                f"tiles of {AUTO_TILE} positions for rows longer than {AUTO_MIN_POSITIONS}"
+                if self.seq_tile == "auto"
+                else f"tiles of {self.seq_tile} positions"
+            )
+            log.info(
+                "MegaTrain: seq_tile=%r: the position-wise block ('%s') of %d layers runs in %s",
+                self.seq_tile,
+                "', '".join(sorted(names)),
+                len(self.blocks),
+                when,
+            )
+        if missing:
+            log.info(
+                "MegaTrain: seq_tile=%r: no position-wise block (an attribute named one of %s) in %s; those layers "
+                "run untiled",
+                self.seq_tile,
+                ", ".join(BLOCK_NAMES),
+                ", ".join(sorted(missing)),
+            )
+
+    def uninstall(self) -> None:
+        for block, shadowed in self.blocks:
+            if getattr(block.__dict__.get("forward"), "__func__", None) is _tiled_forward:
+                del block.forward, block._megatrain_untiled_forward, block._megatrain_seq_tile
+                if shadowed is not None:
+                    block.forward = shadowed
+        self.blocks = []
