@@ -69,6 +69,18 @@ _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
 _aten = torch.ops.aten
+
+
+def _varlen_ops() -> frozenset:
+    """torch's flash varlen attention (packed documents on a GPU: models/packed_attention.py), where this build has
+    it: registered when ``torch.nn.attention.varlen`` is imported."""
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+
+        return frozenset({torch.ops.torch_attn._varlen_attn.default})
+    except (ImportError, AttributeError):
+        return frozenset()
+
 # The ops whose outputs a compiled layer's graph saves for backward (see [Note: compiled layers]): matmuls and
 # attention, the work a recompute would repeat at full cost. Looked up by name: not every build has every kernel.
 _SAVED_OPS = frozenset(
@@ -79,7 +91,7 @@ _SAVED_OPS = frozenset(
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     )
     if hasattr(_aten, name)
-)
+) | _varlen_ops()
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
