@@ -97,7 +97,7 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
     def offloaded(k: int, n: int) -> str:
         return f"{checkpoints(s, k) - n} offloaded ({_size(host(k, n))} of {_size(host_free)} free)"
 
-    closest: tuple[int, int, int] | None = None  # (host shortfall, k, n) of the candidate nearest to fitting
+    closest: tuple[int, int, int] | None = None  # (larger shortfall, k, n) of the candidate nearest to fitting
     for k in range(1, L + 1) if auto_k else [config.segment_layers]:
         C = checkpoints(s, k)
         if auto_n and host(k, 0) <= host_free and gpu(k, 0) <= gpu_limit:
@@ -118,7 +118,10 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
         miss = max(host(k, n) - host_free, gpu(k, n) - gpu_limit)  # the larger shortfall, in bytes
         if closest is None or miss < closest[0]:
             closest = (miss, k, n)
-        if gpu(k, max(n, 0)) > gpu_limit:  # longer segments hold more replayed inputs: the peak only rises
+        # longer segments hold more replayed inputs: the peak at a given n only rises with k. Under "auto" the
+        # lowest peak of a k is at n = 0 (the fewest the host needs fall as k grows, so a k whose fewest overflow the
+        # GPU does not end the search)
+        if gpu(k, 0 if auto_n else n) > gpu_limit:
             break
     # nothing fits: the numbers of the floor (one checkpoint per layer, none on the GPU) and of the closest candidate
     k0 = 1 if auto_k else config.segment_layers
