@@ -62,8 +62,8 @@ class EngineConfig:
 
     device_checkpoints: int | Auto = "auto"
     """Layer-input checkpoints kept in GPU memory instead of offloaded to pinned host memory, the last layers' first
-    (backward restores them first). ``"auto"``: 0 unless the host cannot hold them all, then as many as the GPU
-    holds (engine/placement.py)."""
+    (backward restores them first). ``"auto"``: 0 unless the host cannot hold them all, then the fewest with which
+    the rest fit the host, the GPU memory beyond them left to ``keep_layers`` (engine/placement.py)."""
 
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``

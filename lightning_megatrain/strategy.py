@@ -112,7 +112,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             the first input of every ``k`` layers and replays the rest in backward (engine/segments.py, [Note:
             recompute segments]); ``"auto"`` (default): 1 unless the checkpoints fit neither memory.
         device_checkpoints: saved layer inputs that stay in GPU memory instead of pinned host memory, the last
-            layers' first; ``"auto"`` (default): 0 unless the host cannot hold them (engine/placement.py).
+            layers' first; ``"auto"`` (default): 0 unless the host cannot hold them, then the fewest with which the
+            rest fit the host (engine/placement.py).
         chunked_hf_loss: HF causal LMs in the module called with ``labels`` (``model(..., labels=...).loss``)
             compute HF's loss with the chunked cross-entropy, without materialising ``[B, T, V]`` logits (at 32K
             tokens and a 128K vocabulary a 15.7 GiB block and its gradient), and return ``logits=None``; the same

@@ -11,10 +11,13 @@ GPU peak (memory.py) and ``F`` the host memory free for checkpoints:
     host  (ceil(L / k) - n) * S  <=  F          GPU  P(k, n)  <=  the GPU's memory
 
 :func:`place` decides the ``"auto"`` ones as config.py declares them: ``k = 1, n = 0`` when every checkpoint fits the
-host; else, still at ``k = 1``, as many on the GPU as fit beside its peak (``P`` grows by ``S`` per checkpoint there
-beyond the first); else the smallest ``k`` that fits both (``P`` grows by ``S`` per replayed input held), each ``k``
-again with ``n = 0`` first, then as many as fit. An explicit int is taken as given and checked. ``seq_tile`` is not
-searched: engine/tiling.py's ``tile_length`` resolves it. Every layer is planned recomputed (``keep_layers=0``).
+host; else, still at ``k = 1``, the fewest on the GPU that leave the rest to the host (``P`` grows by ``S`` per
+checkpoint there beyond the first), so the GPU memory left stays with ``keep_layers="auto"`` and the allocator's
+slack; else the smallest ``k`` that fits both (``P`` grows by ``S`` per replayed input held), each ``k`` again with
+``n = 0`` first, then the fewest the host needs. (Filling the GPU instead planned Llama-3-8B at 262,144 tokens at
+138.2 of 139 GiB with 19 checkpoints on it where 1 was needed.) An explicit int is taken as given and checked.
+``seq_tile`` is not searched: engine/tiling.py's ``tile_length`` resolves it. Every layer is planned recomputed
+(``keep_layers=0``).
 """
 
 from __future__ import annotations
@@ -77,13 +80,10 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
     def host(k: int, n: int) -> int:
         return (checkpoints(s, k) - n) * S
 
-    def most_on_gpu(k: int) -> int:
-        """The most checkpoints the GPU holds beside the peak at segments of ``k``; -1 if not even none."""
-        lo, hi = -1, checkpoints(s, k)  # gpu() grows with n: bisect for the last n that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if gpu(k, mid) <= gpu_limit else (lo, mid - 1)
-        return lo
+    def fewest_on_gpu(k: int) -> int:
+        """The fewest checkpoints on the GPU with which the rest fit the host, at segments of ``k``."""
+        C = checkpoints(s, k)
+        return min(C, max(0, C - host_free // S))
 
     def result(k: int, n: int, fits: bool, why: str) -> Placement:
         return Placement(seq_tile=tile, segment_layers=k, device_checkpoints=n, checkpoints=checkpoints(s, k),
@@ -97,27 +97,31 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
     def offloaded(k: int, n: int) -> str:
         return f"{checkpoints(s, k) - n} offloaded ({_size(host(k, n))} of {_size(host_free)} free)"
 
-    closest: tuple[int, int, int] | None = None  # (host shortfall, k, n) of the candidate nearest to fitting
+    closest: tuple[int, int, int] | None = None  # (larger shortfall, k, n) of the candidate nearest to fitting
     for k in range(1, L + 1) if auto_k else [config.segment_layers]:
         C = checkpoints(s, k)
         if auto_n and host(k, 0) <= host_free and gpu(k, 0) <= gpu_limit:
             n, why = 0, f"all {_count(C)} {each} fit pinned host memory: {offloaded(k, 0)}"
         elif auto_n:
-            n = most_on_gpu(k)
+            n = fewest_on_gpu(k)
             why = (f"the {_count(C)} {each}, {_size(C * S)} in all, exceed the {free}: the last {n} stay on the "
-                   f"GPU, as many as fit beside its peak; {offloaded(k, n)}")
+                   f"GPU, the fewest the host needs; {offloaded(k, n)}")
         else:
             n = min(config.device_checkpoints, C)
             why = f"{_count(C)} {each}: {n} on the GPU as given, {offloaded(k, n)}"
         if n >= 0 and host(k, n) <= host_free and gpu(k, n) <= gpu_limit:
             if k > 1 and auto_k:
                 replayed = f"{k - 1} layer forward{'s' if k > 2 else ''} replayed per {k}"
-                on_gpu = "as many on the GPU as fit" if auto_n else f"device_checkpoints={config.device_checkpoints}"
+                on_gpu = "the fewest on the GPU" if auto_n else f"device_checkpoints={config.device_checkpoints}"
                 why = f"one checkpoint per layer does not fit with {on_gpu}; segments of {k} layers ({replayed}): {why}"
             return result(k, n, True, why)
-        if n >= 0 and (closest is None or host(k, n) - host_free < closest[0]):
-            closest = (host(k, n) - host_free, k, n)
-        if gpu(k, max(n, 0)) > gpu_limit:  # longer segments hold more replayed inputs: the peak only rises
+        miss = max(host(k, n) - host_free, gpu(k, n) - gpu_limit)  # the larger shortfall, in bytes
+        if closest is None or miss < closest[0]:
+            closest = (miss, k, n)
+        # longer segments hold more replayed inputs: the peak at a given n only rises with k. Under "auto" the
+        # lowest peak of a k is at n = 0 (the fewest the host needs fall as k grows, so a k whose fewest overflow the
+        # GPU does not end the search)
+        if gpu(k, 0 if auto_n else n) > gpu_limit:
             break
     # nothing fits: the numbers of the floor (one checkpoint per layer, none on the GPU) and of the closest candidate
     k0 = 1 if auto_k else config.segment_layers

@@ -122,17 +122,21 @@ def test_auto_checkpoints_one_per_layer_on_the_host_where_they_fit():
 
 
 def test_auto_checkpoints_go_to_the_gpu_when_the_host_is_short():
-    # 28 x 3 GiB do not fit 60 GiB: as many on the GPU as fit beside the planned peak, all 28 on 139 GiB, 22 on 110
-    k, n, why = _checkpoints(LLAMA_3B, 262_144, 139, 60)
-    assert (k, n) == (1, 28) and "exceed the 60.0 GiB of pinned host memory free: the last 28 stay on the GPU" in why
-    k, n, why = _checkpoints(LLAMA_3B, 262_144, 110, 60)
-    assert (k, n) == (1, 22) and "6 offloaded (18.0 GiB of 60.0 GiB free)" in why
+    # 28 x 3 GiB do not fit 60 GiB: the fewest on the GPU with which the rest fit the host, 8, on 139 GiB and 110 alike
+    # (as many as fit beside the planned peak put all 28 there on 139 GiB, 22 on 110)
+    for gpu_gib in (139, 110):
+        k, n, why = _checkpoints(LLAMA_3B, 262_144, gpu_gib, 60)
+        assert (k, n) == (1, 8)
+        assert ("exceed the 60.0 GiB of pinned host memory free: the last 8 stay on the GPU, the fewest the host "
+                "needs; 20 offloaded (60.0 GiB of 60.0 GiB free)") in why
+    # a GPU that does not hold those 8 beside its peak: segments of 2, whose 14 checkpoints all fit the host
+    assert _checkpoints(LLAMA_3B, 262_144, 60, 60)[:2] == (2, 0)
 
 
 def test_auto_checkpoints_take_segments_when_neither_holds_one_per_layer():
     k, n, why = _checkpoints(LLAMA_7B, 262_144, 141, 20.5)
-    assert (k, n) == (2, 16)
-    assert why.startswith("one checkpoint per layer does not fit with as many on the GPU as fit; segments of 2 layers")
+    assert (k, n) == (2, 11)  # 5 of the 16 on the host, the rest on the GPU (all 16 before)
+    assert why.startswith("one checkpoint per layer does not fit with the fewest on the GPU; segments of 2 layers")
     assert _checkpoints(LLAMA_7B, 404_480, 141, 20.5)[:2] == (4, 5)
 
 

@@ -116,18 +116,29 @@ def test_place_decides_auto_in_order(s7):
     p = _place(s7, 131_072, 80)
     assert (p.seq_tile, p.segment_layers, p.device_checkpoints, p.fits) == (16_384, 1, 0, True)
     assert p.why.startswith("all 32 layer-input checkpoints of 2.0 GiB") and "64.0 GiB of 80.0 GiB free" in p.why
-    # they do not: the last ones on the GPU, as many as fit beside its peak
-    p = _place(s7, 131_072, 40)
-    assert (p.segment_layers, p.device_checkpoints, p.fits) == (1, 32, True)
-    p = _place(s7, 131_072, 40, gpu_gib=80)
-    assert (p.segment_layers, p.device_checkpoints, p.fits) == (1, 22, True)
-    assert p.host_need == 10 * 2 * GIB <= p.host_free and p.gpu_peak <= p.gpu_limit
-    gpu = lambda k, n: _gpu_peak(gpu_bytes(s7, 1, 131_072, **GKW, tile=16_384, segment=k, device_checkpoints=n)[0])
-    assert gpu(1, 23) > 80 * GIB  # as many as fit: one more does not
-    # neither: the smallest segment length that fits both, with as many on the GPU as fit
+    # they do not: the last ones on the GPU, the fewest with which the rest fit the host (20 of 2 GiB in 40 GiB), on
+    # any GPU that holds them; the GPU memory left stays free (as many as fit beside the peak put 32 there on 141 GiB,
+    # 22 on 80 GiB)
+    gpu = lambda T, k, n: _gpu_peak(gpu_bytes(s7, 1, T, **GKW, gpu_groups=0, tile=16_384, segment=k,
+                                              device_checkpoints=n)[0])
+    for gpu_gib in (141, 80):
+        p = _place(s7, 131_072, 40, gpu_gib=gpu_gib)
+        assert (p.segment_layers, p.device_checkpoints, p.fits) == (1, 12, True)
+        assert p.host_need == 20 * 2 * GIB == p.host_free and p.gpu_peak == gpu(131_072, 1, 12)
+        assert "the last 12 stay on the GPU, the fewest the host needs; 20 offloaded (40.0 GiB of 40.0 GiB" in p.why
+    assert round(p.gpu_peak / GIB, 2) == 58.86 and gpu(131_072, 1, 22) - p.gpu_peak == 10 * 2 * GIB
+    # a GPU that does not hold those 12 beside its peak: segments of 2, all 16 checkpoints on the host
+    p = _place(s7, 131_072, 40, gpu_gib=58)
+    assert gpu(131_072, 1, 12) > 58 * GIB
+    assert (p.segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (2, 0, 16, True)
+    # neither: the smallest segment length that fits both, with the fewest on the GPU the host needs. At one per
+    # layer those (27 of 32, the host holding 5 of 4 GiB) overflow the GPU; that does not end the search
+    assert gpu(262_144, 1, 27) > 141 * GIB
     p = _place(s7, 262_144, 20.5)
-    assert (p.segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (2, 16, 16, True)
-    assert "segments of 2 layers (1 layer forward replayed per 2)" in p.why
+    assert (p.segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (2, 11, 16, True)  # was 16 of 16
+    assert p.host_need == 5 * 4 * GIB and round(p.gpu_peak / GIB, 2) == 110.01  # all 16 on the GPU: 130.01
+    assert "does not fit with the fewest on the GPU; segments of 2 layers (1 layer forward replayed per 2)" in p.why
+    # where the host holds only what the GPU leaves room for, the fewest are also as many as fit
     p = _place(s7, 404_480, 20.5)
     assert (p.segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (4, 5, 8, True)
     assert p.gpu_peak <= p.gpu_limit and p.host_need <= p.host_free
@@ -148,11 +159,14 @@ def test_place_checks_explicit_values(s7):
 def test_place_says_why_nothing_fits(s7):
     p = _place(s7, 524_288, 20.5)
     assert not p.fits and (p.segment_layers, p.device_checkpoints) == (1, 0)
+    # the closest: the candidate with the smallest larger shortfall, here the GPU's 47.3 GiB at segments of 4 with 6
+    # on the GPU (the last searched: longer ones overflow the GPU with none on it); the old rule's closest, segments
+    # of 3 with 1 on the GPU, missed the host by 59.5 GiB
     for text in ("micro-batch 1 x 524,288 tokens fit neither host nor GPU", "32 of 8.0 GiB", "256.0 GiB in all",
                  "the host holds 2 (20.5 GiB of pinned host memory free)",
                  "the GPU's 141.0 GiB leave 16.7 GiB beside its 124.3 GiB peak: 2 more inputs",
-                 "the closest, segment_layers=3 with device_checkpoints=1, needs 80.0 GiB of host and a GPU peak of "
-                 "140.3 GiB", "(seq_tile=16384)"):
+                 "the closest, segment_layers=4 with device_checkpoints=6, needs 16.0 GiB of host and a GPU peak of "
+                 "188.3 GiB", "(seq_tile=16384)"):
         assert text in p.why, text
     # the host state alone does not fit: no memory left for any checkpoint
     p = _place(s7, 131_072, -1.5)
@@ -204,12 +218,14 @@ def test_plan_7b_at_512k_says_why_not_and_how_long():
     assert p.host_total <= p.host_limit and p.gpu_total <= p.gpu_limit and not any("NOTHING" in w for w in p.warnings)
 
 
-def test_plan_3b_at_256k_keeps_checkpoints_on_the_gpu():
+def test_plan_3b_at_256k_keeps_on_the_gpu_what_the_host_cannot_hold():
     p = planner.plan(LLAMA_3B, seq_len=262_144, config=EngineConfig(), machine=H200)
     lc = p.long_context
-    assert (lc["seq_tile"], lc["segment_layers"], lc["device_checkpoints"], lc["fits"]) == (16_384, 1, 28, True)
-    assert p.host["activation offload"] == 0 and p.gpu["layer-input checkpoints on the GPU"] == 28 * 3 * GIB
-    assert round(p.host_total / GIB, 2) == 51.44 and round(p.gpu_total / GIB, 2) == 127.59
+    # 73.6 GiB of the host free for them hold 24 of the 28 checkpoints of 3 GiB: 4 on the GPU (all 28 before)
+    assert lc["host_free_for_checkpoints"] // (3 * GIB) == 24
+    assert (lc["seq_tile"], lc["segment_layers"], lc["device_checkpoints"], lc["fits"]) == (16_384, 1, 4, True)
+    assert p.host["activation offload"] == 24 * 3 * GIB and p.gpu["layer-input checkpoints on the GPU"] == 4 * 3 * GIB
+    assert round(p.host_total / GIB, 2) == 123.44 and round(p.gpu_total / GIB, 2) == 55.59  # was 51.44 and 127.59
     assert lc["longest_seq_len"] == 720_896
 
 
