@@ -278,3 +278,17 @@ def test_kernel_gaps_name_what_the_training_thread_did():
         [10.0, 4.0, "[pl][profile]run_training_batch > aten::item > cudaStreamSynchronize"]]
     assert [c for c, _ in gaps["by_cause"]][0].endswith("aten::copy_")
     assert throughput.kernel_gaps([("Memcpy HtoD", 0, 1)], spans) == {}
+
+
+def test_long_context_dry_run_rows(tmp_path):
+    # benchmarks/long_context.py on a tiny model on this machine: one row per length, each with the engine's resolved
+    # placement and the planner's prediction beside what was measured
+    _run(str(BENCH / "long_context.py"), "--dry-run", "--out", str(tmp_path), timeout=240)
+    (path,) = tmp_path.glob("*-long-context-tiny-llama-2l.json")
+    rows = json.loads(path.read_text())
+    assert [r["seq_len"] for r in rows] == [64, 128]
+    for row in rows:
+        assert row.get("error") is None, row
+        assert row["step_s"] > 0 and len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
+        assert row["placement"]["segment_layers"] == 1 and row["placement"]["device_checkpoints"] == 0
+        assert row["planned"]["host_gib"] > 0 and row["planned"]["gpu_gib"] > 0
