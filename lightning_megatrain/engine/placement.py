@@ -155,6 +155,15 @@ def choose_gpu_optimizer_groups(
     return n, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"
 
 
+def _run_options(hf_config: PretrainedConfig, compute_dtype: torch.dtype, chunked_loss: bool) -> dict[str, Any]:
+    """The planner's precision, loss and attention arguments for the engine's run."""
+    return {
+        "precision": "bf16-mixed" if compute_dtype == torch.bfloat16 else "32-true",
+        "loss": "chunked" if chunked_loss else "naive",
+        "attn_implementation": getattr(hf_config, "_attn_implementation", None),
+    }
+
+
 def _plan_first_batch(hf_config: PretrainedConfig, micro_batch: int, seq_len: int, grad_accum: int,
                       config: EngineConfig, compute_dtype: torch.dtype, chunked_loss: bool, gpu_bytes: int):
     """The planner's plan of this run without device groups, on a GPU of ``gpu_bytes``."""
@@ -163,9 +172,7 @@ def _plan_first_batch(hf_config: PretrainedConfig, micro_batch: int, seq_len: in
         seq_len=seq_len,
         micro_batch=micro_batch,
         grad_accum=grad_accum,
-        precision="bf16-mixed" if compute_dtype == torch.bfloat16 else "32-true",
-        loss="chunked" if chunked_loss else "naive",
-        attn_implementation=getattr(hf_config, "_attn_implementation", None),
+        **_run_options(hf_config, compute_dtype, chunked_loss),
         config=config.replace(gpu_optimizer_groups=0),
         machine=Machine(gpu_mem_gib=gpu_bytes / GIB),
     )
@@ -229,9 +236,7 @@ def choose_checkpoints(
             micro_batch=micro_batch,
             gpu_limit=gpu_bytes,
             host_free=host_bytes,
-            precision="bf16-mixed" if compute_dtype == torch.bfloat16 else "32-true",
-            loss="chunked" if chunked_loss else "naive",
-            attn_implementation=getattr(hf_config, "_attn_implementation", None),
+            **_run_options(hf_config, compute_dtype, chunked_loss),
             config=config,
         )
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)

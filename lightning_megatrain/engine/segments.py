@@ -68,7 +68,7 @@ class LayerRecord:
     autocast: AutocastState
 
 
-# Runs layer ``index`` without grad on (args, kwargs) with its weights acquired: StreamedLayers.replay_layer.
+# Runs layer ``index`` without grad on (args, kwargs) with its weights acquired: StreamedLayers.run_streamed.
 ReplayLayer = Callable[[int, tuple, dict], Any]
 
 

@@ -208,8 +208,9 @@ class StreamedLayers:
         with bind(self.bindings(index, weights)):
             return self.forwards[type(layer)](layer, *args, **kwargs)
 
-    def replay_layer(self, index: int, args: tuple, kwargs: dict) -> Any:
-        """Layer ``index``'s forward again, as in forward (the caller sets grad mode and RNG): a segment's replay."""
+    def run_streamed(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """Layer ``index`` on its slot's weights, acquired and released around it, with no graph of its own: without
+        grad (validation, predict) and a segment's replay in backward (the caller sets grad mode and RNG)."""
         flat = self.transfer.acquire(index)
         self.transfer.prefetch(index + 1)
         try:
@@ -228,12 +229,7 @@ class _LayerForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner, index = self.owner, self.index
         if not torch.is_grad_enabled():
-            flat = owner.transfer.acquire(index)
-            owner.transfer.prefetch(index + 1)
-            try:
-                return owner.run_layer(index, owner.groups[index].views(flat), args, kwargs)
-            finally:
-                owner.transfer.release(index)
+            return owner.run_streamed(index, args, kwargs)
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
                 kwargs[key] = None
@@ -386,7 +382,7 @@ def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], li
         leaves[pos] = saved
     inputs_needing_grad: list[tuple[int, Tensor]] = []
     if ctx.segment is not None:  # restored or replayed from the segment's checkpoint ([Note: recompute segments])
-        restored = [ctx.segment.input(index, transfer, owner.replay_layer)]
+        restored = [ctx.segment.input(index, transfer, owner.run_streamed)]
     else:
         restored = [transfer.unstash(stashed) for stashed in ctx.stashed]
     for pos, x in zip(ctx.stashed_positions, restored):
