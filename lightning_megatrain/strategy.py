@@ -331,18 +331,27 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is not None and self.engine.placement_pending:  # gpu_optimizer_groups="auto"
+        batch = args[0] if args else kwargs.get("batch")
+        if self.engine is not None and self.engine.placement_pending:  # the first micro-batch ([Note: auto placement])
             trainer = self.lightning_module.trainer
             self.engine.place_for_batch(
-                args[0] if args else kwargs.get("batch"),
+                batch,
                 grad_accum=trainer.accumulate_grad_batches,
                 optimizers=self.optimizers,
                 custom_clipping=(trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
                 or is_overridden("configure_gradient_clipping", self.lightning_module),
-                chunked_loss=bool(self._hf_loss is not None and self._hf_loss.models),
+                chunked_loss=self._chunked_loss,
             )
+        elif self.engine is not None and self.engine.checkpoints_outgrown(batch):  # longer than the first
+            trainer = self.lightning_module.trainer
+            self.engine.place_checkpoints(batch, trainer.accumulate_grad_batches, self.optimizers, self._chunked_loss)
         with self._step_context():
             return super().training_step(*args, **kwargs)
+
+    @property
+    def _chunked_loss(self) -> bool:
+        """Whether the module's HF loss runs chunked (models/hf_loss.py): the planner then counts no full logits."""
+        return bool(self._hf_loss is not None and self._hf_loss.models)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

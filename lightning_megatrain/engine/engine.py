@@ -149,7 +149,10 @@ class MegaTrainEngine:
             stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers
         )
         self.streamed.install(self.device.type)
-        # "auto" starts as one checkpoint per layer, all offloaded ([Note: recompute segments])
+        # "auto" starts as one checkpoint per layer, all offloaded ([Note: recompute segments]); placed (and
+        # checked) for the first training micro-batch's tokens, again for any longer one
+        self._checkpoint_options = (self.config.segment_layers, self.config.device_checkpoints)
+        self._placed_tokens = 0
         self.streamed.segments.configure(
             self.config.segment_layers if isinstance(self.config.segment_layers, int) else 1,
             self.config.device_checkpoints if isinstance(self.config.device_checkpoints, int) else 0,
@@ -192,7 +195,12 @@ class MegaTrainEngine:
         if self.config.gpu_optimizer_groups == "auto":
             self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss)
         if self.on_cuda:
-            self._place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
+            self.place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
+
+    def checkpoints_outgrown(self, batch: Any) -> bool:
+        """Whether ``batch`` has more tokens than the micro-batch the checkpoints were placed for (shapes only)."""
+        shape = token_shape(batch) if self._placed_tokens else None
+        return shape is not None and shape[0] * shape[1] > self._placed_tokens
 
     def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss) -> None:
         n, why = choose_gpu_optimizer_groups(
@@ -210,17 +218,19 @@ class MegaTrainEngine:
         self.config = self.config.replace(gpu_optimizer_groups=n)
         self._place_device_groups(n)
 
-    def _place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
-        """``segment_layers`` and ``device_checkpoints`` for the first training micro-batch: decided where "auto",
-        checked against the free host and GPU memory where given ([Note: recompute segments])."""
+    def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
+        """``segment_layers`` and ``device_checkpoints`` for the training micro-batch ``batch``: decided where "auto",
+        checked against the free host and GPU memory where given ([Note: recompute segments]). Runs at the first
+        micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
         shape = token_shape(batch)
         hf_config = next(
             (m.config for m in self.module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)), None
         )
-        auto = [name for name in ("segment_layers", "device_checkpoints") if getattr(self.config, name) == "auto"]
+        given = dict(zip(("segment_layers", "device_checkpoints"), self._checkpoint_options))
+        auto = [name for name, value in given.items() if value == "auto"]
         if shape is None or hf_config is None:
-            k, n = (1 if "segment_layers" in auto else self.config.segment_layers,
-                    0 if "device_checkpoints" in auto else self.config.device_checkpoints)
+            k, n = (1 if "segment_layers" in auto else given["segment_layers"],
+                    0 if "device_checkpoints" in auto else given["device_checkpoints"])
             why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
         else:
             # what the host still has for offloaded checkpoints, less what it allocates before backward ends: the
@@ -230,8 +240,12 @@ class MegaTrainEngine:
             to_come = sum(4 * g.numel - g.grad_nbytes for g in host_groups)
             if not any(o.state for o in optimizers):
                 to_come += 8 * sum(g.numel for g in host_groups)
+            if self._placed_tokens:
+                log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
+                         "were placed for: placing them again", *shape, self._placed_tokens)
+            self._placed_tokens = shape[0] * shape[1]
             k, n, why = choose_checkpoints(
-                hf_config, *shape, grad_accum, config=self.config, compute_dtype=self.compute_dtype,
+                hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
                 chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
                 host_bytes=free[0] - to_come if free is not None else 1 << 62,
             )

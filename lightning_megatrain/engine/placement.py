@@ -200,8 +200,8 @@ def choose_checkpoints(
 
     Args:
         hf_config: the module's HF config (the one :func:`choose_gpu_optimizer_groups` finds).
-        micro_batch, seq_len: ``B x T`` of the micro-batch's token ids (:func:`token_shape`). Later micro-batches are
-            not checked: one longer than this one needs larger checkpoints than were placed.
+        micro_batch, seq_len: ``B x T`` of the micro-batch's token ids (:func:`token_shape`); the engine places again
+            at any micro-batch with more tokens (``MegaTrainEngine.checkpoints_outgrown``).
         grad_accum: micro-batches per step; not in the decision (each checkpoint lives for one micro-batch and the
             pinned buffers are reused by the next), named in ``why``.
         config: the strategy's options after :func:`resolve`: ``seq_tile`` (its tiles lower the planned peak),

@@ -34,6 +34,7 @@ _TINY = {
 # config file -> (Hub id it names, attn_implementation, tiny model.config of the same architecture)
 READY = {
     "llama3-8b": ("meta-llama/Llama-3.1-8B-Instruct", "auto", {"model_type": "llama", **_TINY}),
+    "llama3-8b-128k": ("meta-llama/Llama-3.1-8B-Instruct", "auto", {"model_type": "llama", **_TINY}),
     "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "auto", {"model_type": "qwen2", **_TINY}),
     "qwen3-8b": ("Qwen/Qwen3-8B", "auto", {"model_type": "qwen3", **_TINY}),
     "mixtral-8x7b": (
@@ -72,6 +73,11 @@ READY = {
         },
     ),
 }
+# Configs of another config's model: the configs/hf/<name>.json they plan with.
+_SHAPE = {"llama3-8b-128k": "llama3-8b"}
+# Long-context configs: one row per micro-batch and the accumulation their header argues for, not the largest
+# micro-batch and fewest accumulation steps of the planner (one row already hides the weight transfers).
+_LONG_CONTEXT = {"llama3-8b-128k"}
 # Families that need a newer transformers than some supported releases: their tests skip there.
 _NEEDS = {"qwen3_5": "Qwen3_5TextConfig"}
 READY_NAMES = [
@@ -130,10 +136,15 @@ def test_ready_config_instantiates_with_tiny_model(name, in_tmp):
 H200_GIB, H200_CORES = 139, 16
 
 
+def _flat_header(text: str) -> str:
+    """A config's header comment as one line (continued command lines joined)."""
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    return re.sub(r"\s*\\?\n#\s*", " ", header)
+
+
 def _header_plan(text: str) -> tuple[list[str], float, float]:
     """The ``megatrain plan`` arguments in a config's header comment and the GPU / host GiB it says they predict."""
-    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    flat = re.sub(r"\s*\\?\n#\s*", " ", header)  # one line; continued command lines joined
+    flat = _flat_header(text)
     found = re.search(r"megatrain plan (--model configs/hf/.*?) -> GPU peak ([\d.]+) GiB, host RAM ([\d.]+) GiB", flat)
     assert found, "the header needs the plan command, then '-> GPU peak X GiB, host RAM Y GiB'"
     return shlex.split(found.group(1)), float(found.group(2)), float(found.group(3))
@@ -142,13 +153,14 @@ def _header_plan(text: str) -> tuple[list[str], float, float]:
 @pytest.mark.parametrize("name", READY_NAMES)
 def test_ready_config_sizes_come_from_the_planner(name, capsys):
     """micro_batch_size is the largest micro-batch the planner fits on one H200 at the config's cutoff_len,
-    accumulate_grad_batches the fewest steps that keep the host optimizer under a quarter of the step, and the header
+    accumulate_grad_batches the fewest steps that keep the host optimizer under a quarter of the step (a long-context
+    config: one row that fits and hides the transfers, any accumulation the host optimizer allows), and the header
     holds the plan command for exactly these values with what it predicts."""
     text = (CONFIGS / f"{name}.yaml").read_text()
     config = yaml.safe_load(text)
     trainer, model, data = config["trainer"], config["model"], config["data"]
     micro_batch, accum = data["micro_batch_size"], trainer["accumulate_grad_batches"]
-    shape = CONFIGS / "hf" / f"{name}.json"  # the numbers of the Hub's config.json
+    shape = CONFIGS / "hf" / f"{_SHAPE.get(name, name)}.json"  # the numbers of the Hub's config.json
     kwargs = dict(seq_len=data["cutoff_len"], grad_accum=accum, precision=trainer["precision"],
                   loss_chunk_size=model["loss_chunk_size"], attn_implementation=model["attn_implementation"],
                   # the headers' `megatrain plan` commands give no engine flags: eager layers, serial host step
@@ -156,11 +168,16 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
                                       compile_layers=False, gpu_optimizer_groups=0),
                   machine=Machine(gpu_mem_gib=H200_GIB, cpu_cores=H200_CORES, host_ram_gib=1 << 20))
     p = planner.plan(shape, micro_batch=micro_batch, **kwargs)
-    assert p.gpu_total <= p.gpu_limit and p.max_micro_batch == micro_batch
-    assert planner.plan(shape, micro_batch=micro_batch + 1, **kwargs).gpu_total > p.gpu_limit
+    assert p.gpu_total <= p.gpu_limit
     cpu_bound = lambda q: any("CPU optimizer" in w for w in q.warnings)
     assert not cpu_bound(p)
-    assert accum == 1 or cpu_bound(planner.plan(shape, micro_batch=micro_batch, **(kwargs | {"grad_accum": accum - 1})))
+    if name in _LONG_CONTEXT:
+        assert micro_batch == 1 and p.transfers_hidden and p.long_context["fits"]
+    else:
+        assert p.max_micro_batch == micro_batch
+        assert planner.plan(shape, micro_batch=micro_batch + 1, **kwargs).gpu_total > p.gpu_limit
+        assert accum == 1 or cpu_bound(planner.plan(shape, micro_batch=micro_batch,
+                                                    **(kwargs | {"grad_accum": accum - 1})))
     # the header's Host RAM line counts the parameters the planner counts
     assert f"{p.n_params / 1e9:.3g}B parameters x 16 bytes" in text
     args, gpu_gib, host_gib = _header_plan(text)
@@ -177,6 +194,12 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
     assert (run["seq_len"], run["micro_batch"], run["grad_accum"], run["precision"], run["gpu_limit"]) == (
         p.seq_len, p.micro_batch, p.grad_accum, p.precision, p.gpu_limit)
     assert run["assumptions"] == p.assumptions
+    if "--host-ram" in args:  # the host the header names holds the plan
+        assert run["host_total"] <= run["host_limit"]
+    if name in _LONG_CONTEXT:  # the header names the placement its command plans
+        lc = run["long_context"]
+        assert lc["fits"] and re.search(rf"seq_tile {lc['seq_tile']:,} .*segment_layers {lc['segment_layers']}\b"
+                                        rf".*device_checkpoints {lc['device_checkpoints']}\b", _flat_header(text))
 
 
 def test_demo_config_parses(capsys):

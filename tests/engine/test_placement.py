@@ -181,3 +181,46 @@ def test_checkpoint_options_resolve_on_a_cpu_compute_device(caplog):
     assert placement.resolve(EngineConfig(segment_layers=3), torch.device("cpu")).segment_layers == 3
     cuda = placement.resolve(EngineConfig(), CUDA)
     assert (cuda.segment_layers, cuda.device_checkpoints) == ("auto", "auto")  # decided at the first micro-batch
+
+
+def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
+    # the checkpoints are placed for the first training micro-batch's tokens and again, "auto" still "auto", for any
+    # longer one; shorter or equal ones reuse the placement. The engine is driven directly (its CUDA caller,
+    # MegaTrainStrategy.training_step, needs a GPU): the chooser and the device query are stubbed.
+    import lightning as L
+
+    from lightning_megatrain import MegaTrainStrategy
+    from lightning_megatrain.engine import engine as engine_module
+
+    from helpers.parity import ParityLM, make_data
+    from helpers.trainers import cpu_trainer
+
+    calls = []
+
+    def choose(hf_config, micro_batch, seq_len, grad_accum, *, config, **kwargs):
+        calls.append((micro_batch, seq_len, config.segment_layers, config.device_checkpoints))
+        return 2, 1, "stub"
+
+    monkeypatch.setattr(engine_module, "choose_checkpoints", choose)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))
+    resolve = engine_module.resolve  # as on a GPU: a CPU compute device resolves them to 1 and 0
+    monkeypatch.setattr(engine_module, "resolve", lambda config, device: resolve(config, device).replace(
+        segment_layers="auto", device_checkpoints="auto"))
+
+    class Drive(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            engine = trainer.strategy.engine
+            short, first, longer = (torch.zeros(2, n, dtype=torch.long) for n in (8, 16, 32))
+            assert not engine.checkpoints_outgrown(first)  # nothing placed yet: the first placement is elsewhere
+            engine.place_checkpoints(first, 1, trainer.strategy.optimizers, True)
+            self.outgrown = [engine.checkpoints_outgrown(b) for b in (short, first, longer)]
+            engine.place_checkpoints(longer, 1, trainer.strategy.optimizers, True)
+            self.segments = (engine.streamed.segments.layers, engine.streamed.segments.device_checkpoints)
+
+    drive = Drive()
+    cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch"), max_steps=1, callbacks=[drive]).fit(
+        ParityLM("llama_tied"), torch.utils.data.DataLoader(make_data()[:2], batch_size=2)
+    )
+    assert drive.outgrown == [False, False, True]
+    assert calls == [(2, 16, "auto", "auto"), (2, 32, "auto", "auto")]
+    assert drive.segments == (2, 1)
