@@ -16,13 +16,14 @@ from lightning_megatrain.data.encoding import (
     IGNORE_INDEX,
     Example,
     TemplateError,
-    encode_conversation,
     encode_pretrain_text,
+    encode_sft,
 )
 from lightning_megatrain.data.formats import Conversation, convert_rows
 from lightning_megatrain.data.readers import dataset_files, read_rows
 from lightning_megatrain.data.registry import DatasetSpec, infer_spec, resolve_datasets
 from lightning_megatrain.data.sampling import EpochShuffleSampler, split_indices
+from lightning_megatrain.data.templates import resolve_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ class SFTDataModule(LightningDataModule):
             relative to it). Default ``None``: the bundled demo folder. Only read for registered names.
         tokenizer: Local tokenizer folder loadable by ``AutoTokenizer.from_pretrained`` (no hub access). Must have
             a chat template for ``mode="sft"``. Default ``None``: the bundled demo tokenizer (vocab 1024).
+        template: The chat template to encode with instead of the tokenizer's default: a path to a Jinja file
+            (e.g. ``my_template.jinja``) or the name of one of the tokenizer's named templates. Templates that
+            rewrite earlier turns (Qwen3, DeepSeek-R1, gpt-oss) are handled: each assistant turn becomes its own
+            sequence (see docs/data.md#chat-templates). Default ``None``: the tokenizer's template.
         mode: ``"sft"`` trains on assistant turns of chat conversations; ``"pt"`` (pretraining) tokenizes the
             prompt / first message of each row as ``bos + text + eos``, trains every token and splits long texts
             into ``cutoff_len`` chunks instead of truncating. Default ``"sft"``.
@@ -93,6 +98,7 @@ class SFTDataModule(LightningDataModule):
         dataset: str = "demo_alpaca",
         dataset_dir: str | None = None,
         tokenizer: str | None = None,
+        template: str | None = None,
         mode: Literal["sft", "pt"] = "sft",
         cutoff_len: int = 1024,
         train_on_prompt: bool = False,
@@ -108,6 +114,7 @@ class SFTDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.dataset_dir = Path(dataset_dir).expanduser() if dataset_dir is not None else DEMO_DIR
         self.tokenizer_path = Path(tokenizer).expanduser() if tokenizer is not None else DEMO_TOKENIZER_DIR
+        self.template = template
         self.mode = mode
         self.cutoff_len = cutoff_len
         self.train_on_prompt = train_on_prompt
@@ -135,6 +142,7 @@ class SFTDataModule(LightningDataModule):
         collator = PackedCollator if packing else PadCollator
         self.collator = collator(self.pad_token_id, pad_to_multiple_of)
         self.train_dataset: list[Example] | list[list[Example]] | None = None
+        self._logged_per_turn = False  # the per-turn fallback is logged once, with its first reason
         self.val_dataset: list[Example] | list[list[Example]] | None = None
 
     def _argument_problems(self) -> list[str]:
@@ -177,6 +185,13 @@ class SFTDataModule(LightningDataModule):
         except Exception as err:  # transformers raises OSError/ValueError/KeyError depending on what is missing
             problems.append(f"{where}: AutoTokenizer.from_pretrained failed ({err})")
             return None
+        if self.template is not None and not isinstance(self.template, str):
+            problems.append(f"template={self.template!r}: must be a path to a .jinja file or a template name")
+        elif self.template is not None:
+            try:
+                tokenizer.chat_template = resolve_chat_template(tokenizer, self.template)
+            except ValueError as err:
+                problems.append(str(err))
         if self.mode == "sft" and not tokenizer.chat_template:
             problems.append(f"{where}: has no chat_template, which mode='sft' needs; add one to tokenizer_config.json "
                             "or use mode='pt'")
@@ -203,17 +218,22 @@ class SFTDataModule(LightningDataModule):
     def _encode(self, conversations: list[tuple[Conversation, str]]) -> list[Example]:
         """Tokenize conversations; SFT examples left with nothing to train after truncation are dropped."""
         examples: list[Example] = []
+        dropped = 0
         for conversation, origin in conversations:
             if self.mode == "pt":
                 examples += encode_pretrain_text(self.tokenizer, conversation.messages[0]["content"], self.cutoff_len)
                 continue
             try:
-                example = encode_conversation(self.tokenizer, conversation, self.cutoff_len, self.train_on_prompt)
+                encoded, per_turn = encode_sft(self.tokenizer, conversation, self.cutoff_len, self.train_on_prompt)
             except TemplateError as err:
                 raise TemplateError(f"{origin}: {err}") from err
-            if example is not None:
-                examples.append(example)
-        dropped = len(conversations) - len(examples)
+            if per_turn is not None and not self._logged_per_turn:
+                self._logged_per_turn = True
+                log.info("Encoding each assistant turn as its own sequence (in the context the template gives it "
+                         "at inference) where a conversation needs it; first at %s: %s", origin, per_turn)
+            turns = max(1, sum(m["role"] == "assistant" for m in conversation.messages)) if per_turn else 1
+            dropped += turns - len(encoded)
+            examples += encoded
         if self.mode == "sft" and dropped:
             log.warning("Dropped %d example(s) with no trained token left after truncation to cutoff_len=%d",
                         dropped, self.cutoff_len)

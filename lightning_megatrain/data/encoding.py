@@ -4,12 +4,33 @@ Labels are aligned with ``input_ids`` (the model's loss shifts them by one) and 
 that is not trained. For SFT the trained tokens are those of every assistant turn: the text the template emits
 between the generation prompt and the end of that turn, i.e. the content plus the end-of-turn token(s).
 
-Assistant spans are found by rendering prefixes of the conversation: for assistant message ``k``,
-``render(messages[:k], add_generation_prompt=True)`` ends where the turn starts and
-``render(messages[:k + 1])`` ends where it stops. Both must be string prefixes of the full render
-("prefix-consistent" template); otherwise :class:`TemplateError` is raised because exact masking is
-impossible. The full render is then tokenized segment by segment (prompt / assistant / prompt ...), so a
-token never straddles a span boundary; a span boundary inside a BPE word only changes how that word is split.
+[Note: assistant spans]
+An assistant turn ``k`` is trained in the context the template gives it at inference,
+``render(messages[:k], add_generation_prompt=True)``. Two encodings, chosen per conversation by
+:func:`encode_sft`:
+
+- *One sequence* (fast path). When, for every assistant message ``k``, ``render(messages[:k],
+  add_generation_prompt=True)`` and ``render(messages[:k + 1])`` are string prefixes of the full render (a
+  "prefix-consistent" template: Llama 3, Qwen2.5, Gemma 3, Mistral without a system prompt, the demo template),
+  the full render holds every turn in its inference context. It is tokenized segment by segment
+  (prompt / assistant / prompt ...), so a token never straddles a span boundary (a boundary inside a BPE word only
+  changes how that word is split).
+- *One sequence per assistant turn* (fallback). Templates that rewrite earlier turns (Qwen3 and DeepSeek-R1 drop
+  past reasoning, and Qwen3 gives only the last turn its ``<think></think>`` block; gpt-oss ends the last turn
+  with ``<|return|>`` and earlier ones with ``<|end|>``; Phi-3.5 appends ``eos`` after the last turn; Mistral v0.3
+  moves the system prompt to the last user message) render turn ``k`` one way when it is last and another way
+  when later turns follow, and the model only ever generates a turn when it is last. So turn ``k`` becomes the
+  sequence ``render(messages[:k], add_generation_prompt=True)`` (untrained) + the turn as the template renders
+  it when it is the final message (trained). A conversation of ``n`` assistant turns costs ``n`` sequences whose
+  contexts repeat (about ``n / 2`` times the tokens of one sequence); with ``train_on_prompt`` a context is trained
+  in each sequence that holds it.
+
+The fallback finds the rendered turn by prefix when ``render(messages[:k + 1])`` starts with the generation
+prompt render (Qwen3, gpt-oss, Phi-3.5). Otherwise (the context itself is rendered differently, as Mistral v0.3's
+system prompt) it aligns the turn by rendering placeholder contents: the turn is the text from the end of the
+generation prompt to the end of ``render(messages[:k + 1])``; if the generation prompt is not how the template opens
+a rendered assistant turn (DeepSeek-R1's ``<think>\\n`` prompt with answers that hold no reasoning), no exact
+span exists and :class:`TemplateError` says so.
 """
 
 from __future__ import annotations
@@ -27,6 +48,15 @@ IGNORE_INDEX = -100
 
 class TemplateError(ValueError):
     """The chat template cannot be used for exact assistant-span masking."""
+
+
+class NotPrefixConsistent(TemplateError):
+    """The template renders an earlier turn differently once later turns follow (see [Note: assistant spans])."""
+
+
+# Placeholder contents for aligning a rendered turn; private-use characters no real message or template holds.
+_USER_MARK = "\ue000megatrain-user\ue001"
+_ANSWER_MARK = "\ue000megatrain-answer\ue001"
 
 
 @dataclass(frozen=True)
@@ -55,7 +85,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], too
 
 
 def render_segments(tokenizer: PreTrainedTokenizerBase, conversation: Conversation) -> list[tuple[str, bool]]:
-    """Split the rendered conversation into consecutive ``(text, is_assistant)`` segments.
+    """Split the rendered conversation into consecutive ``(text, is_assistant)`` segments (one sequence).
 
     Args:
         tokenizer: A tokenizer with a ``chat_template``.
@@ -65,7 +95,9 @@ def render_segments(tokenizer: PreTrainedTokenizerBase, conversation: Conversati
         Non-empty segments whose concatenation is the full render.
 
     Raises:
-        TemplateError: If the template is not prefix-consistent for this conversation, or fails to render.
+        NotPrefixConsistent: If the template is not prefix-consistent for this conversation
+            (see [Note: assistant spans]).
+        TemplateError: If the template fails to render.
     """
     messages, tools = conversation.messages, conversation.tools
     full = _render(tokenizer, messages, tools, generation=False)
@@ -76,12 +108,11 @@ def render_segments(tokenizer: PreTrainedTokenizerBase, conversation: Conversati
         start = _render(tokenizer, messages[:index], tools, generation=True)
         end = _render(tokenizer, messages[: index + 1], tools, generation=False)
         if not (full.startswith(start) and full.startswith(end) and cursor <= len(start) < len(end)):
-            raise TemplateError(
+            raise NotPrefixConsistent(
                 f"the chat template is not prefix-consistent at assistant message {index}: rendering the first "
                 f"{index} messages with add_generation_prompt=True ({start[-60:]!r}) or the first {index + 1} "
-                f"messages ({end[-60:]!r}) does not give a prefix of the full conversation render, so assistant "
-                "tokens cannot be located exactly. Use a template that renders earlier turns the same way "
-                "whatever follows them (e.g. one that does not drop or rewrite past turns)."
+                f"messages ({end[-60:]!r}) does not give a prefix of the full conversation render (the template "
+                "rewrites earlier turns once later ones follow)"
             )
         segments += [(full[cursor : len(start)], False), (full[len(start) : len(end)], True)]
         cursor = len(end)
@@ -89,23 +120,58 @@ def render_segments(tokenizer: PreTrainedTokenizerBase, conversation: Conversati
     return [(text, trained) for text, trained in segments if text]
 
 
-def encode_conversation(
-    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, cutoff_len: int, train_on_prompt: bool
-) -> Example | None:
-    """Tokenize one conversation with its label mask, truncated to ``cutoff_len`` tokens.
+def _after(text: str, mark: str) -> int:
+    """Index just past the last ``mark`` in ``text`` (-1 when absent)."""
+    at = text.rfind(mark)
+    return -1 if at < 0 else at + len(mark)
 
-    Args:
-        tokenizer: A tokenizer with a prefix-consistent ``chat_template``; special tokens come from the template
-            text itself (``add_special_tokens=False``).
-        conversation: A canonical conversation.
-        cutoff_len: Keep at most this many tokens (the tail is cut).
-        train_on_prompt: Train on every token instead of only the assistant turns.
 
-    Returns:
-        The example, or ``None`` when truncation left no trained token after the first position
-        (the first label is never a target once the loss shifts labels).
+def render_turn(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, index: int) -> tuple[str, str]:
+    """``(context, answer)`` of assistant message ``index`` as the template renders it when it is the last message.
+
+    ``context`` is ``render(messages[:index], add_generation_prompt=True)``, the inference prompt; ``answer`` is the
+    rest of ``render(messages[:index + 1])`` (header left after the generation prompt, content, end of turn). See
+    [Note: assistant spans] for how the answer is found when the context is rendered differently there.
+
+    Raises:
+        TemplateError: If the template fails to render, or the generation prompt is not how it opens a rendered
+            assistant turn (no exact span exists).
     """
-    segments = render_segments(tokenizer, conversation)
+    messages, tools = conversation.messages, conversation.tools
+    context = _render(tokenizer, messages[:index], tools, generation=True)
+    turn = _render(tokenizer, messages[: index + 1], tools, generation=False)
+    if turn.startswith(context) and len(turn) > len(context):
+        return context, turn[len(context) :]
+    # Align with placeholder contents: what follows the last user message in the prompt (`opening`) must open the
+    # rendered turn (`rendered_opening`); the rest of that opening is the turn's header, trained with its content.
+    placeholder = {"role": "assistant", "content": _ANSWER_MARK}
+    user = [*messages[: index - 1], {"role": "user", "content": _USER_MARK}]
+    prompt = _render(tokenizer, user, tools, generation=True)
+    marked = _render(tokenizer, [*user, placeholder], tools, generation=False)
+    opening = prompt[_after(prompt, _USER_MARK) :] if _after(prompt, _USER_MARK) >= 0 else None
+    content_at = marked.find(_ANSWER_MARK)
+    rendered_opening = marked[_after(marked, _USER_MARK) : content_at] if content_at >= 0 else None
+    answer_marked = _render(tokenizer, [*messages[:index], placeholder], tools, generation=False)
+    common = next((n for n, (a, b) in enumerate(zip(turn, answer_marked)) if a != b), min(len(turn),
+                                                                                     len(answer_marked)))
+    if opening is not None and rendered_opening is not None and rendered_opening.startswith(opening) \
+            and context.endswith(opening) and answer_marked[common:].startswith(_ANSWER_MARK):
+        header = rendered_opening[len(opening) :]
+        start = common - len(header)
+        if start >= 0 and turn[start:common] == header and len(turn) > start:
+            return context, turn[start:]
+    raise TemplateError(
+        f"the chat template's generation prompt for assistant message {index} ({context[-60:]!r}) is not how it "
+        f"renders that turn ({turn[-60:]!r}), so the answer cannot be placed in its inference context exactly "
+        "(e.g. a DeepSeek-R1 prompt ending in '<think>\\n' with answers that hold no '<think>...</think>'). "
+        "Put the reasoning into the answers, or choose another template with data.template"
+    )
+
+
+def _tokenize(
+    tokenizer: PreTrainedTokenizerBase, segments: list[tuple[str, bool]], cutoff_len: int, train_on_prompt: bool
+) -> Example | None:
+    """Tokenize segments with their label mask, truncated to ``cutoff_len``; ``None`` when nothing is trained."""
     pieces = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"]
     input_ids: list[int] = []
     labels: list[int] = []
@@ -116,6 +182,57 @@ def encode_conversation(
     if all(label == IGNORE_INDEX for label in labels[1:]):
         return None
     return Example(input_ids, labels)
+
+
+def encode_conversation(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, cutoff_len: int, train_on_prompt: bool
+) -> Example | None:
+    """Tokenize one conversation as one sequence with its label mask, truncated to ``cutoff_len`` tokens.
+
+    Args:
+        tokenizer: A tokenizer with a prefix-consistent ``chat_template``; special tokens come from the template
+            text itself (``add_special_tokens=False``). :func:`encode_sft` also handles the others.
+        conversation: A canonical conversation.
+        cutoff_len: Keep at most this many tokens (the tail is cut).
+        train_on_prompt: Train on every token instead of only the assistant turns.
+
+    Returns:
+        The example, or ``None`` when truncation left no trained token after the first position
+        (the first label is never a target once the loss shifts labels).
+    """
+    return _tokenize(tokenizer, render_segments(tokenizer, conversation), cutoff_len, train_on_prompt)
+
+
+def encode_sft(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, cutoff_len: int, train_on_prompt: bool
+) -> tuple[list[Example], str | None]:
+    """Tokenize one conversation for SFT: one sequence, or one per assistant turn (see [Note: assistant spans]).
+
+    Args:
+        tokenizer: A tokenizer with a ``chat_template``; special tokens come from the template text itself.
+        conversation: A canonical conversation.
+        cutoff_len: Keep at most this many tokens per sequence (the tail is cut).
+        train_on_prompt: Train on every token instead of only the assistant turns.
+
+    Returns:
+        The examples (sequences left with nothing to train after truncation are left out) and, when the
+        conversation was split per turn, the reason (the template is not prefix-consistent), else ``None``.
+
+    Raises:
+        TemplateError: If the template fails to render, or no exact span exists for a turn.
+    """
+    try:
+        example = encode_conversation(tokenizer, conversation, cutoff_len, train_on_prompt)
+        return ([] if example is None else [example]), None
+    except NotPrefixConsistent as err:
+        reason = str(err)
+    examples = []
+    for index, message in enumerate(conversation.messages):
+        if message["role"] == "assistant":
+            context, answer = render_turn(tokenizer, conversation, index)
+            example = _tokenize(tokenizer, [(context, False), (answer, True)], cutoff_len, train_on_prompt)
+            examples += [] if example is None else [example]
+    return examples, reason
 
 
 def encode_pretrain_text(tokenizer: PreTrainedTokenizerBase, text: str, cutoff_len: int) -> list[Example]:

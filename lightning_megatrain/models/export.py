@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.initialization import no_init_weights
 
+from lightning_megatrain.data.templates import end_of_turn_ids, resolve_chat_template
 from lightning_megatrain.models.causal_lm import CausalLMModule
 from lightning_megatrain.models.packed_attention import hf_attn_implementation
 
@@ -29,7 +30,11 @@ def export_checkpoint(
     The module is rebuilt from the checkpoint's ``hyper_parameters`` (its HF config is resolved
     from ``model`` or ``config`` as in training), the architecture is created without random
     initialisation and filled with the checkpoint's ``model.*`` weights (fp32 masters). The
-    tokenizer is exported when the module has ``tokenizer`` or ``model`` set. The directory is
+    tokenizer is exported when the module has ``tokenizer`` or ``model`` set, with the chat template the data was
+    encoded with (the datamodule's ``template``, when the checkpoint records one), and the generation config's
+    ``eos_token_id`` becomes a list: the tokenizer's eos first, then the end-of-turn tokens that template ends an
+    answer with (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...), so ``generate()`` stops where the
+    fine-tuned model ends its turn. The directory is
     written beside ``out_dir`` and renamed into place, so ``out_dir`` is never half-written.
 
     The checkpoint is unpickled with ``weights_only=False`` (it holds hyper-parameters and loop
@@ -88,15 +93,21 @@ def export_checkpoint(
     model.generation_config = _generation_config(source, config)
     tokenizer_source = hparams["tokenizer"] or source
 
+    tokenizer = None
+    if tokenizer_source is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=hparams["trust_remote_code"])
+        template = checkpoint.get("datamodule_hyper_parameters", {}).get("template")
+        if template is not None:
+            tokenizer.chat_template = resolve_chat_template(tokenizer, template)
+        model.generation_config.eos_token_id = _stop_ids(tokenizer, model.generation_config)
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         # transformers 5 always writes safetensors (`safe_serialization` no longer exists).
         model.save_pretrained(staging, max_shard_size=max_shard_size)
-        if tokenizer_source is not None:
-            AutoTokenizer.from_pretrained(
-                tokenizer_source, trust_remote_code=hparams["trust_remote_code"]
-            ).save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
         if out_dir.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
             os.replace(out_dir, retired / out_dir.name)
@@ -118,3 +129,12 @@ def _generation_config(source: str | None, config: PretrainedConfig) -> Generati
         except OSError:  # no generation_config.json in the pretrained model
             pass
     return GenerationConfig.from_model_config(config)
+
+
+def _stop_ids(tokenizer, generation_config: GenerationConfig) -> list[int] | int | None:
+    """The tokenizer's eos, then the generation config's own, then the chat template's end-of-turn tokens."""
+    own = generation_config.eos_token_id
+    own = own if isinstance(own, list) else [] if own is None else [own]
+    ids = [tokenizer.eos_token_id, *own, *end_of_turn_ids(tokenizer)]
+    ids = list(dict.fromkeys(index for index in ids if index is not None))
+    return ids if len(ids) > 1 else (ids[0] if ids else None)

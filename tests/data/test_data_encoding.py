@@ -114,7 +114,9 @@ def test_examples_with_nothing_left_to_train_are_dropped(tokenizer, caplog):
     assert f"Dropped {100 - len(module.train_dataset)} example(s)" in caplog.text
 
 
-def test_template_that_is_not_prefix_consistent_is_rejected(tmp_path, tokenizer):
+def test_template_without_an_exact_turn_span_is_rejected(tmp_path, tokenizer):
+    """The generation prompt ends in text the rendered turn lacks: no sequence holds the turn in its inference
+    context, so neither encoding applies (the per-turn fallback handles templates that only rewrite past turns)."""
     broken = tmp_path / "tok"
     shutil.copytree(DEMO_TOKENIZER_DIR, broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())
@@ -122,7 +124,8 @@ def test_template_that_is_not_prefix_consistent_is_rejected(tmp_path, tokenizer)
     (broken / "tokenizer_config.json").write_text(json.dumps(config))
     module = SFTDataModule("demo_sharegpt", tokenizer=str(broken))
     with pytest.raises(TemplateError, match=r"dataset 'demo_sharegpt', file .*demo_sharegpt.json, row \d+: the chat "
-                                            r"template is not prefix-consistent at assistant message \d"):
+                                            r"template's generation prompt for assistant message 4 .* is not how "
+                                            r"it renders that turn"):
         module.setup()
 
 

@@ -85,3 +85,38 @@ def test_sharded_export_and_overwrite(fitted, tmp_path):
 def test_missing_checkpoint_names_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="ckpt_path=.*missing.ckpt"):
         export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "out")
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+)
+
+
+def _chat_tokenizer(folder, template):
+    """The test vocabulary with ids 126 and 127 as ChatML's special tokens, eos ``t2``, saved over ``folder``."""
+    vocab = {f"t{i}": i for i in range(126)} | {"<|im_start|>": 126, "<|im_end|>": 127}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t2",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=template,
+    ).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("fitted", ["llama"], indirect=True)
+def test_export_stops_generation_at_the_templates_end_of_turn(fitted, tmp_path, tokenizer_dir):
+    _, ckpt_path = fitted
+    _chat_tokenizer(tokenizer_dir, CHATML)
+    out_dir = export_checkpoint(ckpt_path, tmp_path / "hf")
+    assert json.loads((out_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 127]
+
+    # data.template (recorded in the checkpoint's datamodule hyper-parameters) is the template used: exported too
+    override = tmp_path / "ends_with_im_start.jinja"
+    override.write_text(CHATML.replace("+ '<|im_end|>'", "+ '<|im_start|>'"))
+    checkpoint = torch.load(ckpt_path, weights_only=False)
+    checkpoint["datamodule_hyper_parameters"] = {"template": str(override)}
+    torch.save(checkpoint, tmp_path / "with_template.ckpt")
+    out_dir = export_checkpoint(tmp_path / "with_template.ckpt", tmp_path / "hf2")
+    assert json.loads((out_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 126]
+    assert AutoTokenizer.from_pretrained(out_dir).chat_template == override.read_text()
