@@ -108,13 +108,8 @@ def test_data_template_from_a_file_trains_the_demo_data_per_turn(tmp_path, caplo
     path.write_text(QWEN3)
     module = SFTDataModule("demo_sharegpt", template=str(path), cutoff_len=4096)
     assert module.tokenizer.chat_template == QWEN3
-    logger = logging.getLogger("lightning_megatrain.data.datamodule")
-    logger.addHandler(caplog.handler)  # the package's loggers do not propagate to the root logger caplog watches
-    try:
-        with caplog.at_level(logging.INFO, logger=logger.name):
-            module.setup()
-    finally:
-        logger.removeHandler(caplog.handler)
+    with caplog.at_level(logging.INFO, logger="lightning_megatrain.data.datamodule"):  # tests/conftest.py: reaches
+        module.setup()
     assert len(module.train_dataset) > 200  # 100 rows of >= 2 assistant turns, one sequence per turn
     assert caplog.text.count("Encoding each assistant turn as its own sequence") == 1
 
