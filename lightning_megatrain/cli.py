@@ -314,7 +314,7 @@ def plan_main(argv: Sequence[str]) -> int:
             attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload, config=config,
             machine=machine,
         )
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # OSError: a --model path that does not exist, a Hub name not reachable
         parser.error(str(err))
     print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
     return 0
