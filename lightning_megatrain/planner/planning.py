@@ -242,7 +242,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             - ``"auto"`` is planned as the engine decides it on a CUDA device (engine/placement.py, [Note: auto
               placement]): ``overlap_optimizer`` and ``compile_layers`` on; ``gpu_optimizer_groups`` the suggested
               count (0 where none hides the host Adam and fits).
-        machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine).
+        machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine). Host RAM
+            fits where it is at most the limit less :func:`host_os_reserve` (``Plan.host_usable``); the long-context
+            placement and the largest micro-batch by host RAM are judged against that too.
 
     Raises:
         ValueError: an unknown precision, optimizer or loss; a seq_len, micro_batch or grad_accum below 1;
