@@ -55,6 +55,8 @@ from lightning_megatrain.planner import (
     ACHIEVED_TFLOPS,
     COMPILED_TFLOPS,
     GPU_REF_GIB,
+    HOST_OS_RESERVE_FRACTION,
+    HOST_OS_RESERVE_MIN_GIB,
     OPTIMIZERS,
     PRECISIONS,
     Machine,
@@ -277,7 +279,8 @@ def plan_main(argv: Sequence[str]) -> int:
     add("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     add("--loss", choices=["chunked", "naive"], default="chunked")
     add("--attn-implementation", help="as model.attn_implementation, e.g. eager (default: the config's)")
-    add("--host-ram", type=float, help="GiB (default: this machine's)")
+    add("--host-ram", type=float, help=f"GiB (default: this machine's); max({HOST_OS_RESERVE_MIN_GIB:g} GiB, "
+        f"{HOST_OS_RESERVE_FRACTION * 100:g}%%) of it is left to the OS and other processes")
     add("--gpu-mem", type=float, help=f"GiB (default: this machine's GPU, else {GPU_REF_GIB:.0f} as on an H200)")
     add("--cpu-cores", type=int)
     add("--tflops", type=float, help=f"achieved TFLOP/s on executed FLOPs (default {ACHIEVED_TFLOPS:.0f} bf16, "
@@ -314,7 +317,7 @@ def plan_main(argv: Sequence[str]) -> int:
             attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload, config=config,
             machine=machine,
         )
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # OSError: a --model path that does not exist, a Hub name not reachable
         parser.error(str(err))
     print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
     return 0

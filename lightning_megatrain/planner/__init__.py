@@ -25,6 +25,8 @@ from lightning_megatrain.planner.constants import (
     GPU_REF_GIB,
     GPU_RESERVE_GIB,
     HOST_COPY_GBPS,
+    HOST_OS_RESERVE_FRACTION,
+    HOST_OS_RESERVE_MIN_GIB,
     HOST_REF_GIB,
     OPTIMIZERS,
     PCIE_D2H_GBPS,
@@ -38,7 +40,7 @@ from lightning_megatrain.planner.constants import (
 from lightning_megatrain.planner.long_context import Placement, longest_seq_len
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import gpu_bytes, host_bytes, layer_activation
-from lightning_megatrain.planner.planning import Plan, place_checkpoints, plan
+from lightning_megatrain.planner.planning import Plan, host_os_reserve, place_checkpoints, plan
 from lightning_megatrain.planner.shape import describe, load_config
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
@@ -51,6 +53,8 @@ __all__ = [
     "GPU_REF_GIB",
     "GPU_RESERVE_GIB",
     "HOST_COPY_GBPS",
+    "HOST_OS_RESERVE_FRACTION",
+    "HOST_OS_RESERVE_MIN_GIB",
     "HOST_REF_GIB",
     "OPTIMIZERS",
     "PCIE_D2H_GBPS",
@@ -67,6 +71,7 @@ __all__ = [
     "describe",
     "gpu_bytes",
     "host_bytes",
+    "host_os_reserve",
     "layer_activation",
     "load_config",
     "longest_seq_len",

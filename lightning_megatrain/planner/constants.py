@@ -35,6 +35,13 @@ HOST_REF_GIB = 128.0  # host RAM of the H200's host: a plan's limit where this m
 GPU_REF_GIB = 139.0  # usable memory of the H200 (its device tool: "about 139 GiB"): the limit without a GPU here
 PROCESS_GIB = 3.0  # host: CUDA context, libraries, Python (engine estimate, not measured)
 GPU_RESERVE_GIB = 2.0  # GPU: CUDA context, cuBLAS workspaces, allocator fragmentation (estimate, not measured)
+# Host RAM a plan leaves to the OS and other processes: a plan fits the host when its total is at most the limit less
+# max(HOST_OS_RESERVE_MIN_GIB, HOST_OS_RESERVE_FRACTION x the limit). The limit is MemTotal, which counts the kernel's
+# own memory, the page cache the data loader reads through, sshd, shells and monitoring; pinned memory cannot be
+# swapped out, so a plan at 125.9 of 128 GiB leaves them nothing and the OOM killer picks the trainer. Assumed, not
+# measured: 2 GiB covers a minimal server, 3% (3.8 GiB of 128) the kernel's page tables and slab on a large one.
+HOST_OS_RESERVE_MIN_GIB = 2.0
+HOST_OS_RESERVE_FRACTION = 0.03
 
 # optimizer -> (host state bytes/param, Gparam/s at CPU_REF_CORES). Adam moves 28 B/param (read p,g,m,v; write p,m,v);
 # SGD is assumed to run at the same bytes/s: 12 B/param (p,g,p), with momentum 20 B/param. Derived, not measured.

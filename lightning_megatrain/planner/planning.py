@@ -21,6 +21,8 @@ from lightning_megatrain.planner.constants import (
     CPU_REF_CORES,
     FP32_TFLOPS,
     GPU_REF_GIB,
+    HOST_OS_RESERVE_FRACTION,
+    HOST_OS_RESERVE_MIN_GIB,
     HOST_REF_GIB,
     OPTIMIZERS,
     PEAK_TFLOPS,
@@ -54,10 +56,11 @@ class Plan:
     active_params: int  # per token: residents + shared layer weights + k/E of the experts
     host: dict[str, int]
     host_limit: int
+    host_reserve: int  # of host_limit, left to the OS and other processes (host_os_reserve): the plan may use the rest
     gpu: dict[str, int]  # items; the "phase:" ones are alternatives (peak = persistent + the larger phase)
     gpu_limit: int
     max_micro_batch: int  # largest micro-batch that fits gpu_limit (0: none)
-    max_micro_batch_host: int  # largest whose host RAM (offloaded activations grow with it) fits host_limit
+    max_micro_batch_host: int  # largest whose host RAM (offloaded activations grow with it) fits host_usable
     activation_per_token: dict[str, float]  # one layer recomputed with grad: saved, transient (bytes/token)
     time: dict[str, float]
     transfers_hidden: bool
@@ -93,12 +96,25 @@ class Plan:
     def gpu_total(self) -> int:
         return _gpu_peak(self.gpu)
 
+    @property
+    def host_usable(self) -> int:
+        """Host RAM the plan may use: the limit less what is left to the OS and other processes."""
+        return self.host_limit - self.host_reserve
+
+    @property
+    def fits(self) -> bool:
+        """The host RAM fits ``host_usable``, the GPU peak ``gpu_limit`` and, planned with the long-context options,
+        some placement of the layer-input checkpoints fits both."""
+        placed = self.long_context is None or self.long_context["fits"]
+        return self.host_total <= self.host_usable and self.gpu_total <= self.gpu_limit and placed
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         if d["long_context"] is None:
             del d["long_context"]
         d.update(host_total=self.host_total, gpu_total=self.gpu_total, host_bytes_per_param=self.host_bytes_per_param,
-                 host_state_bytes_per_param=self.host_state_bytes_per_param)
+                 host_state_bytes_per_param=self.host_state_bytes_per_param, host_usable=self.host_usable,
+                 fits=self.fits)
         return d
 
     def report(self) -> str:
@@ -106,17 +122,21 @@ class Plan:
         g = lambda b: f"{b / GIB:9.2f} GiB"
         lines = [
             f"MegaTrain plan: {self.model}  ({self.precision}, {self.optimizer}, {self.loss} loss)",
+            f"  {self.verdict()}",
             (f"  params {self.n_params / 1e9:.3f}B = {self.n_layers} layers x {self.max_layer_params / 1e6:.1f}M (max)"
             f" + {self.resident_params / 1e6:.1f}M resident; active per token {self.active_params / 1e9:.3f}B"),
             (f"  tokens/step {self.tokens_per_step:,} = micro-batch {self.micro_batch} x seq {self.seq_len} x accum "
             f"{self.grad_accum}; activation offload {'on' if self.offload_activations else 'off'}"),
             "", "  Host RAM", *(f"    {k:<28}{g(v)}" for k, v in self.host.items()),
-            (f"    {'total':<28}{g(self.host_total)}  of {self.host_limit / GIB:.1f} GiB  "
+            (f"    {'total':<28}{g(self.host_total)}  of {self.host_usable / GIB:.1f} GiB usable  "
             f"({self.host_bytes_per_param:.2f} B/param; state {self.host_state_bytes_per_param:.0f} B/param)"),
+            (f"    usable: the {self.host_limit / GIB:.1f} GiB limit less {self.host_reserve / GIB:.1f} GiB left to "
+             f"the OS and other processes (max({HOST_OS_RESERVE_MIN_GIB:g} GiB, {HOST_OS_RESERVE_FRACTION:.0%}))"),
             "", "  GPU memory (peak = persistent + the larger phase)",
             *(f"    {k:<48}{g(v)}" for k, v in self.gpu.items()),
-            (f"    {'peak':<48}{g(self.gpu_total)}  of {self.gpu_limit / GIB:.1f} GiB; "
-            f"largest micro-batch that fits: {self.max_micro_batch} (host RAM: {self.max_micro_batch_host})"),
+            f"    {'peak':<48}{g(self.gpu_total)}  of {self.gpu_limit / GIB:.1f} GiB",
+            f"    largest micro-batch: {_batches(self.max_micro_batch)} by GPU memory, "
+            f"{_batches(self.max_micro_batch_host)} by host RAM (at seq {self.seq_len})",
             (f"    activations of one layer: {self.activation_per_token['saved']:,.0f} B/token saved + "
             f"{self.activation_per_token['transient']:,.0f} transient"),
             "", "  Time per optimizer step",
@@ -135,6 +155,31 @@ class Plan:
         lines += [f"  WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
 
+    def verdict(self) -> str:
+        """One line: FITS or DOES NOT FIT, each limit's use, and the binding one (the least spare) with its margin."""
+        gib = lambda b: f"{b / GIB:.1f}"
+        gpu_spare, host_spare = self.gpu_limit - self.gpu_total, self.host_usable - self.host_total
+        used = (f"GPU peak {gib(self.gpu_total)} of {gib(self.gpu_limit)} GiB, host RAM {gib(self.host_total)} of "
+                f"{gib(self.host_usable)} GiB usable")
+        if self.fits:
+            binding, spare = min(("GPU memory", gpu_spare), ("host RAM", host_spare), key=lambda x: x[1])
+            return f"FITS: {used}; the tighter is {binding}, {gib(spare)} GiB spare"
+        over = [f"{name} by {gib(-spare)} GiB" for name, spare in (("GPU memory", gpu_spare), ("host RAM", host_spare))
+                if spare < 0]
+        if self.long_context is not None and not self.long_context["fits"]:
+            over.append("no placement of the layer-input checkpoints fits (Long context below)")
+        return f"DOES NOT FIT: {used}; over: {', '.join(over)}"
+
+
+def host_os_reserve(host_limit: int) -> int:
+    """Bytes of a host RAM limit left to the OS and other processes: max(``HOST_OS_RESERVE_MIN_GIB``,
+    ``HOST_OS_RESERVE_FRACTION`` x the limit), capped at the limit (constants.py gives the rationale)."""
+    return min(host_limit, max(int(HOST_OS_RESERVE_MIN_GIB * GIB), int(HOST_OS_RESERVE_FRACTION * host_limit)))
+
+
+def _batches(n: int) -> str:
+    return str(n) if n else "none (not even 1)"
+
 
 def _long_context_lines(p: Plan) -> list[str]:
     lc, g = p.long_context, lambda b: f"{b / GIB:.2f} GiB"
@@ -149,7 +194,7 @@ def _long_context_lines(p: Plan) -> list[str]:
          + (f"{lc['device_checkpoints']} on the GPU, {lc['checkpoints'] - lc['device_checkpoints']} in pinned host "
             f"memory ({g(lc['checkpoints_host_bytes'])})" if p.offload_activations else "all on the GPU (no offload)")),
         f"    {'chosen' if lc['fits'] else 'NOTHING FITS'}: {lc['why']}",
-        f"    predicted: host RAM {g(p.host_total)} of {g(p.host_limit)}; GPU peak {g(p.gpu_total)} of "
+        f"    predicted: host RAM {g(p.host_total)} of {g(p.host_usable)} usable; GPU peak {g(p.gpu_total)} of "
         f"{g(p.gpu_limit)}",
         (f"    longest sequence that fits this machine at micro-batch {p.micro_batch}: {longest:,} tokens" if longest
          else f"    no sequence of {SEQ_STEP:,} tokens or more fits this machine at micro-batch {p.micro_batch}"),
@@ -197,7 +242,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             - ``"auto"`` is planned as the engine decides it on a CUDA device (engine/placement.py, [Note: auto
               placement]): ``overlap_optimizer`` and ``compile_layers`` on; ``gpu_optimizer_groups`` the suggested
               count (0 where none hides the host Adam and fits).
-        machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine).
+        machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine). Host RAM
+            fits where it is at most the limit less :func:`host_os_reserve` (``Plan.host_usable``); the long-context
+            placement and the largest micro-batch by host RAM are judged against that too.
 
     Raises:
         ValueError: an unknown precision, optimizer or loss; a seq_len, micro_batch or grad_accum below 1;
@@ -230,6 +277,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         FP32_TFLOPS if c >= 4 else COMPILED_TFLOPS if config.compile_layers else ACHIEVED_TFLOPS)
     cores = m.cpu_cores or cpu_cores()
     host_limit = int((m.host_ram_gib or host_ram_gib() or HOST_REF_GIB) * GIB)
+    host_usable = host_limit - host_os_reserve(host_limit)
     gpu_limit = int((m.gpu_mem_gib or gpu_mem_gib() or GPU_REF_GIB) * GIB)
     groups, overlap = config.gpu_optimizer_groups, config.overlap_optimizer
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
@@ -242,7 +290,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups}
     # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
     # every other host item, which no sequence length changes
-    host_free = host_limit - sum(v for k, v in host_bytes(s, micro_batch, seq_len, **hkw).items()
+    host_free = host_usable - sum(v for k, v in host_bytes(s, micro_batch, seq_len, **hkw).items()
                                  if k != "activation offload")
     placed = _placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit, offload_activations)
     long_kw = {"segment": placed.segment_layers, "device_checkpoints": placed.device_checkpoints}
@@ -252,15 +300,19 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
     host = host_bytes(s, micro_batch, seq_len, **hkw)
     t = step_time(s, micro_batch, seq_len, **tkw)
-    max_host = _largest(lambda b: sum(host_bytes(s, b, seq_len, **hkw).values()) <= host_limit)
+    max_host = _largest(lambda b: sum(host_bytes(s, b, seq_len, **hkw).values()) <= host_usable)
     max_mb = _largest(lambda b: _gpu_peak(gpu_bytes(s, b, seq_len, **gkw)[0]) <= gpu_limit)
     exposed = lambda tb: tb["transfers exposed"] > 0.01 * tb["GPU compute"]
     min_hide = None
     if exposed(t):  # the smallest micro-batch whose transfers hide (None: none up to 2**16)
         last = _largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
         min_hide = last + 1 if last < 1 << 16 else None
-    step = sum(v for k, v in t.items() if not k.startswith(("  ", "H2D", "D2H")))
-    t["step total"] = step
+    step = t["step total"] = _step_total(t)
+    overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
+    if not overlap:
+        rate = TORCH_ADAM_GPARAMS if optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
+        overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{**tkw, "overlap_optimizer": True,
+                                                                             "opt_rate": rate * cores / CPU_REF_CORES}))
     tokens = micro_batch * seq_len * grad_accum
     active = sum(ly.active for ly in s.layers) + s.resident_params
     model_flops = 6 * (active - s.embedding_params + (s.vocab * s.hidden if s.tied else 0))  # non-embedding + head
@@ -269,7 +321,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         model=s.name, precision=precision, optimizer=optimizer, loss=loss, seq_len=seq_len, micro_batch=micro_batch,
         grad_accum=grad_accum, offload_activations=offload_activations, n_params=s.n_params, n_layers=len(s.layers),
         layer_params=sum(ly.numel for ly in s.layers), max_layer_params=max(ly.numel for ly in s.layers),
-        resident_params=s.resident_params, active_params=active, host=host, host_limit=host_limit, gpu=gpu,
+        resident_params=s.resident_params, active_params=active, host=host, host_limit=host_limit,
+        host_reserve=host_limit - host_usable, gpu=gpu,
         gpu_limit=gpu_limit, max_micro_batch=max_mb, max_micro_batch_host=max_host,
         activation_per_token={"saved": act[0], "transient": act[1]}, time=t,
         transfers_hidden=not exposed(t), min_micro_batch_to_hide=min_hide, tokens_per_step=tokens,
@@ -293,7 +346,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             "longest_seq_len": longest_placeable(s, micro_batch, config=config, gkw=base, host_free=host_free,
                                                  gpu_limit=gpu_limit) if offload_activations else None,
         }
-    p.warnings = _warnings(p, s)
+    p.warnings = _warnings(p, s, overlapped_step)
     if overlap and optimizer in ("adamw", "adam"):
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
@@ -360,7 +413,14 @@ def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: di
     return None
 
 
-def _warnings(p: Plan, s: _Shape) -> list[str]:
+def _step_total(t: dict[str, float]) -> float:
+    """Seconds per step from step_time's items: the serial ones (H2D and D2H busy overlap compute; "  of which" are
+    parts)."""
+    return sum(v for k, v in t.items() if not k.startswith(("  ", "H2D", "D2H")))
+
+
+def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
+    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it)."""
     out, t = [], p.time
     if not p.transfers_hidden:
         need = f"micro-batch >= {p.min_micro_batch_to_hide}" if p.min_micro_batch_to_hide else "no micro-batch"
@@ -368,19 +428,24 @@ def _warnings(p: Plan, s: _Shape) -> list[str]:
                    f"{t['transfers exposed'] * 1e3:.0f} ms of transfers exposed per step (uploading the largest "
                    f"layer takes {4 * p.max_layer_params / (p.assumptions['pcie_h2d_gbps'] * 1e6):.1f} ms); "
                    f"{need} hides them at seq {p.seq_len}")
-    if p.host_total > p.host_limit:
+    if p.host_total > p.host_usable:
         top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host.items() if v >= 0.05 * p.host_total)
         out.append(f"host RAM too small: needs {p.host_total / GIB:.1f} GiB ({top} GiB; "
-                   f"{p.host_bytes_per_param:.1f} B/param) but the limit is {p.host_limit / GIB:.1f} GiB")
+                   f"{p.host_bytes_per_param:.1f} B/param) but {p.host_usable / GIB:.1f} GiB of the "
+                   f"{p.host_limit / GIB:.1f} GiB limit are usable ({p.host_reserve / GIB:.1f} GiB left to the OS)")
     if p.gpu_total > p.gpu_limit:
         fix = (f"largest micro-batch that fits: {p.max_micro_batch}" if p.max_micro_batch else
                "not even micro-batch 1 fits: shorten the sequence, use loss='chunked' or a larger GPU")
         out.append(f"GPU memory too small: micro-batch {p.micro_batch} x {p.seq_len} needs "
                    f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
     if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
-        out.append(f"the CPU optimizer ({t['CPU optimizer (serial)']:.2f} s on {p.assumptions['cpu_cores']} cores) "
-                   f"is {t['CPU optimizer (serial)'] / t['step total']:.0%} of the step: it does not overlap the GPU "
-                   "(overlap_optimizer=True lets the next forward hide it); or raise tokens per step to amortise it")
+        step, cpu = t["step total"], t["CPU optimizer (serial)"]
+        how = (f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
+               f"instead of {step:.2f}; or raise" if overlapped_step < step else
+               f"overlap_optimizer=True does not help here: {overlapped_step:.2f} s per step planned with it instead "
+               f"of {step:.2f}, its host step outlasting the next forward; raise")
+        out.append(f"the CPU optimizer ({cpu:.2f} s on {p.assumptions['cpu_cores']} cores) is {cpu / step:.0%} of "
+                   f"the step: it does not overlap the GPU ({how} tokens per step to amortise it)")
     if p.loss == "naive" and p.gpu["phase loss: head + loss"] > 0.25 * p.gpu_limit:
         out.append(f"HF's loss materialises [B, T, V] logits ({p.gpu['phase loss: head + loss'] / GIB:.1f} GiB): "
                    "use CausalLMModule's chunked loss")

@@ -76,7 +76,12 @@ class _Shape:
 
 def load_config(model: Any):
     """A HF config from a config object, a dict (``model_type`` + attributes), inline JSON, a .json file, a local
-    directory with config.json, or a hub name (needs network or the HF cache)."""
+    directory with config.json, or a hub name (needs network or the HF cache).
+
+    Raises:
+        FileNotFoundError: ``model`` looks like a path (:func:`_path_like`) that does not exist.
+        OSError: a Hub name that neither the Hub nor the cache gives (one line: transformers' first).
+    """
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
@@ -90,7 +95,27 @@ def load_config(model: Any):
         if "model_type" not in kwargs:
             raise ValueError(f"a config dict needs 'model_type' (e.g. 'llama'); got keys {sorted(kwargs)}")
         return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    return AutoConfig.from_pretrained(str(model))
+    name = str(model)
+    if _path_like(name) and not Path(name).expanduser().exists():
+        # transformers would take it for a Hub id and answer "Repo id must be in the form ..."
+        raise FileNotFoundError(f"no such file or directory: {name}. HINT: pass a local directory with config.json, "
+                                "a .json file (configs/hf/ has the ready configs' shapes), inline JSON or a Hub name")
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError as err:
+        if Path(name).expanduser().exists():
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(f"{name!r} is not a local path and its config could not be loaded from the Hugging Face Hub or "
+                      f"its cache: {first} HINT: download its config.json and pass the file") from err
+
+
+def _path_like(name: str) -> bool:
+    """A ``--model`` that names a local path rather than a Hub id ("name" or "org/name"): absolute, relative to . or
+    ~, a .json file, a backslash or more than one slash, or a first folder that exists here."""
+    head = name.split("/", 1)[0]
+    return (name.startswith(("/", ".", "~")) or name.endswith(".json") or "\\" in name or name.count("/") > 1
+            or ("/" in name and Path(head).is_dir()))
 
 
 def _unique_numel(params) -> int:
