@@ -19,6 +19,18 @@ GIB = 2**30  # bytes per GiB: every "GiB" in logs, errors and plans
 #: ``ThroughputLogger`` and ``megatrain plan``.
 H100_BF16_PEAK_FLOPS = 989e12
 
+#: Dense bf16 tensor-core peaks by GPU name fragment, from NVIDIA's data sheets (half the "with sparsity" figure):
+#: the MFU denominator of ``ThroughputLogger(peak_flops="auto")``. A device not listed (a CPU, another GPU) gets no MFU.
+GPU_BF16_PEAK_FLOPS = {"H100": H100_BF16_PEAK_FLOPS, "H200": H100_BF16_PEAK_FLOPS, "A100": 312e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak FLOP/s of ``device`` from ``GPU_BF16_PEAK_FLOPS``; None for a CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_BF16_PEAK_FLOPS.items() if key in name), None)
+
 
 def meminfo_bytes(field: str) -> int | None:
     """A ``/proc/meminfo`` field (``"MemAvailable"``, ``"MemTotal"``) in bytes; None where unknown (e.g. not Linux)."""

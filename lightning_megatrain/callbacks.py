@@ -1,4 +1,6 @@
-"""Observability for MegaTrain runs: ``ThroughputLogger`` (tokens/s, MFU, host RSS, GPU peak memory, one-step trace)."""
+"""Observability for MegaTrain runs: ``ThroughputLogger`` (tokens/s, MFU, host RSS, GPU peak memory, one-step trace),
+and the ``megatrain`` CLI's console output: ``FitSummary`` (where the run's files are), ``StepProgressBar`` and
+``ParamSummary``."""
 
 from __future__ import annotations
 
@@ -6,15 +8,16 @@ import collections
 import os
 from pathlib import Path
 from time import perf_counter
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from torch import nn
 
-from lightning_megatrain._hardware import GIB, H100_BF16_PEAK_FLOPS, host_rss_gib
+from lightning_megatrain._hardware import GIB, device_peak_flops, host_rss_gib
 
 TRACE_FILE_NAME = "megatrain_trace.json"
 
@@ -68,9 +71,10 @@ class ThroughputLogger(Callback):
     Args:
         window: Number of recent training batches the rates are averaged over. Larger is smoother but reacts
             later. The first ``window`` batches (which include warm-up) are not reported.
-        peak_flops: Peak FLOP/s of one device at the training precision, the MFU denominator. Default: 989e12, the
-            dense bf16 peak of an H100/H200 SXM. Use the peak of your GPU (e.g. 312e12 for an A100 in bf16); on a
-            CPU the value is only indicative. ``None`` disables ``mfu``.
+        peak_flops: Peak FLOP/s of one device at the training precision, the MFU denominator. Default ``"auto"``: the
+            dense bf16 peak of the training GPU when ``_hardware.GPU_BF16_PEAK_FLOPS`` knows it (989e12 for an
+            H100/H200, 312e12 for an A100), else no ``mfu`` (a CPU or an unlisted GPU). A number is used as given;
+            ``None`` disables ``mfu``.
         num_params: Parameters used per token for the MFU. Default ``None``: every parameter of the LightningModule
             except embedding tables (a tied LM head counts), see :func:`matmul_params`. That overstates the FLOPs of
             mixture-of-experts models; pass their active (non-embedding) parameter count instead.
@@ -86,7 +90,7 @@ class ThroughputLogger(Callback):
     def __init__(
         self,
         window: int = 10,
-        peak_flops: float | None = H100_BF16_PEAK_FLOPS,
+        peak_flops: float | Literal["auto"] | None = "auto",
         num_params: int | None = None,
         prog_bar: bool = True,
         profile_step: int | None = None,
@@ -94,8 +98,8 @@ class ThroughputLogger(Callback):
         super().__init__()
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window={window!r}: must be an int >= 1 (e.g. 10)")
-        if peak_flops is not None and not peak_flops > 0:
-            raise ValueError(f"peak_flops={peak_flops!r}: must be a positive FLOP/s value (e.g. 989e12) or None")
+        if peak_flops not in (None, "auto") and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
+            raise ValueError(f"peak_flops={peak_flops!r}: must be a positive FLOP/s value (e.g. 989e12), auto or None")
         if num_params is not None and (not isinstance(num_params, int) or num_params < 1):
             raise ValueError(f"num_params={num_params!r}: must be a positive int or None")
         if profile_step is not None and (not isinstance(profile_step, int) or profile_step < 0):
@@ -110,12 +114,14 @@ class ThroughputLogger(Callback):
         self._ends: collections.deque[float] = collections.deque(maxlen=window + 1)  # batch-end times
         self._tokens: collections.deque[int] = collections.deque(maxlen=window + 1)  # tokens of those batches
         self._profiler: torch.profiler.profile | None = None
+        self._peak_flops: float | None = None  # peak_flops with "auto" resolved for the training device
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._model_params = self.num_params or matmul_params(pl_module)
         self._ends.clear()
         self._tokens.clear()
         device = trainer.strategy.root_device
+        self._peak_flops = device_peak_flops(device) if self.peak_flops == "auto" else self.peak_flops
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -145,8 +151,8 @@ class ThroughputLogger(Callback):
         metrics = {}
         if elapsed > 0:
             metrics["tokens_per_s"] = tokens / elapsed
-            if self.peak_flops is not None:
-                metrics["mfu"] = 6.0 * self._model_params * metrics["tokens_per_s"] / self.peak_flops
+            if self._peak_flops is not None:
+                metrics["mfu"] = 6.0 * self._model_params * metrics["tokens_per_s"] / self._peak_flops
         rss = host_rss_gib()
         if rss is not None:
             metrics["host_rss_gib"] = rss
@@ -175,3 +181,105 @@ class ThroughputLogger(Callback):
             profiler.export_chrome_trace(str(path))
             self.trace_path = path
             rank_zero_info(f"ThroughputLogger: trace of step {self.profile_step} written to {path}")
+
+
+class FitSummary(Callback):
+    """Records the first ``train_loss``; :meth:`lines` then say how the loss went and where the run's files are.
+
+    The ``megatrain`` CLI adds it and logs the lines once ``fit`` returned (after the progress bar's last render):
+    ``train_loss`` at the first and the last optimizer step (and the last ``val_loss``), the checkpoint to resume from
+    or export (``ModelCheckpoint``'s ``last.ckpt``, else its best, else that none was written) with the
+    ``megatrain export`` command, and the logger's folder (``metrics.csv``, ``config.yaml``, a profiler trace).
+    """
+
+    megatrain_reads_state = False  # reads logged metrics and paths, no parameters
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_loss: tuple[int, float] | None = None  # (optimizer step, train_loss) of the first step logged
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = trainer.callback_metrics.get("train_loss")
+        if self.first_loss is None and loss is not None:
+            self.first_loss = (trainer.global_step, float(loss))
+
+    def lines(self, trainer: pl.Trainer) -> list[str]:
+        """The summary, one string per line."""
+        lines = []
+        metrics = trainer.callback_metrics
+        if self.first_loss is not None and "train_loss" in metrics:
+            step, loss = self.first_loss
+            line = f"megatrain: train_loss {loss:.3f} at step {step} -> {float(metrics['train_loss']):.3f} at step "
+            line += f"{trainer.global_step}"
+            if "val_loss" in metrics:
+                line += f" (val_loss {float(metrics['val_loss']):.3f})"
+            lines.append(line)
+        checkpoint = _checkpoint_path(trainer)
+        if checkpoint is None:
+            lines.append("megatrain: no checkpoint written (add a ModelCheckpoint callback to keep the weights)")
+        else:
+            lines.append(f"megatrain: checkpoint {checkpoint} (resume: --ckpt_path {checkpoint})")
+            lines.append(f"megatrain: export to a HuggingFace folder: megatrain export {checkpoint} OUT_DIR")
+        if trainer.logger is not None and trainer.log_dir is not None:
+            lines.append(f"megatrain: logs in {trainer.log_dir}")
+        return lines
+
+
+def _checkpoint_path(trainer: pl.Trainer) -> str | None:
+    """``last.ckpt`` of the first ``ModelCheckpoint`` that wrote one, else its best checkpoint; None if none."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            path = callback.last_model_path or callback.best_model_path
+            if path:
+                return path
+    return None
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without a bogus epoch total: a run bounded by ``max_steps`` (``max_epochs=-1``,
+    as in the demo) shows ``Epoch 1`` where Lightning shows ``Epoch 1/-2``; the logger's ``v_num`` is left out."""
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the log folder's version: FitSummary names the folder at the end
+        return metrics
+
+    def _get_train_description(self, current_epoch: int) -> str:  # the one place RichProgressBar names the epoch
+        description = super()._get_train_description(current_epoch)
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs < 1:
+            description = description.replace(f"/{max_epochs - 1}", "", 1)
+        return description
+
+
+class ParamSummary(ModelSummary):
+    """Lightning's text model summary without the FLOPs column and ``Total FLOPs`` line when it measured none (it
+    measures them only for a module with an ``example_input_array``, so a CausalLMModule shows ``0``)."""
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        if total_flops:
+            ModelSummary.summarize(
+                summary_data, total_parameters, trainable_parameters, model_size, total_training_modes, total_flops
+            )
+            return
+        columns = [(name, [str(v) for v in values]) for name, values in summary_data if name != "FLOPs"]
+        widths = [max([len(name), *(len(v) for v in values)]) for name, values in columns]
+        rows = [[name for name, _ in columns], *zip(*(values for _, values in columns))]
+        table = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
+        rule = "-" * max(len(line) for line in table)
+        lines = [table[0], rule, *table[1:], rule]
+        lines.append(f"{get_human_readable_count(trainable_parameters):<10} Trainable params")
+        lines.append(f"{get_human_readable_count(total_parameters - trainable_parameters):<10} Non-trainable params")
+        lines.append(f"{model_size:<10.3f} Total estimated model params size (MB)")
+        rank_zero_info("\n" + "\n".join(lines))

@@ -22,7 +22,13 @@ What this CLI adds to a plain ``LightningCLI``:
   anyway: Lightning refuses to log differing ``tokenizer`` hyper-parameters of model and datamodule). It is the
   one given (either key), else ``model.model``, else the bundled demo tokenizer. A Hub name is resolved to a local
   folder by downloading only the tokenizer files, because ``SFTDataModule`` reads local folders only.
-- A ``ThroughputLogger`` callback is always added; its options are the ``throughput:`` section.
+- A ``ThroughputLogger`` callback is always added; its options are the ``throughput:`` section. A ``FitSummary``
+  says at the end of ``fit`` how the loss went and where the checkpoint and logs are; the progress bar and model
+  summary (when enabled and not given as callbacks) are ``StepProgressBar`` and ``ParamSummary``, which drop
+  Lightning's ``Epoch 1/-2`` of a ``max_steps`` run and its ``Total FLOPs: 0``.
+- A user error (``ValueError``, ``OSError``: a bad dataset row, a missing file, an unknown ``model_type``, an offline
+  Hub name) prints as one message of at most ``ERROR_MAX_CHARS`` characters and exits with status 1;
+  ``MEGATRAIN_DEBUG=1`` or ``--debug`` shows the traceback. Other exceptions (bugs) keep their traceback.
 - ``optimizer:`` / ``lr_scheduler:`` sections: when ``optimizer`` is given, it replaces
   ``CausalLMModule.configure_optimizers`` (AdamW with decay/no-decay groups and warmup + cosine) and is built over
   all parameters *after* ``configure_model`` created them; schedulers step every optimizer step (``interval:
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,13 +48,15 @@ from typing import Any
 
 import torch
 from jsonargparse import DefaultHelpFormatter, Namespace, set_parsing_settings
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, ReduceLROnPlateau, instantiate_class
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from torch.optim import Optimizer
 
 import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
-from lightning_megatrain.callbacks import ThroughputLogger
+from lightning_megatrain.callbacks import FitSummary, ParamSummary, StepProgressBar, ThroughputLogger
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
 from lightning_megatrain.models import CausalLMModule, export_checkpoint
@@ -64,6 +73,17 @@ from lightning_megatrain.planner import (
 )
 
 PROG = "megatrain"
+
+#: A user error's message is cut to this many characters (transformers' unknown ``model_type`` lists every known one:
+#: ~12,000 characters); ``MEGATRAIN_DEBUG=1`` or ``--debug`` shows all of it with the traceback.
+ERROR_MAX_CHARS = 600
+DEBUG_ENV = "MEGATRAIN_DEBUG"
+DEBUG_FLAG = "--debug"
+
+#: Exceptions that are the user's to fix, printed as one message: bad data (``DatasetFormatError`` and
+#: ``TemplateError`` are ``ValueError``), bad values, missing files, the Hub being unreachable or offline (``OSError``,
+#: as transformers and huggingface_hub raise). Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError)
 
 DESCRIPTION = """\
 Train causal LMs larger than GPU memory on one GPU (Lightning strategy "megatrain").
@@ -156,6 +176,8 @@ class MegaTrainCLI(LightningCLI):
             "formatter_class": _HelpFormatter,
             **kwargs.pop("parser_kwargs", {}),
         }
+        self.fit_summary = FitSummary()
+        trainer_defaults["callbacks"] = [self.fit_summary, *_as_list(trainer_defaults.get("callbacks"))]
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a resumed run may log into the same folder
         super().__init__(
             model_class=kwargs.pop("model_class", CausalLMModule),
@@ -182,6 +204,23 @@ class MegaTrainCLI(LightningCLI):
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
         resolve_tokenizer(config.model, config.data)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's, with ``StepProgressBar`` and ``ParamSummary`` in place of its default progress bar and model
+        summary when those are enabled and the config names none."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = _as_list(kwargs.get("callbacks", config.get("callbacks")))
+        extra = []
+        if config.get("enable_progress_bar") is not False and _RICH_AVAILABLE:
+            if not any(isinstance(cb, ProgressBar) for cb in callbacks):
+                extra.append(StepProgressBar())
+        if config.get("enable_model_summary") is not False:
+            if not any(isinstance(cb, ModelSummary) for cb in callbacks):
+                extra.append(ParamSummary())
+                kwargs["enable_model_summary"] = False  # else Lightning logs that it skips its own default summary
+        if extra:
+            kwargs["callbacks"] = [*callbacks, *extra]
+        return super().instantiate_trainer(**kwargs)
 
     def after_instantiate_classes(self) -> None:
         optimizer_init = self._get(self.config_init, "optimizer")
@@ -210,6 +249,11 @@ class MegaTrainCLI(LightningCLI):
 
         self.model.configure_optimizers = MethodType(configure_optimizers, self.model)
 
+    def after_fit(self) -> None:
+        """Logs where the checkpoint and the logs are, and how the loss went (``FitSummary.lines``)."""
+        for line in self.fit_summary.lines(self.trainer):
+            rank_zero_info(line)
+
     @staticmethod
     def configure_optimizers(lightning_module: LightningModule, optimizer: Optimizer, lr_scheduler: Any = None) -> Any:
         """The CLI optimizer with its scheduler stepped every optimizer step (``ReduceLROnPlateau``: every epoch)."""
@@ -223,6 +267,19 @@ class MegaTrainCLI(LightningCLI):
 
 def _as_dict(value: Any) -> dict[str, Any]:
     return value.as_dict() if isinstance(value, Namespace) else dict(value)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def user_error_message(err: BaseException, max_chars: int = ERROR_MAX_CHARS) -> str:
+    """``err`` as one short message: ``Type: message``, cut to ``max_chars`` with the number of characters left out,
+    and how to see everything."""
+    text = f"{type(err).__name__}: {err}".strip()
+    if len(text) > max_chars:
+        text = f"{text[:max_chars].rstrip()} ... [{len(text) - max_chars:,} more characters]"
+    return f"{PROG}: error: {text}\n({DEBUG_ENV}=1 or {DEBUG_FLAG} shows the full message and traceback)"
 
 
 def export_main(argv: Sequence[str]) -> int:
@@ -333,9 +390,20 @@ def main(args: Sequence[str] | None = None) -> int:
         The exit status (0 on success).
     """
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] == "export":
-        return export_main(argv[1:])
-    if argv and argv[0] == "plan":
-        return plan_main(argv[1:])
-    MegaTrainCLI(args=args)
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") or DEBUG_FLAG in argv
+    if DEBUG_FLAG in argv:
+        argv = [arg for arg in argv if arg != DEBUG_FLAG]
+        if args is None:  # LightningCLI warns when given args while sys.argv holds some: read sys.argv without it
+            sys.argv = [sys.argv[0], *argv]
+    try:
+        if argv and argv[0] == "export":
+            return export_main(argv[1:])
+        if argv and argv[0] == "plan":
+            return plan_main(argv[1:])
+        MegaTrainCLI(args=None if args is None else argv)
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        print(user_error_message(err), file=sys.stderr)
+        return 1
     return 0

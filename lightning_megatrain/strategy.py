@@ -399,12 +399,19 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
         total = sizes.get("rss", sum(sizes.values()))
         peak = host_rss_gib("VmHWM")
+        # Per parameter only where the model's own state is most of the memory: for a tiny model the process
+        # (Python, torch, libraries) dominates and "1,000 bytes/param" would read as a leak.
+        model_state = sum(v for k, v in sizes.items() if k not in ("rss", "other"))
+        per_param = model_state * 2 >= total
         log.info(
-            "MegaTrain: host memory at train end %.1f GiB (%.1f bytes/param): %s GiB%s",
+            "MegaTrain: host memory at train end %.1f GiB%s: %s GiB%s%s",
             total / GIB,
-            total / max(n_params, 1),
+            f" ({total / max(n_params, 1):.1f} bytes/param)" if per_param else "",
             parts,
-            "" if peak is None else f"; peak so far {peak:.1f} GiB ({peak * GIB / max(n_params, 1):.1f} bytes/param)",
+            "" if peak is None else f"; peak so far {peak:.1f} GiB"
+            + (f" ({peak * GIB / max(n_params, 1):.1f} bytes/param)" if per_param else ""),
+            "" if per_param else f" (the {n_params / 1e6:.2f}M-parameter model's state is {model_state / GIB:.2f} GiB "
+            "of it; the rest is the Python process)",
         )
 
     @override

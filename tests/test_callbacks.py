@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -13,7 +14,15 @@ from torch.utils.data import DataLoader
 
 import lightning_megatrain  # noqa: F401
 from lightning_megatrain import callbacks
-from lightning_megatrain.callbacks import TRACE_FILE_NAME, ThroughputLogger, batch_tokens, matmul_params
+from lightning_megatrain._hardware import device_peak_flops
+from lightning_megatrain.callbacks import (
+    TRACE_FILE_NAME,
+    ParamSummary,
+    StepProgressBar,
+    ThroughputLogger,
+    batch_tokens,
+    matmul_params,
+)
 from lightning_megatrain.models import CausalLMModule
 
 TINY = {
@@ -95,9 +104,35 @@ def test_logs_throughput_mfu_and_memory(tmp_path, monkeypatch):
 
 
 def test_real_clock_gives_positive_throughput(tmp_path):
-    trainer, _ = _fit(tmp_path, ThroughputLogger(window=1), max_steps=3)
+    trainer, _ = _fit(tmp_path, ThroughputLogger(window=1, peak_flops=1e12), max_steps=3)
     assert float(trainer.callback_metrics["tokens_per_s"]) > 0
     assert float(trainer.callback_metrics["mfu"]) > 0
+
+
+def test_auto_peak_flops_gives_no_mfu_on_a_cpu(tmp_path):
+    trainer, _ = _fit(tmp_path, ThroughputLogger(window=1), max_steps=3)
+    assert "tokens_per_s" in trainer.callback_metrics and "mfu" not in trainer.callback_metrics
+
+
+@pytest.mark.parametrize(("name", "peak"), [("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("X", None)])
+def test_device_peak_flops_by_gpu_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_flops(torch.device("cuda", 0)) == peak
+    assert device_peak_flops(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(("max_epochs", "expected"), [(-1, "Epoch 1"), (3, "Epoch 1/2")])
+def test_step_progress_bar_shows_no_negative_epoch_total(max_epochs, expected):
+    bar = StepProgressBar()
+    bar._trainer = SimpleNamespace(max_epochs=max_epochs)
+    assert bar._get_train_description(1).strip() == expected
+
+
+def test_param_summary_leaves_out_unmeasured_flops(caplog):
+    caplog.set_level("INFO")
+    data = [("Name", ["model"]), ("Type", ["Llama"]), ("Params", ["377 K"]), ("FLOPs", ["0"])]
+    ParamSummary.summarize(data, 377_000, 377_000, 1.5, {"train": 1, "eval": 0}, total_flops=0)
+    assert "377 K" in caplog.text and "FLOPs" not in caplog.text
 
 
 @pytest.mark.parametrize("with_logger", [True, False])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from functools import partial
 from typing import Any, Literal
 
@@ -20,6 +21,12 @@ from lightning_megatrain.models.packed_attention import (
     hf_attn_implementation,
     is_packed,
     packed_batch_problem,
+)
+
+# Lightning warns whenever a LightningModule overriding on_before_batch_transfer is fitted with a LightningDataModule,
+# even one that does not override it (SFTDataModule): the module's hook is the one meant to run.
+warnings.filterwarnings(
+    "ignore", message=r"You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a"
 )
 
 # Config attributes of heads that rescale logits beyond soft-capping; the chunked loss does

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,8 +43,34 @@ def _decoupled(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay", False))
 
 
+def cpu_adam_build_dir() -> Path | None:
+    """The folder where DeepSpeed's CPUAdam extension is about to be compiled (torch's JIT extension cache:
+    ``$TORCH_EXTENSIONS_DIR/cpu_adam``, else ``~/.cache/torch_extensions/<python>_<cuda>/cpu_adam``), or None when
+    nothing will be built: DeepSpeed was installed with it prebuilt, this process loaded it, or the cache holds it."""
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from torch.utils.cpp_extension import _get_build_directory  # the folder torch.utils.cpp_extension.load uses
+
+    name = CPUAdamBuilder.NAME
+    if installed_ops.get(name, False) or name in CPUAdamBuilder._loaded_ops:
+        return None
+    folder = Path(_get_build_directory(name, verbose=False))
+    return None if (folder / f"{name}.so").exists() else folder
+
+
 def _deepspeed_adam(optimizer: Optimizer) -> Optimizer:
+    if not torch.cuda.is_available():
+        # What DeepSpeed would detect, said up front: it then skips its "Setting accelerator to CPU" warning.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    folder = cpu_adam_build_dir()
+    if folder is not None:  # the JIT build prints nothing and takes a minute or more
+        log.info(
+            "MegaTrain: building DeepSpeed's CPU Adam extension in %s (once per machine, about a minute; later runs "
+            "load it from there)",
+            folder,
+        )
 
     class HostCPUAdam(DeepSpeedCPUAdam):
         def __del__(self) -> None:

@@ -203,3 +203,49 @@ def test_state_loads_across_host_implementations(saved_by, loaded_by):
     step(loaded_params, loader, 3)
     for a, b in zip(loaded_params, params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --- The CPUAdam extension's first build (a silent minute without a message) ----------------------------------------
+
+
+def test_cpu_adam_build_dir_is_the_torch_extensions_cache_until_built(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(CPUAdamBuilder, "_loaded_ops", {})  # as in a fresh process
+    folder = host_optimizer.cpu_adam_build_dir()
+    assert folder == tmp_path / "cpu_adam"
+    (folder / "cpu_adam.so").touch()  # built by an earlier run: loaded, not built
+    assert host_optimizer.cpu_adam_build_dir() is None
+
+
+def test_building_cpu_adam_is_logged_before_the_build_and_the_fallback_still_warns(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("deepspeed")
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    events = []
+
+    def build(self, verbose=False):  # the JIT build, mocked: it fails, as without g++
+        events.append("build")
+        raise RuntimeError("mocked build failure")
+
+    monkeypatch.setattr(host_optimizer, "cpu_adam_build_dir", lambda: tmp_path / "cpu_adam")
+    monkeypatch.setattr(CPUAdamBuilder, "load", build)
+    monkeypatch.setattr(host_optimizer, "_deepspeed_failure", None)
+    monkeypatch.setattr(host_optimizer, "_warned", False)
+    caplog.set_level("INFO", logger=host_optimizer.log.name)
+    caplog.handler.emit = lambda record, emit=caplog.handler.emit: (events.append("log"), emit(record))
+    with pytest.warns(UserWarning, match=r"DeepSpeedCPUAdam is unavailable \(RuntimeError: .*using torch fused AdamW"):
+        host_optimizer.to_host_optimizer(_adamw(), "auto")
+    assert events == ["log", "build"]  # said before the build started
+    assert f"building DeepSpeed's CPU Adam extension in {tmp_path / 'cpu_adam'} (once per machine" in caplog.text
+
+
+def test_no_build_message_when_the_extension_is_cached(monkeypatch, caplog):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setattr(host_optimizer, "cpu_adam_build_dir", lambda: None)
+    monkeypatch.setattr(host_optimizer, "_deepspeed_failure", None)
+    caplog.set_level("INFO", logger=host_optimizer.log.name)
+    host_optimizer.to_host_optimizer(_adamw(), "auto")
+    assert "building" not in caplog.text

@@ -92,5 +92,5 @@ def test_host_memory_is_reported_by_kind_at_train_end(caplog):
     assert sizes["other"] == sizes["rss"] - (sizes["masters"] + sizes["grads"] + sizes["optimizer_states"]) > 0
     (message,) = [r.getMessage() for r in caplog.records if "host memory at train end" in r.getMessage()]
     assert "optimizer states" in message
-    now, peak = (float(x) for x in re.search(r"at train end ([\d.]+) GiB .*peak so far ([\d.]+) GiB", message).groups())
+    now, peak = (float(x) for x in re.search(r"at train end ([\d.]+) GiB.*peak so far ([\d.]+) GiB", message).groups())
     assert peak >= now > 0  # the high-water mark, logged beside the resident set
