@@ -32,6 +32,7 @@ from lightning_megatrain.planner.constants import (
 from lightning_megatrain.planner.long_context import SEQ_STEP, Placement, longest_placeable, place
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes, host_bytes
+from lightning_megatrain.planner.report import render, verdict
 from lightning_megatrain.planner.shape import _Shape, describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
@@ -118,87 +119,18 @@ class Plan:
         return d
 
     def report(self) -> str:
-        """A readable table (GiB = 2**30 bytes)."""
-        g = lambda b: f"{b / GIB:9.2f} GiB"
-        lines = [
-            f"MegaTrain plan: {self.model}  ({self.precision}, {self.optimizer}, {self.loss} loss)",
-            f"  {self.verdict()}",
-            (f"  params {self.n_params / 1e9:.3f}B = {self.n_layers} layers x {self.max_layer_params / 1e6:.1f}M (max)"
-            f" + {self.resident_params / 1e6:.1f}M resident; active per token {self.active_params / 1e9:.3f}B"),
-            (f"  tokens/step {self.tokens_per_step:,} = micro-batch {self.micro_batch} x seq {self.seq_len} x accum "
-            f"{self.grad_accum}; activation offload {'on' if self.offload_activations else 'off'}"),
-            "", "  Host RAM", *(f"    {k:<28}{g(v)}" for k, v in self.host.items()),
-            (f"    {'total':<28}{g(self.host_total)}  of {self.host_usable / GIB:.1f} GiB usable  "
-            f"({self.host_bytes_per_param:.2f} B/param; state {self.host_state_bytes_per_param:.0f} B/param)"),
-            (f"    usable: the {self.host_limit / GIB:.1f} GiB limit less {self.host_reserve / GIB:.1f} GiB left to "
-             f"the OS and other processes (max({HOST_OS_RESERVE_MIN_GIB:g} GiB, {HOST_OS_RESERVE_FRACTION:.0%}))"),
-            "", "  GPU memory (peak = persistent + the larger phase)",
-            *(f"    {k:<48}{g(v)}" for k, v in self.gpu.items()),
-            f"    {'peak':<48}{g(self.gpu_total)}  of {self.gpu_limit / GIB:.1f} GiB",
-            f"    largest micro-batch: {_batches(self.max_micro_batch)} by GPU memory, "
-            f"{_batches(self.max_micro_batch_host)} by host RAM (at seq {self.seq_len})",
-            (f"    activations of one layer: {self.activation_per_token['saved']:,.0f} B/token saved + "
-            f"{self.activation_per_token['transient']:,.0f} transient"),
-            "", "  Time per optimizer step",
-            *(f"    {k:<36}{v * 1e3:10.1f} ms" for k, v in self.time.items()),
-            f"    transfers hidden behind compute: {'yes' if self.transfers_hidden else 'NO'}"
-            + (f" (needs micro-batch >= {self.min_micro_batch_to_hide})" if self.min_micro_batch_to_hide else ""),
-            (f"  Throughput {self.tokens_per_s:,.0f} tokens/s, {self.model_tflops:.0f} model TFLOP/s, "
-            f"MFU {self.mfu:.1%} ({self.mfu_with_attention:.1%} with attention) vs {PEAK_TFLOPS:.0f} TFLOP/s"),
-        ]
-        if self.long_context is not None:
-            lines += _long_context_lines(self)
-        suggested = self.suggested_gpu_optimizer_groups
-        if suggested is not None and suggested != self.assumptions.get("gpu_optimizer_groups"):
-            lines.append(f"  gpu_optimizer_groups={suggested} is the fewest with which the host Adam no longer "
-                         "outlasts the next forward")
-        lines += [f"  WARNING: {w}" for w in self.warnings]
-        return "\n".join(lines)
+        """A readable table (GiB = 2**30 bytes): planner/report.py."""
+        return render(self)
 
     def verdict(self) -> str:
         """One line: FITS or DOES NOT FIT, each limit's use, and the binding one (the least spare) with its margin."""
-        gib = lambda b: f"{b / GIB:.1f}"
-        gpu_spare, host_spare = self.gpu_limit - self.gpu_total, self.host_usable - self.host_total
-        used = (f"GPU peak {gib(self.gpu_total)} of {gib(self.gpu_limit)} GiB, host RAM {gib(self.host_total)} of "
-                f"{gib(self.host_usable)} GiB usable")
-        if self.fits:
-            binding, spare = min(("GPU memory", gpu_spare), ("host RAM", host_spare), key=lambda x: x[1])
-            return f"FITS: {used}; the tighter is {binding}, {gib(spare)} GiB spare"
-        over = [f"{name} by {gib(-spare)} GiB" for name, spare in (("GPU memory", gpu_spare), ("host RAM", host_spare))
-                if spare < 0]
-        if self.long_context is not None and not self.long_context["fits"]:
-            over.append("no placement of the layer-input checkpoints fits (Long context below)")
-        return f"DOES NOT FIT: {used}; over: {', '.join(over)}"
+        return verdict(self)
 
 
 def host_os_reserve(host_limit: int) -> int:
     """Bytes of a host RAM limit left to the OS and other processes: max(``HOST_OS_RESERVE_MIN_GIB``,
     ``HOST_OS_RESERVE_FRACTION`` x the limit), capped at the limit (constants.py gives the rationale)."""
     return min(host_limit, max(int(HOST_OS_RESERVE_MIN_GIB * GIB), int(HOST_OS_RESERVE_FRACTION * host_limit)))
-
-
-def _batches(n: int) -> str:
-    return str(n) if n else "none (not even 1)"
-
-
-def _long_context_lines(p: Plan) -> list[str]:
-    lc, g = p.long_context, lambda b: f"{b / GIB:.2f} GiB"
-    asked = ", ".join(f"{k}={v!r}" for k, v in lc["requested"].items())
-    tile = (f"{lc['seq_tile']:,} positions per tile of the MLP/MoE block" if lc["seq_tile"] is not None
-            else "untiled")
-    longest = lc["longest_seq_len"]
-    return [
-        "", f"  Long context ({asked})",
-        f"    seq_tile: {tile}; segment_layers {lc['segment_layers']}; device_checkpoints {lc['device_checkpoints']}",
-        (f"    layer-input checkpoints: {lc['checkpoints']} x {g(lc['checkpoint_bytes'])}: "
-         + (f"{lc['device_checkpoints']} on the GPU, {lc['checkpoints'] - lc['device_checkpoints']} in pinned host "
-            f"memory ({g(lc['checkpoints_host_bytes'])})" if p.offload_activations else "all on the GPU (no offload)")),
-        f"    {'chosen' if lc['fits'] else 'NOTHING FITS'}: {lc['why']}",
-        f"    predicted: host RAM {g(p.host_total)} of {g(p.host_usable)} usable; GPU peak {g(p.gpu_total)} of "
-        f"{g(p.gpu_limit)}",
-        (f"    longest sequence that fits this machine at micro-batch {p.micro_batch}: {longest:,} tokens" if longest
-         else f"    no sequence of {SEQ_STEP:,} tokens or more fits this machine at micro-batch {p.micro_batch}"),
-    ]
 
 
 def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",
