@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
-from lightning_megatrain._hardware import GIB, available_host_bytes
+from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
@@ -20,7 +19,14 @@ from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, 
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.placement import choose_checkpoints, choose_gpu_optimizer_groups, resolve, token_shape
+from lightning_megatrain.engine.placement import (
+    checkpoint_host_budget,
+    choose_checkpoints,
+    choose_gpu_optimizer_groups,
+    module_hf_config,
+    resolve,
+    token_shape,
+)
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
@@ -223,9 +229,7 @@ class MegaTrainEngine:
         checked against the free host and GPU memory where given ([Note: recompute segments]). Runs at the first
         micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
         shape = token_shape(batch)
-        hf_config = next(
-            (m.config for m in self.module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)), None
-        )
+        hf_config = module_hf_config(self.module)
         given = dict(zip(("segment_layers", "device_checkpoints"), self._checkpoint_options))
         auto = [name for name, value in given.items() if value == "auto"]
         if shape is None or hf_config is None:
@@ -233,13 +237,7 @@ class MegaTrainEngine:
                     0 if "device_checkpoints" in auto else given["device_checkpoints"])
             why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
         else:
-            # what the host still has for offloaded checkpoints, less what it allocates before backward ends: the
-            # fp32 grads not yet allocated and, before the first step, the host Adam states (8 B/param)
-            free = available_host_bytes()
             host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
-            to_come = sum(4 * g.numel - g.grad_nbytes for g in host_groups)
-            if not any(o.state for o in optimizers):
-                to_come += 8 * sum(g.numel for g in host_groups)
             if self._placed_tokens:
                 log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
                          "were placed for: placing them again", *shape, self._placed_tokens)
@@ -247,7 +245,7 @@ class MegaTrainEngine:
             k, n, why = choose_checkpoints(
                 hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
                 chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                host_bytes=free[0] - to_come if free is not None else 1 << 62,
+                host_bytes=checkpoint_host_budget(host_groups, optimizers),
             )
         log.info("MegaTrain: segment_layers=%d, device_checkpoints=%d (%s: %s)", k, n,
                  "auto" if auto else "as given, checked", why)

@@ -47,16 +47,19 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from lightning_megatrain._hardware import GIB
+from lightning_megatrain._hardware import GIB, available_host_bytes
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
+
+if TYPE_CHECKING:
+    from lightning_megatrain.engine.host_store import FlatGroup
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,24 @@ def token_shape(batch: Any) -> tuple[int, int] | None:
     return None
 
 
+def module_hf_config(module: nn.Module) -> PretrainedConfig | None:
+    """The first HF config among ``module``'s submodules (the planner's model description), None without one."""
+    return next((m.config for m in module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)), None)
+
+
+def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Host bytes free for offloaded layer-input checkpoints (``choose_checkpoints``' ``host_bytes``): what the
+    process may still allocate (``_hardware.available_host_bytes``), less what it allocates before a backward ends:
+    the host groups' fp32 grads not yet allocated and, before the first step, their Adam states (8 B/param)."""
+    free = available_host_bytes()
+    if free is None:
+        return 1 << 62  # nothing to check against
+    to_come = sum(4 * g.numel - g.grad_nbytes for g in host_groups)
+    if not any(o.state for o in optimizers):
+        to_come += 8 * sum(g.numel for g in host_groups)
+    return free[0] - to_come
+
+
 def choose_gpu_optimizer_groups(
     module: nn.Module,
     batch: Any,
@@ -136,8 +157,7 @@ def choose_gpu_optimizer_groups(
     if custom_clipping:
         return 0, "clipping by value or by the module's configure_gradient_clipping (device groups clip by norm)"
     shape = token_shape(batch)
-    hf_config = next((m.config for m in module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)),
-                     None)
+    hf_config = module_hf_config(module)
     if shape is None or hf_config is None:
         return 0, "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
     micro_batch, seq_len = shape
