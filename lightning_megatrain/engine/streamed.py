@@ -11,7 +11,9 @@ prefetch i-1 and its stashed input, re-run the layer with grad under the saved R
 ``torch.autograd.grad`` w.r.t. the inputs and one leaf per weight, drain the weight grads to the host and return the
 input grads. A layer the recompute policy *keeps* (engine/recompute.py, [Note: keep or recompute]) instead runs with
 grad in forward on a private copy of its weights (a device group's weights stay put: no copy) and keeps its graph;
-its backward is the ``autograd.grad`` alone. Plain ``loss.backward()`` therefore walks the layers in reverse and
+its backward is the ``autograd.grad`` alone. With ``segment_layers > 1`` only a segment's first layer stashes its
+input; the others record what a replay needs and get their input in backward from the segment (engine/segments.py,
+[Note: recompute segments]). Plain ``loss.backward()`` therefore walks the layers in reverse and
 Lightning's loops, the user's loss and manual optimization stay untouched. Without grad (validation, predict) the
 layer simply runs on bound weights.
 
