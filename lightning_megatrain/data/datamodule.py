@@ -22,7 +22,7 @@ from lightning_megatrain.data.encoding import (
 from lightning_megatrain.data.formats import Conversation, convert_rows
 from lightning_megatrain.data.readers import dataset_files, read_rows
 from lightning_megatrain.data.registry import DatasetSpec, infer_spec, resolve_datasets
-from lightning_megatrain.data.sampling import EpochShuffleSampler, split_indices
+from lightning_megatrain.data.sampling import EpochShuffleSampler, sample_indices, split_indices
 from lightning_megatrain.data.templates import resolve_chat_template
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,8 @@ class SFTDataModule(LightningDataModule):
             predict data, so ``test``/``predict`` need it > 0. Default 0.
         num_workers: DataLoader worker processes (0: collate in the main process). Collation is cheap, so 0-2
             is usually enough. Default 0.
-        seed: Seed of the train/val split and of the per-epoch shuffle (the order of epoch ``e`` is seeded by
-            ``seed + e``, so it is reproducible and survives resuming). Default 42.
+        seed: Seed of the ``num_samples`` row choice, of the train/val split and of the per-epoch shuffle (the
+            order of epoch ``e`` is seeded by ``seed + e``, so it is reproducible and survives resuming). Default 42.
         system: System prompt inserted into conversations that bring none of their own (a system message in the
             row, or the dataset's system column, wins). Default ``None``: no system prompt.
         pad_to_multiple_of: Round each batch's padded length up to a multiple of this (e.g. 8 or 64 for
@@ -203,6 +203,7 @@ class SFTDataModule(LightningDataModule):
         """Read and convert every dataset file; each conversation comes with its origin for error messages."""
         conversations = []
         for spec in self.specs:
+            dataset_conversations = []
             for file in dataset_files(spec.path):
                 rows = read_rows(file)
                 if not rows:
@@ -211,8 +212,14 @@ class SFTDataModule(LightningDataModule):
                 file_spec = spec if spec.formatting is not None else infer_spec(spec, rows[0])
                 converted = convert_rows(rows, file_spec, file, default_system=self.system, mode=self.mode)
                 origin = f"dataset '{spec.name}', file {file}"
-                conversations += [(conv, f"{origin}, row {index}") for index, conv in enumerate(converted)]
+                dataset_conversations += [(conv, f"{origin}, row {index}") for index, conv in enumerate(converted)]
                 log.info("Dataset '%s': %d rows from %s", spec.name, len(rows), file)
+            if spec.num_samples is not None and dataset_conversations:
+                indices = sample_indices(len(dataset_conversations), spec.num_samples, self.seed)
+                log.info("Dataset '%s': num_samples=%d of %d rows (seed=%d)", spec.name, spec.num_samples,
+                         len(dataset_conversations), self.seed)
+                dataset_conversations = [dataset_conversations[index] for index in indices]
+            conversations += dataset_conversations
         return conversations
 
     def _encode(self, conversations: list[tuple[Conversation, str]]) -> list[Example]:
