@@ -12,8 +12,8 @@ An entry of ``dataset_info.json`` looks like::
 
 Alpaca columns are ``prompt``/``query``/``response``/``system``/``history`` (defaults ``instruction``/``input``/
 ``output``/none/none); sharegpt columns are ``messages``/``system``/``tools`` (defaults ``conversations``/none/none).
-Optional ``num_samples`` takes that many rows (repeating rows if the dataset is smaller). Hub entries
-(``hf_hub_url``...) are refused: only local files are read.
+Optional ``num_samples`` takes that many rows (repeating rows if the dataset is smaller); ``split`` may only be
+``"train"``. Hub entries (``hf_hub_url``...) are refused: only local files are read.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ OPENAI_TAGS = {
     "assistant_tag": "assistant",
     "system_tag": "system",
 }
-_ENTRY_KEYS = {"file_name", "formatting", "columns", "tags", "ranking", "num_samples"}
+_ENTRY_KEYS = {"file_name", "formatting", "columns", "tags", "ranking", "num_samples", "split"}
 _HUB_KEYS = {"hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name"}
 
 
@@ -128,6 +128,11 @@ def parse_entry(name: str, entry: Any, dataset_dir: Path) -> tuple[DatasetSpec |
                                     or num_samples < 1):
         problems.append(f"{where}: num_samples={num_samples!r} must be an int >= 1 (rows to take, repeating rows "
                         "if the dataset is smaller); leave it out to use every row")
+    split = entry.get("split", "train")
+    if split != "train":
+        problems.append(f"{where}: split={split!r}: a local file or folder has only the 'train' split (as in "
+                        "LLaMA-Factory, which loads local files as one 'train' split); register the other split's "
+                        "file as its own entry, or hold rows out with val_size")
     if entry.get("ranking"):
         problems.append(f"{where}: ranking (preference) datasets are not supported; set 'ranking' to false")
     formatting = entry.get("formatting", "alpaca")

@@ -47,3 +47,16 @@ def test_num_samples_must_be_a_positive_int(write_dataset, value):
     specs, problems = resolve_datasets("set", dataset_dir)
     assert specs == [] and len(problems) == 1
     assert f"num_samples={value!r} must be an int >= 1" in problems[0]
+
+
+def test_split_train_is_accepted(write_dataset):
+    dataset_dir = write_dataset("set", ROWS, {"split": "train"})
+    assert len(_prompts(SFTDataModule("set", dataset_dir=str(dataset_dir)))) == len(ROWS)
+
+
+@pytest.mark.parametrize("split", ["validation", "test", None])
+def test_split_other_than_train_is_refused_with_the_alternative(write_dataset, split):
+    dataset_dir = write_dataset("set", ROWS, {"split": split})
+    with pytest.raises(ValueError, match=rf"entry 'set': split={split!r}: a local file or folder has only the "
+                                         r"'train' split .*register the other split's file as its own entry"):
+        SFTDataModule("set", dataset_dir=str(dataset_dir))
