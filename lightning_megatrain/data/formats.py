@@ -97,7 +97,11 @@ def _sharegpt(row: Row, spec: DatasetSpec, pretrain: bool) -> tuple[list[Message
                 raise _RowError(f"message {index} has no '{key}' key")
         role, content = message[tags["role_tag"]], message[tags["content_tag"]]
         if role in tool_roles:
-            raise _RowError(f"message {index} has role '{role}': tool-calling turns are not supported")
+            raise _RowError(
+                f"message {index} has role '{role}': tool-calling turns are not supported (their rendering and "
+                "masking depend on each model's tool-call template, which is not validated here); drop these rows "
+                "with skip_bad_rows=True, or rewrite the calls and results as assistant/user text"
+            )
         if role not in roles:
             raise _RowError(f"message {index} has unknown role {role!r}; expected one of {sorted(roles)} "
                             "(set 'tags' in dataset_info.json if the file uses other role names)")
