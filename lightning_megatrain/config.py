@@ -21,7 +21,8 @@ class EngineConfig:
     """How the engine places and moves state. Every field is a ``MegaTrainStrategy`` argument of the same name."""
 
     layers: str | None = None
-    """Dotted path of the decoder-layer ``nn.ModuleList`` (e.g. ``"model.model.layers"``); ``None`` discovers it."""
+    """Dotted path of the decoder-layer ``nn.ModuleList``/``nn.Sequential`` (e.g. ``"model.model.layers"``); ``None``
+    discovers it."""
 
     num_slots: int = 2
     """Device buffers for layer weights, >= 2: one computes while the next uploads. Each costs one layer of GPU

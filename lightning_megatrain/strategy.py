@@ -63,9 +63,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with
             the same engine).
-        layers: dotted path of the decoder-layer ``nn.ModuleList`` inside the LightningModule, e.g.
-            ``"model.model.layers"``. Default ``None`` discovers it (HF causal LMs, or the largest ModuleList of
-            same-class modules).
+        layers: dotted path of the decoder-layer ``nn.ModuleList`` or ``nn.Sequential`` inside the LightningModule,
+            e.g. ``"model.model.layers"``. Default ``None`` discovers it (HF causal LMs, or the largest
+            ModuleList/Sequential of same-class modules).
         num_slots: device buffers for layer weights, >= 2 (one computes while the next uploads). More slots cost
             one layer of GPU memory each and only help when layer sizes vary. Default 2.
         keep_layers: decoder layers per training micro-batch whose activations stay on the GPU from forward to

@@ -22,12 +22,13 @@ from lightning_megatrain.data.encoding import (
 from lightning_megatrain.data.formats import Conversation, convert_rows
 from lightning_megatrain.data.readers import dataset_files, read_rows
 from lightning_megatrain.data.registry import DatasetSpec, infer_spec, resolve_datasets
-from lightning_megatrain.data.sampling import EpochShuffleSampler, split_indices
+from lightning_megatrain.data.sampling import EpochShuffleSampler, sample_indices, split_indices
 from lightning_megatrain.data.templates import resolve_chat_template
 
 log = logging.getLogger(__name__)
 
 MODES = ("sft", "pt")
+MAX_REPORTED_SKIPS = 5  # reasons shown in the skip_bad_rows warning
 
 
 def _is_int(value: Any) -> bool:
@@ -84,13 +85,16 @@ class SFTDataModule(LightningDataModule):
             predict data, so ``test``/``predict`` need it > 0. Default 0.
         num_workers: DataLoader worker processes (0: collate in the main process). Collation is cheap, so 0-2
             is usually enough. Default 0.
-        seed: Seed of the train/val split and of the per-epoch shuffle (the order of epoch ``e`` is seeded by
-            ``seed + e``, so it is reproducible and survives resuming). Default 42.
+        seed: Seed of the ``num_samples`` row choice, of the train/val split and of the per-epoch shuffle (the
+            order of epoch ``e`` is seeded by ``seed + e``, so it is reproducible and survives resuming). Default 42.
         system: System prompt inserted into conversations that bring none of their own (a system message in the
             row, or the dataset's system column, wins). Default ``None``: no system prompt.
         pad_to_multiple_of: Round each batch's padded length up to a multiple of this (e.g. 8 or 64 for
             tensor-core-friendly shapes, at the cost of a few padding tokens). Default ``None``: pad to the
             longest row of the batch.
+        skip_bad_rows: Drop malformed rows (rows that do not convert to a conversation, non-object rows, .jsonl
+            lines that are not JSON) instead of raising; one warning gives the count and the first reasons.
+            A file that cannot be parsed at all still raises. Default ``False``: any malformed row is an error.
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class SFTDataModule(LightningDataModule):
         seed: int = 42,
         system: str | None = None,
         pad_to_multiple_of: int | None = None,
+        skip_bad_rows: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -125,6 +130,7 @@ class SFTDataModule(LightningDataModule):
         self.seed = seed
         self.system = system
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.skip_bad_rows = skip_bad_rows
 
         problems = self._argument_problems()
         specs: list[DatasetSpec] = []
@@ -152,7 +158,7 @@ class SFTDataModule(LightningDataModule):
             problems.append(f"mode={self.mode!r}: must be one of {list(MODES)}")
         if not _is_int(self.cutoff_len) or self.cutoff_len < 2:
             problems.append(f"cutoff_len={self.cutoff_len!r}: must be an int >= 2 (e.g. 1024)")
-        for name in ("train_on_prompt", "packing"):
+        for name in ("train_on_prompt", "packing", "skip_bad_rows"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r}: must be True or False")
         if not _is_int(self.micro_batch_size) or self.micro_batch_size < 1:
@@ -202,17 +208,33 @@ class SFTDataModule(LightningDataModule):
     def _conversations(self) -> list[tuple[Conversation, str]]:
         """Read and convert every dataset file; each conversation comes with its origin for error messages."""
         conversations = []
+        skipped: list[str] | None = [] if self.skip_bad_rows else None
+        kept = 0
         for spec in self.specs:
+            dataset_conversations = []
             for file in dataset_files(spec.path):
-                rows = read_rows(file)
+                rows = read_rows(file, skipped)
                 if not rows:
                     log.warning("Dataset '%s': %s has no rows", spec.name, file)
                     continue
                 file_spec = spec if spec.formatting is not None else infer_spec(spec, rows[0])
-                converted = convert_rows(rows, file_spec, file, default_system=self.system, mode=self.mode)
+                converted = convert_rows(
+                    rows, file_spec, file, default_system=self.system, mode=self.mode, skipped=skipped
+                )
+                kept += len(converted)
                 origin = f"dataset '{spec.name}', file {file}"
-                conversations += [(conv, f"{origin}, row {index}") for index, conv in enumerate(converted)]
+                dataset_conversations += [(conv, f"{origin}, row {index}") for index, conv in enumerate(converted)]
                 log.info("Dataset '%s': %d rows from %s", spec.name, len(rows), file)
+            if spec.num_samples is not None and dataset_conversations:
+                indices = sample_indices(len(dataset_conversations), spec.num_samples, self.seed)
+                log.info("Dataset '%s': num_samples=%d of %d rows (seed=%d)", spec.name, spec.num_samples,
+                         len(dataset_conversations), self.seed)
+                dataset_conversations = [dataset_conversations[index] for index in indices]
+            conversations += dataset_conversations
+        if skipped:
+            shown = "\n  ".join(skipped[:MAX_REPORTED_SKIPS])
+            log.warning("skip_bad_rows=True: skipped %d malformed row(s) (%d kept); the first %d:\n  %s",
+                        len(skipped), kept, min(len(skipped), MAX_REPORTED_SKIPS), shown)
         return conversations
 
     def _encode(self, conversations: list[tuple[Conversation, str]]) -> list[Example]:

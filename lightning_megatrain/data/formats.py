@@ -3,7 +3,7 @@
 Canonical form: a list of ``{"role": "system" | "user" | "assistant", "content": str}`` where an optional
 system message comes first and user/assistant turns alternate, starting with user and ending with assistant.
 Malformed rows are collected and reported together in one :class:`DatasetFormatError` naming the file,
-every bad row index and what is wrong with it.
+every bad row index and what is wrong with it, or (opt-in) dropped and counted by the caller.
 """
 
 from __future__ import annotations
@@ -97,7 +97,11 @@ def _sharegpt(row: Row, spec: DatasetSpec, pretrain: bool) -> tuple[list[Message
                 raise _RowError(f"message {index} has no '{key}' key")
         role, content = message[tags["role_tag"]], message[tags["content_tag"]]
         if role in tool_roles:
-            raise _RowError(f"message {index} has role '{role}': tool-calling turns are not supported")
+            raise _RowError(
+                f"message {index} has role '{role}': tool-calling turns are not supported (their rendering and "
+                "masking depend on each model's tool-call template, which is not validated here); drop these rows "
+                "with skip_bad_rows=True, or rewrite the calls and results as assistant/user text"
+            )
         if role not in roles:
             raise _RowError(f"message {index} has unknown role {role!r}; expected one of {sorted(roles)} "
                             "(set 'tags' in dataset_info.json if the file uses other role names)")
@@ -160,7 +164,13 @@ def _canonical(row: Row, spec: DatasetSpec, default_system: str | None, pretrain
 
 
 def convert_rows(
-    rows: Sequence[Row], spec: DatasetSpec, source: Path, *, default_system: str | None = None, mode: str = "sft"
+    rows: Sequence[Row],
+    spec: DatasetSpec,
+    source: Path,
+    *,
+    default_system: str | None = None,
+    mode: str = "sft",
+    skipped: list[str] | None = None,
 ) -> list[Conversation]:
     """Convert every row of one file, or raise one error listing all malformed rows.
 
@@ -170,9 +180,14 @@ def convert_rows(
         source: The file the rows came from, named in errors.
         default_system: System prompt for conversations that bring none (row system message/column wins).
         mode: ``"sft"`` (chat conversations) or ``"pt"`` (only the prompt / first non-system message is kept).
+        skipped: If given, malformed rows are dropped instead of raising, and one reason per dropped row
+            (``"<file>, row <i>: <problem>"``) is appended to this list.
+
+    Returns:
+        The conversations of the rows kept, in file order.
 
     Raises:
-        DatasetFormatError: Naming the dataset, the file, each bad row index and what is wrong.
+        DatasetFormatError: Naming the dataset, the file, each bad row index and what is wrong (unless ``skipped``).
     """
     conversations, problems = [], []
     for index, row in enumerate(rows):
@@ -180,7 +195,9 @@ def convert_rows(
             conversations.append(_canonical(row, spec, default_system, mode == "pt"))
         except _RowError as err:
             problems.append(f"row {index}: {err}")
-    if problems:
+    if skipped is not None:
+        skipped += [f"{source}, {problem}" for problem in problems]
+    elif problems:
         shown = "\n  ".join(problems[:MAX_REPORTED_ROWS])
         more = f"\n  ... and {len(problems) - MAX_REPORTED_ROWS} more" if len(problems) > MAX_REPORTED_ROWS else ""
         raise DatasetFormatError(

@@ -40,7 +40,7 @@ def _read_json(path: Path) -> list[Any]:
     return data
 
 
-def _read_jsonl(path: Path) -> list[Any]:
+def _read_jsonl(path: Path, skipped: list[str] | None = None) -> list[Any]:
     rows = []
     with path.open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
@@ -49,7 +49,9 @@ def _read_jsonl(path: Path) -> list[Any]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: line {line_number} is not valid JSON ({err}).") from err
+                if skipped is None:
+                    raise ValueError(f"{path}: line {line_number} is not valid JSON ({err}).") from err
+                skipped.append(f"{path}, line {line_number}: not valid JSON ({err})")
     return rows
 
 
@@ -101,11 +103,13 @@ def dataset_files(path: Path) -> list[Path]:
     return [path]
 
 
-def read_rows(file: Path) -> list[Row]:
+def read_rows(file: Path, skipped: list[str] | None = None) -> list[Row]:
     """Read every row of one dataset file (see :func:`dataset_files` to expand folders).
 
     Args:
         file: A .json (list of objects), .jsonl (one object per line), .csv or .parquet file.
+        skipped: If given, rows that are not objects and .jsonl lines that are not JSON are dropped instead of
+            raising, with one reason each appended to this list. A file that cannot be parsed at all still raises.
 
     Returns:
         The rows as dicts, in file order.
@@ -118,8 +122,15 @@ def read_rows(file: Path) -> list[Row]:
     if file.is_dir():
         raise ValueError(f"{file}: is a folder; expand it into files with dataset_files() first.")
     dataset_files(file)  # existence and suffix checks
-    rows = _READERS[file.suffix.lower()](file)
+    suffix = file.suffix.lower()
+    rows = _read_jsonl(file, skipped) if suffix == ".jsonl" else _READERS[suffix](file)
+    kept = []
     for index, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise ValueError(f"{file}: row {index} is a {type(row).__name__}, expected an object with named columns.")
-    return rows
+            problem = f"row {index} is a {type(row).__name__}, expected an object with named columns"
+            if skipped is None:
+                raise ValueError(f"{file}: {problem}.")
+            skipped.append(f"{file}, {problem}")
+            continue
+        kept.append(row)
+    return kept

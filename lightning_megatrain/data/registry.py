@@ -12,7 +12,8 @@ An entry of ``dataset_info.json`` looks like::
 
 Alpaca columns are ``prompt``/``query``/``response``/``system``/``history`` (defaults ``instruction``/``input``/
 ``output``/none/none); sharegpt columns are ``messages``/``system``/``tools`` (defaults ``conversations``/none/none).
-Hub entries (``hf_hub_url``...) are refused: only local files are read.
+Optional ``num_samples`` takes that many rows (repeating rows if the dataset is smaller); ``split`` may only be
+``"train"``. Hub entries (``hf_hub_url``...) are refused: only local files are read.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ OPENAI_TAGS = {
     "assistant_tag": "assistant",
     "system_tag": "system",
 }
-_ENTRY_KEYS = {"file_name", "formatting", "columns", "tags", "ranking"}
+_ENTRY_KEYS = {"file_name", "formatting", "columns", "tags", "ranking", "num_samples", "split"}
 _HUB_KEYS = {"hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name"}
 
 
@@ -63,6 +64,8 @@ class DatasetSpec:
         formatting: ``"alpaca"`` or ``"sharegpt"``; ``None`` until inferred from the first row (ad-hoc files).
         columns: Canonical column role -> column name in the rows (``None``: not present).
         tags: Sharegpt role/content keys and role names (see :data:`DEFAULT_TAGS`).
+        num_samples: Rows to take from the dataset (LLaMA-Factory's ``num_samples``; see
+            ``sampling.sample_indices``), or ``None`` for all of them.
     """
 
     name: str
@@ -70,6 +73,7 @@ class DatasetSpec:
     formatting: str | None
     columns: Mapping[str, str | None] = field(default_factory=dict)
     tags: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_TAGS))
+    num_samples: int | None = None
 
 
 def load_dataset_info(dataset_dir: Path) -> dict[str, Any]:
@@ -119,6 +123,16 @@ def parse_entry(name: str, entry: Any, dataset_dir: Path) -> tuple[DatasetSpec |
                         "point 'file_name' at the local file")
     if unknown := sorted(set(entry) - _ENTRY_KEYS - _HUB_KEYS):
         problems.append(f"{where}: unsupported key(s) {unknown}; allowed: {sorted(_ENTRY_KEYS)}")
+    num_samples = entry.get("num_samples")
+    if num_samples is not None and (not isinstance(num_samples, int) or isinstance(num_samples, bool)
+                                    or num_samples < 1):
+        problems.append(f"{where}: num_samples={num_samples!r} must be an int >= 1 (rows to take, repeating rows "
+                        "if the dataset is smaller); leave it out to use every row")
+    split = entry.get("split", "train")
+    if split != "train":
+        problems.append(f"{where}: split={split!r}: a local file or folder has only the 'train' split (as in "
+                        "LLaMA-Factory, which loads local files as one 'train' split); register the other split's "
+                        "file as its own entry, or hold rows out with val_size")
     if entry.get("ranking"):
         problems.append(f"{where}: ranking (preference) datasets are not supported; set 'ranking' to false")
     formatting = entry.get("formatting", "alpaca")
@@ -142,7 +156,9 @@ def parse_entry(name: str, entry: Any, dataset_dir: Path) -> tuple[DatasetSpec |
             problems.append(f"{where}: {err}")
     if problems:
         return None, problems
-    return DatasetSpec(name, path, formatting, {**DEFAULT_COLUMNS[formatting], **columns}, {**DEFAULT_TAGS, **tags}), []
+    return DatasetSpec(
+        name, path, formatting, {**DEFAULT_COLUMNS[formatting], **columns}, {**DEFAULT_TAGS, **tags}, num_samples
+    ), []
 
 
 def _looks_like_path(name: str) -> bool:

@@ -1,4 +1,4 @@
-"""Seeded train/validation split and a resumable, epoch-aware shuffling sampler."""
+"""Seeded row sampling (``num_samples``), train/validation split and a resumable, epoch-aware shuffling sampler."""
 
 from __future__ import annotations
 
@@ -13,6 +13,29 @@ def validation_count(num_examples: int, val_size: int | float) -> int:
     if isinstance(val_size, float):
         return int(round(num_examples * val_size))
     return int(val_size)
+
+
+def sample_indices(num_rows: int, num_samples: int, seed: int) -> list[int]:
+    """Which of ``num_rows`` rows make up a dataset of ``num_samples`` rows, as LLaMA-Factory's ``num_samples``.
+
+    The first ``min(num_samples, num_rows)`` rows of a seeded permutation, so with ``num_samples >= num_rows`` every
+    row appears at least once; the rows still missing are drawn uniformly with replacement (LLaMA-Factory's
+    ``np.random.choice``). Deterministic in ``seed``.
+
+    Args:
+        num_rows: Rows in the dataset (> 0).
+        num_samples: Rows to return (>= 1).
+        seed: Seed of the permutation and the draws.
+
+    Returns:
+        ``num_samples`` row indices.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.randperm(num_rows, generator=generator)[:num_samples].tolist()
+    missing = num_samples - len(indices)
+    if missing > 0:
+        indices += torch.randint(num_rows, (missing,), generator=generator).tolist()
+    return indices
 
 
 def split_indices(num_examples: int, val_size: int | float, seed: int) -> tuple[list[int], list[int]]:

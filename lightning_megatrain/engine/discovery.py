@@ -1,8 +1,8 @@
 """Find the decoder-layer stack of a causal LM inside any LightningModule, and the residents around it.
 
-The *layer stack* is the ``nn.ModuleList`` of repeated decoder layers whose weights are streamed; every other
-parameter or buffer of the LightningModule is a *resident* (embeddings, final norm, lm_head, rotary tables, heads the
-user added). See ``engine/__init__.py`` for the glossary.
+The *layer stack* is the ``nn.ModuleList`` (or ``nn.Sequential``) of repeated decoder layers whose weights are
+streamed; every other parameter or buffer of the LightningModule is a *resident* (embeddings, final norm, lm_head,
+rotary tables, heads the user added). See ``engine/__init__.py`` for the glossary.
 """
 
 from __future__ import annotations
@@ -62,35 +62,41 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def find_layer_stack(module: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList]:
+# A stack is indexed, iterated and sized, and each layer's ``forward`` is replaced by the streamed one; an
+# ``nn.Sequential`` calls its layers through ``__call__`` in order, so the replaced forwards run there as well.
+_STACK_TYPES = (nn.ModuleList, nn.Sequential)
+
+
+def find_layer_stack(module: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential]:
     """Return ``(dotted_path, stack)`` of the decoder layers inside ``module``.
 
     With ``path`` given, that attribute path is used as is. Otherwise the HuggingFace conventional paths are tried
-    under every submodule, then the ``nn.ModuleList`` of at least two same-class modules holding the most parameters.
+    under every submodule, then the ``nn.ModuleList`` or ``nn.Sequential`` of at least two same-class modules holding
+    the most parameters.
 
     Raises:
-        ValueError: ``path`` does not name an ``nn.ModuleList``, or no stack can be found.
+        ValueError: ``path`` does not name an ``nn.ModuleList``/``nn.Sequential``, or no stack can be found.
     """
     if path is not None:
         found = _get_path(module, path)
-        if not isinstance(found, nn.ModuleList) or len(found) == 0:
+        if not isinstance(found, _STACK_TYPES) or len(found) == 0:
             raise ValueError(
-                f"MegaTrainStrategy(layers={path!r}) does not name a non-empty nn.ModuleList in "
+                f"MegaTrainStrategy(layers={path!r}) does not name a non-empty nn.ModuleList or nn.Sequential in "
                 f"{type(module).__name__} (found {type(found).__name__ if found is not None else 'nothing'}). "
                 "HINT: pass the dotted attribute path of the decoder-layer list, e.g. layers='model.model.layers'."
             )
         return path, found
 
-    candidates: list[tuple[int, str, nn.ModuleList]] = []
+    candidates: list[tuple[int, str, nn.ModuleList | nn.Sequential]] = []
     for prefix, sub in module.named_modules():
         for rel in _HF_LAYER_PATHS:
             found = _get_path(sub, rel)
-            if isinstance(found, nn.ModuleList) and len(found) > 0:
+            if isinstance(found, _STACK_TYPES) and len(found) > 0:
                 candidates.append((_numel(found), f"{prefix}.{rel}" if prefix else rel, found))
     if not candidates:
         for prefix, sub in module.named_modules():
             if (
-                isinstance(sub, nn.ModuleList)
+                isinstance(sub, _STACK_TYPES)
                 and len(sub) >= 2
                 and len({type(layer) for layer in sub}) == 1
                 and _numel(sub) > 0
@@ -99,14 +105,15 @@ def find_layer_stack(module: nn.Module, path: str | None = None) -> tuple[str, n
     if not candidates:
         raise ValueError(
             f"MegaTrainStrategy found no decoder-layer stack in {type(module).__name__}: it looks for a HuggingFace "
-            f"causal LM ({', '.join(_HF_LAYER_PATHS)}) or an nn.ModuleList of at least two same-class layers. "
+            f"causal LM ({', '.join(_HF_LAYER_PATHS)}) or an nn.ModuleList/nn.Sequential of at least two same-class "
+            "layers. "
             "HINT: name it explicitly, e.g. Trainer(strategy=MegaTrainStrategy(layers='net.blocks'))."
         )
     _, best_path, best = max(candidates, key=lambda c: c[0])
     return best_path, best
 
 
-def check_layers_independent(stack: nn.ModuleList, resident_slots: list[TensorSlot]) -> None:
+def check_layers_independent(stack: nn.ModuleList | nn.Sequential, resident_slots: list[TensorSlot]) -> None:
     """Streaming needs each layer to own its weights: refuse weights shared between layers or with residents."""
     owner: dict[int, str] = {}
     for i, layer in enumerate(stack):

@@ -1,0 +1,69 @@
+"""A decoder stack held in an ``nn.Sequential`` (found by discovery, streamed like a ModuleList) trains as plain."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain.engine import find_layer_stack
+
+from helpers.parity import Recorder, assert_records_close
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(self.norm(x)))  # [B, T, W]
+
+
+class Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.Sequential(*(Block(16) for _ in range(3)))
+        self.head = nn.Linear(16, 32)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.head(self.blocks(self.embed(batch)))  # [B, T, V]
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch.flatten())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0)), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def _run(strategy):
+    L.seed_everything(0, verbose=False)
+    recorder = Recorder()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=3, callbacks=[recorder], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Net())
+    return recorder.record
+
+
+def test_sequential_stack_is_discovered():
+    net = Net()
+    assert find_layer_stack(net) == ("blocks", net.blocks)
+    assert find_layer_stack(net, "blocks") == ("blocks", net.blocks)
+    with pytest.raises(ValueError, match=r"layers='head'\) does not name a non-empty nn.ModuleList or nn.Sequential"):
+        find_layer_stack(net, "head")
+
+
+@pytest.mark.parametrize("layers", [None, "blocks"])
+def test_sequential_stack_matches_plain(layers):
+    ref = _run("auto")
+    got = _run(MegaTrainStrategy(layers=layers, cpu_adam="torch"))
+    assert_records_close(got, ref)
