@@ -37,6 +37,10 @@ READY = {
     "llama3-8b-128k": ("meta-llama/Llama-3.1-8B-Instruct", "auto", {"model_type": "llama", **_TINY}),
     "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "auto", {"model_type": "qwen2", **_TINY}),
     "qwen3-8b": ("Qwen/Qwen3-8B", "auto", {"model_type": "qwen3", **_TINY}),
+    # Sized for the README's 128 GiB host: one H200, one 80 GB GPU, one 24 GB GPU.
+    "qwen2.5-3b-128g": ("Qwen/Qwen2.5-3B-Instruct", "auto", {"model_type": "qwen2", **_TINY}),
+    "qwen2.5-3b-128g-80g": ("Qwen/Qwen2.5-3B-Instruct", "auto", {"model_type": "qwen2", **_TINY}),
+    "qwen2.5-3b-128g-24g": ("Qwen/Qwen2.5-3B-Instruct", "auto", {"model_type": "qwen2", **_TINY}),
     "mixtral-8x7b": (
         "mistralai/Mixtral-8x7B-Instruct-v0.1",
         "auto",
@@ -74,7 +78,8 @@ READY = {
     ),
 }
 # Configs of another config's model: the configs/hf/<name>.json they plan with.
-_SHAPE = {"llama3-8b-128k": "llama3-8b"}
+_SHAPE = {"llama3-8b-128k": "llama3-8b", "qwen2.5-3b-128g": "qwen2.5-3b", "qwen2.5-3b-128g-80g": "qwen2.5-3b",
+          "qwen2.5-3b-128g-24g": "qwen2.5-3b"}
 # Long-context configs: one row per micro-batch and the accumulation their header argues for, not the largest
 # micro-batch and fewest accumulation steps of the planner (one row already hides the weight transfers).
 _LONG_CONTEXT = {"llama3-8b-128k"}
@@ -132,10 +137,6 @@ def test_ready_config_instantiates_with_tiny_model(name, in_tmp):
     assert any(isinstance(cb, ThroughputLogger) for cb in cli.trainer.callbacks)
 
 
-# The machine the ready configs are sized for: one H200 (planner.GPU_REF_GIB usable) and its 16 host cores.
-H200_GIB, H200_CORES = 139, 16
-
-
 def _flat_header(text: str) -> str:
     """A config's header comment as one line (continued command lines joined)."""
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
@@ -150,13 +151,33 @@ def _header_plan(text: str) -> tuple[list[str], float, float]:
     return shlex.split(found.group(1)), float(found.group(2)), float(found.group(3))
 
 
+def _header_machine(args: list[str]) -> Machine:
+    """The machine a header's plan command names: --gpu-mem and --cpu-cores, and --host-ram where it gives one
+    (else unlimited: the config states the host RAM its plan needs)."""
+    value = lambda flag, default: float(args[args.index(flag) + 1]) if flag in args else default
+    return Machine(gpu_mem_gib=value("--gpu-mem", None), cpu_cores=int(value("--cpu-cores", 0)) or None,
+                   host_ram_gib=value("--host-ram", 1 << 20))
+
+
+@pytest.mark.parametrize("name", READY_NAMES)
+def test_ready_config_states_its_machine(name):
+    """The first lines of every ready config say which host RAM and GPU it is sized for."""
+    head = "\n".join((CONFIGS / f"{name}.yaml").read_text().splitlines()[:4])
+    found = re.search(r"^# Sized for: (.*GiB of host RAM.*GPU.*)$", head, re.M)
+    assert found, "the header's first lines need '# Sized for: ... GiB of host RAM ... GPU ...'"
+
+
 @pytest.mark.parametrize("name", READY_NAMES)
 def test_ready_config_sizes_come_from_the_planner(name, capsys):
-    """micro_batch_size is the largest micro-batch the planner fits on one H200 at the config's cutoff_len,
+    """micro_batch_size is the largest micro-batch the planner fits on the header's GPU (and host, where the header
+    names its RAM) at the config's cutoff_len,
     accumulate_grad_batches the fewest steps that keep the host optimizer under a quarter of the step (a long-context
     config: one row that fits and hides the transfers, any accumulation the host optimizer allows), and the header
     holds the plan command for exactly these values with what it predicts."""
     text = (CONFIGS / f"{name}.yaml").read_text()
+    args, gpu_gib, host_gib = _header_plan(text)
+    machine = _header_machine(args)
+    assert machine.gpu_mem_gib and machine.cpu_cores, "the header's plan command names --gpu-mem and --cpu-cores"
     config = yaml.safe_load(text)
     trainer, model, data = config["trainer"], config["model"], config["data"]
     micro_batch, accum = data["micro_batch_size"], trainer["accumulate_grad_batches"]
@@ -166,21 +187,21 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
                   # the headers' `megatrain plan` commands give no engine flags: eager layers, serial host step
                   config=EngineConfig(num_slots=trainer["strategy"]["init_args"]["num_slots"], overlap_optimizer=False,
                                       compile_layers=False, gpu_optimizer_groups=0),
-                  machine=Machine(gpu_mem_gib=H200_GIB, cpu_cores=H200_CORES, host_ram_gib=1 << 20))
+                  machine=machine)
     p = planner.plan(shape, micro_batch=micro_batch, **kwargs)
-    assert p.gpu_total <= p.gpu_limit
+    fits = lambda q: q.gpu_total <= q.gpu_limit and q.host_total <= q.host_limit - q.host_reserve
+    assert fits(p)
     cpu_bound = lambda q: any("CPU optimizer" in w for w in q.warnings)
     assert not cpu_bound(p)
     if name in _LONG_CONTEXT:
         assert micro_batch == 1 and p.transfers_hidden and p.long_context["fits"]
     else:
-        assert p.max_micro_batch == micro_batch
-        assert planner.plan(shape, micro_batch=micro_batch + 1, **kwargs).gpu_total > p.gpu_limit
+        assert p.max_micro_batch == micro_batch or p.max_micro_batch_host == micro_batch
+        assert not fits(planner.plan(shape, micro_batch=micro_batch + 1, **kwargs))
         assert accum == 1 or cpu_bound(planner.plan(shape, micro_batch=micro_batch,
                                                     **(kwargs | {"grad_accum": accum - 1})))
     # the header's Host RAM line counts the parameters the planner counts
     assert f"{p.n_params / 1e9:.3g}B parameters x 16 bytes" in text
-    args, gpu_gib, host_gib = _header_plan(text)
     assert (gpu_gib, host_gib) == (round(p.gpu_total / 2**30, 1), round(p.host_total / 2**30, 1))
     # docs/cli.md's table of ready configs shows the same plan
     row = f"| {micro_batch} x {accum} at {data['cutoff_len']} | {gpu_gib:.1f} / {host_gib:.1f} GiB |"
