@@ -241,11 +241,14 @@ class MegaTrainEngine:
             if self._placed_tokens:
                 log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
                          "were placed for: placing them again", *shape, self._placed_tokens)
+                self.wait_for_optimizer()  # an overlapped step may still be allocating host Adam states
             self._placed_tokens = shape[0] * shape[1]
+            # the stash pool's pinned buffers, too small for a longer micro-batch, are freed before new ones are made
+            pool = self.transfer.host_bytes().get("offload_cache", 0)
             k, n, why = choose_checkpoints(
                 hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
                 chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                host_bytes=checkpoint_host_budget(host_groups, optimizers),
+                host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool,
             )
         log.info("MegaTrain: segment_layers=%d, device_checkpoints=%d (%s: %s)", k, n,
                  "auto" if auto else "as given, checked", why)

@@ -99,6 +99,7 @@ class Segment:
                         output = replay_layer(record.index, args, kwargs)
                 x = next(t for t in pytree.tree_leaves(output) if isinstance(t, Tensor))
                 self.inputs[record.index + 1] = x
+        del self.records[index - self.start :]  # later replays run only the layers below this one
         return self.inputs.pop(index)
 
     def needs_replay(self, index: int) -> bool:
@@ -116,19 +117,26 @@ class Segments:
         self.by_layer: dict[int, Segment] = {}  # hint for backward's prefetch; the authority is each node's segment
         self._open: Segment | None = None
         self._last: tuple[int, weakref.ref] | None = None  # (index, the first output) of the last recomputed layer
+        self._on_device = 0  # checkpoints kept on the device in this micro-batch's forward
 
     def configure(self, segment_layers: int, device_checkpoints: int) -> None:
         self.layers, self.device_checkpoints = segment_layers, device_checkpoints
 
-    def start_forward(self) -> None:
-        """A training micro-batch's forward begins: no segment is open."""
+    def reset(self) -> None:
+        """A training micro-batch's forward begins, or the last one's backward ended (or it has none: a forward
+        without grad): no segment is open and the hints let go of the segments, which their nodes own."""
         self._open = self._last = None
+        self._on_device = 0
         self.by_layer.clear()
 
     def on_device(self, index: int) -> bool:
         """Whether a checkpoint saved at layer ``index`` stays on the device: among the last ``device_checkpoints``
-        of the stack (the ones backward restores first)."""
-        return math.ceil((self.n_layers - index) / self.layers) <= self.device_checkpoints
+        of the stack (the ones backward restores first), and never more than ``device_checkpoints`` in a micro-batch
+        (where the chain breaks, layers in that range save their own inputs too)."""
+        keep = (math.ceil((self.n_layers - index) / self.layers) <= self.device_checkpoints
+                and self._on_device < self.device_checkpoints)
+        self._on_device += keep
+        return keep
 
     def join(self, index: int, leaves: list, positions: list[int]) -> Segment | None:
         """The open segment layer ``index`` joins, its input then replayed in backward; None: it saves a checkpoint

@@ -231,6 +231,8 @@ class _LayerForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner, index = self.owner, self.index
         if not torch.is_grad_enabled():
+            if index == 0:
+                owner.segments.reset()  # validation or a reference forward: the hints of a training one go
             return owner.run_streamed(index, args, kwargs)
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
@@ -270,7 +272,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         if index == 0:
             owner.policy.start_forward()
             owner.kept.clear()
-            owner.segments.start_forward()
+            owner.segments.reset()
         ctx.kept = None
         ctx.stashed = []
         ctx.segment = None
@@ -308,6 +310,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         owner.transfer.drain(index, [next(weight_grads) if w.requires_grad else None for w in weights])
         if not kept:  # a kept layer released its slot in forward
             owner.transfer.release(index)
+        if index == 0:
+            owner.segments.reset()  # the micro-batch's backward is done: let go of its segments
         if index == 0 and owner.policy.end_backward():
             owner.transfer.trim_stash_cache()  # the calibrating micro-batch's offloaded inputs are all restored
 

@@ -73,3 +73,28 @@ def test_segments_replay_dropout_exactly(replays):
     assert base.losses == seg.losses
     for name, p in base.params.items():
         assert torch.equal(p, seg.params[name]), name
+
+
+def test_device_checkpoints_never_exceed_the_count_where_the_chain_breaks():
+    # every layer saves its own input (no layer chains): the index rule alone would keep all of the last
+    # device_checkpoints * k layers' inputs on the device; the count caps them per micro-batch
+    segments = segments_module.Segments(8)
+    segments.configure(4, 1)
+    segments.reset()
+    assert [i for i in range(8) if segments.on_device(i)] == [4]
+    segments.reset()  # the next micro-batch starts its own count
+    assert segments.on_device(4)
+
+
+def test_segments_are_let_go_after_backward():
+    # the hints hold no segment (and so no checkpoint) past the micro-batch's backward
+    import lightning as L
+
+    class Check(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            self.held = dict(trainer.strategy.engine.streamed.segments.by_layer)
+
+    check = Check()
+    run(MegaTrainStrategy(cpu_adam="torch", keep_layers=0, segment_layers=2), "llama_tied", steps=1,
+        callbacks=[check])
+    assert check.held == {}
