@@ -42,6 +42,22 @@ def pinned_rounding() -> dict:
     return out
 
 
+def saved_and_peak(run, weights: list, gout: torch.Tensor) -> tuple[int, int]:
+    """Bytes one layer's graph saves (allocated after ``run()`` less its output) and the peak of its backward above
+    the state before ``run()``; ``run() -> (input, output)`` builds the graph (warmed up by the caller)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    x, y = run()
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+    torch.cuda.reset_peak_memory_stats()
+    grads = torch.autograd.grad(y, [x, *weights], gout)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del grads, x, y
+    return saved, peak
+
+
 def layer_check(batch: int, seq: int) -> dict:
     cfg = LlamaConfig(**{k: v for k, v in SHAPE.items() if k != "model_type"}, attn_implementation="sdpa")
     layer = LlamaDecoderLayer(cfg, 0).to(dev, torch.bfloat16).train()
@@ -64,16 +80,7 @@ def layer_check(batch: int, seq: int) -> dict:
         x, y = run(True)
         torch.autograd.grad(y, [x, *weights], gout)
     del x, y
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    x, y = run(True)
-    torch.cuda.synchronize()
-    saved = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
-    torch.cuda.reset_peak_memory_stats()
-    grads = torch.autograd.grad(y, [x, *weights], gout)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del grads, x, y
+    saved, peak = saved_and_peak(lambda: run(True), weights, gout)
     times = {}
     for name, grad in (("fwd_ms", False), ("fwd_bwd_ms", True)):  # the engine's forward, then its recompute+backward
         for i in range(13):

@@ -3,10 +3,12 @@
 
 One HF Llama decoder layer recomputed with grad the way engine/streamed.py does it (bf16 weights as in a slot, fp32
 input, autocast without cache, sdpa): bytes saved by its forward and the peak of its backward, untiled and with its
-MLP run in tiles of positions. The tiles are emulated here, each under ``torch.utils.checkpoint`` (the MLP's forward
-runs once more in backward, one tile at a time), as engine/tiling.py's mechanism is meant to run them; its saved
-input is the post-attention norm's output. Then the time of the layer's forward and of its recompute + backward at
-a long sequence, and of causal flash attention alone, against the FLOPs the planner counts.
+MLP run in tiles of positions through engine/tiling.py's ``run_tiled`` (each tile under a checkpoint: the MLP's
+forward runs once more in backward, one tile at a time; its saved input is the post-attention norm's output). The
+committed results were measured with an equivalent ``torch.utils.checkpoint`` per tile written before ``run_tiled``
+existed, in a compact copy of this script run on the device; this version has not run on the GPU yet.
+Then the time of the layer's forward and of its recompute + backward at a long sequence, and of causal flash
+attention alone, against the FLOPs the planner counts.
 Usage: python benchmarks/planner_long_context_check.py --out DIR   (writes DIR/planner_long_context_check.json)
 Results: benchmarks/results/2026-12-01-planner-long-context-h200.json.
 """
@@ -18,12 +20,13 @@ import json
 import time
 
 import torch
+from planner_gpu_check import saved_and_peak
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from lightning_megatrain import planner
+from lightning_megatrain.engine.tiling import run_tiled
 
 SHAPES = {
     "llama2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -42,11 +45,8 @@ def _layer(shape: dict, seq: int, tile: int | None):
     if tile is not None:
         mlp_forward = layer.mlp.forward
 
-        def tiled(x):  # [B, T, H] -> [B, T, H], a tile of positions at a time, recomputed in backward
-            return torch.cat([checkpoint(mlp_forward, x[:, i:i + tile], use_reentrant=False)
-                              for i in range(0, x.shape[1], tile)], dim=1)
-
-        layer.mlp.forward = tiled
+        # [B, T, H] -> [B, T, H] a tile of positions at a time, recomputed in backward: the engine's own tiling
+        layer.mlp.forward = lambda x: run_tiled(mlp_forward, x, tile)
     return cfg, layer
 
 
@@ -69,16 +69,7 @@ def memory(name: str, seq: int, tile: int | None, batch: int = 1) -> dict:
     x, y = run()  # warm-up
     torch.autograd.grad(y, [x, *weights], gout)
     del x, y
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    x, y = run()
-    torch.cuda.synchronize()
-    saved = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
-    torch.cuda.reset_peak_memory_stats()
-    grads = torch.autograd.grad(y, [x, *weights], gout)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del grads, x, y
+    saved, peak = saved_and_peak(run, weights, gout)
     s = planner.describe(shape)
     f_saved, f_transient = planner.layer_activation(s, s.layers[0], seq, 2, tile)
     tokens = batch * seq

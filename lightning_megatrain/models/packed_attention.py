@@ -118,6 +118,7 @@ def document_spans_mask(
     kv_offset: int = 0,
     mask_function: Callable = causal_mask_function,
     attention_mask: Tensor | None = None,
+    allow_is_causal_skip: bool = False,  # transformers passes it: True where it found nothing packed
     use_vmap: bool = False,
     device: torch.device | str = "cpu",
     **kwargs: Any,
@@ -125,7 +126,10 @@ def document_spans_mask(
     """``packed_sdpa``'s mask builder (the ``sdpa_mask`` signature): ``DocumentSpans`` where the mask is causal
     within whole documents, else ``sdpa_mask``'s result. See [Note: packed attention]."""
     dense = dict(q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                 use_vmap=use_vmap, device=device, **kwargs)
+                 allow_is_causal_skip=allow_is_causal_skip, use_vmap=use_vmap, device=device, **kwargs)
+    if allow_is_causal_skip:  # transformers found no packed documents: exactly sdpa's mask (None for plain causal
+        # rows), without the probes below and their reads to the host on every forward
+        return _dense_fallback("no packed documents", batch_size, q_length, kv_length, **dense)
     if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):
         return _dense_fallback("the batch has padding", batch_size, q_length, kv_length, **dense)
     if q_length != kv_length or not (isinstance(q_offset, int) and isinstance(kv_offset, int)) or q_offset or kv_offset:

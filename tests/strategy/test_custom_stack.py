@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from lightning_megatrain import MegaTrainStrategy
 
-from helpers.parity import Recorder, assert_records_close
+from helpers.parity import assert_records_close, run
 
 
 class Block(nn.Module):
@@ -46,14 +46,7 @@ class Net(L.LightningModule):
 
 
 def _run(strategy):
-    L.seed_everything(0, verbose=False)
-    recorder = Recorder()
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=3, callbacks=[recorder], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(Net())
-    return recorder.record
+    return run(strategy, None, module=Net)  # 3 steps, seeded, fp32 on the CPU (helpers/parity.py)
 
 
 def test_custom_stack_with_unused_parameters_matches_plain():

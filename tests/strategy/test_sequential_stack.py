@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.engine import find_layer_stack
 
-from helpers.parity import Recorder, assert_records_close
+from helpers.parity import assert_records_close, run
 
 
 class Block(nn.Module):
@@ -44,14 +44,7 @@ class Net(L.LightningModule):
 
 
 def _run(strategy):
-    L.seed_everything(0, verbose=False)
-    recorder = Recorder()
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=3, callbacks=[recorder], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(Net())
-    return recorder.record
+    return run(strategy, None, module=Net)  # 3 steps, seeded, fp32 on the CPU (helpers/parity.py)
 
 
 def test_sequential_stack_is_discovered():
