@@ -9,6 +9,7 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_megatrain.engine.optimizer_step import NonFiniteError, StepFailed
 from lightning_megatrain.precision import MegaTrainPrecision
 from lightning_megatrain.strategy import MegaTrainStrategy
 
@@ -21,5 +22,5 @@ if not logging.getLogger().hasHandlers():  # as lightning.pytorch does for its l
 if MegaTrainStrategy.strategy_name not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MegaTrainPrecision", "MegaTrainStrategy"]
+__all__ = ["MegaTrainPrecision", "MegaTrainStrategy", "NonFiniteError", "StepFailed"]
 __version__ = "0.1.0"
