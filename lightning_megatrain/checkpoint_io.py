@@ -12,6 +12,17 @@ disk (``fsync``), renames it over the target (``os.replace``: atomic within one 
 directory entry. A kill at any point leaves the previous checkpoint whole; the temporary file a kill leaves behind
 (``.<name>.*.tmp``) is removed by the next save of the same name. Paths that are not local (``s3://`` ...) take
 Lightning's own path.
+
+[Note: resuming from a readable checkpoint]
+A checkpoint can still be unreadable: written by another checkpoint IO, copied in part, truncated by a full disk.
+``fit(ckpt_path="last")`` (and ``megatrain fit --ckpt_path last``) resolves, in Lightning's checkpoint connector, to
+the newest of the ``last*.ckpt`` files of the ``ModelCheckpoint`` callbacks and the ``OnExceptionCheckpoint`` file;
+the strategy's ``load_checkpoint`` then gets that path. When it does not load, :func:`load_readable` loads the newest
+checkpoint that does, among every local ``*.ckpt`` in those callbacks' directories (``last*.ckpt``, the top-k
+files) and the ``OnExceptionCheckpoint`` file, newest first by modification time, warns with the names of the
+files it skipped and the one it used, and records that one as the trainer's ``ckpt_path``. Only the candidates of
+``"last"`` fall back (also when such a file is named directly): a checkpoint named by any other path fails as it
+would in Lightning. When none loads, the error lists every file tried with its error.
 """
 
 from __future__ import annotations
@@ -19,13 +30,17 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
@@ -70,3 +85,59 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def load_readable(load: Callable[[_PATH], dict[str, Any]], path: _PATH, trainer: pl.Trainer | None) -> dict[str, Any]:
+    """``load(path)``, or, when that fails and ``path`` is one of the files ``ckpt_path="last"`` chooses among, the
+    newest checkpoint beside it that loads (see [Note: resuming from a readable checkpoint]).
+
+    Raises:
+        RuntimeError: no candidate loads (every file tried is named, with its error).
+    """
+    try:
+        return load(path)
+    except Exception as error:
+        fallbacks = _resume_candidates(trainer, path) if trainer is not None else []
+        if not fallbacks:
+            raise
+        failures = [(str(path), error)]
+    for candidate in fallbacks:
+        try:
+            checkpoint = load(candidate)
+        except Exception as error:
+            failures.append((str(candidate), error))
+            continue
+        skipped = "; ".join(f"{name} ({type(e).__name__}: {e})" for name, e in failures)
+        warnings.warn(
+            f"MegaTrainStrategy: resuming from {candidate}, the newest checkpoint that loads: ckpt_path='last' chose "
+            f"{path}, which does not load. Skipped: {skipped}.",
+            stacklevel=2,
+        )
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is not None and hasattr(connector, "_ckpt_path"):
+            connector._ckpt_path = str(candidate)  # trainer.ckpt_path and Lightning's "Restored ..." name it
+        return checkpoint
+    tried = "\n- ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures)
+    raise RuntimeError(
+        f"MegaTrainStrategy could not load any checkpoint for ckpt_path='last' (newest first):\n- {tried}\nHINT: "
+        "move the unreadable files away to start from scratch, or pass ckpt_path=<a checkpoint that loads>."
+    ) from failures[0][1]
+
+
+def _resume_candidates(trainer: pl.Trainer, path: _PATH) -> list[Path]:
+    """Every local checkpoint to try after ``path``, newest first: none unless ``path`` is one of the files
+    ``ckpt_path="last"`` chooses among."""
+    lasts: set[str] = set()
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            lasts |= callback._find_last_checkpoints(trainer)  # what Lightning's connector resolves "last" among
+    lasts |= {str(c.ckpt_path) for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)}
+    local = {Path(os.path.normpath(p)) for p in lasts if isinstance(get_filesystem(p), LocalFileSystem)}
+    failed = Path(os.path.normpath(str(path)))
+    if failed not in local:
+        return []
+    directories = {Path(os.path.normpath(c.dirpath)) for c in trainer.checkpoint_callbacks
+                   if isinstance(c, ModelCheckpoint) and c.dirpath is not None} | {p.parent for p in local}
+    files = {f for d in directories if d.is_dir() for f in d.glob("*.ckpt")} | local
+    files = {f for f in files if f != failed and f.is_file()}
+    return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)

@@ -14,6 +14,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.init import _EmptyInit
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -21,7 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
-from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
+from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
 from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers, NonFiniteMode
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
@@ -131,7 +132,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             ``StepFailed`` says that masters and optimizer states are as they were.
         checkpoint_io: Lightning checkpoint IO plugin. Default: local saves are written to a temporary file beside
             the target and renamed over it, never buffered whole in host RAM (checkpoint_io.py, [Note: atomic
-            checkpoints]).
+            checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads
+            when the last one does not, with a warning ([Note: resuming from a readable checkpoint]).
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
             ``"bf16-true"`` is mapped to ``"bf16-mixed"`` with a warning: masters are never kept in bf16.
@@ -302,6 +304,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.wait_for_optimizer()
         # gpu_optimizer_groups keep some states on the GPU: checkpoints hold CPU tensors, as without them
         return apply_to_collection(super().optimizer_state(optimizer), torch.Tensor, lambda t: t.cpu())
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        # ckpt_path="last" skips a checkpoint that does not load (checkpoint_io.py, [Note: resuming from a readable
+        # checkpoint])
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
+            trainer = None
+        load = super().load_checkpoint
+        return load_readable(lambda path: load(path, weights_only=weights_only), checkpoint_path, trainer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

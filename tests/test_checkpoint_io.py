@@ -1,15 +1,24 @@
-"""Atomic, streamed checkpoint saves (checkpoint_io.py, [Note: atomic checkpoints])."""
+"""Atomic, streamed checkpoint saves (checkpoint_io.py, [Note: atomic checkpoints]), and resuming from the newest
+checkpoint that loads ([Note: resuming from a readable checkpoint])."""
 
 from __future__ import annotations
 
 import io
 import os
+import re
+import shutil
+import time
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
+
+from helpers.parity import ParityLM
+from helpers.trainers import cpu_trainer
 
 
 def test_save_streams_to_a_file_beside_the_target_and_renames_it(tmp_path, monkeypatch):
@@ -70,3 +79,74 @@ def test_strategy_saves_atomically_by_default_and_takes_a_given_plugin():
     assert isinstance(MegaTrainStrategy().checkpoint_io, AtomicCheckpointIO)
     given = TorchCheckpointIO()
     assert MegaTrainStrategy(checkpoint_io=given).checkpoint_io is given
+
+
+# - resuming from a readable checkpoint ([Note: resuming from a readable checkpoint])
+
+
+def _truncate(path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _age(path, seconds: float) -> None:
+    """Make ``path`` ``seconds`` older than now (the order "last" and the fallback go by)."""
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def _fit(root, steps, ckpt_path=None, callbacks=()):
+    L.seed_everything(0)
+    module = ParityLM("qwen3")
+    checkpoints = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
+                                  every_n_train_steps=1, save_last=True)
+    trainer = cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch"), max_steps=steps, default_root_dir=root,
+                          enable_checkpointing=True, callbacks=[checkpoints, *callbacks])
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+class StartStep(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.global_step = trainer.global_step
+
+
+def test_resume_from_last_skips_a_truncated_last_checkpoint(tmp_path):
+    """last.ckpt cut in half beside a good step2 checkpoint: fit(ckpt_path="last") warns, names both, resumes from
+    step 2 and ends exactly where resuming from that file by name ends."""
+    _fit(tmp_path, 2)
+    good = tmp_path / "step2.ckpt"
+    assert good.is_file()
+    _age(good, 60)
+    _truncate(tmp_path / "last.ckpt")
+    start = StartStep()
+    with pytest.warns(UserWarning, match=rf"resuming from {re.escape(str(good))}, the newest checkpoint that loads: "
+                                         rf"ckpt_path='last' chose {re.escape(str(tmp_path / 'last.ckpt'))}, which "
+                                         "does not load"):
+        trainer, got = _fit(tmp_path, 3, ckpt_path="last", callbacks=[start])
+    assert start.global_step == 2 and trainer.global_step == 3
+    assert trainer.ckpt_path == str(good)
+
+    root = tmp_path / "by_name"
+    root.mkdir()
+    shutil.copy(good, root / "step2.ckpt")
+    _, ref = _fit(root, 3, ckpt_path=str(root / "step2.ckpt"))
+    for (name, a), b in zip(got.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_from_last_with_no_readable_checkpoint_names_every_file(tmp_path):
+    _fit(tmp_path, 1)
+    _age(tmp_path / "step1.ckpt", 60)
+    for name in ("last.ckpt", "step1.ckpt"):
+        _truncate(tmp_path / name)
+    with pytest.raises(RuntimeError, match=r"could not load any checkpoint for ckpt_path='last' \(newest first\):\n"
+                                           r"- .*last\.ckpt: .*\n- .*step1\.ckpt: (.|\n)*HINT"):
+        _fit(tmp_path, 2, ckpt_path="last")
+
+
+def test_a_checkpoint_named_by_path_does_not_fall_back(tmp_path):
+    _fit(tmp_path, 1)
+    _truncate(tmp_path / "step1.ckpt")
+    with pytest.raises(RuntimeError, match="PytorchStreamReader"):
+        _fit(tmp_path, 2, ckpt_path=str(tmp_path / "step1.ckpt"))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +168,17 @@ def test_full_demo_loss_goes_down(in_tmp):
     assert train[0] - train[-1] > 1.5 and val[-1] < val[0] < 5.0
     assert tokens_per_s and min(tokens_per_s) > 0
     assert (in_tmp / "checkpoints" / "demo" / "step0060.ckpt").is_file()
+
+
+def test_fit_ckpt_path_last_skips_a_truncated_last_checkpoint(in_tmp):
+    # checkpoint_io.py, [Note: resuming from a readable checkpoint]: the CLI's "last" resolves as Trainer.fit's does
+    assert main(_fit_args("--trainer.max_steps=2")) == 0
+    folder = in_tmp / "checkpoints" / "demo"
+    last, kept = folder / "last.ckpt", folder / "kept.ckpt"
+    shutil.copy(last, kept)
+    old = time.time() - 60
+    os.utime(kept, (old, old))
+    last.write_bytes(last.read_bytes()[:1000])
+    with pytest.warns(UserWarning, match=r"resuming from .*kept\.ckpt, the newest checkpoint that loads"):
+        assert main(_fit_args("--trainer.max_steps=3", "--ckpt_path", "last")) == 0
+    assert torch.load(last, weights_only=False)["global_step"] == 3
