@@ -95,7 +95,15 @@ class OptimizerBarrier(pl.Callback):
     def _wait(self, trainer: pl.Trainer, *_: Any) -> None:
         trainer.strategy.wait_for_optimizer()
 
-    on_train_epoch_end = on_train_end = on_validation_start = on_exception = _wait
+    on_train_epoch_end = on_train_end = on_validation_start = _wait
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # No update may run while Lightning handles the exception (an OnExceptionCheckpoint saves next), but a failed
+        # step's error raised here would replace the one Lightning is handling, and skip its teardown: logged instead.
+        try:
+            trainer.strategy.wait_for_optimizer()
+        except Exception as error:
+            log.error("MegaTrain: while handling %s: %s", type(exception).__name__, error)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         readers = parameter_readers(pl_module)

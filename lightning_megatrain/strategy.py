@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
@@ -140,7 +141,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     Note:
         After an exception the parameters are still valid host fp32 masters; ``teardown`` restores each layer's
-        own ``forward``.
+        own ``forward``, and logs (not raises) an error it meets while that exception propagates, so the error
+        raised is the one that stopped the run. A parameter cast, moved or replaced after setup (``self.double()``)
+        is refused by name at the next step.
     """
 
     strategy_name = "megatrain"
@@ -420,6 +423,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        # Lightning also tears down while an exception propagates (call.py); an error here would replace that one
+        # (a failed overlapped step's, or moving a module with meta tensors to the CPU): it is logged instead.
+        handling = sys.exc_info()[1]
+        try:
+            self._teardown()
+        except Exception as error:
+            if handling is None:
+                raise
+            log.error("MegaTrain: teardown while handling %s: %s", type(handling).__name__, error)
+
+    def _teardown(self) -> None:
         try:
             if self.engine is not None:
                 self.engine.teardown()  # raises a failed overlapped step's error, after restoring the layers

@@ -15,7 +15,7 @@ from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
-from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, pack_group
+from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, check_packed, pack_group
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
@@ -231,6 +231,12 @@ class MegaTrainEngine:
 
     def _check_placement(self) -> None:
         for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+            if tensor.device.type == "meta":
+                raise ValueError(
+                    f"MegaTrainStrategy packs every parameter into host RAM, but '{name}' is on the meta device, never "
+                    "materialized. HINT: load or initialize its weights before fit (from_pretrained, to_empty() and "
+                    "an init, or load_state_dict(..., assign=True) in configure_model)."
+                )
             if tensor.device.type != "cpu":
                 raise ValueError(
                     f"MegaTrainStrategy keeps all parameters in host RAM, but '{name}' is on {tensor.device}. "
@@ -288,6 +294,7 @@ class MegaTrainEngine:
     def step_context(self) -> Iterator[None]:
         """Bind the residents' compute copies for one ``training_step``/``validation_step``/... call."""
         assert self.transfer is not None
+        check_packed(self.flat_groups, self.module)  # a .double() or .to(...) after setup: refused by name
         self.transfer.invalidate()  # the user may have changed masters between steps (callbacks, load_state_dict)
         if self.residents is None:
             if self._gate is not None and self.resident_group is not None:

@@ -119,6 +119,16 @@ class FlatGroup:
         norms = [torch.linalg.vector_norm(p.grad).square() for p in self.params if p.grad is not None]
         return torch.stack(norms).sum() if norms else torch.zeros(())
 
+    def unpacked(self) -> list[TensorSlot]:
+        """The parameter slots that no longer hold this group's master (the parameter replaced, or its data cast or
+        moved: ``.double()``, ``.to(...)``); the engine streams and steps the masters only."""
+        base, itemsize = self.master.data_ptr(), self.master.element_size()
+        return [
+            slot
+            for slot, k in self.slot_index
+            if slot.get() is not self.params[k] or slot.get().data_ptr() != base + self.offsets[k] * itemsize
+        ]
+
     def scale_grads(self, factor: Tensor) -> None:
         """Multiply all present grads by ``factor`` in place (one op over the flat buffer when possible)."""
         if self.grads_are_views():
@@ -127,6 +137,30 @@ class FlatGroup:
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(factor)
+
+
+def check_packed(groups: list[FlatGroup], module: nn.Module) -> None:
+    """Before a step: every parameter still holds its packed fp32 master.
+
+    Raises:
+        RuntimeError: a parameter was cast, moved or replaced after setup (``.double()``, ``.half()``, ``.to(...)``,
+            ``.cuda()``, a new ``nn.Parameter``); the engine would otherwise fail deep in a layer, or train the
+            masters it packed while the module shows other tensors.
+    """
+    moved = [slot for group in groups for slot in group.unpacked()]
+    if not moved:
+        return
+    names = {id(t): name for name, t in module.named_parameters()}
+    found = [f"'{names.get(id(s.get()), s.name)}' is now {str(s.get().dtype).replace('torch.', '')} on {s.get().device}"
+             for s in moved]
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    raise RuntimeError(
+        f"MegaTrainStrategy packed every parameter into an fp32 master in host RAM at setup, but {', '.join(found[:3])}"
+        f"{more}: a parameter cast, moved or replaced after setup (`.double()`, `.half()`, `.to(...)`, `.cuda()`, a "
+        "new nn.Parameter) is not what the engine streams and updates. HINT: build the module in its final form "
+        "before fit (in __init__ or configure_model); choose the compute dtype with Trainer(precision=...) and leave "
+        "devices to the strategy."
+    )
 
 
 def _flat_norm_sq(x: Tensor) -> Tensor:

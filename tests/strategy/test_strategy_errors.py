@@ -3,6 +3,7 @@ than one device, and a torch.compile that cannot build, each refused before trai
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from unittest import mock
 
 import lightning as L
@@ -60,9 +61,54 @@ def test_manual_placement_error():
     from lightning_megatrain.engine import MegaTrainEngine
 
     module = ParityLM("llama_tied")
-    module.model.model.register_buffer("placed", torch.zeros(1, device="meta"))  # stands in for a .cuda() call
-    with pytest.raises(ValueError, match=r"'model.model.placed' is on meta(.|\n)*remove manual placement"):
+    placed = SimpleNamespace(device=torch.device("cuda", 0))  # what a .cuda() call leaves (no GPU needed)
+    buffers = module.named_buffers
+    module.named_buffers = lambda *a, **k: [*buffers(*a, **k), ("model.model.placed", placed)]
+    with pytest.raises(ValueError, match=r"'model.model.placed' is on cuda:0(.|\n)*remove manual placement"):
         MegaTrainEngine(module, torch.device("cpu"), torch.float32).setup(fitting=True)
+
+
+def test_meta_parameter_error_is_the_one_raised():
+    # a parameter never materialized: the engine's error names it, and Lightning's teardown (which moves the module
+    # to the CPU, impossible for meta tensors) does not replace it
+    module = ParityLM("llama_tied")
+    up = module.model.model.layers[1].mlp.up_proj
+    up.weight = nn.Parameter(torch.empty(up.weight.shape, device="meta"))
+    with pytest.raises(ValueError, match=r"'model.model.layers.1.mlp.up_proj.weight' is on the meta device, never "
+                                         r"materialized(.|\n)*HINT: load or initialize its weights") as info:
+        cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch")).fit(module)
+    assert type(info.value) is ValueError
+
+
+def test_dtype_change_after_setup_is_refused_with_the_parameter_named():
+    class Double(ParityLM):
+        def on_train_start(self):
+            self.double()  # after setup packed the fp32 masters
+
+    with pytest.raises(RuntimeError, match=r"'model.model.layers.0.self_attn.q_proj.weight' is now float64 on cpu, "
+                                           r"(.|\n)*\(and 27 more\)(.|\n)*`\.double\(\)`(.|\n)*HINT"):
+        cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch")).fit(Double("llama_tied"))
+
+
+def test_an_error_in_user_code_is_not_replaced_by_a_failed_overlapped_step(monkeypatch, caplog):
+    # the overlapped step fails on its worker, then a callback raises before anything waited for the step: the
+    # callback's error is the one raised; the step's is logged by the barrier's on_exception and teardown
+    from lightning_megatrain.optim.host_optimizer import HostUpdate
+
+    def kernel_fault(self, params):
+        raise RuntimeError("kernel fault")
+
+    class UserBug(L.Callback):
+        megatrain_reads_state = False  # no wait before it: the step's error is still pending
+
+        def on_train_batch_end(self, *args):
+            raise ValueError("user bug")
+
+    monkeypatch.setattr(HostUpdate, "__call__", kernel_fault)
+    with pytest.raises(ValueError, match="user bug"):
+        cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True), max_steps=2,
+                    callbacks=[UserBug()]).fit(ParityLM("llama_tied"))
+    assert "overlapped host optimizer step failed (StepFailed: MegaTrain: optimizer step 0 failed before" in caplog.text
 
 
 def test_too_little_host_ram_error():
