@@ -10,6 +10,7 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_megatrain.engine.optimizer_step import NonFiniteError, StepFailed
 from lightning_megatrain.models import packed_attention
 from lightning_megatrain.precision import MegaTrainPrecision
 from lightning_megatrain.strategy import MegaTrainStrategy
@@ -24,5 +25,5 @@ if MegaTrainStrategy.strategy_name not in StrategyRegistry:
     MegaTrainStrategy.register_strategies(StrategyRegistry)
 packed_attention.register()
 
-__all__ = ["MegaTrainPrecision", "MegaTrainStrategy"]
+__all__ = ["MegaTrainPrecision", "MegaTrainStrategy", "NonFiniteError", "StepFailed"]
 __version__ = "0.1.0"

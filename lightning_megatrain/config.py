@@ -14,6 +14,8 @@ KeepLayers = int | Literal["auto"]
 Auto = Literal["auto"]
 CpuAdamMode = Literal["auto", "deepspeed", "torch"]
 CPU_ADAM_MODES = ("auto", "deepspeed", "torch")
+NonFiniteMode = Literal["skip", "raise"]
+NONFINITE_MODES = ("skip", "raise")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class EngineConfig:
     """Host Adam/AdamW implementation: ``"auto"`` (DeepSpeedCPUAdam when it builds, else torch fused AdamW; torch
     fused AdamW when the step is overlapped), ``"deepspeed"`` or ``"torch"`` (optim/host_optimizer.py)."""
 
+    nonfinite: NonFiniteMode = "skip"
+    """An optimizer step whose loss or global gradient norm is inf or NaN: ``"skip"`` leaves every master, Adam
+    state and step count as it was, logs a warning with the step index and counts it (``skipped_steps``);
+    ``"raise"`` stops training with an error, nothing updated (engine/optimizer_step.py, [Note: all-or-nothing
+    steps]). The learning-rate schedule and ``global_step`` advance either way, as under AMP's skipped steps."""
+
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
@@ -109,6 +117,8 @@ class EngineConfig:
             out.append(f"chunked_hf_loss={self.chunked_hf_loss!r}: need True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:
             out.append(f"cpu_adam={self.cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
+        if self.nonfinite not in NONFINITE_MODES:
+            out.append(f"nonfinite={self.nonfinite!r}: choose one of {NONFINITE_MODES}")
         return out
 
     def replace(self, **changes: object) -> EngineConfig:

@@ -19,6 +19,13 @@ from lightning_megatrain.hooks import grads_read_by_hooks
 MegaTrainPrecisionInput = Literal["bf16-mixed", "32-true"]
 
 
+class _SkippedStep(Exception):
+    """Raised by the closure so that no update runs: the engine found the step non-finite and skips it."""
+
+    def __init__(self, closure_result: Any) -> None:
+        self.closure_result = closure_result
+
+
 class MegaTrainPrecision(Precision):
     """Precision for :class:`~lightning_megatrain.MegaTrainStrategy`; masters, grads and optimizer states stay fp32.
 
@@ -82,8 +89,13 @@ class MegaTrainPrecision(Precision):
         closure_result = closure()
         # Host grads must be final before hooks, clipping and the step read them; with nothing reading them before an
         # overlapped step, that step's worker waits for them instead (engine/optimizer_step.py, [Note: late grads]).
-        self.engine.step.finalize_gradients(grads_read=self._grads_read(model))
+        step = self.engine.step
+        step.finalize_gradients(grads_read=self._grads_read(model))
         self._after_closure(model, optimizer)
+        # a non-finite loss or gradient norm skips the step or raises (engine/optimizer_step.py, [Note: all-or-nothing
+        # steps]); raised inside optimizer.step(closure), the skip comes before any optimizer's update
+        if not step.check_finite(closure_result, model.trainer.global_step):
+            raise _SkippedStep(closure_result)
         return closure_result
 
     def _grads_read(self, model: pl.LightningModule) -> bool:
@@ -123,13 +135,16 @@ class MegaTrainPrecision(Precision):
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         engine = self.engine
-        if engine.step.takes_step(optimizer) and not kwargs:
-            # forward/backward/clipping now; the update runs on the device and/or the overlap worker
-            with torch.enable_grad():
-                result = self._wrap_closure(model, optimizer, closure)
-            engine.step.run(optimizer)
-        else:
-            engine.step.refuse_host_fallback(f"optimizer.step() with arguments {sorted(kwargs)}")
-            result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        try:
+            if engine.step.takes_step(optimizer) and not kwargs:
+                # forward/backward/clipping now; the update runs on the device and/or the overlap worker, or now
+                with torch.enable_grad():
+                    result = self._wrap_closure(model, optimizer, closure)
+                engine.step.run(optimizer)
+            else:
+                engine.step.refuse_host_fallback(f"optimizer.step() with arguments {sorted(kwargs)}")
+                result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        except _SkippedStep as skipped:
+            result = skipped.closure_result
         engine.masters_updated()
         return result

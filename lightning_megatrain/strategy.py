@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
-from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers
+from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers, NonFiniteMode
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
@@ -125,6 +125,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             warning; with the step overlapped always torch fused AdamW, which releases the GIL while the forward
             thread issues kernels and applies the clipping factor inside its own pass), ``"deepspeed"`` (fail if it
             is not installed or does not build) or ``"torch"`` (always torch fused AdamW). Default ``"auto"``.
+        nonfinite: a step whose loss or global gradient norm is inf or NaN updates nothing. ``"skip"`` (default):
+            masters, Adam states and step counts stay as they were, a warning names the step, and
+            :attr:`skipped_steps` counts it (logged as ``skipped_steps`` on the progress bar once non-zero).
+            ``"raise"``: training stops with ``NonFiniteError``. The check reuses clipping's norm, taken from the
+            per-layer norms measured on the GPU, and never makes the training thread wait for the device
+            (engine/optimizer_step.py, [Note: all-or-nothing steps]). An update that fails (host RAM for the first
+            step's Adam states, a gradient or state the kernel cannot take) fails before it writes anything:
+            ``StepFailed`` says that masters and optimizer states are as they were.
         checkpoint_io: Lightning checkpoint IO plugin. Default: local saves are written to a temporary file beside
             the target and renamed over it, never buffered whole in host RAM (checkpoint_io.py, [Note: atomic
             checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads
@@ -156,6 +164,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         device_checkpoints: int | Auto = "auto",
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
+        nonfinite: NonFiniteMode = "skip",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -172,6 +181,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             device_checkpoints=device_checkpoints,
             chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,
+            nonfinite=nonfinite,
         )
         # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints])
         checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
@@ -181,6 +191,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.engine: MegaTrainEngine | None = None
         self._hf_loss: ChunkedHFLoss | None = None  # what install_chunked_hf_loss changed, undone at teardown
         self._unguard_zero_grad: Callable[[], None] | None = None  # undoes the module's waiting zero_grad
+        self._skipped: list[int] = []  # the engine's list of steps skipped as non-finite, kept past teardown
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
 
@@ -249,6 +260,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.engine.setup(fitting=fitting)
         self.model_to_device()
         precision.engine = self.engine
+        self._skipped = self.engine.step.skipped
         self.model = self._setup_model(self.model)
         if fitting:
             self.setup_optimizers(trainer)
@@ -279,9 +291,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
             yield
 
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped since setup for a non-finite loss or gradient norm (``nonfinite="skip"``); a step
+        overlapped with the next forward counts once that forward has started."""
+        return len(self._skipped)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.wait_for_optimizer()
+        if self.engine is not None:
+            self.engine.refuse_torn("save the parameters")  # a failed step left part of its update applied
         return super().lightning_module_state_dict()
 
     @override
@@ -346,7 +366,12 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             trainer = self.lightning_module.trainer
             self.engine.place_checkpoints(batch, trainer.accumulate_grad_batches, self.optimizers, self._chunked_loss)
         with self._step_context():
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        if self._skipped:  # the steps before this one are decided by now (an overlapped one during the forward)
+            self.lightning_module.log(
+                "skipped_steps", float(len(self._skipped)), prog_bar=True, on_step=True, on_epoch=False, batch_size=1
+            )
+        return output
 
     @property
     def _chunked_loss(self) -> bool:

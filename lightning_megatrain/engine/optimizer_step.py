@@ -8,9 +8,11 @@ One optimizer step, as :class:`OptimizerStep` runs it (the precision plugin call
   drain, or leaves the last copies landing ([Note: late grads]).
 - **clipping**: :meth:`~OptimizerStep.clip_grad_norm_` takes the global norm from the per-layer norms measured on the
   device and scales the flat host grads, or leaves the factor to the update.
-- **update**: :meth:`~OptimizerStep.run` steps the device groups on the compute stream (engine/device_state.py,
-  [Note: device groups]), then the host groups on the overlap worker (engine/overlap.py, [Note: overlapped optimizer
-  step]) or at once.
+- **the finite check**: :meth:`~OptimizerStep.check_finite` decides whether the step updates at all ([Note:
+  all-or-nothing steps]).
+- **update**: :meth:`~OptimizerStep.run` prepares the host update, steps the device groups on the compute stream
+  (engine/device_state.py, [Note: device groups]), then the host groups on the overlap worker (engine/overlap.py,
+  [Note: overlapped optimizer step]) or at once.
 - **after**: the next ``zero_grad`` and backward wait for the host step (:meth:`~OptimizerStep.wait_for_host_step`);
   readers of host parameters wait for the whole step (:meth:`~OptimizerStep.wait_for_optimizer`).
 
@@ -24,8 +26,9 @@ benchmarks/results kernel_gaps) and then the host queues the next forward into a
 
 - the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``);
 - clipping takes the global norm from the per-layer norms measured on the device and computes the factor there;
-  the device groups' step reads it on the device, and one 4-byte D2H into a pinned scalar (its event
-  ``_clip_copied``, recorded by the compute stream) hands it to the host step;
+  the device groups' step reads it on the device, and one 12-byte D2H into pinned memory (its event
+  ``_stats_copied``, recorded by the compute stream) hands it to the host step, with the norm and the loss that
+  the finite check reads ([Note: all-or-nothing steps]);
 - the host step's worker (engine/overlap.py) first waits for every drain and the residents' copy, then for that
   factor, and only then reads ``p.grad``;
 - the next ``zero_grad`` and backward wait for the whole host step, as always, so they find the grads landed.
@@ -39,25 +42,69 @@ logged loss, the benchmark's recorder) queued its 4 bytes behind them on the D2H
 (73 + 30 ms). Those copies were the device groups' grads and updated masters, which nothing on the host read: they
 now stay on the GPU unless code reads ``p.grad`` before the step, and the masters go to the host when it reads them
 (engine/device_state.py). The step's end then has no copy left to wait for (1459861: no gap at the step end).
+
+[Note: all-or-nothing steps]
+A step updates every master, Adam state and step count, or none.
+
+*Non-finite steps.* :meth:`OptimizerStep.check_finite` runs after clipping, before the update: the loss and the
+global gradient norm must be finite, else the step is skipped (``nonfinite="skip"``: logged with its index and
+counted in :attr:`OptimizerStep.skipped`) or an error is raised (``"raise"``). The norm is clipping's (computed once
+when both run), from the per-layer squared norms the drains take on the device (engine/drain.py), with a host pass
+only where a drain added on the host, as for clipping. Without clipping that sum is the check's whole cost on a GPU:
+a few scalar kernels. On the CPU backend the grads have no device norm: the check reads them once, 4 bytes per
+parameter against the update's 28 (23 ms per 20M parameters on 2 cores, a third of the fused AdamW step). Where the
+decision is read:
+
+- grads final before the step (no overlap, a hook reads ``p.grad``, or a drain added on the host): on the training
+  thread, which has just waited for every drain; the device norms' sum and the loss come over in a few bytes of
+  D2H. A skipped step then runs nothing, device groups included.
+- grads landing late ([Note: late grads]): the device computes the flag. The device groups' fused AdamW reads it
+  as ``found_inf`` when it runs (the kernel then leaves parameters, moments and step counts as they were); the
+  host step's worker reads the norm and the loss from the pinned copy it already waited for, and skips or raises
+  there. The training thread never waits for it; the error, with ``"raise"``, surfaces at the next wait (the next
+  forward's first upload).
+
+Lightning's ``global_step`` and the LR scheduler advance on a skipped step, as on AMP's skipped steps.
+
+*Failures.* :meth:`HostUpdate.prepare <lightning_megatrain.optim.host_optimizer.HostUpdate.prepare>` runs over every
+group before the first is updated: it allocates the Adam states of a first update (8 bytes per parameter, the
+allocation that fails when host RAM runs out) and checks every gradient and state the kernel reads: dense, of the
+parameter's shape, dtype and device (torch's CPU fused AdamW does not check a state's size: it writes past a short
+one). About 10 us per parameter tensor, on the thread that prepares. A failure there removes the states it created
+and the error says that nothing was updated. With late grads and device groups the device step is queued before the
+worker prepares, so the host states are allocated on the training thread first, for every host parameter of the
+optimizer that requires grad (one with no grad yet gets a zero state with step 0, a difference from torch only in
+what a checkpoint lists). After the prepare only the kernels run, in place, on tensors checked to suit them.
+
+Rolling back a group already updated would need its master and both moments as they were: 12 bytes per parameter
+kept until the last group is done, 75% more host state than the 16 the strategy needs, plus one more pass over it
+per step. That is not paid. A kernel failing after the prepare (a crash-class fault, or a ``KeyboardInterrupt``
+between two groups of a step that is not overlapped) leaves the step *torn*: the error says how many parameters
+were updated, and checkpoints of the mixed state are refused (:meth:`OptimizerStep.refuse_torn`) so that none is
+written; resume from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.optim.host_optimizer import (
+    HostUpdate,
     Hyper,
+    allocate_states,
     device_update,
     hyper_snapshot,
     overlappable,
     rebind_scheduler,
-    snapshot_update,
     to_host_optimizer,
 )
 
@@ -68,6 +115,16 @@ if TYPE_CHECKING:
     from lightning_megatrain.engine.residents import Residents
     from lightning_megatrain.engine.transfer import Transfer
 
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """``nonfinite="raise"``: an optimizer step's loss or gradient norm is inf or NaN; nothing was updated."""
+
+
+class StepFailed(RuntimeError):
+    """The optimizer update raised; the message says whether it left masters and optimizer states as they were."""
+
 
 class OptimizerStep:
     """Gradient finalization, clipping and the optimizer update for the engine's groups (see the module docstring).
@@ -75,7 +132,7 @@ class OptimizerStep:
     Built by :meth:`MegaTrainEngine.setup`, which owns the parts it steps.
 
     Args:
-        config: the engine's options (``overlap_optimizer``, ``cpu_adam``, ``gpu_optimizer_groups``).
+        config: the engine's options (``overlap_optimizer``, ``cpu_adam``, ``gpu_optimizer_groups``, ``nonfinite``).
         device: the compute device.
         groups: every host flat group, the layers' then the residents' (the order clipping sums the norms in).
         overlap: the worker thread of the host step, when ``overlap_optimizer``.
@@ -100,11 +157,18 @@ class OptimizerStep:
         self.transfer = transfer
         self.residents = residents
         self._device_param_ids: frozenset[int] = frozenset()  # the host step skips them
-        self._deferred_grad_scale: torch.Tensor | None = None  # clipping factor the optimizer step applies
+        self._deferred_grad_scale: Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
-        self._clip_host: torch.Tensor | None = None  # pinned 0-dim fp32: the device clip factor, for the host step
+        self._norm_sq: Tensor | None = None  # the step's squared global grad norm once measured (device: late grads)
+        self._found_inf: Tensor | None = None  # device 0-dim fp32, 1.0 = skip: the device step's flag (late grads)
+        self._stats_host: Tensor | None = None  # pinned [3] fp32: clip factor, squared grad norm, loss (late grads)
+        self._index = 0  # trainer.global_step of the step being taken, for logs and errors
+        self._device_stepped = False  # the device groups' update of this step is queued (a failure after: torn)
+        self._torn: str | None = None  # what a failure mid-update left applied ([Note: all-or-nothing steps])
+        # global_step of each step skipped for a non-finite loss or gradient norm (appended by the thread deciding)
+        self.skipped: list[int] = []
         # - CUDA event for stream synchronization
-        self._clip_copied: torch.cuda.Event | None = None  # recorded by compute after the factor's D2H; host waits
+        self._stats_copied: torch.cuda.Event | None = None  # recorded by compute after the stats' D2H; worker waits
 
     def set_device_groups(self, device_groups: list[DeviceGroup]) -> None:
         """The groups that step on the device from now on (engine/device_state.py), in forward order; called once,
@@ -203,8 +267,9 @@ class OptimizerStep:
         optimizer.zero_grad = waiting_zero_grad  # type: ignore[method-assign]
 
     def takes_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`run` runs ``optimizer``'s step (overlapped and/or split with the device)."""
-        return self.steps_after_return and overlappable(optimizer)
+        """Whether :meth:`run` runs ``optimizer``'s step (the host Adam/AdamW: all-or-nothing, overlapped and/or
+        split with the device); other optimizers step as given (``optimizer.step()``)."""
+        return overlappable(optimizer)
 
     def refuse_host_fallback(self, what: str) -> None:
         """Called before a path that reads the host grads and states only (torch's clipping, ``optimizer.step()``):
@@ -228,7 +293,7 @@ class OptimizerStep:
         Args:
             grads_read: code may read ``p.grad`` before the optimizer step (hooks, or a step that is not overlapped).
         """
-        self._deferred_grad_scale = self._clip_copied = None
+        self._deferred_grad_scale = self._stats_copied = self._norm_sq = self._found_inf = None
         self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
         host_added = self.transfer.take_host_added()
         self._late_grads = self.overlap is not None and not grads_read and not host_added
@@ -262,17 +327,12 @@ class OptimizerStep:
             self._land_grads()
         if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
             return False
-        if self._late_grads:
-            self._clip_on_device(groups, max_norm)
+        if self._late_grads:  # the factor stays on the device; check_finite sends it to the host step
+            self._norm_sq = self._device_norm_sq(groups)
+            self._deferred_grad_scale = _clip_coef(self._norm_sq, max_norm)  # the device step reads it there
             return True
-        partial = [g.grad_norm_sq() for g in groups]  # device norms from backward where valid, else host passes
-        on_device = [n for n in partial if n.device.type != "cpu"]
-        on_host = [n for n in partial if n.device.type == "cpu"]
-        if on_device:  # one small D2H at the step boundary, where the host waits anyway
-            on_host.append(torch.stack(on_device).sum().cpu())
-        total = torch.stack(on_host).sum().sqrt()
-        # torch.nn.utils.clip_grad_norm_: coef = max_norm / (total + 1e-6), clamped to 1 (a no-op multiply we skip)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._norm_sq = self._host_norm_sq(groups)
+        coef = _clip_coef(self._norm_sq, max_norm)
         if coef.item() != 1.0:  # host tensors: no device sync
             if defer:
                 self._deferred_grad_scale = coef
@@ -281,80 +341,213 @@ class OptimizerStep:
                     g.scale_grads(coef)
         return True
 
-    def _clip_on_device(self, groups: list[FlatGroup], max_norm: float) -> None:
-        """The clipping factor from the device norms, left on the device with a copy on its way to the host.
+    def _host_norm_sq(self, groups: list[FlatGroup]) -> Tensor:
+        """The squared global grad norm on the host (fp32 0-dim): the device norms from backward where valid, in one
+        small D2H at the step boundary, where the host waits anyway; host passes elsewhere."""
+        partial = [g.grad_norm_sq() for g in groups]
+        on_device = [n for n in partial if n.device.type != "cpu"]
+        on_host = [n for n in partial if n.device.type == "cpu"]
+        if on_device:
+            on_host.append(torch.stack(on_device).sum().cpu())
+        return torch.stack(on_host).sum() if on_host else torch.zeros(())
+
+    def _device_norm_sq(self, groups: list[FlatGroup]) -> Tensor:
+        """The squared global grad norm left on the device (fp32 0-dim), while grads land ([Note: late grads]).
 
         Grads still landing have their norm measured on the device (a group with a host add makes the grads wait,
         :meth:`finalize_gradients`); a group without one has no grads this step, or grads final on the host (the
-        residents' host add). See [Note: late grads].
+        residents' host add).
         """
         device_sq = [g.device_norm_sq for g in groups if g.device_norm_sq is not None]
         host_sq = [g.grad_norm_sq() for g in groups if g.device_norm_sq is None]  # zeros where there are no grads
         total_sq = torch.stack(device_sq).sum() if device_sq else torch.zeros((), device=self.device)
-        total = (total_sq + float(torch.stack(host_sq).sum()) if host_sq else total_sq).sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_, on the device
-        self._deferred_grad_scale = coef  # the device step reads it there
-        if self._clip_host is None:
-            self._clip_host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        self._clip_host.copy_(coef, non_blocking=True)
-        self._clip_copied = torch.cuda.Event()
-        self._clip_copied.record(torch.cuda.current_stream(self.device))
+        return total_sq + float(torch.stack(host_sq).sum()) if host_sq else total_sq
+
+    # - the finite check ([Note: all-or-nothing steps])
+
+    def check_finite(self, loss: Tensor | None, index: int) -> bool:
+        """Whether step ``index`` (``trainer.global_step``) updates: its ``loss`` (the closure's, if any) and global
+        gradient norm are finite. Called after clipping, before :meth:`run`.
+
+        Returns False for a step to skip (``nonfinite="skip"``; logged and counted in :attr:`skipped`). With grads
+        landing late the flag stays on the device, read by the device step and by the host step's worker: True here.
+
+        Raises:
+            NonFiniteError: ``nonfinite="raise"`` and the loss or norm is inf or NaN (nothing was updated).
+        """
+        self._index = index
+        loss = loss.detach().float().sum() if isinstance(loss, Tensor) else None  # .sum(): a 0-dim loss, NaN kept
+        if self._late_grads:
+            self._flag_on_device(loss)
+            return True
+        norm_sq = self._norm_sq if self._norm_sq is not None else self._host_norm_sq(self.groups)
+        host_loss = None if loss is None else loss.cpu()  # the compute stream is idle here: drains were waited for
+        if bool(torch.isfinite(torch.stack([norm_sq] + ([host_loss] if host_loss is not None else []))).all()):
+            return True
+        self._nonfinite(index, float(norm_sq), None if host_loss is None else float(host_loss))
+        if self.residents is not None:  # the device step that would have consumed a resident device group's grads
+            self.residents.clear_grads()
+        return False
+
+    def _flag_on_device(self, loss: Tensor | None) -> None:
+        """The step's non-finite flag on the device for the device step, and the stats it is made of on their way to
+        the host step's worker (one 12-byte D2H; [Note: late grads])."""
+        norm_sq = self._norm_sq if self._norm_sq is not None else self._device_norm_sq(self.groups)
+        coef = self._deferred_grad_scale
+        stats = torch.stack([  # [3] fp32 on the device
+            coef if coef is not None else torch.ones((), device=self.device),
+            norm_sq,
+            loss.to(self.device) if loss is not None else torch.zeros((), device=self.device),
+        ])
+        self._found_inf = (~torch.isfinite(stats[1:]).all()).float()  # 0-dim fp32, as fused AdamW takes it
+        if self.device.type != "cuda":  # the CPU backend's grads land at once (tests take this path on purpose)
+            self._stats_host = stats
+            return
+        if self._stats_host is None:
+            self._stats_host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+        self._stats_host.copy_(stats, non_blocking=True)
+        self._stats_copied = torch.cuda.Event()
+        self._stats_copied.record(torch.cuda.current_stream(self.device))
+
+    def _nonfinite(self, index: int, norm_sq: float, loss: float | None) -> bool:
+        """Raise for ``nonfinite="raise"``; else log and count the skipped step and return False (any thread)."""
+        norm = math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq  # inf and nan stay what they are
+        what = f"gradient norm {norm:g}" + ("" if loss is None else f", loss {loss:g}")
+        if self.config.nonfinite == "raise":
+            raise NonFiniteError(
+                f"MegaTrainStrategy(nonfinite='raise'): optimizer step {index} has a non-finite {what}; nothing was "
+                "updated (masters, Adam states and step counts are as before it). HINT: nonfinite='skip' skips such "
+                "steps and trains on; lower the learning rate or clip gradients (gradient_clip_val) if they recur."
+            )
+        self.skipped.append(index)
+        log.warning(
+            "MegaTrain: skipped optimizer step %d: non-finite %s; masters, Adam states and step counts are unchanged "
+            "(%d skipped so far, MegaTrainStrategy(nonfinite='skip'))", index, what, len(self.skipped),
+        )
+        return False
 
     # - the update
 
     def run(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer``'s step with the deferred clipping: device groups on the compute stream now, the host
-        groups on the overlap worker (engine/overlap.py) or now."""
+        """``optimizer``'s step with the deferred clipping, all or nothing ([Note: all-or-nothing steps]): the host
+        update prepared, the device groups stepped on the compute stream, then the host groups on the overlap worker
+        (engine/overlap.py) or now.
+
+        Raises:
+            StepFailed: the update failed; the message says whether anything was updated.
+        """
         scale, self._deferred_grad_scale = self._deferred_grad_scale, None
-        if self.device_groups:
-            self._device_step(optimizer, scale)
-        copied, self._clip_copied = self._clip_copied, None
+        found_inf, self._found_inf = self._found_inf, None
+        copied, self._stats_copied = self._stats_copied, None
+        index, self._device_stepped = self._index, False
         if self._late_grads:
             assert self.overlap is not None
             self._late_grads = False  # the worker waits for them; zero_grad and backward wait for the worker
-            self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper_snapshot(optimizer), copied))
+            if self.device_groups:  # they step before the worker prepares: allocate the host states it may need now
+                self._guarded(index, None, lambda: allocate_states(optimizer, self._host_params(optimizer)))
+                self._device_step(optimizer, scale, found_inf, index)
+            hyper = hyper_snapshot(optimizer)
+            self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index))
         else:
-            update = snapshot_update(optimizer, scale, skip=self._device_param_ids)
-            assert update is not None
+            update = HostUpdate(optimizer, scale, skip=self._device_param_ids)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._guarded(index, update, lambda: update.prepare([params]))
+            if self.device_groups:
+                self._device_step(optimizer, scale, None, index)
             if self.overlap is not None:
-                self.overlap.launch(lambda: update)
+                self.overlap.launch(lambda: self._committing(update, index))
             else:
                 with torch.no_grad():
-                    update([p for group in optimizer.param_groups for p in group["params"]])
+                    self._committing(update, index)(params)
         optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check (optimizer.step ran)
 
-    def _device_step(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
-        """The update of every device group, queued on the compute stream (see [Note: device groups])."""
+    def _host_params(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        """``optimizer``'s parameters that require grad and are updated on the host (not by a device group)."""
+        on_device = self._device_param_ids
+        return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) not in on_device]
+
+    def _device_step(
+        self, optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None, index: int
+    ) -> None:
+        """The update of every device group, queued on the compute stream (see [Note: device groups]); the kernel
+        skips itself where ``found_inf`` (device) is 1 ([Note: all-or-nothing steps])."""
         assert self.device.type == "cuda"  # device groups exist on CUDA only (the engine's setup checks)
-        update = device_update(optimizer, grad_scale)
+        update = device_update(optimizer, grad_scale, found_inf)
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         compute = torch.cuda.current_stream(self.device)
-        with torch.no_grad(), torch.profiler.record_function("megatrain::device_optimizer_step"):
+
+        def step() -> None:
             for device_group in self.device_groups:
                 resident = self.residents is not None and self.residents.device_group is device_group
                 grads = self.residents.grads() if resident else device_group.present_grads()
                 bind = [g is not None and id(p) in in_optimizer for p, g in zip(device_group.group.params, grads)]
                 device_group.bind_states(optimizer, bind)
                 compute.wait_event(device_group.written_back)  # the last write-back may still read the mirror
+                self._device_stepped = True
                 update(device_group.group.params, device_group.group.views(device_group.master), grads)
                 device_group.updated()
+
+        with torch.no_grad(), torch.profiler.record_function("megatrain::device_optimizer_step"):
+            self._guarded(index, None, step)
         if self.residents is not None:
             self.residents.clear_grads()
 
     def _landed_update(
-        self, optimizer: torch.optim.Optimizer, hyper: Hyper, clip_copied: torch.cuda.Event | None
-    ) -> Callable[[list[torch.Tensor]], None]:
-        """The host step's update, built on its worker once the grads and the clipping factor have landed."""
+        self, optimizer: torch.optim.Optimizer, hyper: Hyper, stats_copied: torch.cuda.Event | None, index: int
+    ) -> Callable[[list[Tensor]], None] | None:
+        """Step ``index``'s host update, built on its worker once the grads and the step's stats have landed; None
+        for a step skipped as non-finite (the device groups skipped it too, on the device)."""
         self._land_grads()
-        scale = None
-        if clip_copied is not None:
-            assert self._clip_host is not None
-            clip_copied.synchronize()
-            if self._clip_host.item() != 1.0:  # a pinned host scalar: no device sync
-                scale = self._clip_host.clone()
-        update = snapshot_update(optimizer, scale, skip=self._device_param_ids, snapshot=hyper)
-        assert update is not None
-        return update
+        assert self._stats_host is not None
+        if stats_copied is not None:
+            stats_copied.synchronize()
+        coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
+        if not (math.isfinite(norm_sq) and math.isfinite(loss)):
+            self._nonfinite(index, norm_sq, loss)
+            return None
+        scale = None if coef == 1.0 else torch.tensor(coef, dtype=torch.float32)
+        update = HostUpdate(optimizer, scale, skip=self._device_param_ids, snapshot=hyper)
+        self._guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
+        return self._committing(update, index)
+
+    def _committing(self, update: HostUpdate, index: int) -> Callable[[list[Tensor]], None]:
+        """``update``, applied to one group at a time, with failures reported by :meth:`_guarded`."""
+        return lambda params: self._guarded(index, update, lambda: update(params))
+
+    def _guarded(self, index: int, update: HostUpdate | None, work: Callable[[], object]) -> None:
+        """Run part of step ``index``'s update; a failure raises :class:`StepFailed` saying whether anything was
+        updated, and marks a step left with part of its update applied as torn ([Note: all-or-nothing steps])."""
+        try:
+            work()
+        except BaseException as error:
+            started = update.started if update is not None else 0
+            if not started and not self._device_stepped:
+                message = (
+                    f"MegaTrain: optimizer step {index} failed before updating anything: every master, Adam state and "
+                    f"step count is as it was before the step ({type(error).__name__}: {error})"
+                )
+            else:
+                self._torn = (
+                    f"optimizer step {index} failed after updating {started} host parameters"
+                    f"{' and the gpu_optimizer_groups' if self._device_stepped else ''}, so the parameters and "
+                    "optimizer states mix two steps"
+                )
+                message = (
+                    f"MegaTrain: {self._torn} ({type(error).__name__}: {error}). Checkpoints of this state are "
+                    "refused. HINT: resume from the last checkpoint."
+                )
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: Lightning handles those itself
+                raise
+            raise StepFailed(message) from error
+
+    def refuse_torn(self, what: str) -> None:
+        """Called before saving parameters or optimizer states.
+
+        Raises:
+            RuntimeError: a failed step left part of its update applied ([Note: all-or-nothing steps]).
+        """
+        if self._torn is not None:
+            raise RuntimeError(f"MegaTrain cannot {what}: {self._torn}. HINT: resume from the last checkpoint.")
 
     # - after the update: waits
 
@@ -378,3 +571,8 @@ class OptimizerStep:
         self.wait_for_host_step()
         for device_group in self.device_groups:
             device_group.wait_written_back(self.transfer.d2h_stream)  # device groups exist on CUDA only
+
+
+def _clip_coef(norm_sq: Tensor, max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s factor, ``max_norm / (norm + 1e-6)`` clamped to 1, where ``norm_sq`` is."""
+    return torch.clamp(max_norm / (norm_sq.sqrt() + 1e-6), max=1.0)

@@ -10,11 +10,13 @@ update of layer i+1 runs. The clipping factor, when clipping bites, is applied p
 before that group's update. Everything that reads or writes masters, grads or optimizer states outside the forward
 waits for the whole step (:meth:`wait_all`): the next backward (its drains write the grads), checkpointing,
 validation, the end of training and teardown. Hyperparameters are read when the step is launched, so the LR
-scheduler may step meanwhile (optim/host_optimizer.py ``snapshot_update``).
+scheduler may step meanwhile (optim/host_optimizer.py ``HostUpdate``).
 
 The worker first builds the update (``launch(make_update)``): that is where it waits for what the training thread
 no longer waits for when grads land late (engine/optimizer_step.py, [Note: late grads]): the last D2H copies into
-the host grads and the clipping factor computed on the device.
+the host grads and the clipping factor computed on the device; there too it may find the step non-finite and update
+nothing (``make_update`` returns None), or fail before any group is updated ([Note: all-or-nothing steps]). A
+failure stops the groups after it, and surfaces on the training thread at its next wait, with its message.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class OverlappedStep:
         self.groups = groups
         self._done = {id(g): self._done[id(g)] for g in groups}
 
-    def launch(self, make_update: Callable[[], Callable[[list[Tensor]], None]]) -> None:
-        """Start ``update = make_update()`` on the worker, then ``update(group.params)`` for every group, in order."""
+    def launch(self, make_update: Callable[[], Callable[[list[Tensor]], None] | None]) -> None:
+        """Start ``update = make_update()`` on the worker, then ``update(group.params)`` for every group, in order
+        (none when ``update`` is None: nothing to update)."""
         self.wait_all()
         for event in self._done.values():
             event.clear()
@@ -54,7 +57,7 @@ class OverlappedStep:
         )
         self._thread.start()
 
-    def _run(self, make_update: Callable[[], Callable[[list[Tensor]], None]]) -> None:
+    def _run(self, make_update: Callable[[], Callable[[list[Tensor]], None] | None]) -> None:
         update = None
         try:
             update = make_update()
@@ -86,4 +89,6 @@ class OverlappedStep:
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError("MegaTrain: the overlapped host optimizer step failed") from error
+            raise RuntimeError(
+                f"MegaTrain: the overlapped host optimizer step failed ({type(error).__name__}: {error})"
+            ) from error

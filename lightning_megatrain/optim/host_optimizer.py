@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,14 +194,23 @@ def hyper_snapshot(optimizer: Optimizer) -> Hyper:
 
 
 def _fused_adam(
-    params: list[Tensor], grads: list[Tensor], states: list[dict], h: dict, decoupled: bool, unscale: Tensor | None
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict],
+    h: dict,
+    decoupled: bool,
+    unscale: Tensor | None,
+    found_inf: Tensor | None = None,
 ) -> None:
-    """torch's fused Adam/AdamW kernel over tensors of one device and one param group (``Adam.step``'s call)."""
+    """torch's fused Adam/AdamW kernel over tensors of one device and one param group (``Adam.step``'s call).
+
+    ``found_inf`` (0-dim fp32, 1.0 = skip): the kernel then leaves parameters, moments and step counts untouched.
+    """
     adam_functional(
         params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
         [s["step"] for s in states], fused=True, decoupled_weight_decay=decoupled, amsgrad=False,
         beta1=h["betas"][0], beta2=h["betas"][1], lr=h["lr"], weight_decay=h["weight_decay"],
-        eps=h["eps"], maximize=False, grad_scale=unscale,
+        eps=h["eps"], maximize=False, grad_scale=unscale, found_inf=found_inf,
     )
 
 
@@ -210,13 +219,43 @@ def _unscale(grad_scale: Tensor | None) -> Tensor | None:
     return None if grad_scale is None else (1.0 / grad_scale).to(torch.float32)
 
 
-def snapshot_update(
-    optimizer: Optimizer,
-    grad_scale: Tensor | None = None,
-    skip: frozenset[int] = frozenset(),
-    snapshot: Hyper | None = None,
-) -> Callable[[list[Tensor]], None] | None:
-    """``optimizer``'s update as a function of a subset of its parameters, with its state of *now*.
+def _new_state(p: Tensor, deepspeed: bool) -> dict[str, Any]:
+    """A parameter's Adam state before its first update: what ``Adam._init_group`` creates for ``fused=True``, or
+    DeepSpeedCPUAdam's ``step()`` (a Python int step count)."""
+    if deepspeed:
+        zeros = functools.partial(torch.zeros_like, p.data, dtype=torch.float32)
+        return {"step": 0, "exp_avg": zeros(), "exp_avg_sq": zeros()}
+    zeros = functools.partial(torch.zeros_like, p, memory_format=torch.preserve_format)
+    return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": zeros(), "exp_avg_sq": zeros()}
+
+
+def allocate_states(optimizer: Optimizer, params: Iterable[Tensor]) -> Callable[[], None]:
+    """Create the missing Adam states of ``params`` (8 bytes per parameter) and return the undo, which removes them
+    again; a failure undoes itself."""
+    deepspeed = hasattr(optimizer, "ds_opt_adam")
+    created: list[tuple[Tensor, dict | None]] = []  # (parameter, its entry before: None or an empty dict)
+
+    def undo() -> None:
+        for p, before in created:
+            if before is None:
+                optimizer.state.pop(p, None)
+            else:
+                optimizer.state[p] = before
+
+    try:
+        for p in params:
+            before = optimizer.state.get(p)  # .get: the state defaultdict would insert an empty entry
+            if not before:
+                created.append((p, before))
+                optimizer.state[p] = _new_state(p, deepspeed)
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+class HostUpdate:
+    """``optimizer``'s update of its host parameters for one step, with its state of *now*, applied group by group.
 
     The overlapped step (engine/overlap.py) applies it layer by layer on a worker thread while the LR scheduler may
     already have moved ``lr`` on for the next step; each call updates the given parameters exactly as
@@ -224,67 +263,102 @@ def snapshot_update(
     read now too (a ``zero_grad`` may drop ``p.grad`` before the update of ``p`` runs) and multiplied by
     ``grad_scale`` (deferred clipping) right before their update; parameters without one, not in the optimizer, or
     in ``skip`` (ids of parameters updated on the device, engine/device_state.py) are skipped. ``snapshot`` is a
-    :func:`hyper_snapshot` taken earlier (the step's own, when the update is built later, on the worker). ``None``
-    when :func:`overlappable` is False (the optimizer then steps synchronously).
+    :func:`hyper_snapshot` taken earlier (the step's own, when the update is built later, on the worker).
+
+    :meth:`prepare` runs first, over every group, and does all that can fail for a reason other than a crash (it
+    allocates the states a first update creates and checks every tensor the kernel reads); a call then only runs
+    the kernel on what it checked (engine/optimizer_step.py, [Note: all-or-nothing steps]). For the two host
+    implementations :func:`overlappable` names (DeepSpeed, or torch fused).
     """
-    if not overlappable(optimizer):
-        return None
-    group_of, hyper = snapshot or hyper_snapshot(optimizer)
-    grads = {
-        id(p): p.grad
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if p.grad is not None and id(p) not in skip
-    }
 
-    def present(params: list[Tensor]) -> list[Tensor]:
-        return [p for p in params if id(p) in grads]
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        grad_scale: Tensor | None = None,
+        skip: frozenset[int] = frozenset(),
+        snapshot: Hyper | None = None,
+    ) -> None:
+        assert overlappable(optimizer), "HostUpdate takes the DeepSpeed or torch fused Adam/AdamW only"
+        self.optimizer = optimizer
+        self.deepspeed = hasattr(optimizer, "ds_opt_adam")
+        self._group_of, self._hyper = snapshot or hyper_snapshot(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._grads = {id(p): p.grad for p in params if p.grad is not None and id(p) not in skip}
+        self._grad_scale = grad_scale
+        # The fused kernel divides each grad by ``grad_scale`` in place, inside the update's own pass over memory: the
+        # clipping costs no separate pass (the AMP unscale argument; grads end up scaled exactly as clipping leaves
+        # them).
+        self._unscale = None if self.deepspeed else _unscale(grad_scale)
+        self._decoupled = _decoupled(optimizer)
+        self.started = 0  # parameters whose update has begun: after a failure, 0 means nothing was written
 
-    if hasattr(optimizer, "ds_opt_adam"):  # DeepSpeedCPUAdam: its step() body, one parameter at a time
+    def _present(self, params: Sequence[Tensor]) -> list[Tensor]:
+        return [p for p in params if id(p) in self._grads]
 
-        def update_deepspeed(params: list[Tensor]) -> None:
-            for p in present(params):
-                if grad_scale is not None:
-                    grads[id(p)].mul_(grad_scale)
-                h = hyper[id(group_of[id(p)])]
-                state = optimizer.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p.data, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p.data, dtype=torch.float32)
+    def prepare(self, groups: Iterable[Sequence[Tensor]]) -> None:
+        """Create the Adam states a first update of ``groups``' parameters creates, and check every gradient and
+        state the kernel will read; before any parameter is updated. A failure removes the states it created.
+
+        Raises:
+            RuntimeError: a gradient or state that is not a dense tensor of its parameter's shape, dtype and device
+                (the kernel would fail on it).
+        """
+        params = [p for group in groups for p in self._present(group)]
+        undo = allocate_states(self.optimizer, params)
+        try:
+            for p in params:
+                self._check(p)
+        except BaseException:
+            undo()
+            raise
+
+    def _check(self, p: Tensor) -> None:
+        state = self.optimizer.state[p]
+        tensors = {"gradient": self._grads[id(p)], "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        for name, t in tensors.items():
+            dense = t.layout == torch.strided and (t.is_contiguous() or not self.deepspeed)
+            if not (dense and t.shape == p.shape and t.dtype == p.dtype and t.device == p.device):
+                raise RuntimeError(
+                    f"the {name} of a host parameter {_describe(p)} is {_describe(t)}"
+                    f"{'' if dense else ' (not a dense contiguous tensor)'}: the Adam kernel cannot update it"
+                )
+        step = state["step"]
+        if not (isinstance(step, int) if self.deepspeed else isinstance(step, Tensor) and step.numel() == 1):
+            raise RuntimeError(f"the Adam step count of a host parameter {_describe(p)} is {step!r}")
+
+    def __call__(self, params: list[Tensor]) -> None:
+        """Update ``params`` (part of what :meth:`prepare` was given) as ``optimizer.step()`` would."""
+        present = self._present(params)
+        if self.deepspeed:  # DeepSpeedCPUAdam: its step() body, one parameter at a time
+            for p in present:
+                self.started += 1
+                grad = self._grads[id(p)]
+                if self._grad_scale is not None:
+                    grad.mul_(self._grad_scale)
+                h = self._hyper[id(self._group_of[id(p)])]
+                state = self.optimizer.state[p]
                 state["step"] += 1
                 beta1, beta2 = h["betas"]
-                optimizer.ds_opt_adam.adam_update(
-                    optimizer.opt_id, state["step"], h["lr"], beta1, beta2, h["eps"], h["weight_decay"],
-                    h["bias_correction"], p.data, grads[id(p)], state["exp_avg"], state["exp_avg_sq"],
+                self.optimizer.ds_opt_adam.adam_update(
+                    self.optimizer.opt_id, state["step"], h["lr"], beta1, beta2, h["eps"], h["weight_decay"],
+                    h["bias_correction"], p.data, grad, state["exp_avg"], state["exp_avg_sq"],
                 )
-
-        return update_deepspeed
-    decoupled = _decoupled(optimizer)
-    # The fused kernel divides each grad by ``grad_scale`` in place, inside the update's own pass over memory: the
-    # clipping costs no separate pass (the AMP unscale argument; grads end up scaled exactly as clipping leaves them).
-    unscale = _unscale(grad_scale)
-
-    def update_fused(params: list[Tensor]) -> None:
+            return
         by_group: dict[int, list[Tensor]] = {}
-        for p in present(params):
-            by_group.setdefault(id(group_of[id(p)]), []).append(p)
+        for p in present:
+            by_group.setdefault(id(self._group_of[id(p)]), []).append(p)
         for key, ps in by_group.items():
-            for p in ps:  # torch.optim.Adam._init_group's state for fused=True
-                state = optimizer.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            _fused_adam(
-                ps, [grads[id(p)] for p in ps], [optimizer.state[p] for p in ps], hyper[key], decoupled, unscale
-            )
+            self.started += len(ps)
+            states = [self.optimizer.state[p] for p in ps]
+            _fused_adam(ps, [self._grads[id(p)] for p in ps], states, self._hyper[key], self._decoupled, self._unscale)
 
-    return update_fused
+
+def _describe(t: Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
 
 
 def device_update(
-    optimizer: Optimizer, grad_scale: Tensor | None = None
+    optimizer: Optimizer, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
 ) -> Callable[[list[Tensor], list[Tensor], list[Tensor | None]], None]:
     """The Adam/AdamW update of device mirrors, with ``optimizer``'s hyperparameters of *now*.
 
@@ -292,7 +366,8 @@ def device_update(
     device fp32 mirror and device grad (``None``: no gradient, skipped, as ``optimizer.step()`` skips ``p``), with
     ``optimizer.state[p]`` already holding device tensors (engine/device_state.py). Runs torch's fused kernel on the
     current stream; grads are divided in place by ``1/grad_scale`` (deferred clipping; a host or a device 0-dim
-    tensor) inside it.
+    tensor) inside it. ``found_inf`` (a device 0-dim fp32 tensor, 1.0 = skip) is read by the kernel when it runs:
+    the step's non-finite decision, taken on the device ([Note: all-or-nothing steps] in engine/optimizer_step.py).
     """
     group_of, hyper = hyper_snapshot(optimizer)
     decoupled = _decoupled(optimizer)
@@ -313,7 +388,7 @@ def device_update(
         for key, ks in by_group.items():
             _fused_adam(
                 [mirrors[k] for k in ks], [grads[k] for k in ks], [optimizer.state[params[k]] for k in ks],
-                hyper[key], decoupled, device_unscale,
+                hyper[key], decoupled, device_unscale, found_inf,
             )
 
     return update

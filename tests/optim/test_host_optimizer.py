@@ -1,5 +1,5 @@
 """lightning_megatrain.optim.host_optimizer: the host Adam implementations and the update functions the engine applies
-layer by layer (snapshot_update on the host, device_update for gpu_optimizer_groups), against torch's AdamW; and
+layer by layer (HostUpdate on the host, device_update for gpu_optimizer_groups), against torch's AdamW; and
 DeepSpeed as an optional extra: the fallback and the error without it."""
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def test_deepspeed_cpu_adam_matches_torch():
 
 
 def test_host_update_skips_parameters_stepped_on_the_gpu():
-    """snapshot_update(skip=...) leaves the parameters of gpu_optimizer_groups (and their states) to the device step."""
-    from lightning_megatrain.optim.host_optimizer import snapshot_update
+    """HostUpdate(skip=...) leaves the parameters of gpu_optimizer_groups (and their states) to the device step."""
+    from lightning_megatrain.optim.host_optimizer import HostUpdate
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
@@ -95,7 +95,9 @@ def test_host_update_skips_parameters_stepped_on_the_gpu():
     reference = torch.optim.AdamW(ref[:1], lr=1e-2, fused=True)
     before = params[1].detach().clone()
     with torch.no_grad():
-        snapshot_update(opt, None, skip=frozenset({id(params[1])}))(params)
+        update = HostUpdate(opt, None, skip=frozenset({id(params[1])}))
+        update.prepare([params])
+        update(params)
     reference.step()
     torch.testing.assert_close(params[0], ref[0], rtol=0, atol=0)
     assert torch.equal(params[1], before) and params[1] not in opt.state

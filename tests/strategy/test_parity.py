@@ -174,37 +174,32 @@ def test_overlapped_step_gates_every_reader(monkeypatch):
     # zero_grad/backward and the final parameters for the whole step, or the records differ.
     import time
 
-    from lightning_megatrain.engine import optimizer_step
+    from lightning_megatrain.optim.host_optimizer import HostUpdate
 
-    snapshot = optimizer_step.snapshot_update
+    update = HostUpdate.__call__
 
-    def slow_snapshot(optimizer, grad_scale=None, skip=frozenset()):
-        update = snapshot(optimizer, grad_scale, skip)
+    def slow_update(self, params):
+        time.sleep(0.05)
+        update(self, params)
 
-        def slow_update(params):
-            time.sleep(0.05)
-            update(params)
-
-        return slow_update
-
-    monkeypatch.setattr(optimizer_step, "snapshot_update", slow_snapshot)
+    monkeypatch.setattr(HostUpdate, "__call__", slow_update)
     rec = run(MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True), "llama_untied", clip=1.0)
     assert_records_close(rec, reference("llama_untied", clip=1.0))
 
 
 def test_overlapped_step_failure_surfaces_on_the_training_thread(monkeypatch):
-    from lightning_megatrain.engine import optimizer_step
+    # the first group's update fails on the worker: nothing was updated, and the next wait says so
+    from lightning_megatrain.engine.optimizer_step import StepFailed
+    from lightning_megatrain.optim.host_optimizer import HostUpdate
 
-    def failing_snapshot(optimizer, grad_scale=None, skip=frozenset()):
-        def update(params):
-            raise ValueError("boom")
+    def failing_update(self, params):
+        raise ValueError("boom")
 
-        return update
-
-    monkeypatch.setattr(optimizer_step, "snapshot_update", failing_snapshot)
-    with pytest.raises(RuntimeError, match="overlapped host optimizer step failed") as info:
+    monkeypatch.setattr(HostUpdate, "__call__", failing_update)
+    with pytest.raises(RuntimeError, match=r"overlapped host optimizer step failed \(StepFailed: MegaTrain: optimizer "
+                                           r"step 0 failed before updating anything(.|\n)*ValueError: boom") as info:
         run(MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True), "llama_tied")
-    assert isinstance(info.value.__cause__, ValueError)
+    assert isinstance(info.value.__cause__, StepFailed) and isinstance(info.value.__cause__.__cause__, ValueError)
 
 
 # cpu_adam="auto" overlaps torch fused AdamW (it releases the GIL; clipping folded into its pass as grad_scale);

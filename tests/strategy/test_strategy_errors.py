@@ -93,15 +93,10 @@ def test_dtype_change_after_setup_is_refused_with_the_parameter_named():
 def test_an_error_in_user_code_is_not_replaced_by_a_failed_overlapped_step(monkeypatch, caplog):
     # the overlapped step fails on its worker, then a callback raises before anything waited for the step: the
     # callback's error is the one raised; the step's is logged by the barrier's on_exception and teardown
-    from lightning_megatrain.engine.overlap import OverlappedStep
+    from lightning_megatrain.optim.host_optimizer import HostUpdate
 
-    def kernel_fault(self, make_update):
-        def update(params):
-            raise RuntimeError("kernel fault")
-
-        return launch(self, lambda: update)
-
-    launch = OverlappedStep.launch
+    def kernel_fault(self, params):
+        raise RuntimeError("kernel fault")
 
     class UserBug(L.Callback):
         megatrain_reads_state = False  # no wait before it: the step's error is still pending
@@ -109,11 +104,11 @@ def test_an_error_in_user_code_is_not_replaced_by_a_failed_overlapped_step(monke
         def on_train_batch_end(self, *args):
             raise ValueError("user bug")
 
-    monkeypatch.setattr(OverlappedStep, "launch", kernel_fault)
+    monkeypatch.setattr(HostUpdate, "__call__", kernel_fault)
     with pytest.raises(ValueError, match="user bug"):
         cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch", overlap_optimizer=True), max_steps=2,
                     callbacks=[UserBug()]).fit(ParityLM("llama_tied"))
-    assert "the overlapped host optimizer step failed" in caplog.text
+    assert "overlapped host optimizer step failed (StepFailed: MegaTrain: optimizer step 0 failed before" in caplog.text
 
 
 def test_too_little_host_ram_error():

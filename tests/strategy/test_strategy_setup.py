@@ -116,4 +116,5 @@ def test_host_residency_after_setup():
 
 
 def test_package_exports():
-    assert set(lightning_megatrain.__all__) == {"MegaTrainPrecision", "MegaTrainStrategy"}
+    exports = {"MegaTrainPrecision", "MegaTrainStrategy", "NonFiniteError", "StepFailed"}
+    assert set(lightning_megatrain.__all__) == exports
