@@ -106,7 +106,11 @@ def test_malformed_openai_tool_calls_and_tools_are_reported():
     user = {"role": "user", "content": "q"}
     bad_calls = [[{"type": "code", "function": CALL}], [], [{"function": {"name": "f", "arguments": 3}}]]
     rows = [{"messages": [user, {"role": "assistant", "tool_calls": calls}]} for calls in bad_calls]
-    rows.append({"messages": [user, {"role": "assistant", "content": "a"}], "tools": '[{"description": "x"}]'})
+    rows += [{"messages": [user, {"role": "assistant", "content": "a"}], "tools": '[{"description": "x"}]'},
+             {"messages": [user, {"role": "assistant", "content": "a"}], "tools": 5},
+             {"messages": [user, {"role": "assistant", "tool_calls": {"function": CALL}}]},
+             {"messages": [user, {"role": "assistant", "content": 5, "tool_calls": [TOOL_CALL]}]},
+             {"messages": [user, {"role": "assistant", "tool_calls": [TOOL_CALL]}]}]
     with pytest.raises(DatasetFormatError) as info:
         _convert(rows, OPENAI)
     text = str(info.value)
@@ -114,6 +118,14 @@ def test_malformed_openai_tool_calls_and_tools_are_reported():
     assert "row 1: message 1 has no 'content' key" in text  # an empty tool_calls list is no tool call
     assert "row 2: message 1 ('assistant' turn): tool call 0: 'arguments' must be an object" in text
     assert "row 3: column 'tools': tool definition 0 has no 'name'" in text
+    assert "row 4: column 'tools': must be a list of tool definitions (or its JSON text), found '5'" in text
+    assert "row 5: message 1 ('assistant' turn): 'tool_calls' must be a non-empty list, found {'function'" in text
+    assert "row 6: message 1 content must be a string, found int" in text
+    assert "row 7" not in text  # a call without content (OpenAI's null or none) is fine
+    with pytest.raises(DatasetFormatError, match=r"row 0: message 1 \('function_call' turn\): an empty list of tool "
+                                                 r"calls\n  row 1: message 1 has no 'value' key"):
+        _convert([{"conversations": [HUMAN, {"from": "function_call", "value": "[]"}, OBSERVATION, GPT]},
+                  {"conversations": [HUMAN, {"from": "function_call"}, OBSERVATION, GPT]}], FACTORY)
 
 
 # The call and the answer as each template renders them after its generation prompt, written independently.
