@@ -164,8 +164,8 @@ _NAMES = {"user": "a 'user' turn", "assistant": "an 'assistant' turn", "tool": "
 def _check_turns(turns: Sequence[Message]) -> None:
     """Check role order and content of a conversation (indices are positions in ``turns``).
 
-    The order is LLaMA-Factory's: user, then assistant (an answer or a tool call); a tool call is followed by its
-    result(s), which are followed by an assistant answer or another call. The last turn is an answer or a call.
+    The order: user, then assistant (an answer or a tool call); a tool call is followed by its result(s), which are
+    followed by an assistant answer or another call. The last turn is an answer or a call.
 
     Raises:
         _RowError: Empty conversation, misplaced system turn, two same-role turns in a row, a turn out of that
