@@ -25,7 +25,8 @@ What this CLI adds to a plain ``LightningCLI``:
 - A ``ThroughputLogger`` callback is always added; its options are the ``throughput:`` section. A ``FitSummary``
   says at the end of ``fit`` how the loss went and where the checkpoint and logs are; the progress bar and model
   summary (when enabled and not given as callbacks) are ``StepProgressBar`` and ``ParamSummary``, which drop
-  Lightning's ``Epoch 1/-2`` of a ``max_steps`` run and its ``Total FLOPs: 0``.
+  Lightning's ``Epoch 1/-2`` of a ``max_steps`` run and its ``Total FLOPs: 0``. Lightning's ``TPU available: False``
+  line, its litlogger tip and a FutureWarning from its own code are left out (``_console.py``).
 - A user error (``ValueError``, ``OSError``: a bad dataset row, a missing file, an unknown ``model_type``, an offline
   Hub name) prints as one message of at most ``ERROR_MAX_CHARS`` characters and exits with status 1;
   ``MEGATRAIN_DEBUG=1`` or ``--debug`` shows the traceback. Other exceptions (bugs) keep their traceback.
@@ -56,6 +57,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from torch.optim import Optimizer
 
 import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
+from lightning_megatrain._console import quiet_lightning
 from lightning_megatrain.callbacks import FitSummary, ParamSummary, StepProgressBar, ThroughputLogger
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
@@ -395,6 +397,7 @@ def main(args: Sequence[str] | None = None) -> int:
         argv = [arg for arg in argv if arg != DEBUG_FLAG]
         if args is None:  # LightningCLI warns when given args while sys.argv holds some: read sys.argv without it
             sys.argv = [sys.argv[0], *argv]
+    quiet_lightning()
     try:
         if argv and argv[0] == "export":
             return export_main(argv[1:])

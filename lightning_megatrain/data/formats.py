@@ -1,7 +1,10 @@
 """Convert alpaca / sharegpt / OpenAI-messages rows into one canonical conversation format.
 
-Canonical form: a list of ``{"role": "system" | "user" | "assistant", "content": str}`` where an optional
-system message comes first and user/assistant turns alternate, starting with user and ending with assistant.
+Canonical form: a list of ``{"role": "system" | "user" | "assistant" | "tool", "content": str}`` where an optional
+system message comes first and user/assistant turns alternate, starting with user and ending with assistant. Tool use
+(``tool_calls.py``): an assistant turn may carry ``tool_calls`` instead of an answer (a sharegpt ``function_call``
+turn, or an OpenAI assistant message with ``tool_calls``); it is followed by one or more ``tool`` results (sharegpt
+``observation`` turns, OpenAI ``role: tool``), then by the assistant's answer or next call.
 Malformed rows are collected and reported together in one :class:`DatasetFormatError` naming the file,
 every bad row index and what is wrong with it, or (opt-in) dropped and counted by the caller.
 """
@@ -15,8 +18,14 @@ from typing import Any
 
 from lightning_megatrain.data.readers import Row, decode_json_cell
 from lightning_megatrain.data.registry import DatasetSpec
+from lightning_megatrain.data.tool_calls import (
+    ToolFormatError,
+    function_call_turn,
+    openai_tool_calls,
+    tool_definitions,
+)
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content; tool_calls, tool_call_id, name
 MAX_REPORTED_ROWS = 20
 
 
@@ -78,6 +87,23 @@ def _alpaca(row: Row, spec: DatasetSpec, pretrain: bool) -> tuple[list[Message],
     return turns, system, None
 
 
+def _tool_call_message(message: dict[str, Any], index: int, tags: dict[str, str], role: str) -> Message:
+    """A sharegpt ``function_call`` turn or an OpenAI assistant message with ``tool_calls`` -> an assistant turn."""
+    content = message.get(tags["content_tag"])
+    try:
+        if role == "function_call":
+            calls, content = function_call_turn(content), ""
+        else:
+            calls = openai_tool_calls(message["tool_calls"])
+    except ToolFormatError as err:
+        raise _RowError(f"message {index} ({role!r} turn): {err}") from err
+    if content is None:
+        content = ""  # OpenAI's tool-call messages carry null; templates concatenate or test the content as a str
+    if not isinstance(content, str):
+        raise _RowError(f"message {index} content must be a string, found {type(content).__name__}")
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
 def _sharegpt(row: Row, spec: DatasetSpec, pretrain: bool) -> tuple[list[Message], str | None, Any]:
     """Sharegpt / OpenAI-messages row -> (turns as listed, system from the system column, tools)."""
     columns, tags = spec.columns, spec.tags
@@ -86,66 +112,96 @@ def _sharegpt(row: Row, spec: DatasetSpec, pretrain: bool) -> tuple[list[Message
     raw = decode_json_cell(row[columns["messages"]])
     if not isinstance(raw, list):
         raise _RowError(f"column '{columns['messages']}' must be a list of messages, found {type(raw).__name__}")
-    roles = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
-    tool_roles = {tags["observation_tag"], tags["function_tag"]}
-    turns = []
+    roles = {"tool": "tool", tags["observation_tag"]: "tool", tags["function_tag"]: "function_call",
+             tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
+    turns: list[Message] = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict):
             raise _RowError(f"message {index} is a {type(message).__name__}, expected an object")
-        for key in (tags["role_tag"], tags["content_tag"]):
-            if key not in message:
-                raise _RowError(f"message {index} has no '{key}' key")
-        role, content = message[tags["role_tag"]], message[tags["content_tag"]]
-        if role in tool_roles:
-            raise _RowError(
-                f"message {index} has role '{role}': tool-calling turns are not supported (their rendering and "
-                "masking depend on each model's tool-call template, which is not validated here); drop these rows "
-                "with skip_bad_rows=True, or rewrite the calls and results as assistant/user text"
-            )
-        if role not in roles:
-            raise _RowError(f"message {index} has unknown role {role!r}; expected one of {sorted(roles)} "
-                            "(set 'tags' in dataset_info.json if the file uses other role names)")
+        if tags["role_tag"] not in message:
+            raise _RowError(f"message {index} has no '{tags['role_tag']}' key")
+        role = roles.get(message[tags["role_tag"]])
+        if role is None:
+            raise _RowError(f"message {index} has unknown role {message[tags['role_tag']]!r}; expected one of "
+                            f"{sorted(roles)} (set 'tags' in dataset_info.json if the file uses other role names)")
+        if role == "function_call" or (role == "assistant" and message.get("tool_calls")):
+            if role == "function_call" and tags["content_tag"] not in message:
+                raise _RowError(f"message {index} has no '{tags['content_tag']}' key")
+            turns.append(_tool_call_message(message, index, tags, role))
+            continue
+        if tags["content_tag"] not in message:
+            raise _RowError(f"message {index} has no '{tags['content_tag']}' key")
+        content = message[tags["content_tag"]]
         if not isinstance(content, str):
             raise _RowError(f"message {index} content must be a string, found {type(content).__name__}")
-        turns.append({"role": roles[role], "content": content})
+        turn = {"role": role, "content": content}
+        if role == "tool":
+            turn |= {key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)}
+        turns.append(turn)
     system = _string(row, columns["system"], "the system prompt", required=False) if columns.get("system") else None
-    tools = decode_json_cell(row.get(columns["tools"])) if columns.get("tools") else None
+    try:
+        tools = tool_definitions(row.get(columns["tools"])) if columns.get("tools") else None
+    except ToolFormatError as err:
+        raise _RowError(f"column '{columns['tools']}': {err}") from err
     if pretrain:
         body = [turn for turn in turns if turn["role"] != "system"]
         return body[:1], None, None
-    return turns, system, tools or None
+    return turns, system, tools
+
+
+def _kind(turn: Message) -> str:
+    """``"call"`` for an assistant turn with tool calls, else the role."""
+    return "call" if turn.get("tool_calls") else turn["role"]
+
+
+# What may follow each kind of turn (None: the start, after an optional system prompt).
+_FOLLOWS = {None: ("user",), "user": ("assistant", "call"), "assistant": ("user",), "call": ("tool",),
+            "tool": ("tool", "assistant", "call")}
+_NAMES = {"user": "a 'user' turn", "assistant": "an 'assistant' turn", "tool": "a tool result ('tool' / "
+          "'observation')", "call": "a tool call ('function_call' / assistant 'tool_calls')"}
 
 
 def _check_turns(turns: Sequence[Message]) -> None:
     """Check role order and content of a conversation (indices are positions in ``turns``).
 
+    The order: user, then assistant (an answer or a tool call); a tool call is followed by its result(s), which are
+    followed by an assistant answer or another call. The last turn is an answer or a call.
+
     Raises:
-        _RowError: Empty conversation, misplaced system turn, two same-role turns in a row, no assistant turn,
-            trailing user turn, or an empty assistant response.
+        _RowError: Empty conversation, misplaced system turn, two same-role turns in a row, a turn out of that
+            order, no assistant turn, a trailing user turn or tool result, or an empty assistant answer.
     """
     if not turns:
         raise _RowError("empty conversation")
-    expected = "user"
+    previous = None
     for index, turn in enumerate(turns):
-        role = turn["role"]
-        if role == "system":
+        kind = _kind(turn)
+        if kind == "system":
             if index != 0:
                 raise _RowError(f"message {index} is a 'system' turn; a system prompt is only allowed first")
             continue
-        if role != expected:
-            if index > 0 and turns[index - 1]["role"] == role:
-                raise _RowError(f"two '{role}' turns in a row (messages {index - 1} and {index})")
-            raise _RowError(
-                f"message {index} is an '{role}' turn; the first turn after the system prompt must be 'user'"
-            )
-        if role == "assistant" and not turn["content"].strip():
+        if kind not in _FOLLOWS[previous]:
+            if previous is None:
+                raise _RowError(f"message {index} is {_NAMES[kind]}; the first turn after the system prompt must be "
+                                "'user'")
+            if previous == kind and kind in ("user", "assistant"):
+                raise _RowError(f"two '{kind}' turns in a row (messages {index - 1} and {index})")
+            expected = " or ".join(_NAMES[name] for name in _FOLLOWS[previous])
+            raise _RowError(f"message {index} is {_NAMES[kind]} after {_NAMES[previous]} (message {index - 1}); "
+                            f"expected {expected}")
+        if kind == "assistant" and not turn["content"].strip():
             raise _RowError(f"message {index} is an empty assistant response")
-        expected = "assistant" if role == "user" else "user"
-    if not any(turn["role"] == "assistant" for turn in turns):
+        previous = kind
+    if previous is None:
         raise _RowError("no assistant turn to train on")
-    if turns[-1]["role"] != "assistant":
+    if previous == "user":
+        if not any(turn["role"] == "assistant" for turn in turns):
+            raise _RowError("no assistant turn to train on")
         last = len(turns) - 1
         raise _RowError(f"conversation ends with a 'user' turn (message {last}) that has no assistant response")
+    if previous == "tool":
+        raise _RowError(f"conversation ends with a tool result (message {len(turns) - 1}) that has no assistant "
+                        "response")
 
 
 def _canonical(row: Row, spec: DatasetSpec, default_system: str | None, pretrain: bool) -> Conversation:

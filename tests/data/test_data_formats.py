@@ -102,8 +102,7 @@ MALFORMED = [
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
      r"row 1: message 1 has unknown role 'bot'"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "a"}]},
-     r"row 1: message 1 has role 'observation': tool-calling turns are not supported .*"
-     r"drop these rows with skip_bad_rows=True"),
+     r"row 1: message 1 is a tool result \('tool' / 'observation'\) after a 'user' turn \(message 0\)"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"value": "a"}]},
      r"row 1: message 1 has no 'from' key"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": None}]},
