@@ -57,8 +57,9 @@ def fit_dpo(
     trainer = Trainer(**{
         "accelerator": "cpu", "devices": 1, "strategy": strategy, "max_steps": steps, "precision": "32-true",
         "callbacks": list(callbacks), "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0, "deterministic": True,
-        **trainer_kwargs,
+        "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0,
+        # deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA starts (as helpers.parity.run)
+        "deterministic": trainer_kwargs.get("accelerator", "cpu") == "cpu", **trainer_kwargs,
     })
     trainer.fit(module, datamodule=datamodule if datamodule is not None else demo_pairs(folder), ckpt_path=ckpt_path)
     return module, trainer
