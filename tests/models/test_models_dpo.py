@@ -171,3 +171,18 @@ def test_bad_arguments_are_reported_together():
         DPOModule(config={"model_type": "llama"}, loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"reference_cache='r.pt': loss_type='orpo' reads no reference"):
         DPOModule(config={"model_type": "llama"}, loss_type="orpo", reference_cache="r.pt")
+
+
+def test_right_padded_batches_run_without_their_mask(tiny_archs):
+    config, attn = tiny_archs["llama"]
+    module = build(config, attn)
+    batch = pair_batch(pairs=3)  # right-padded rows of different lengths
+    prepared = module.on_before_batch_transfer({**batch, "reference_logps": torch.zeros(3, 2)}, 0)
+    assert prepared["causal_only"] is True
+    with torch.no_grad():
+        without_mask = module._sequence_logps(prepared)
+        with_mask = module._sequence_logps(batch)
+    torch.testing.assert_close(without_mask, with_mask, rtol=1e-6, atol=0)
+    left_padded = {**batch, "attention_mask": batch["attention_mask"].flip(1)}
+    assert "causal_only" not in module.on_before_batch_transfer({**left_padded, "reference_logps": torch.zeros(3, 2)},
+                                                                0)
