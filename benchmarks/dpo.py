@@ -129,8 +129,9 @@ def train(spec: dict) -> dict:
     losses: list[float] = []
 
     class Times(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            ends.append(time.perf_counter())  # after the reference pass (DPOModule's own on_train_start runs first)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not ends:  # the first step starts here, after the reference pass (in DPOModule.on_train_start)
+                ends.append(time.perf_counter())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             ends.append(time.perf_counter())
