@@ -228,7 +228,16 @@ class DPOModule(CausalLMModule):
         if not self.needs_reference or not hasattr(datamodule, "reference_dataloaders"):
             return  # batches must then bring reference_logps (on_before_batch_transfer says so)
         loaders = {split: loader for split, loader in datamodule.reference_dataloaders().items()
-                   if (every_split or split == "val") and split not in self.reference_logps}
+                   if every_split or split == "val"}
+        for split, loader in loaders.items():  # tables from a checkpoint: for this data?
+            table = self.reference_logps.get(split)
+            if table is not None and len(table) != len(loader.dataset):
+                raise ValueError(
+                    f"DPOModule: the reference log-probabilities restored for the {split!r} split cover {len(table)} "
+                    f"pairs, the datamodule's {split!r} split has {len(loader.dataset)}: the data changed since the "
+                    "checkpoint was written; resume with the data it was trained on, or start a new run"
+                )
+        loaders = {split: loader for split, loader in loaders.items() if split not in self.reference_logps}
         if not loaders:
             return
         path = Path(self.hparams.reference_cache).expanduser() if self.hparams.reference_cache else None

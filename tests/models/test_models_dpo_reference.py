@@ -34,6 +34,15 @@ def test_resuming_reads_the_reference_from_the_checkpoint(tmp_path, monkeypatch)
         assert torch.equal(resumed.reference_logps[split], table)
 
 
+def test_resuming_on_other_data_is_refused(tmp_path):
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit_dpo("auto", tmp_path, steps=1, callbacks=[checkpoints], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"reference log-probabilities restored for the 'train' split cover 16 pairs, "
+                                         r"the datamodule's 'train' split has 26: the data changed"):
+        fit_dpo("auto", tmp_path, steps=2, datamodule=demo_pairs(tmp_path, pairs=30),
+                ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+
+
 def test_reference_cache_is_written_then_read(tmp_path, monkeypatch):
     cache = tmp_path / "reference.pt"
     first, _ = fit_dpo("auto", tmp_path, steps=1, module=FusedAdamDPO(config=TINY_CONFIG, reference_cache=str(cache)))
