@@ -5,6 +5,7 @@ Usage::
     megatrain fit --config configs/demo.yaml [--trainer.max_steps=100 --data.micro_batch_size=4 ...]
     megatrain fit --config configs/demo.yaml --ckpt_path checkpoints/demo/last.ckpt    # resume
     megatrain validate|test|predict --config X.yaml
+    megatrain dpo fit|validate|test|predict --config X.yaml   # preference pairs: DPOModule + PreferenceDataModule
     megatrain fit --help                       # every option with its docstring
     megatrain fit --trainer.strategy.help MegaTrainStrategy   # the strategy's options (num_slots, cpu_adam, ...)
     megatrain fit --config X.yaml --print_config              # the full resolved config
@@ -60,8 +61,8 @@ import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
 from lightning_megatrain._console import quiet_lightning
 from lightning_megatrain.callbacks import FitSummary, ParamSummary, StepProgressBar, ThroughputLogger
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
-from lightning_megatrain.models import CausalLMModule, export_checkpoint
+from lightning_megatrain.data import DEMO_TOKENIZER_DIR, PreferenceDataModule, SFTDataModule
+from lightning_megatrain.models import CausalLMModule, DPOModule, export_checkpoint
 from lightning_megatrain.planner import (
     ACHIEVED_TFLOPS,
     COMPILED_TFLOPS,
@@ -92,6 +93,7 @@ Train causal LMs larger than GPU memory on one GPU (Lightning strategy "megatrai
 
 Commands:
   fit|validate|test|predict --config X.yaml   LightningCLI (CausalLMModule + SFTDataModule); `megatrain fit --help`
+  dpo fit|validate|test|predict ...           the same for preference pairs (DPOModule + PreferenceDataModule)
   export CKPT OUT_DIR                         Lightning checkpoint -> HuggingFace model folder
   plan ...                                    memory / batch planner
 
@@ -403,6 +405,13 @@ def main(args: Sequence[str] | None = None) -> int:
             return export_main(argv[1:])
         if argv and argv[0] == "plan":
             return plan_main(argv[1:])
+        if argv and argv[0] == "dpo":  # preference optimisation: the same CLI over other classes
+            argv = argv[1:]
+            if args is None:
+                sys.argv = [sys.argv[0], *argv]
+            MegaTrainCLI(args=None if args is None else argv, model_class=DPOModule,
+                         datamodule_class=PreferenceDataModule)
+            return 0
         MegaTrainCLI(args=None if args is None else argv)
     except USER_ERRORS as err:
         if debug:

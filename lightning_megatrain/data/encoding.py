@@ -52,7 +52,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_megatrain.data.formats import Conversation, Message
+from lightning_megatrain.data.formats import Conversation, Message, PreferencePair
 from lightning_megatrain.data.templates import missing_tool_features
 
 IGNORE_INDEX = -100
@@ -85,6 +85,25 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class PairExample:
+    """A tokenized preference pair: two sequences with the same prompt tokens, each training only its response.
+
+    Attributes:
+        chosen: The prompt and the chosen response.
+        rejected: The prompt and the rejected response.
+        index: The pair's position in its split: its key in the reference log-probabilities a ``DPOModule``
+            precomputes.
+    """
+
+    chosen: Example
+    rejected: Example
+    index: int
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], tools: Any, generation: bool) -> str:
@@ -275,6 +294,32 @@ def encode_sft(
             example = _tokenize(tokenizer, [(context, False), (answer, True)], cutoff_len, train_on_prompt)
             examples += [] if example is None else [example]
     return examples, reason
+
+
+def encode_pair(
+    tokenizer: PreTrainedTokenizerBase, pair: PreferencePair, cutoff_len: int, index: int
+) -> PairExample | None:
+    """Tokenize a preference pair: each response in the context the template gives it at inference.
+
+    Each sequence is ``render(prompt, add_generation_prompt=True)`` (untrained, the same tokens in both) followed by
+    the response as the template renders it when it is the last message (trained: content and end of turn), as
+    :func:`render_turn` finds it; assistant turns earlier in the prompt are not trained. Each sequence is cut to
+    ``cutoff_len`` tokens at its end.
+
+    Returns:
+        The pair, or ``None`` when truncation left either response without a trained token.
+
+    Raises:
+        TemplateError: If the template fails to render, or no exact span exists for a response.
+    """
+    examples = []
+    for conversation in (pair.chosen, pair.rejected):
+        context, answer = render_turn(tokenizer, conversation, len(conversation.messages) - 1)
+        example = _tokenize(tokenizer, [(context, False), (answer, True)], cutoff_len, train_on_prompt=False)
+        if example is None:
+            return None
+        examples.append(example)
+    return PairExample(*examples, index=index)
 
 
 def encode_pretrain_text(tokenizer: PreTrainedTokenizerBase, text: str, cutoff_len: int) -> list[Example]:

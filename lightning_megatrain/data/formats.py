@@ -7,12 +7,16 @@ turn, or an OpenAI assistant message with ``tool_calls``); it is followed by one
 ``observation`` turns, OpenAI ``role: tool``), then by the assistant's answer or next call.
 Malformed rows are collected and reported together in one :class:`DatasetFormatError` naming the file,
 every bad row index and what is wrong with it, or (opt-in) dropped and counted by the caller.
+
+A preference dataset (``ranking``, LLaMA-Factory's pairwise form) becomes :class:`PreferencePair` s: the prompt (an
+alpaca row without its response, or a sharegpt conversation ending in a user turn) once followed by the ``chosen``
+and once by the ``rejected`` response (alpaca: strings; sharegpt: one assistant message each).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,19 @@ class Conversation:
 
     messages: list[Message]
     tools: Any = None
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """A prompt with a preferred and a dispreferred response.
+
+    Attributes:
+        chosen: The prompt's messages followed by the chosen assistant message.
+        rejected: The same messages followed by the rejected assistant message.
+    """
+
+    chosen: Conversation
+    rejected: Conversation
 
 
 def _string(row: Row, column: str, what: str, *, required: bool) -> str | None:
@@ -204,6 +221,52 @@ def _check_turns(turns: Sequence[Message]) -> None:
                         "response")
 
 
+def _response_message(row: Row, spec: DatasetSpec, key: str) -> Message:
+    """The ``chosen``/``rejected`` response of a preference row as an assistant message."""
+    column = spec.columns.get(key)
+    if spec.formatting == "alpaca":
+        return {"role": "assistant", "content": _string(row, column, f"the {key} response", required=True)}
+    tags = spec.tags
+    message = decode_json_cell(row.get(column))
+    if not isinstance(message, dict) or tags["role_tag"] not in message or tags["content_tag"] not in message:
+        raise _RowError(f"column '{column}' (the {key} response) must be a message object with "
+                        f"'{tags['role_tag']}' and '{tags['content_tag']}' keys, found {message!r}"[:200])
+    if message[tags["role_tag"]] != tags["assistant_tag"]:
+        raise _RowError(f"column '{column}' (the {key} response) has role {message[tags['role_tag']]!r}; expected "
+                        f"{tags['assistant_tag']!r}")
+    if not isinstance(message[tags["content_tag"]], str):
+        raise _RowError(f"column '{column}' (the {key} response) content must be a string")
+    return {"role": "assistant", "content": message[tags["content_tag"]]}
+
+
+def _pair(row: Row, spec: DatasetSpec, default_system: str | None) -> PreferencePair:
+    """Preference row -> the prompt followed by the chosen response, and by the rejected one."""
+    if spec.formatting == "alpaca":  # the alpaca converter with the chosen column as the response, then cut off
+        turns, system, tools = _alpaca(row, replace(spec, columns={**spec.columns, "response": spec.columns["chosen"]}),
+                                       False)
+        prompt = turns[:-1]
+    else:
+        prompt, system, tools = _sharegpt(row, spec, False)
+        if prompt and prompt[-1]["role"] == "assistant":
+            raise _RowError(f"column '{spec.columns['messages']}' ends with an assistant turn; in a preference row it "
+                            "is the prompt and must end with the user turn that 'chosen' and 'rejected' answer")
+    pair = []
+    for key in ("chosen", "rejected"):
+        turns = [*prompt, _response_message(row, spec, key)]
+        _check_turns(turns)
+        pair.append(_with_system(turns, system, default_system, tools))
+    return PreferencePair(*pair)
+
+
+def _with_system(turns: list[Message], system: str | None, default_system: str | None, tools: Any) -> Conversation:
+    """The conversation with the row's system prompt (or ``default_system``) first, unless a turn already is one."""
+    if turns[0]["role"] != "system":
+        system = system or default_system
+        if system:
+            turns = [{"role": "system", "content": system}, *turns]
+    return Conversation(turns, tools)
+
+
 def _canonical(row: Row, spec: DatasetSpec, default_system: str | None, pretrain: bool) -> Conversation:
     converter = _alpaca if spec.formatting == "alpaca" else _sharegpt
     turns, system, tools = converter(row, spec, pretrain)
@@ -212,11 +275,7 @@ def _canonical(row: Row, spec: DatasetSpec, default_system: str | None, pretrain
             raise _RowError("empty text")
         return Conversation(turns)
     _check_turns(turns)
-    if turns[0]["role"] != "system":
-        system = system or default_system
-        if system:
-            turns = [{"role": "system", "content": system}, *turns]
-    return Conversation(turns, tools)
+    return _with_system(turns, system, default_system, tools)
 
 
 def convert_rows(
@@ -227,8 +286,10 @@ def convert_rows(
     default_system: str | None = None,
     mode: str = "sft",
     skipped: list[str] | None = None,
-) -> list[Conversation]:
+) -> list[Conversation] | list[PreferencePair]:
     """Convert every row of one file, or raise one error listing all malformed rows.
+
+    A ``spec.ranking`` file gives :class:`PreferencePair` s (``mode`` is then not read).
 
     Args:
         rows: The file's rows, in file order (row indices in errors are 0-based positions in this list).
@@ -248,7 +309,10 @@ def convert_rows(
     conversations, problems = [], []
     for index, row in enumerate(rows):
         try:
-            conversations.append(_canonical(row, spec, default_system, mode == "pt"))
+            if spec.ranking:
+                conversations.append(_pair(row, spec, default_system))
+            else:
+                conversations.append(_canonical(row, spec, default_system, mode == "pt"))
         except _RowError as err:
             problems.append(f"row {index}: {err}")
     if skipped is not None:
