@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -74,9 +75,12 @@ def test_user_error_message_cuts_long_messages():
     assert first.startswith("megatrain: error: ValueError: xxx") and first.endswith("... [4,912 more characters]")
 
 
-def test_demo_fit_output(in_tmp, capfd, caplog, recwarn):
+def test_demo_fit_output(in_tmp, capfd, caplog, recwarn, monkeypatch):
     """A demo-sized fit with the progress bar and model summary on, as `make demo` runs it."""
     caplog.set_level("INFO")
+    # Lightning's logger has its own stderr handler and does not propagate when it was imported before any root
+    # handler existed; that handler's stream may be one pytest's capture replaced since, so read its records here
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     assert main(["fit", "--config", str(DEMO_CONFIG), "--trainer.max_steps=3", "--throughput.window=1"]) == 0
     out = capfd.readouterr()
     text = out.out + out.err + caplog.text  # the progress bar prints; info lines are logged
