@@ -38,7 +38,6 @@ from torch.optim import Optimizer
 from lightning_megatrain.optim.host_optimizer import (
     Hyper,
     _fused_adam,
-    _unscale,
     allocate_states,
     check_like,
     hyper_snapshot,
@@ -230,7 +229,6 @@ class MuonUpdate:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._grads = {id(p): p.grad for p in params if p.grad is not None and id(p) not in skip}
         self._grad_scale = grad_scale
-        self._unscale = _unscale(grad_scale)  # the fused AdamW kernel divides by it
         self._device = device
         self.started = 0
 
@@ -305,8 +303,10 @@ class MuonUpdate:
                 adamw.setdefault(id(self._group_of[id(p)]), []).append(p)
         for key, ps in adamw.items():
             self.started += len(ps)
-            states = [self.optimizer.state[p] for p in ps]
-            _fused_adam(ps, [self._grads[id(p)] for p in ps], states, self._hyper[key], True, self._unscale)
+            grads = [self._grads[id(p)] for p in ps]
+            if self._grad_scale is not None:  # as clip_grad_norm_ scales them (not the kernel's division by 1/scale)
+                torch._foreach_mul_(grads, self._grad_scale)
+            _fused_adam(ps, grads, [self.optimizer.state[p] for p in ps], self._hyper[key], True, None)
         for device, ps in by_device.items():
             jobs = [(lambda p=p: self._direction(p), self._h(p)["ns_steps"], lambda o, p=p: self._apply(p, o))
                     for p in ps]
