@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.optim import Muon, muon_param_groups
-from lightning_megatrain.optim.newton_schulz import newton_schulz, ns_flops
+from lightning_megatrain.optim.newton_schulz import DeviceOrthogonalizer, newton_schulz, ns_flops
 
 from helpers.parity import ParityLM
 
@@ -192,3 +192,49 @@ def test_a_failed_prepare_updates_nothing():
         muon.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert float(muon.state[params[3]]["step"]) == 1.0
+
+
+class EagerOrthogonalizer(DeviceOrthogonalizer):
+    """``DeviceOrthogonalizer``'s pipeline with the device work done at once on the CPU (fp32), recording the order
+    of the host's work and refusing a slot still in use."""
+
+    def __init__(self, log: list) -> None:  # no stream, events or pinned slots: nothing here needs CUDA
+        self.device, self.max_numel, self.log, self.busy = torch.device("cuda", 0), 10**6, log, set()
+
+    def _submit(self, slot, matrix, steps):
+        assert slot not in self.busy, f"slot {slot} refilled before its result was applied"
+        self.busy.add(slot)
+        self.log.append(("submit", slot))
+        return newton_schulz(matrix, steps)
+
+    def _finish(self, slot, view, apply):
+        self.busy.remove(slot)
+        self.log.append(("apply", slot))
+        apply(view)
+
+
+def test_orthogonalizer_pipeline_order():
+    """The host makes matrix k+1 while the device has matrix k, then applies k: two slots, each refilled only after
+    its result was applied."""
+    log: list = []
+    jobs = [(lambda k=k: log.append(("make", k)) or torch.eye(2), 1, lambda o: None) for k in range(3)]
+    EagerOrthogonalizer(log).run(jobs)
+    assert log == [("make", 0), ("submit", 0), ("make", 1), ("submit", 1), ("apply", 0),
+                   ("make", 2), ("submit", 0), ("apply", 1), ("apply", 0)]
+
+
+def test_host_matrices_through_the_device_pipeline_update_as_on_the_cpu(monkeypatch):
+    """Muon with its iteration on a (stand-in) device for host parameters: each matrix gets its own result, bit for
+    bit what the CPU path computes, over three steps."""
+    log: list = []
+    monkeypatch.setattr(Muon, "orthogonalizer", lambda self, device: EagerOrthogonalizer(log))
+    runs = []
+    for device in ("cuda", "cpu"):
+        params = _params()
+        muon = Muon([{"params": params[:3]}, {"params": params[3:], "use_muon": False}], lr=0.02, weight_decay=0.1)
+        muon.ns_device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+        _train(muon, params, 3)
+        runs.append(params)
+    assert log.count(("apply", 0)) + log.count(("apply", 1)) == 3 * 3  # the stand-in device ran every matrix
+    for p, q in zip(*runs):
+        assert torch.equal(p, q)
