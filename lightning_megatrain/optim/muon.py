@@ -121,6 +121,7 @@ class Muon(Optimizer):
         if group["use_muon"]:
             flat = [p for p in group["params"] if p.ndim != 2]
             if flat:
+                self.param_groups.pop()  # the optimizer stays as it was
                 raise ValueError(
                     f"Muon orthogonalises 2-D matrices, but a param group with use_muon=True holds a parameter of "
                     f"shape {list(flat[0].shape)}. HINT: build the groups with "
@@ -230,6 +231,7 @@ class MuonUpdate:
         self._grads = {id(p): p.grad for p in params if p.grad is not None and id(p) not in skip}
         self._grad_scale = grad_scale
         self._device = device
+        self._orthogonalizers: dict[torch.device, DeviceOrthogonalizer] = {}  # by NS device, from prepare
         self.started = 0
 
     def _h(self, p: Tensor) -> dict[str, Any]:
@@ -272,8 +274,8 @@ class MuonUpdate:
                     check_like(p, {"gradient": self._grads[id(p)], "momentum_buffer": state["momentum_buffer"]},
                                "Muon")
                     device = self._ns_device(p)
-                    if device != p.device:
-                        self.optimizer.orthogonalizer(device)
+                    if device != p.device and device not in self._orthogonalizers:
+                        self._orthogonalizers[device] = self.optimizer.orthogonalizer(device)
                     continue
                 check_like(p, {"gradient": self._grads[id(p)], "exp_avg": state["exp_avg"],
                                "exp_avg_sq": state["exp_avg_sq"]}, "AdamW")
@@ -285,7 +287,7 @@ class MuonUpdate:
             raise
 
     def _new_state(self, p: Tensor) -> dict[str, Any]:
-        zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
+        zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)
         if self._h(p)["use_muon"]:
             return {"momentum_buffer": zeros()}
         return {"step": torch.zeros((), dtype=torch.float32, device=p.device), "exp_avg": zeros(),
@@ -313,7 +315,7 @@ class MuonUpdate:
             if device == ps[0].device:
                 orthogonalize_here(jobs)  # fp32 on the CPU; bf16 (_direction casts) for parameters on a GPU
             else:
-                self.optimizer.orthogonalizer(device).run(jobs)
+                self._orthogonalizers[device].run(jobs)
 
     def _direction(self, p: Tensor) -> Tensor:
         """Update ``p``'s momentum and return the matrix to orthogonalise (``U`` in [Note: Muon])."""

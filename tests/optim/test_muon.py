@@ -135,6 +135,10 @@ def test_arguments_are_checked_and_named():
     w = nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(ValueError, match=r"shape \[4\].*HINT: build the groups with .*muon_param_groups"):
         Muon([w, nn.Parameter(torch.zeros(4))])
+    muon = Muon([w])
+    with pytest.raises(ValueError, match=r"use_muon=True holds a parameter of shape \[2, 2, 2\]"):
+        muon.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2, 2))]})
+    assert len(muon.param_groups) == 1
     with pytest.raises(ValueError, match=r"momentum=1.0: need 0 <= momentum < 1\n- ns_steps=0: .*\n- update_scale="
                                          r"'rmsprop': choose one of \('rms', 'spectral'\)\n- ns_device='tpu'"):
         Muon([w], momentum=1.0, ns_steps=0, update_scale="rmsprop", ns_device="tpu")
