@@ -111,7 +111,7 @@ _EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
     "megatrain_overlap": (55.0, 0.4, 2.0),
     "megatrain_overlap_deepspeed": (55.0, 0.4, 2.0),
     "megatrain_recompute_all": (55.0, 1.0, 2.6),
-    "megatrain_muon": (55.0, 2.0, 2.4),  # estimated: ~48 B/param of host passes, the iteration beside the forward
+    "megatrain_muon": (55.0, 2.0, 2.4),  # estimated: 40 B/param of host passes, the iteration beside the forward
     "plain_muon": (20.0, 0.4, 2.15),
     "plain": (20.0, 0.05, 2.15),
     "deepspeed_zero3_offload": (80.0, 2.0, 2.2),

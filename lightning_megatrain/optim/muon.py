@@ -310,21 +310,24 @@ class MuonUpdate:
                 torch._foreach_mul_(grads, self._grad_scale)
             _fused_adam(ps, grads, [self.optimizer.state[p] for p in ps], self._hyper[key], True, None)
         for device, ps in by_device.items():
-            jobs = [(lambda p=p: self._direction(p), self._h(p)["ns_steps"], lambda o, p=p: self._apply(p, o))
-                    for p in ps]
+            jobs = [(p.shape, lambda out, p=p: self._direction(p, out), self._h(p)["ns_steps"],
+                     lambda o, p=p: self._apply(p, o)) for p in ps]
             if device == ps[0].device:
                 orthogonalize_here(jobs)  # fp32 on the CPU; bf16 (_direction casts) for parameters on a GPU
             else:
                 self._orthogonalizers[device].run(jobs)
 
-    def _direction(self, p: Tensor) -> Tensor:
-        """Update ``p``'s momentum and return the matrix to orthogonalise (``U`` in [Note: Muon])."""
+    def _direction(self, p: Tensor, out: Tensor | None) -> Tensor:
+        """Update ``p``'s momentum and return the matrix to orthogonalise (``U`` in [Note: Muon]), written into
+        ``out`` (a pinned bf16 slot: cast in the same pass) when given."""
         self.started += 1
         h, grad = self._h(p), self._grads[id(p)]
         if self._grad_scale is not None:
             grad.mul_(self._grad_scale)  # deferred clipping, as clip_grad_norm_ scales grads in place
         buf = self.optimizer.state[p]["momentum_buffer"]
         buf.lerp_(grad, 1 - h["momentum"])
+        if out is not None:
+            return torch.lerp(grad, buf, h["momentum"], out=out) if h["nesterov"] else out.copy_(buf)
         u = grad.lerp(buf, h["momentum"]) if h["nesterov"] else buf
         return u.bfloat16() if u.device.type == "cuda" else u  # Muon's bf16 iteration on a GPU
 

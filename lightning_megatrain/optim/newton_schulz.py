@@ -52,23 +52,25 @@ def newton_schulz(g: Tensor, steps: int = 5) -> Tensor:
     return x.mT if tall else x
 
 
-Job = tuple[Callable[[], Tensor], int, Callable[[Tensor], None]]  # (make the input, NS steps, apply the output)
+# A job: (the matrix's shape; make(out): write the matrix to orthogonalise into ``out`` and return it, or, for
+# ``out=None``, return it as a new tensor; NS steps; apply(o): consume the orthogonalised matrix)
+Job = tuple[torch.Size, Callable[[Tensor | None], Tensor], int, Callable[[Tensor], None]]
 
 
 def orthogonalize_here(jobs: Iterable[Job]) -> None:
-    """Run each job with the iteration on its input's own device and dtype: ``apply(newton_schulz(make(), steps))``."""
-    for make, steps, apply in jobs:
-        apply(newton_schulz(make(), steps))
+    """Run each job with the iteration on its input's own device and dtype: ``apply(newton_schulz(make(None)))``."""
+    for _, make, steps, apply in jobs:
+        apply(newton_schulz(make(None), steps))
 
 
 class DeviceOrthogonalizer:
     """:func:`newton_schulz` in bf16 on a CUDA ``device`` for host (CPU) matrices, pipelined with the host's work.
 
-    :meth:`run` takes jobs ``(make, steps, apply)``: ``make()`` computes a matrix on the host (Muon's momentum
-    update), ``apply(o)`` consumes its orthogonalised bf16 host copy ``o`` (the parameter update). While the device
-    orthogonalises matrix k, the host makes matrix k+1 and then applies matrix k-1. Each matrix goes through one
-    pinned bf16 slot: the host writes it there, the side stream uploads it, iterates and writes the result back
-    into the same slot (the upload precedes the download on that stream, so the slot can hold both).
+    :meth:`run` takes jobs (see ``Job``): ``make(out)`` writes a matrix into ``out``, a pinned bf16 slot on the host
+    (Muon's momentum blend, cast on the way: no fp32 temporary), ``apply(o)`` consumes its orthogonalised bf16 host
+    copy ``o`` (the parameter update). While the device orthogonalises matrix k, the host makes matrix k+1 and then
+    applies matrix k-1. The side stream uploads each slot, iterates and writes the result back into the same slot
+    (the upload precedes the download on that stream, so the slot can hold both).
 
     Pinned memory: two slots of the largest matrix's size in bf16 (torch's pinned allocator rounds each up to a
     power of two: 256 MiB for Llama-3.1-8B's 4096 x 14336). GPU memory: the iteration's working set for two
@@ -98,27 +100,32 @@ class DeviceOrthogonalizer:
     def run(self, jobs: Iterable[Job]) -> None:
         """Run every job (see the class docstring); returns once every ``apply`` has run."""
         in_flight: list[tuple[int, Tensor, Callable[[Tensor], None]]] = []  # (slot, its view, apply), oldest first
-        for k, (make, steps, apply) in enumerate(jobs):
+        for k, (shape, make, steps, apply) in enumerate(jobs):
             slot = k % self.SLOTS  # free: the job that used it last was applied before job k - 1 was submitted
-            in_flight.append((slot, self._submit(slot, make(), steps), apply))
+            view = self._slot(slot, shape)
+            make(view)
+            self._submit(slot, view, steps)
+            in_flight.append((slot, view, apply))
             if len(in_flight) == self.SLOTS:
                 self._finish(*in_flight.pop(0))
         for job in in_flight:
             self._finish(*job)
 
-    def _submit(self, slot: int, matrix: Tensor, steps: int) -> Tensor:
-        if matrix.numel() > self.max_numel:
+    def _slot(self, slot: int, shape: torch.Size) -> Tensor:
+        """Slot ``slot`` as a bf16 host matrix of ``shape``."""
+        numel = shape.numel()
+        if numel > self.max_numel:
             raise RuntimeError(
-                f"a Muon matrix of {list(matrix.shape)} is larger than the {self.max_numel}-element pinned slots of "
-                "the device orthogonalizer"
+                f"a Muon matrix of {list(shape)} is larger than the {self.max_numel}-element pinned slots of the "
+                "device orthogonalizer"
             )
-        view = self._slots[slot][: matrix.numel()].view(matrix.shape)
-        view.copy_(matrix)  # fp32 -> bf16 on the host
+        return self._slots[slot][:numel].view(shape)
+
+    def _submit(self, slot: int, view: Tensor, steps: int) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             x = view.to(self.device, non_blocking=True)
             view.copy_(newton_schulz(x, steps), non_blocking=True)  # after the upload on this stream: slot reusable
             self._done[slot].record(self.stream)
-        return view
 
     def _finish(self, slot: int, view: Tensor, apply: Callable[[Tensor], None]) -> None:
         self._done[slot].synchronize()

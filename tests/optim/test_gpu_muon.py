@@ -44,7 +44,7 @@ def test_cuda_orthogonalizer_pipelines_host_matrices():
     inputs = [torch.randn(s, generator=gen) for s in shapes]
     out: list[torch.Tensor] = []
     orth = DeviceOrthogonalizer(torch.device("cuda"), max(x.numel() for x in inputs))
-    jobs = [(lambda x=x: x, 5, lambda o: out.append(o.clone())) for x in inputs]
+    jobs = [(x.shape, lambda slot, x=x: slot.copy_(x), 5, lambda o: out.append(o.clone())) for x in inputs]
     orth.run(jobs)
     assert len(out) == len(inputs)
     for x, o in zip(inputs, out):

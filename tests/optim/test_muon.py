@@ -199,17 +199,19 @@ def test_a_failed_prepare_updates_nothing():
 
 
 class EagerOrthogonalizer(DeviceOrthogonalizer):
-    """``DeviceOrthogonalizer``'s pipeline with the device work done at once on the CPU (fp32), recording the order
-    of the host's work and refusing a slot still in use."""
+    """``DeviceOrthogonalizer``'s pipeline and bf16 slots with the device's work done at once on the CPU (the
+    iteration in fp32 on the slot's bf16 values, its result rounded back into the slot), recording the order of the
+    host's work and refusing a slot still in use."""
 
-    def __init__(self, log: list) -> None:  # no stream, events or pinned slots: nothing here needs CUDA
+    def __init__(self, log: list) -> None:  # no stream, events or pinned memory: nothing here needs CUDA
         self.device, self.max_numel, self.log, self.busy = torch.device("cuda", 0), 10**6, log, set()
+        self._slots = [torch.empty(self.max_numel, dtype=torch.bfloat16) for _ in range(self.SLOTS)]
 
-    def _submit(self, slot, matrix, steps):
+    def _submit(self, slot, view, steps):
         assert slot not in self.busy, f"slot {slot} refilled before its result was applied"
         self.busy.add(slot)
         self.log.append(("submit", slot))
-        return newton_schulz(matrix, steps)
+        view.copy_(newton_schulz(view.float(), steps))
 
     def _finish(self, slot, view, apply):
         self.busy.remove(slot)
@@ -221,24 +223,37 @@ def test_orthogonalizer_pipeline_order():
     """The host makes matrix k+1 while the device has matrix k, then applies k: two slots, each refilled only after
     its result was applied."""
     log: list = []
-    jobs = [(lambda k=k: log.append(("make", k)) or torch.eye(2), 1, lambda o: None) for k in range(3)]
+
+    def make(k):
+        return lambda out: log.append(("make", k)) or out.copy_(torch.eye(2))
+
+    jobs = [(torch.Size([2, 2]), make(k), 1, lambda o: None) for k in range(3)]
     EagerOrthogonalizer(log).run(jobs)
     assert log == [("make", 0), ("submit", 0), ("make", 1), ("submit", 1), ("apply", 0),
                    ("make", 2), ("submit", 0), ("apply", 1), ("apply", 0)]
 
 
-def test_host_matrices_through_the_device_pipeline_update_as_on_the_cpu(monkeypatch):
-    """Muon with its iteration on a (stand-in) device for host parameters: each matrix gets its own result, bit for
-    bit what the CPU path computes, over three steps."""
+def test_host_matrices_through_the_device_pipeline(monkeypatch):
+    """Muon with its iteration on a (stand-in) device for host parameters, three steps: each matrix gets its own
+    result, bit for bit what the staged path must compute (the Nesterov blend rounded to bf16 in its slot, the
+    iteration, its bf16 result applied to the fp32 master), and the AdamW group is the CPU path's."""
     log: list = []
     monkeypatch.setattr(Muon, "orthogonalizer", lambda self, device: EagerOrthogonalizer(log))
-    runs = []
-    for device in ("cuda", "cpu"):
-        params = _params()
-        muon = Muon([{"params": params[:3]}, {"params": params[3:], "use_muon": False}], lr=0.02, weight_decay=0.1)
-        muon.ns_device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-        _train(muon, params, 3)
-        runs.append(params)
+    params, ref = _params(), _params()
+    muon = Muon([{"params": params[:3]}, {"params": params[3:], "use_muon": False}], lr=0.02, weight_decay=0.1)
+    muon.ns_device = torch.device("cuda", 0)
+    cpu = Muon([{"params": ref[3:], "use_muon": False}], lr=0.02, weight_decay=0.1)
+    buffers = [torch.zeros_like(p) for p in ref[:3]]
+    for step in range(3):
+        _grads(params, step)
+        _grads(ref, step)
+        muon.step()
+        cpu.step()
+        with torch.no_grad():
+            for p, buf in zip(ref[:3], buffers):
+                buf.lerp_(p.grad, 1 - 0.95)
+                o = newton_schulz(torch.lerp(p.grad, buf, 0.95).bfloat16().float()).bfloat16()
+                p.mul_(1 - 0.02 * 0.1).add_(o, alpha=-0.02 * 0.2 * max(p.shape) ** 0.5)
     assert log.count(("apply", 0)) + log.count(("apply", 1)) == 3 * 3  # the stand-in device ran every matrix
-    for p, q in zip(*runs):
+    for p, q in zip(params, ref):
         assert torch.equal(p, q)
