@@ -3,7 +3,7 @@
 One optimizer step, as :class:`OptimizerStep` runs it (the precision plugin calls each part from its Lightning hook):
 
 - **setup**: :meth:`~OptimizerStep.to_host_optimizers` swaps Adam/AdamW for the host implementation
-  (optim/host_optimizer.py) and has ``zero_grad`` wait for the step in flight.
+  (optim/host_optimizer.py; Muon stays itself, optim/muon.py) and has ``zero_grad`` wait for the step in flight.
 - **end of backward**: :meth:`~OptimizerStep.finalize_gradients` drains the residents and waits for every layer's
   drain, or leaves the last copies landing ([Note: late grads]).
 - **clipping**: :meth:`~OptimizerStep.clip_grad_norm_` takes the global norm from the per-layer norms measured on the
@@ -143,7 +143,7 @@ class OptimizerStep:
         to the replacements, and ``zero_grad`` waiting for the step in flight where :attr:`steps_after_return`.
 
         Raises:
-            ValueError: device groups with an optimizer whose step :meth:`run` does not take.
+            ValueError: device groups with an optimizer other than the host Adam/AdamW (their step is Adam's).
         """
         replaced = {}
         host_optimizers = []
