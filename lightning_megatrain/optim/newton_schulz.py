@@ -11,7 +11,7 @@ transposed otherwise) one iteration is three matmuls: ``X X^T`` (``2 m^2 n`` FLO
 - Llama-2-7B (32 layers of four 4096 x 4096 and three 4096 x 11008 matrices): 684 TFLOP per optimizer step;
   Llama-3.2-3B (28 layers, GQA): 207 TFLOP; Llama-3.1-8B: 666 TFLOP.
 - On the CPU in fp32 that is hours per step for 7B on a small machine (2 cores of the test VM: ~34 GFLOP/s, so
-  ~1.8 h for 7B), and 16 AVX-512 cores at 1-2 TFLOP/s would still take 350-700 s. On an H200 in bf16 (989 TFLOP/s
+  ~5.6 h for 7B), and 16 AVX-512 cores at 1-2 TFLOP/s would still take 350-700 s. On an H200 in bf16 (989 TFLOP/s
   dense peak; 50-70% of it assumed on these shapes, not yet measured) it is about 1-1.4 s for 7B, 0.3-0.4 s for 3B.
 
 So the iteration runs where the training computes: on the CUDA device for host matrices (``ns_device="auto"``
