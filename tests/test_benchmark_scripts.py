@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -297,8 +298,6 @@ def test_long_context_dry_run_rows(tmp_path):
 def test_muon_step_dry_run(tmp_path):
     # benchmarks/muon_step.py on a tiny Llama-shaped layer on this machine: the engine's host step of Muon and AdamW,
     # the iteration alone, and the host state each keeps (PYTHONPATH: this checkout's package, not an installed one)
-    import os
-
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(BENCH / "muon_step.py"), "--dry-run", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env)
