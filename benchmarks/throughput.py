@@ -111,6 +111,8 @@ _EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
     "megatrain_overlap": (55.0, 0.4, 2.0),
     "megatrain_overlap_deepspeed": (55.0, 0.4, 2.0),
     "megatrain_recompute_all": (55.0, 1.0, 2.6),
+    "megatrain_muon": (55.0, 2.0, 2.4),  # estimated: 40 B/param of host passes, the iteration beside the forward
+    "plain_muon": (20.0, 0.4, 2.15),
     "plain": (20.0, 0.05, 2.15),
     "deepspeed_zero3_offload": (80.0, 2.0, 2.2),
     "fsdp_cpu_offload": (35.0, 1.5, 2.6),
@@ -423,8 +425,8 @@ def train(spec: dict) -> dict:
     if spec["loss"] == "chunked" and spec["system"] == "deepspeed_zero3_offload":
         notes.append("chunked loss: lm_head.weight registered with deepspeed.zero.register_external_parameter")
     base, _, compiled = split_system(spec["system"])
-    module = make_module(config, spec["loss"], optimizer, direct_clip=base == "plain",
-                         grad_ckpt=base in ("plain", "deepspeed_zero3_offload"),
+    module = make_module(config, spec["loss"], optimizer, direct_clip=base.startswith("plain"),
+                         grad_ckpt=base in ("plain", "plain_muon", "deepspeed_zero3_offload"),
                          compile_layers=compiled and not base.startswith("megatrain"))
     mb, acc, seq = spec["micro_batch"], spec["accumulate"], spec["seq_len"]
     # real runs profile one extra step after the measured ones; dry runs profile their last step
@@ -503,7 +505,7 @@ def plan(args) -> list[dict]:
                     raise SystemExit(f"unknown system {system!r}; choose from {SYSTEMS} (megatrain ones take _gpuN, "
                                      "megatrain and plain _compiled)")
                 cap = spec["micro_batch_cap"][loss]
-                if split_system(system)[0] == "plain":
+                if split_system(system)[0] in ("plain", "plain_muon"):
                     cap = min(cap, spec.get("plain_cap", cap))
                 mb = min(args.micro_batch or cap, tokens // args.seq_len)
                 if tokens % (mb * args.seq_len):

@@ -16,6 +16,9 @@ Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a 
                            suffix): the residents and the first N-1 layers keep fp32 master, grad and Adam states
                            on the GPU too and step there (engine/device_state.py), the rest on the host.
   megatrain_recompute_all  keep_layers=0: every layer recomputed (the paper's scheme; the engine before this option).
+  megatrain_muon           MegaTrainStrategy() with no arguments and lightning_megatrain.optim.Muon over
+                           muon_param_groups (lr, betas and weight decay as the AdamW runs; "rms" scale): the host
+                           Muon step, its Newton-Schulz iteration on the GPU; gpu_optimizer_groups="auto" places none.
   ..._compiled             any megatrain system or plain with every decoder layer run through torch.compile
                            (megatrain: compile_layers=True; plain: each HF decoder layer's ``.compile()``, inside HF's
                            gradient checkpointing).
@@ -23,6 +26,7 @@ Systems (each run in its own subprocess: an OOM, a crash or a timeout becomes a 
                            fused on the GPU, clip 1.0 (by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping:
                            Lightning's MixedPrecision refuses gradient_clip_val with a fused optimizer), HF
                            `gradient_checkpointing_enable(use_reentrant=False)`.
+  plain_muon               plain with Muon (its states and iteration on the GPU) instead of fused AdamW.
   deepspeed_zero3_offload  DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
                            pin_memory=True), bf16-mixed (DeepSpeed's bf16 mode: bf16 weights on the GPU, fp32 masters
                            in the optimizer), clip 1.0, HF gradient checkpointing. The optimizer is DeepSpeedCPUAdam:
@@ -50,7 +54,8 @@ import re
 import time
 
 DEFAULT_SYSTEMS = ("megatrain", "plain", "deepspeed_zero3_offload", "fsdp_cpu_offload")  # one device call per part
-SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_overlap_deepspeed", "megatrain_recompute_all")
+SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_overlap_deepspeed", "megatrain_recompute_all",
+           "megatrain_muon", "plain_muon")
 
 
 
@@ -214,6 +219,10 @@ def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
                 return DeepSpeedCPUAdam(self.parameters(), adamw_mode=True, **kwargs)
+            if optimizer == "muon":
+                from lightning_megatrain.optim import Muon, muon_param_groups
+
+                return Muon(muon_param_groups(self), **kwargs)
             return torch.optim.AdamW(self.parameters(), fused=(optimizer == "adamw_fused") or None, **kwargs)
 
     class DirectClipBenchLM(BenchLM):
@@ -238,6 +247,9 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
         if system == "megatrain_recompute_all":
             return (MegaTrainStrategy(keep_layers=0, gpu_optimizer_groups=groups, compile_layers=compiled), 1.0,
                     "adamw", "megatrain: every layer recomputed", [])
+        if system == "megatrain_muon":
+            return (MegaTrainStrategy(), 1.0, "muon", "megatrain defaults, Muon (host momentum, iteration on the GPU)",
+                    ["MegaTrainStrategy() with Muon: gpu_optimizer_groups='auto' places none (Adam/AdamW only)"])
         if system == "megatrain" and not groups and not compiled:
             return (MegaTrainStrategy(), 1.0, "adamw", "megatrain defaults: every 'auto' choice the engine's",
                     ["MegaTrainStrategy() with no arguments: the choices are in engine_config"])
@@ -249,10 +261,11 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
                  if groups else [])
         return (strategy, 1.0, "adamw",
                 "megatrain keep_layers='auto': graphs kept for the layers that fit, the rest recomputed", notes)
-    if system == "plain":
+    if system in ("plain", "plain_muon"):
         notes = [("clipped by torch.nn.utils.clip_grad_norm_ in configure_gradient_clipping: Lightning's "
                   "MixedPrecision refuses gradient_clip_val with a fused optimizer")]
-        return "auto", 1.0, "adamw_fused", "hf gradient_checkpointing_enable(use_reentrant=False)", notes
+        optimizer = "muon" if system == "plain_muon" else "adamw_fused"
+        return "auto", 1.0, optimizer, "hf gradient_checkpointing_enable(use_reentrant=False)", notes
     if system == "deepspeed_zero3_offload":
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,27 @@ def test_long_context_dry_run_rows(tmp_path):
         assert row["step_s"] > 0 and len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
         assert row["placement"]["segment_layers"] == 1 and row["placement"]["device_checkpoints"] == 0
         assert row["planned"]["host_gib"] > 0 and row["planned"]["gpu_gib"] > 0
+
+
+def test_muon_step_dry_run(tmp_path):
+    # benchmarks/muon_step.py on a tiny Llama-shaped layer on this machine: the engine's host step of Muon and AdamW,
+    # the iteration alone, and the host state each keeps (PYTHONPATH: this checkout's package, not an installed one)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(BENCH / "muon_step.py"), "--dry-run", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((tmp_path / "muon_step.json").read_text())
+    assert row["dry_run"] and row["shape"] == {"hidden": 64, "intermediate": 176, "kv_dim": 32, "layers": 2}
+    # per layer: q, o 64 x 64; k, v 32 x 64; gate, up 176 x 64; down 64 x 176; two norms of 64
+    assert row["matrix_params"] == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 176 * 64)
+    assert row["params"] == row["matrix_params"] + 2 * 2 * 64
+    for kind in ("adamw", "muon"):
+        assert len(row[kind]["steps_s"]) == 2 and row[kind]["step_s"] > 0
+    # fp32 moments: AdamW 8 B/param (+ 4 B step counts per tensor); Muon 4 B on matrices, AdamW's on the norms
+    assert 8 < row["adamw"]["state_bytes_per_param"] < 8.1
+    assert 4 < row["muon"]["state_bytes_per_param"] < 4.1
+    from lightning_megatrain.optim.newton_schulz import ns_flops
+
+    flops = 2 * (2 * ns_flops(64, 64) + 2 * ns_flops(32, 64) + 3 * ns_flops(176, 64))
+    assert row["ns_only"]["tflop"] == pytest.approx(flops / 1e12) and row["ns_only"]["dtype"] == "float32"
+    assert "| 2 x Llama layer h=64 i=176 kv=32 |" in proc.stdout

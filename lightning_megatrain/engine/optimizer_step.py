@@ -3,7 +3,7 @@
 One optimizer step, as :class:`OptimizerStep` runs it (the precision plugin calls each part from its Lightning hook):
 
 - **setup**: :meth:`~OptimizerStep.to_host_optimizers` swaps Adam/AdamW for the host implementation
-  (optim/host_optimizer.py) and has ``zero_grad`` wait for the step in flight.
+  (optim/host_optimizer.py; Muon stays itself, optim/muon.py) and has ``zero_grad`` wait for the step in flight.
 - **end of backward**: :meth:`~OptimizerStep.finalize_gradients` drains the residents and waits for every layer's
   drain, or leaves the last copies landing ([Note: late grads]).
 - **clipping**: :meth:`~OptimizerStep.clip_grad_norm_` takes the global norm from the per-layer norms measured on the
@@ -60,7 +60,6 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
 from lightning_megatrain.engine.step_guard import StepGuard
 from lightning_megatrain.optim.host_optimizer import (
-    HostUpdate,
     Hyper,
     allocate_states,
     device_update,
@@ -69,6 +68,7 @@ from lightning_megatrain.optim.host_optimizer import (
     rebind_scheduler,
     to_host_optimizer,
 )
+from lightning_megatrain.optim.updates import Update, engine_steps, host_update
 
 if TYPE_CHECKING:
     from lightning_megatrain.engine.device_state import DeviceGroup
@@ -143,7 +143,7 @@ class OptimizerStep:
         to the replacements, and ``zero_grad`` waiting for the step in flight where :attr:`steps_after_return`.
 
         Raises:
-            ValueError: device groups with an optimizer whose step :meth:`run` does not take.
+            ValueError: device groups with an optimizer other than the host Adam/AdamW (their step is Adam's).
         """
         replaced = {}
         host_optimizers = []
@@ -155,7 +155,7 @@ class OptimizerStep:
             replaced[id(optimizer)] = host
             host_optimizers.append(host)
         if self.device_groups:
-            refused = [type(o).__name__ for o in host_optimizers if not self.takes_step(o)]
+            refused = [type(o).__name__ for o in host_optimizers if not overlappable(o)]  # the device step's Adam
             if refused:
                 raise ValueError(
                     f"MegaTrainStrategy(gpu_optimizer_groups={self.config.gpu_optimizer_groups}) steps Adam/AdamW on "
@@ -194,9 +194,9 @@ class OptimizerStep:
         return _wait_in_zero_grad(module, self.wait_for_host_step)
 
     def takes_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`run` runs ``optimizer``'s step (the host Adam/AdamW: all-or-nothing, overlapped and/or
-        split with the device); other optimizers step as given (``optimizer.step()``)."""
-        return overlappable(optimizer)
+        """Whether :meth:`run` runs ``optimizer``'s step (the host Adam/AdamW and Muon: all-or-nothing, overlapped
+        and, for Adam/AdamW, split with the device); other optimizers step as given (``optimizer.step()``)."""
+        return engine_steps(optimizer)
 
     def refuse_host_fallback(self, what: str) -> None:
         """Called before a path that reads the host grads and states only (torch's clipping, ``optimizer.step()``):
@@ -337,7 +337,7 @@ class OptimizerStep:
             hyper = hyper_snapshot(optimizer)
             self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index))
         else:
-            update = HostUpdate(optimizer, scale, skip=self._device_param_ids)
+            update = host_update(optimizer, scale, self._device_param_ids, None, self.device)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self.guard.guarded(index, update, lambda: update.prepare([params]))
             if self.device_groups:
@@ -394,11 +394,11 @@ class OptimizerStep:
             self.guard.nonfinite(index, norm_sq, loss)
             return None
         scale = None if coef == 1.0 else torch.tensor(coef, dtype=torch.float32)
-        update = HostUpdate(optimizer, scale, skip=self._device_param_ids, snapshot=hyper)
+        update = host_update(optimizer, scale, self._device_param_ids, hyper, self.device)
         self.guard.guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
         return self._committing(update, index)
 
-    def _committing(self, update: HostUpdate, index: int) -> Callable[[list[Tensor]], None]:
+    def _committing(self, update: Update, index: int) -> Callable[[list[Tensor]], None]:
         """``update``, applied to one group at a time, with failures reported by :meth:`StepGuard.guarded`."""
         return lambda params: self.guard.guarded(index, update, lambda: update(params))
 

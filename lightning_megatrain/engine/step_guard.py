@@ -24,15 +24,17 @@ decision is read:
 
 Lightning's ``global_step`` and the LR scheduler advance on a skipped step, as on AMP's skipped steps.
 
-*Failures.* :meth:`HostUpdate.prepare <lightning_megatrain.optim.host_optimizer.HostUpdate.prepare>` runs over every
-group before the first is updated: it allocates the Adam states of a first update (8 bytes per parameter, the
-allocation that fails when host RAM runs out) and checks every gradient and state the kernel reads: dense, of the
-parameter's shape, dtype and device (torch's CPU fused AdamW does not check a state's size: it writes past a short
-one). About 10 us per parameter tensor, on the thread that prepares. A failure there removes the states it created
-and the error says that nothing was updated. With late grads and device groups the device step is queued before the
-worker prepares, so the host states are allocated on the training thread first, for every host parameter of the
-optimizer that requires grad (one with no grad yet gets a zero state with step 0, a difference from torch only in
-what a checkpoint lists). After the prepare only the kernels run, in place, on tensors checked to suit them.
+*Failures.* :meth:`HostUpdate.prepare <lightning_megatrain.optim.host_optimizer.HostUpdate.prepare>` (Muon's:
+``MuonUpdate.prepare``, optim/muon.py) runs over every group before the first is updated: it allocates the Adam
+states of a first update (8 bytes per parameter, the allocation that fails when host RAM runs out; Muon's momentum
+buffers, 4, and the pinned slots of its device orthogonalisation) and checks every gradient and state the kernel
+reads: dense, of the parameter's shape, dtype and device (torch's CPU fused AdamW does not check a state's size: it
+writes past a short one). About 10 us per parameter tensor, on the thread that prepares. A failure there removes the
+states it created and the error says that nothing was updated. With late grads and device groups the device step is
+queued before the worker prepares, so the host states are allocated on the training thread first, for every host
+parameter of the optimizer that requires grad (one with no grad yet gets a zero state with step 0, a difference from
+torch only in what a checkpoint lists). After the prepare only the kernels run, in place, on tensors checked to suit
+them.
 
 Rolling back a group already updated would need its master and both moments as they were: 12 bytes per parameter
 kept until the last group is done, 75% more host state than the 16 the strategy needs, plus one more pass over it
@@ -52,7 +54,7 @@ from typing import TYPE_CHECKING
 from lightning_megatrain.config import NonFiniteMode
 
 if TYPE_CHECKING:
-    from lightning_megatrain.optim.host_optimizer import HostUpdate
+    from lightning_megatrain.optim.updates import Update
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ class StepGuard:
         )
         return False
 
-    def guarded(self, index: int, update: HostUpdate | None, work: Callable[[], object]) -> None:
+    def guarded(self, index: int, update: Update | None, work: Callable[[], object]) -> None:
         """Run part of step ``index``'s update; a failure raises :class:`StepFailed` saying whether anything was
         updated, and marks a step left with part of its update applied as torn ([Note: all-or-nothing steps])."""
         try:

@@ -229,10 +229,13 @@ def _new_state(p: Tensor, deepspeed: bool) -> dict[str, Any]:
     return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": zeros(), "exp_avg_sq": zeros()}
 
 
-def allocate_states(optimizer: Optimizer, params: Iterable[Tensor]) -> Callable[[], None]:
-    """Create the missing Adam states of ``params`` (8 bytes per parameter) and return the undo, which removes them
-    again; a failure undoes itself."""
+def allocate_states(
+    optimizer: Optimizer, params: Iterable[Tensor], new_state: Callable[[Tensor], dict[str, Any]] | None = None
+) -> Callable[[], None]:
+    """Create the missing states of ``params`` (``new_state(p)``; default: Adam's, 8 bytes per parameter) and
+    return the undo, which removes them again; a failure undoes itself."""
     deepspeed = hasattr(optimizer, "ds_opt_adam")
+    new_state = new_state or functools.partial(_new_state, deepspeed=deepspeed)
     created: list[tuple[Tensor, dict | None]] = []  # (parameter, its entry before: None or an empty dict)
 
     def undo() -> None:
@@ -247,7 +250,7 @@ def allocate_states(optimizer: Optimizer, params: Iterable[Tensor]) -> Callable[
             before = optimizer.state.get(p)  # .get: the state defaultdict would insert an empty entry
             if not before:
                 created.append((p, before))
-                optimizer.state[p] = _new_state(p, deepspeed)
+                optimizer.state[p] = new_state(p)
     except BaseException:
         undo()
         raise
@@ -315,13 +318,7 @@ class HostUpdate:
     def _check(self, p: Tensor) -> None:
         state = self.optimizer.state[p]
         tensors = {"gradient": self._grads[id(p)], "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        for name, t in tensors.items():
-            dense = t.layout == torch.strided and (t.is_contiguous() or not self.deepspeed)
-            if not (dense and t.shape == p.shape and t.dtype == p.dtype and t.device == p.device):
-                raise RuntimeError(
-                    f"the {name} of a host parameter {_describe(p)} is {_describe(t)}"
-                    f"{'' if dense else ' (not a dense contiguous tensor)'}: the Adam kernel cannot update it"
-                )
+        check_like(p, tensors, "Adam", contiguous=self.deepspeed)
         step = state["step"]
         if not (isinstance(step, int) if self.deepspeed else isinstance(step, Tensor) and step.numel() == 1):
             raise RuntimeError(f"the Adam step count of a host parameter {_describe(p)} is {step!r}")
@@ -351,6 +348,22 @@ class HostUpdate:
             self.started += len(ps)
             states = [self.optimizer.state[p] for p in ps]
             _fused_adam(ps, [self._grads[id(p)] for p in ps], states, self._hyper[key], self._decoupled, self._unscale)
+
+
+def check_like(p: Tensor, tensors: dict[str, Tensor], kernel: str, contiguous: bool = False) -> None:
+    """Check that each of ``tensors`` (a gradient or state of the host parameter ``p``, by name) is a dense tensor
+    of ``p``'s shape, dtype and device (and contiguous, where ``contiguous``), as ``kernel``'s update needs.
+
+    Raises:
+        RuntimeError: one is not, named in the message.
+    """
+    for name, t in tensors.items():
+        dense = t.layout == torch.strided and (t.is_contiguous() or not contiguous)
+        if not (dense and t.shape == p.shape and t.dtype == p.dtype and t.device == p.device):
+            raise RuntimeError(
+                f"the {name} of a host parameter {_describe(p)} is {_describe(t)}"
+                f"{'' if dense else ' (not a dense contiguous tensor)'}: the {kernel} kernel cannot update it"
+            )
 
 
 def _describe(t: Tensor) -> str:
