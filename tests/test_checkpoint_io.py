@@ -4,10 +4,17 @@ checkpoint that loads ([Note: resuming from a readable checkpoint])."""
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
+import random
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -60,12 +67,29 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path, 
 
 def test_a_temp_file_left_by_a_killed_save_is_removed_by_the_next(tmp_path):
     target = tmp_path / "last.ckpt"
-    stale = tmp_path / ".last.ckpt.abc123.tmp"  # what SIGKILL during a save leaves
-    stale.write_bytes(b"x" * 100)
-    other = tmp_path / ".epoch=1.ckpt.def456.tmp"  # another checkpoint's: not this save's to remove
-    other.write_bytes(b"y")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a process that is gone
+    stale = tmp_path / ".last.ckpt.abc123.tmp"  # what SIGKILL during a save of this name leaves
+    killed = tmp_path / f".step5.ckpt.pid{dead}.def456.tmp"  # another name's, its writer gone: a step5-v1 case
+    writing = tmp_path / f".step6.ckpt.pid{os.getppid()}.ghi789.tmp"  # another name's, its writer alive
+    unknown = tmp_path / ".epoch=1.ckpt.jkl012.tmp"  # another name's, no writer recorded
+    for path in (stale, killed, writing, unknown):
+        path.write_bytes(b"x" * 100)
     AtomicCheckpointIO().save_checkpoint({"step": 3}, target)
-    assert not stale.exists() and other.exists() and torch.load(target) == {"step": 3}
+    assert not stale.exists() and not killed.exists() and torch.load(target) == {"step": 3}
+    assert writing.exists() and unknown.exists()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077], ids=["umask022", "umask077"])
+def test_a_checkpoint_has_the_mode_an_ordinary_save_gives(tmp_path, mask):
+    old = os.umask(mask)
+    try:
+        AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+        (tmp_path / "plain").write_bytes(b"")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "last.ckpt").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
+    assert (tmp_path / "last.ckpt").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_storage_options_are_refused_as_lightning_refuses_them(tmp_path):
@@ -150,3 +174,87 @@ def test_a_checkpoint_named_by_path_does_not_fall_back(tmp_path):
     _truncate(tmp_path / "step1.ckpt")
     with pytest.raises(RuntimeError, match="PytorchStreamReader"):
         _fit(tmp_path, 2, ckpt_path=str(tmp_path / "step1.ckpt"))
+
+
+# - SIGKILL during saves, $TMPDIR on another filesystem
+
+
+BALLAST = 4 << 20  # fp32 values added to each checkpoint (16 MiB): saves take most of the child's time
+
+
+class _Ballast(L.Callback):
+    def __init__(self) -> None:
+        self.tensor = torch.randn(BALLAST, generator=torch.Generator().manual_seed(0))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["ballast"] = self.tensor
+
+
+def _train_saving_every_step(root, tmpdir, max_steps) -> None:
+    """The child: resume from ``root``'s last checkpoint and train, saving every step (top 2 and last)."""
+    os.environ["TMPDIR"] = str(tmpdir)
+    tempfile.tempdir = None  # tempfile reads $TMPDIR again
+    torch.set_num_threads(1)
+    module = ParityLM("qwen3")
+    checkpoints = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
+                                  every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
+    trainer = cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch"), max_steps=max_steps, default_root_dir=root,
+                          enable_checkpointing=True, callbacks=[checkpoints, _Ballast()])
+    trainer.fit(module, ckpt_path="last" if (root / "last.ckpt").exists() else None)
+
+
+def _other_filesystem(tmp_path):
+    """/dev/shm when it is another filesystem than ``tmp_path``'s (a rename across the two would be a copy), else a
+    folder beside the checkpoints."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != tmp_path.stat().st_dev:
+        return Path(tempfile.mkdtemp(prefix="megatrain-tmpdir-", dir=shm))
+    (tmp_path / "tmpdir").mkdir()
+    return tmp_path / "tmpdir"
+
+
+def test_sigkill_during_saves_leaves_every_checkpoint_loadable(tmp_path):
+    """A child process fits and saves every step; it is SIGKILLed at random times while a save's temporary file is
+    being written, 8 times, each child resuming from ``"last"``. After every kill each ``*.ckpt`` loads; a last child's
+    saves leave no temporary file of any kill behind; ``$TMPDIR`` (another filesystem where there is one) stays empty.
+    With Lightning's ``TorchCheckpointIO`` (its temporary file in ``$TMPDIR``, then a copy) a kill leaves a truncated
+    checkpoint here."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    tmpdir = _other_filesystem(tmp_path)
+    fork = multiprocessing.get_context("fork")  # no new interpreter per kill: the child has everything imported
+    rng = random.Random(0)
+    killed_mid_save, child = 0, None
+    try:
+        for kill in range(8):
+            child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, 10_000), daemon=True)
+            child.start()
+            saves, seen, deadline = rng.randint(1, 5), set(), time.monotonic() + 120
+            while len(seen) < saves:  # until the saves-th save of this child has begun
+                assert child.is_alive() and time.monotonic() < deadline, f"the child began {len(seen)} saves"
+                seen |= {p.name for p in root.glob(".*.tmp")}
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, 0.1) if kill else 0.0)  # the first at once: surely inside a save
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+            assert child.exitcode == -signal.SIGKILL
+            killed_mid_save += bool(list(root.glob(".*.tmp")))
+            ckpts = sorted(root.glob("*.ckpt"))
+            assert any(c.name == "last.ckpt" for c in ckpts) or len(ckpts) == 0
+            for ckpt in ckpts:
+                torch.load(ckpt, weights_only=False, mmap=True)  # raises for a truncated file
+        assert killed_mid_save >= 1  # at least one kill landed inside a save (most do)
+        start = torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"]
+        child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, start + 1))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+        assert not list(root.glob(".*.tmp")), "a temporary file survived the next save"
+        assert torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"] == start + 1
+        assert not list(tmpdir.iterdir())  # nothing went through $TMPDIR
+    finally:
+        if child is not None and child.is_alive():  # a failed assertion above
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+        if tmpdir.parent != tmp_path:
+            shutil.rmtree(tmpdir, ignore_errors=True)
