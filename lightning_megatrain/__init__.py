@@ -10,7 +10,7 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_megatrain.engine.optimizer_step import NonFiniteError, StepFailed
+from lightning_megatrain.engine.step_guard import NonFiniteError, StepFailed
 from lightning_megatrain.models import packed_attention
 from lightning_megatrain.precision import MegaTrainPrecision
 from lightning_megatrain.strategy import MegaTrainStrategy

@@ -5,6 +5,7 @@ Usage::
     megatrain fit --config configs/demo.yaml [--trainer.max_steps=100 --data.micro_batch_size=4 ...]
     megatrain fit --config configs/demo.yaml --ckpt_path checkpoints/demo/last.ckpt    # resume
     megatrain validate|test|predict --config X.yaml
+    megatrain dpo fit|validate|test|predict --config X.yaml   # preference pairs: DPOModule + PreferenceDataModule
     megatrain fit --help                       # every option with its docstring
     megatrain fit --trainer.strategy.help MegaTrainStrategy   # the strategy's options (num_slots, cpu_adam, ...)
     megatrain fit --config X.yaml --print_config              # the full resolved config
@@ -25,7 +26,8 @@ What this CLI adds to a plain ``LightningCLI``:
 - A ``ThroughputLogger`` callback is always added; its options are the ``throughput:`` section. A ``FitSummary``
   says at the end of ``fit`` how the loss went and where the checkpoint and logs are; the progress bar and model
   summary (when enabled and not given as callbacks) are ``StepProgressBar`` and ``ParamSummary``, which drop
-  Lightning's ``Epoch 1/-2`` of a ``max_steps`` run and its ``Total FLOPs: 0``.
+  Lightning's ``Epoch 1/-2`` of a ``max_steps`` run and its ``Total FLOPs: 0``. Lightning's ``TPU available: False``
+  line, its litlogger tip and a FutureWarning from its own code are left out (``_console.py``).
 - A user error (``ValueError``, ``OSError``: a bad dataset row, a missing file, an unknown ``model_type``, an offline
   Hub name) prints as one message of at most ``ERROR_MAX_CHARS`` characters and exits with status 1;
   ``MEGATRAIN_DEBUG=1`` or ``--debug`` shows the traceback. Other exceptions (bugs) keep their traceback.
@@ -56,10 +58,11 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from torch.optim import Optimizer
 
 import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
+from lightning_megatrain._console import quiet_lightning
 from lightning_megatrain.callbacks import FitSummary, ParamSummary, StepProgressBar, ThroughputLogger
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.data import DEMO_TOKENIZER_DIR, SFTDataModule
-from lightning_megatrain.models import CausalLMModule, export_checkpoint
+from lightning_megatrain.data import DEMO_TOKENIZER_DIR, PreferenceDataModule, SFTDataModule
+from lightning_megatrain.models import CausalLMModule, DPOModule, export_checkpoint
 from lightning_megatrain.planner import (
     ACHIEVED_TFLOPS,
     COMPILED_TFLOPS,
@@ -90,6 +93,7 @@ Train causal LMs larger than GPU memory on one GPU (Lightning strategy "megatrai
 
 Commands:
   fit|validate|test|predict --config X.yaml   LightningCLI (CausalLMModule + SFTDataModule); `megatrain fit --help`
+  dpo fit|validate|test|predict ...           the same for preference pairs (DPOModule + PreferenceDataModule)
   export CKPT OUT_DIR                         Lightning checkpoint -> HuggingFace model folder
   plan ...                                    memory / batch planner
 
@@ -395,11 +399,19 @@ def main(args: Sequence[str] | None = None) -> int:
         argv = [arg for arg in argv if arg != DEBUG_FLAG]
         if args is None:  # LightningCLI warns when given args while sys.argv holds some: read sys.argv without it
             sys.argv = [sys.argv[0], *argv]
+    quiet_lightning()
     try:
         if argv and argv[0] == "export":
             return export_main(argv[1:])
         if argv and argv[0] == "plan":
             return plan_main(argv[1:])
+        if argv and argv[0] == "dpo":  # preference optimisation: the same CLI over other classes
+            argv = argv[1:]
+            if args is None:
+                sys.argv = [sys.argv[0], *argv]
+            MegaTrainCLI(args=None if args is None else argv, model_class=DPOModule,
+                         datamodule_class=PreferenceDataModule)
+            return 0
         MegaTrainCLI(args=None if args is None else argv)
     except USER_ERRORS as err:
         if debug:

@@ -121,7 +121,10 @@ class MegaTrainPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         # The engine clips the flat host grad buffers (norms from the device); torch's per-tensor path otherwise.
         step = self.engine.step
-        if not step.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), step.takes_step(optimizer)):
+        # the factor is left to an update that runs after optimizer.step() returns (overlapped, device groups); a
+        # synchronous step gets grads scaled as torch's clipping scales them (a multiply: bitwise plain Lightning's)
+        defer = step.takes_step(optimizer) and step.steps_after_return
+        if not step.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), defer):
             step.refuse_host_fallback("clipping an optimizer that holds only part of the model's parameters")
             super().clip_grad_by_norm(optimizer, clip_val)
 

@@ -260,7 +260,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self.engine.setup(fitting=fitting)
         self.model_to_device()
         precision.engine = self.engine
-        self._skipped = self.engine.step.skipped
+        self._skipped = self.engine.step.guard.skipped
         self.model = self._setup_model(self.model)
         if fitting:
             self.setup_optimizers(trainer)

@@ -1,10 +1,12 @@
-"""LLaMA-Factory-compatible SFT / pretraining data: ``SFTDataModule``, a demo dataset and a demo tokenizer."""
+"""LLaMA-Factory-compatible data: ``SFTDataModule`` (SFT / pretraining), ``PreferenceDataModule`` (pairs for DPO),
+demo datasets and a demo tokenizer."""
 
-from lightning_megatrain.data.collate import PackedCollator, PadCollator, pack_examples
+from lightning_megatrain.data.collate import PackedCollator, PadCollator, PairCollator, pack_examples
 from lightning_megatrain.data.datamodule import SFTDataModule
 from lightning_megatrain.data.demo import DEMO_DIR, DEMO_TOKENIZER_DIR
-from lightning_megatrain.data.encoding import IGNORE_INDEX, Example, TemplateError
-from lightning_megatrain.data.formats import Conversation, DatasetFormatError
+from lightning_megatrain.data.encoding import IGNORE_INDEX, Example, PairExample, TemplateError
+from lightning_megatrain.data.formats import Conversation, DatasetFormatError, PreferencePair
+from lightning_megatrain.data.preference import PreferenceDataModule
 from lightning_megatrain.data.tokenizer import build_demo_tokenizer
 
 __all__ = [
@@ -16,6 +18,10 @@ __all__ = [
     "Example",
     "PackedCollator",
     "PadCollator",
+    "PairCollator",
+    "PairExample",
+    "PreferenceDataModule",
+    "PreferencePair",
     "SFTDataModule",
     "TemplateError",
     "build_demo_tokenizer",

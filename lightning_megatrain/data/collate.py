@@ -6,6 +6,9 @@ Padded batch (``packing=False``)::
     attention_mask  LongTensor [B, T]  1 on real tokens, 0 on padding
     labels          LongTensor [B, T]  -100 on padding and untrained tokens
 
+Preference batch (``PairCollator``): a padded batch of ``2B`` rows, the ``B`` chosen sequences first and the ``B``
+rejected ones after them, plus ``pair_index`` ``LongTensor [B]`` (each pair's ``PairExample.index``).
+
 Packed batch (``packing=True``)::
 
     input_ids       LongTensor [B, T]  several examples back to back, then padding
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_megatrain.data.encoding import IGNORE_INDEX, Example
+from lightning_megatrain.data.encoding import IGNORE_INDEX, Example, PairExample
 
 
 def _padded_length(length: int, multiple: int | None) -> int:
@@ -57,6 +60,21 @@ class PadCollator:
             labels[row, :n] = torch.tensor(example.labels, dtype=torch.long)  # [n]
             attention_mask[row, :n] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class PairCollator:
+    """Collate preference pairs into one right-padded batch of ``2B`` rows: chosen ``0..B-1``, rejected ``B..2B-1``.
+
+    Both responses of a pair then run in one forward. Args as :class:`PadCollator`.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+        self.pad = PadCollator(pad_token_id, pad_to_multiple_of)
+
+    def __call__(self, pairs: Sequence[PairExample]) -> dict[str, torch.Tensor]:
+        batch = self.pad([pair.chosen for pair in pairs] + [pair.rejected for pair in pairs])  # [2B, T] each
+        batch["pair_index"] = torch.tensor([pair.index for pair in pairs], dtype=torch.long)  # [B]
+        return batch
 
 
 class PackedCollator:

@@ -136,11 +136,11 @@ class SFTDataModule(LightningDataModule):
         specs: list[DatasetSpec] = []
         if isinstance(dataset, str):
             specs, dataset_problems = resolve_datasets(dataset, self.dataset_dir)
-            problems += dataset_problems
+            problems += dataset_problems + [problem for problem in map(self._kind_problem, specs) if problem]
         else:
             problems.append(f"dataset={dataset!r}: must be a string (names and/or file paths, comma-separated)")
         self.tokenizer: PreTrainedTokenizerBase | None = self._load_tokenizer(problems)
-        _raise_problems(problems)
+        _raise_problems(problems, type(self).__name__)
         self.specs = specs
         self.pad_token_id: int = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -150,6 +150,14 @@ class SFTDataModule(LightningDataModule):
         self.train_dataset: list[Example] | list[list[Example]] | None = None
         self._logged_per_turn = False  # the per-turn fallback is logged once, with its first reason
         self.val_dataset: list[Example] | list[list[Example]] | None = None
+
+    def _kind_problem(self, spec: DatasetSpec) -> str | None:
+        """Why ``spec`` cannot be trained by this datamodule (a preference dataset here), else ``None``."""
+        if not spec.ranking:
+            return None
+        return (f"dataset={spec.name!r} is a preference dataset ('ranking': true, chosen/rejected responses), which "
+                "SFTDataModule does not read; train it with `megatrain dpo` (PreferenceDataModule and DPOModule, "
+                "docs/dpo.md), or register it without 'ranking' and with a response column")
 
     def _argument_problems(self) -> list[str]:
         """Every problem with the scalar arguments (``dataset``/``tokenizer`` are checked separately)."""
@@ -218,6 +226,8 @@ class SFTDataModule(LightningDataModule):
                     log.warning("Dataset '%s': %s has no rows", spec.name, file)
                     continue
                 file_spec = spec if spec.formatting is not None else infer_spec(spec, rows[0])
+                if (problem := self._kind_problem(file_spec)) is not None:
+                    raise ValueError(f"{problem} (file {file})")
                 converted = convert_rows(
                     rows, file_spec, file, default_system=self.system, mode=self.mode, skipped=skipped
                 )
@@ -350,11 +360,11 @@ class SFTDataModule(LightningDataModule):
         if not self.val_dataset:
             problem = (f"val_size={self.val_size!r}: {stage} runs on the held-out rows, but none are held out (or all "
                        "were dropped by truncation); set val_size > 0, e.g. 0.05 or 200")
-            _raise_problems([problem])
+            _raise_problems([problem], type(self).__name__)
 
 
-def _raise_problems(problems: list[str]) -> None:
+def _raise_problems(problems: list[str], owner: str = "SFTDataModule") -> None:
     """One ``ValueError`` listing every problem (no-op without problems)."""
     if problems:
         listing = "\n  - ".join(problems)
-        raise ValueError(f"SFTDataModule: {len(problems)} invalid argument(s):\n  - {listing}")
+        raise ValueError(f"{owner}: {len(problems)} invalid argument(s):\n  - {listing}")

@@ -26,11 +26,22 @@ An assistant turn ``k`` is trained in the context the template gives it at infer
   in each sequence that holds it.
 
 The fallback finds the rendered turn by prefix when ``render(messages[:k + 1])`` starts with the generation
-prompt render (Qwen3, gpt-oss, Phi-3.5). Otherwise (the context itself is rendered differently, as Mistral v0.3's
-system prompt) it aligns the turn by rendering placeholder contents: the turn is the text from the end of the
-generation prompt to the end of ``render(messages[:k + 1])``; if the generation prompt is not how the template opens
-a rendered assistant turn (DeepSeek-R1's ``<think>\\n`` prompt with answers that hold no reasoning), no exact
-span exists and :class:`TemplateError` says so.
+prompt render (Qwen3, gpt-oss, Phi-3.5). Otherwise it aligns the turn by rendering placeholder contents: the
+*opening* is what the prompt appends after the message before the turn, the *header* what the template renders
+between that message and the turn's content.
+
+- The header extends the opening (Mistral v0.3 with a system prompt, which moves into the last user message): the
+  answer is the rest of the header, the content and the end of turn, as rendered.
+- The opening extends the header by a *lead* the template never renders (DeepSeek-R1 and its distills prompt with
+  ``<｜Assistant｜><think>\\n`` but render every turn, the last one included, as ``<｜Assistant｜>`` + the content
+  after ``</think>``): at inference the model writes the content after the lead, so the answer is the message's
+  content without the lead, then the template's end of turn. A content that does not start with the lead (an
+  answer without reasoning) was never generated after that prompt: :class:`TemplateError` says so.
+- Otherwise no exact span exists: :class:`TemplateError`.
+
+Tool use: an assistant turn with ``tool_calls`` is a turn like any other, trained on the call as the template renders
+it; tool results (``role: tool``) are context. Conversations with tool definitions, calls or results are refused
+when the template drops them (``templates.missing_tool_features``).
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_megatrain.data.formats import Conversation, Message
+from lightning_megatrain.data.formats import Conversation, Message, PreferencePair
+from lightning_megatrain.data.templates import missing_tool_features
 
 IGNORE_INDEX = -100
 
@@ -73,6 +85,25 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class PairExample:
+    """A tokenized preference pair: two sequences with the same prompt tokens, each training only its response.
+
+    Attributes:
+        chosen: The prompt and the chosen response.
+        rejected: The prompt and the rejected response.
+        index: The pair's position in its split: its key in the reference log-probabilities a ``DPOModule``
+            precomputes.
+    """
+
+    chosen: Example
+    rejected: Example
+    index: int
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], tools: Any, generation: bool) -> str:
@@ -127,44 +158,55 @@ def _after(text: str, mark: str) -> int:
 
 
 def render_turn(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, index: int) -> tuple[str, str]:
-    """``(context, answer)`` of assistant message ``index`` as the template renders it when it is the last message.
+    """``(context, answer)`` of assistant message ``index`` as the model meets it at inference.
 
     ``context`` is ``render(messages[:index], add_generation_prompt=True)``, the inference prompt; ``answer`` is the
-    rest of ``render(messages[:index + 1])`` (header left after the generation prompt, content, end of turn). See
-    [Note: assistant spans] for how the answer is found when the context is rendered differently there.
+    rest of ``render(messages[:index + 1])`` (header left after the generation prompt, content, end of turn), or,
+    when the prompt opens the turn further than the template renders it, the content after that opening plus the
+    end of turn (see [Note: assistant spans]).
 
     Raises:
-        TemplateError: If the template fails to render, or the generation prompt is not how it opens a rendered
-            assistant turn (no exact span exists).
+        TemplateError: If the template fails to render, or no exact span exists (the message says why).
     """
     messages, tools = conversation.messages, conversation.tools
     context = _render(tokenizer, messages[:index], tools, generation=True)
     turn = _render(tokenizer, messages[: index + 1], tools, generation=False)
     if turn.startswith(context) and len(turn) > len(context):
         return context, turn[len(context) :]
-    # Align with placeholder contents: what follows the last user message in the prompt (`opening`) must open the
-    # rendered turn (`rendered_opening`); the rest of that opening is the turn's header, trained with its content.
+    # Align with placeholder contents: `opening` is what follows the message before the turn in the prompt,
+    # `header` what the template renders between that message and the turn's content.
     placeholder = {"role": "assistant", "content": _ANSWER_MARK}
-    user = [*messages[: index - 1], {"role": "user", "content": _USER_MARK}]
-    prompt = _render(tokenizer, user, tools, generation=True)
-    marked = _render(tokenizer, [*user, placeholder], tools, generation=False)
-    opening = prompt[_after(prompt, _USER_MARK) :] if _after(prompt, _USER_MARK) >= 0 else None
+    before = [*messages[: index - 1], {**messages[index - 1], "content": _USER_MARK}]
+    prompt = _render(tokenizer, before, tools, generation=True)
+    marked = _render(tokenizer, [*before, placeholder], tools, generation=False)
     content_at = marked.find(_ANSWER_MARK)
-    rendered_opening = marked[_after(marked, _USER_MARK) : content_at] if content_at >= 0 else None
+    opening = prompt[_after(prompt, _USER_MARK) :] if _after(prompt, _USER_MARK) >= 0 else None
+    header = marked[_after(marked, _USER_MARK) : content_at] if content_at >= 0 else None
     answer_marked = _render(tokenizer, [*messages[:index], placeholder], tools, generation=False)
     common = next((n for n, (a, b) in enumerate(zip(turn, answer_marked)) if a != b), min(len(turn),
                                                                                      len(answer_marked)))
-    if opening is not None and rendered_opening is not None and rendered_opening.startswith(opening) \
-            and context.endswith(opening) and answer_marked[common:].startswith(_ANSWER_MARK):
-        header = rendered_opening[len(opening) :]
-        start = common - len(header)
-        if start >= 0 and turn[start:common] == header and len(turn) > start:
-            return context, turn[start:]
+    aligned = opening is not None and header is not None and context.endswith(opening) \
+        and answer_marked[common:].startswith(_ANSWER_MARK) and turn[common - len(header) : common] == header
+    if aligned and header.startswith(opening):  # the rest of the header is trained with the content
+        return context, turn[common - len(header) + len(opening) :]
+    if aligned and opening.startswith(header) and not messages[index].get("tool_calls"):
+        # The prompt opens the turn with `lead` (DeepSeek-R1's '<think>\n'), which the template does not render: the
+        # model writes the rest of the content after it, then the end of turn the template closes it with.
+        lead, closing = opening[len(header) :], answer_marked[common + len(_ANSWER_MARK) :]
+        content = messages[index]["content"]
+        if content.startswith(lead) and turn.endswith(closing):
+            return context, content[len(lead) :] + closing
+        raise TemplateError(
+            f"the chat template's generation prompt ends in {lead!r}, which the model's answer continues, but "
+            f"assistant message {index} does not start with it (it starts {content[:40]!r}), so its inference "
+            f"context holds text the answer lacks. Start every answer with {lead!r} (for a reasoning template, the "
+            "reasoning and its closing tag, e.g. '<think>\\n...\\n</think>\\n\\n'; '<think>\\n\\n</think>\\n\\n' "
+            "trains an answer without reasoning), or choose another template with data.template"
+        )
     raise TemplateError(
         f"the chat template's generation prompt for assistant message {index} ({context[-60:]!r}) is not how it "
-        f"renders that turn ({turn[-60:]!r}), so the answer cannot be placed in its inference context exactly "
-        "(e.g. a DeepSeek-R1 prompt ending in '<think>\\n' with answers that hold no '<think>...</think>'). "
-        "Put the reasoning into the answers, or choose another template with data.template"
+        f"renders that turn ({turn[-60:]!r}), so the answer cannot be placed in its inference context exactly; "
+        "choose another template with data.template"
     )
 
 
@@ -182,6 +224,23 @@ def _tokenize(
     if all(label == IGNORE_INDEX for label in labels[1:]):
         return None
     return Example(input_ids, labels)
+
+
+def _check_tool_support(tokenizer: PreTrainedTokenizerBase, conversation: Conversation) -> None:
+    """Raise when the conversation holds tool definitions, calls or results that the chat template drops."""
+    used = {"tool definitions": bool(conversation.tools),
+            "tool calls": any(message.get("tool_calls") for message in conversation.messages),
+            "tool results": any(message["role"] == "tool" for message in conversation.messages)}
+    if not any(used.values()):
+        return
+    dropped = [feature for feature in missing_tool_features(tokenizer) if used[feature]]
+    if dropped:
+        raise TemplateError(
+            f"the chat template does not render {' or '.join(dropped)} (a probe conversation's are missing from its "
+            f"render, or it fails on them), and this conversation has them: training on it would drop them "
+            "silently. Choose a template that supports tools with data.template (a .jinja file, or the tokenizer's "
+            "named template for tools, often 'tool_use'), or remove the tool turns and the tools column from the data"
+        )
 
 
 def encode_conversation(
@@ -219,8 +278,10 @@ def encode_sft(
         conversation was split per turn, the reason (the template is not prefix-consistent), else ``None``.
 
     Raises:
-        TemplateError: If the template fails to render, or no exact span exists for a turn.
+        TemplateError: If the template fails to render, drops the conversation's tool definitions, calls or results,
+            or no exact span exists for a turn.
     """
+    _check_tool_support(tokenizer, conversation)
     try:
         example = encode_conversation(tokenizer, conversation, cutoff_len, train_on_prompt)
         return ([] if example is None else [example]), None
@@ -233,6 +294,32 @@ def encode_sft(
             example = _tokenize(tokenizer, [(context, False), (answer, True)], cutoff_len, train_on_prompt)
             examples += [] if example is None else [example]
     return examples, reason
+
+
+def encode_pair(
+    tokenizer: PreTrainedTokenizerBase, pair: PreferencePair, cutoff_len: int, index: int
+) -> PairExample | None:
+    """Tokenize a preference pair: each response in the context the template gives it at inference.
+
+    Each sequence is ``render(prompt, add_generation_prompt=True)`` (untrained, the same tokens in both) followed by
+    the response as the template renders it when it is the last message (trained: content and end of turn), as
+    :func:`render_turn` finds it; assistant turns earlier in the prompt are not trained. Each sequence is cut to
+    ``cutoff_len`` tokens at its end.
+
+    Returns:
+        The pair, or ``None`` when truncation left either response without a trained token.
+
+    Raises:
+        TemplateError: If the template fails to render, or no exact span exists for a response.
+    """
+    examples = []
+    for conversation in (pair.chosen, pair.rejected):
+        context, answer = render_turn(tokenizer, conversation, len(conversation.messages) - 1)
+        example = _tokenize(tokenizer, [(context, False), (answer, True)], cutoff_len, train_on_prompt=False)
+        if example is None:
+            return None
+        examples.append(example)
+    return PairExample(*examples, index=index)
 
 
 def encode_pretrain_text(tokenizer: PreTrainedTokenizerBase, text: str, cutoff_len: int) -> list[Example]:

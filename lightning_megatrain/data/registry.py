@@ -13,7 +13,9 @@ An entry of ``dataset_info.json`` looks like::
 Alpaca columns are ``prompt``/``query``/``response``/``system``/``history`` (defaults ``instruction``/``input``/
 ``output``/none/none); sharegpt columns are ``messages``/``system``/``tools`` (defaults ``conversations``/none/none).
 Optional ``num_samples`` takes that many rows (repeating rows if the dataset is smaller); ``split`` may only be
-``"train"``. Hub entries (``hf_hub_url``...) are refused: only local files are read.
+``"train"``. ``"ranking": true`` marks a preference dataset (LLaMA-Factory's pairwise form): both formats then also
+take the ``chosen`` and ``rejected`` columns (defaults ``chosen``/``rejected``; see ``data/preference.py``). Hub
+entries (``hf_hub_url``...) are refused: only local files are read.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ DEFAULT_COLUMNS: dict[str, dict[str, str | None]] = {
     "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "system": None, "history": None},
     "sharegpt": {"messages": "conversations", "system": None, "tools": None},
 }
+RANKING_COLUMNS: dict[str, str | None] = {"chosen": "chosen", "rejected": "rejected"}  # with "ranking": true
 DEFAULT_TAGS = {
     "role_tag": "from",
     "content_tag": "value",
@@ -66,6 +69,8 @@ class DatasetSpec:
         tags: Sharegpt role/content keys and role names (see :data:`DEFAULT_TAGS`).
         num_samples: Rows to take from the dataset (LLaMA-Factory's ``num_samples``; see
             ``sampling.sample_indices``), or ``None`` for all of them.
+        ranking: A preference dataset (``"ranking": true``): rows hold a prompt and a ``chosen`` and a ``rejected``
+            response (``data/preference.py``), for ``PreferenceDataModule``; ``SFTDataModule`` refuses it.
     """
 
     name: str
@@ -74,6 +79,7 @@ class DatasetSpec:
     columns: Mapping[str, str | None] = field(default_factory=dict)
     tags: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_TAGS))
     num_samples: int | None = None
+    ranking: bool = False
 
 
 def load_dataset_info(dataset_dir: Path) -> dict[str, Any]:
@@ -133,13 +139,21 @@ def parse_entry(name: str, entry: Any, dataset_dir: Path) -> tuple[DatasetSpec |
         problems.append(f"{where}: split={split!r}: a local file or folder has only the 'train' split (as in "
                         "LLaMA-Factory, which loads local files as one 'train' split); register the other split's "
                         "file as its own entry, or hold rows out with val_size")
-    if entry.get("ranking"):
-        problems.append(f"{where}: ranking (preference) datasets are not supported; set 'ranking' to false")
+    ranking = entry.get("ranking", False)
+    if not isinstance(ranking, bool):
+        problems.append(f"{where}: ranking={ranking!r} must be true (a preference dataset) or false")
+        ranking = False
     formatting = entry.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         problems.append(f"{where}: formatting={formatting!r} is not one of {list(FORMATTINGS)}")
         formatting = "alpaca"
-    columns, column_problems = _str_mapping(entry.get("columns", {}), "columns", DEFAULT_COLUMNS[formatting], where)
+    defaults = {**DEFAULT_COLUMNS[formatting], **(RANKING_COLUMNS if ranking else {})}
+    columns, column_problems = _str_mapping(
+        entry.get("columns", {}), "columns", {**defaults, **RANKING_COLUMNS}, where
+    )
+    if not ranking and {"chosen", "rejected"} & set(columns):
+        column_problems.append(f"{where}: 'chosen'/'rejected' columns are for preference datasets; add "
+                               "'ranking': true")
     tags, tag_problems = _str_mapping(entry.get("tags", {}), "tags", DEFAULT_TAGS, where)
     problems += column_problems + tag_problems
     if tags and formatting != "sharegpt":
@@ -156,9 +170,8 @@ def parse_entry(name: str, entry: Any, dataset_dir: Path) -> tuple[DatasetSpec |
             problems.append(f"{where}: {err}")
     if problems:
         return None, problems
-    return DatasetSpec(
-        name, path, formatting, {**DEFAULT_COLUMNS[formatting], **columns}, {**DEFAULT_TAGS, **tags}, num_samples
-    ), []
+    return DatasetSpec(name, path, formatting, {**defaults, **columns}, {**DEFAULT_TAGS, **tags}, num_samples,
+                       ranking), []
 
 
 def _looks_like_path(name: str) -> bool:
@@ -215,11 +228,14 @@ def infer_spec(spec: DatasetSpec, first_row: Mapping[str, Any]) -> DatasetSpec:
 
     ``messages`` (OpenAI ``role``/``content`` or sharegpt ``from``/``value``) and ``conversations`` give sharegpt;
     ``instruction`` gives alpaca; a lone ``text`` column gives a pretraining (``mode="pt"``) prompt-only dataset.
+    With both ``chosen`` and ``rejected`` columns, sharegpt and alpaca rows are a preference dataset (``ranking``).
 
     Raises:
         ValueError: If no known column layout matches.
     """
     keys = set(first_row)
+    ranking = {"chosen", "rejected"} <= keys
+    pairwise = RANKING_COLUMNS if ranking else {}
 
     def optional(column: str) -> str | None:
         return column if column in keys else None
@@ -229,12 +245,14 @@ def infer_spec(spec: DatasetSpec, first_row: Mapping[str, Any]) -> DatasetSpec:
             messages = decode_json_cell(first_row[messages_column])
             openai = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict) \
                 and "role" in messages[0]
-            columns = {"messages": messages_column, "system": optional("system"), "tools": optional("tools")}
-            return DatasetSpec(spec.name, spec.path, "sharegpt", columns, OPENAI_TAGS if openai else DEFAULT_TAGS)
+            columns = {"messages": messages_column, "system": optional("system"), "tools": optional("tools"),
+                       **pairwise}
+            tags = OPENAI_TAGS if openai else DEFAULT_TAGS
+            return DatasetSpec(spec.name, spec.path, "sharegpt", columns, tags, ranking=ranking)
     if "instruction" in keys:
         columns = {"prompt": "instruction", "query": optional("input"), "response": optional("output"),
-                   "system": optional("system"), "history": optional("history")}
-        return DatasetSpec(spec.name, spec.path, "alpaca", columns)
+                   "system": optional("system"), "history": optional("history"), **pairwise}
+        return DatasetSpec(spec.name, spec.path, "alpaca", columns, ranking=ranking)
     if "text" in keys:
         columns = {"prompt": "text", "query": None, "response": None, "system": None, "history": None}
         return DatasetSpec(spec.name, spec.path, "alpaca", columns)

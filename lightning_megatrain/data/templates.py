@@ -61,3 +61,41 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     special |= {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
     return list(dict.fromkeys(index for index in ids if index in special))
+
+
+# Probe names: ASCII identifiers (templates write tool names into JSON and code) no real conversation holds.
+_PROBE_TOOL = "megatrain_probe_definition"
+_PROBE_CALL = "megatrain_probe_call"
+_PROBE_RESULT = "megatrain_probe_result"
+TOOL_FEATURES = ("tool definitions", "tool calls", "tool results")
+_missing_by_template: dict[str, tuple[str, ...]] = {}  # template text -> what it drops (renders are pure functions)
+
+
+def _renders(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict], marks: dict[str, str]):
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    except Exception:  # jinja errors and raise_exception: the template cannot render this conversation
+        return set(marks)
+    return {feature for feature, mark in marks.items() if mark not in text}
+
+
+def missing_tool_features(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """Which of :data:`TOOL_FEATURES` the tokenizer's chat template drops from its render (or fails on).
+
+    Two probe conversations are rendered: a plain one with a tool definition (``tools=``), and one where the
+    assistant calls a tool, gets its result and answers, as HF chat templates expect them (``tool_calls`` of
+    ``{"type": "function", "function": {"name", "arguments"}}``, a ``role: tool`` message). A feature whose probe
+    name is missing from the text, or whose render raises, is dropped. Cached per template text.
+    """
+    key = str(tokenizer.chat_template)
+    if key not in _missing_by_template:
+        function = {"name": _PROBE_TOOL, "description": "Probe.", "parameters": {"type": "object", "properties": {}}}
+        tools = [{"type": "function", "function": function}]
+        call = {"type": "function", "function": {"name": _PROBE_CALL, "arguments": {"x": 1}}}
+        plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        used = [plain[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": _PROBE_RESULT}, plain[1]]
+        missing = _renders(tokenizer, plain, tools, {"tool definitions": _PROBE_TOOL})
+        missing |= _renders(tokenizer, used, tools, {"tool calls": _PROBE_CALL, "tool results": _PROBE_RESULT})
+        _missing_by_template[key] = tuple(feature for feature in TOOL_FEATURES if feature in missing)
+    return _missing_by_template[key]

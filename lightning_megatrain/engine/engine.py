@@ -379,7 +379,7 @@ class MegaTrainEngine:
     def refuse_torn(self, what: str) -> None:
         """:meth:`OptimizerStep.refuse_torn` (a no-op before setup and after teardown)."""
         if self._step is not None:
-            self._step.refuse_torn(what)
+            self._step.guard.refuse_torn(what)
 
     def reload_masters(self) -> None:
         """The host masters were loaded (``load_state_dict``): refresh everything derived from them."""

@@ -42,46 +42,6 @@ logged loss, the benchmark's recorder) queued its 4 bytes behind them on the D2H
 (73 + 30 ms). Those copies were the device groups' grads and updated masters, which nothing on the host read: they
 now stay on the GPU unless code reads ``p.grad`` before the step, and the masters go to the host when it reads them
 (engine/device_state.py). The step's end then has no copy left to wait for (1459861: no gap at the step end).
-
-[Note: all-or-nothing steps]
-A step updates every master, Adam state and step count, or none.
-
-*Non-finite steps.* :meth:`OptimizerStep.check_finite` runs after clipping, before the update: the loss and the
-global gradient norm must be finite, else the step is skipped (``nonfinite="skip"``: logged with its index and
-counted in :attr:`OptimizerStep.skipped`) or an error is raised (``"raise"``). The norm is clipping's (computed once
-when both run), from the per-layer squared norms the drains take on the device (engine/drain.py), with a host pass
-only where a drain added on the host, as for clipping. Without clipping that sum is the check's whole cost on a GPU:
-a few scalar kernels. On the CPU backend the grads have no device norm: the check reads them once, 4 bytes per
-parameter against the update's 28 (23 ms per 20M parameters on 2 cores, a third of the fused AdamW step). Where the
-decision is read:
-
-- grads final before the step (no overlap, a hook reads ``p.grad``, or a drain added on the host): on the training
-  thread, which has just waited for every drain; the device norms' sum and the loss come over in a few bytes of
-  D2H. A skipped step then runs nothing, device groups included.
-- grads landing late ([Note: late grads]): the device computes the flag. The device groups' fused AdamW reads it
-  as ``found_inf`` when it runs (the kernel then leaves parameters, moments and step counts as they were); the
-  host step's worker reads the norm and the loss from the pinned copy it already waited for, and skips or raises
-  there. The training thread never waits for it; the error, with ``"raise"``, surfaces at the next wait (the next
-  forward's first upload).
-
-Lightning's ``global_step`` and the LR scheduler advance on a skipped step, as on AMP's skipped steps.
-
-*Failures.* :meth:`HostUpdate.prepare <lightning_megatrain.optim.host_optimizer.HostUpdate.prepare>` runs over every
-group before the first is updated: it allocates the Adam states of a first update (8 bytes per parameter, the
-allocation that fails when host RAM runs out) and checks every gradient and state the kernel reads: dense, of the
-parameter's shape, dtype and device (torch's CPU fused AdamW does not check a state's size: it writes past a short
-one). About 10 us per parameter tensor, on the thread that prepares. A failure there removes the states it created
-and the error says that nothing was updated. With late grads and device groups the device step is queued before the
-worker prepares, so the host states are allocated on the training thread first, for every host parameter of the
-optimizer that requires grad (one with no grad yet gets a zero state with step 0, a difference from torch only in
-what a checkpoint lists). After the prepare only the kernels run, in place, on tensors checked to suit them.
-
-Rolling back a group already updated would need its master and both moments as they were: 12 bytes per parameter
-kept until the last group is done, 75% more host state than the 16 the strategy needs, plus one more pass over it
-per step. That is not paid. A kernel failing after the prepare (a crash-class fault, or a ``KeyboardInterrupt``
-between two groups of a step that is not overlapped) leaves the step *torn*: the error says how many parameters
-were updated, and checkpoints of the mixed state are refused (:meth:`OptimizerStep.refuse_torn`) so that none is
-written; resume from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -97,6 +57,8 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
+from lightning_megatrain.engine.step_guard import StepGuard
 from lightning_megatrain.optim.host_optimizer import (
     HostUpdate,
     Hyper,
@@ -116,14 +78,6 @@ if TYPE_CHECKING:
     from lightning_megatrain.engine.transfer import Transfer
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """``nonfinite="raise"``: an optimizer step's loss or gradient norm is inf or NaN; nothing was updated."""
-
-
-class StepFailed(RuntimeError):
-    """The optimizer update raised; the message says whether it left masters and optimizer states as they were."""
 
 
 class OptimizerStep:
@@ -163,10 +117,7 @@ class OptimizerStep:
         self._found_inf: Tensor | None = None  # device 0-dim fp32, 1.0 = skip: the device step's flag (late grads)
         self._stats_host: Tensor | None = None  # pinned [3] fp32: clip factor, squared grad norm, loss (late grads)
         self._index = 0  # trainer.global_step of the step being taken, for logs and errors
-        self._device_stepped = False  # the device groups' update of this step is queued (a failure after: torn)
-        self._torn: str | None = None  # what a failure mid-update left applied ([Note: all-or-nothing steps])
-        # global_step of each step skipped for a non-finite loss or gradient norm (appended by the thread deciding)
-        self.skipped: list[int] = []
+        self.guard = StepGuard(config.nonfinite)  # skip/raise, failure reports ([Note: all-or-nothing steps])
         # - CUDA event for stream synchronization
         self._stats_copied: torch.cuda.Event | None = None  # recorded by compute after the stats' D2H; worker waits
 
@@ -213,7 +164,9 @@ class OptimizerStep:
                 )
         if self.steps_after_return:
             for optimizer in host_optimizers:
-                self._hook_zero_grad(optimizer)
+                # in-place zeroing must not race the overlapped step reading the grads; the device groups'
+                # grad sums restart too (engine/device_state.py)
+                _wait_in_zero_grad(optimizer, self.wait_for_host_step, then=self.grads_zeroed)
         if self.overlap is not None:
             for optimizer in host_optimizers:
                 if not self.takes_step(optimizer):
@@ -238,33 +191,7 @@ class OptimizerStep:
         step's worker reads ``p.grad`` only once they have landed ([Note: late grads]), so grads set to ``None``
         before that would silently skip those parameters' update.
         """
-        zero_grad = module.zero_grad
-
-        @functools.wraps(zero_grad)
-        def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
-            self.wait_for_host_step()
-            zero_grad(*args, **kwargs)
-
-        module.zero_grad = waiting_zero_grad  # type: ignore[method-assign]
-
-        def undo() -> None:
-            if module.__dict__.get("zero_grad") is waiting_zero_grad:
-                del module.zero_grad
-
-        return undo
-
-    def _hook_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """``zero_grad`` (``set_to_none=False`` zeroes in place) must not race the overlapped step reading the grads,
-        and clears the device groups' grad sums too (engine/device_state.py)."""
-        zero_grad = optimizer.zero_grad
-
-        @functools.wraps(zero_grad)
-        def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
-            self.wait_for_host_step()
-            zero_grad(*args, **kwargs)
-            self.grads_zeroed()
-
-        optimizer.zero_grad = waiting_zero_grad  # type: ignore[method-assign]
+        return _wait_in_zero_grad(module, self.wait_for_host_step)
 
     def takes_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`run` runs ``optimizer``'s step (the host Adam/AdamW: all-or-nothing, overlapped and/or
@@ -328,11 +255,11 @@ class OptimizerStep:
         if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
             return False
         if self._late_grads:  # the factor stays on the device; check_finite sends it to the host step
-            self._norm_sq = self._device_norm_sq(groups)
-            self._deferred_grad_scale = _clip_coef(self._norm_sq, max_norm)  # the device step reads it there
+            self._norm_sq = device_norm_sq(groups, self.device)
+            self._deferred_grad_scale = clip_coef(self._norm_sq, max_norm)  # the device step reads it there
             return True
-        self._norm_sq = self._host_norm_sq(groups)
-        coef = _clip_coef(self._norm_sq, max_norm)
+        self._norm_sq = host_norm_sq(groups)
+        coef = clip_coef(self._norm_sq, max_norm)
         if coef.item() != 1.0:  # host tensors: no device sync
             if defer:
                 self._deferred_grad_scale = coef
@@ -341,35 +268,13 @@ class OptimizerStep:
                     g.scale_grads(coef)
         return True
 
-    def _host_norm_sq(self, groups: list[FlatGroup]) -> Tensor:
-        """The squared global grad norm on the host (fp32 0-dim): the device norms from backward where valid, in one
-        small D2H at the step boundary, where the host waits anyway; host passes elsewhere."""
-        partial = [g.grad_norm_sq() for g in groups]
-        on_device = [n for n in partial if n.device.type != "cpu"]
-        on_host = [n for n in partial if n.device.type == "cpu"]
-        if on_device:
-            on_host.append(torch.stack(on_device).sum().cpu())
-        return torch.stack(on_host).sum() if on_host else torch.zeros(())
-
-    def _device_norm_sq(self, groups: list[FlatGroup]) -> Tensor:
-        """The squared global grad norm left on the device (fp32 0-dim), while grads land ([Note: late grads]).
-
-        Grads still landing have their norm measured on the device (a group with a host add makes the grads wait,
-        :meth:`finalize_gradients`); a group without one has no grads this step, or grads final on the host (the
-        residents' host add).
-        """
-        device_sq = [g.device_norm_sq for g in groups if g.device_norm_sq is not None]
-        host_sq = [g.grad_norm_sq() for g in groups if g.device_norm_sq is None]  # zeros where there are no grads
-        total_sq = torch.stack(device_sq).sum() if device_sq else torch.zeros((), device=self.device)
-        return total_sq + float(torch.stack(host_sq).sum()) if host_sq else total_sq
-
     # - the finite check ([Note: all-or-nothing steps])
 
     def check_finite(self, loss: Tensor | None, index: int) -> bool:
         """Whether step ``index`` (``trainer.global_step``) updates: its ``loss`` (the closure's, if any) and global
         gradient norm are finite. Called after clipping, before :meth:`run`.
 
-        Returns False for a step to skip (``nonfinite="skip"``; logged and counted in :attr:`skipped`). With grads
+        Returns False for a step to skip (``nonfinite="skip"``; logged and counted in ``guard.skipped``). With grads
         landing late the flag stays on the device, read by the device step and by the host step's worker: True here.
 
         Raises:
@@ -380,11 +285,11 @@ class OptimizerStep:
         if self._late_grads:
             self._flag_on_device(loss)
             return True
-        norm_sq = self._norm_sq if self._norm_sq is not None else self._host_norm_sq(self.groups)
+        norm_sq = self._norm_sq if self._norm_sq is not None else host_norm_sq(self.groups)
         host_loss = None if loss is None else loss.cpu()  # the compute stream is idle here: drains were waited for
         if bool(torch.isfinite(torch.stack([norm_sq] + ([host_loss] if host_loss is not None else []))).all()):
             return True
-        self._nonfinite(index, float(norm_sq), None if host_loss is None else float(host_loss))
+        self.guard.nonfinite(index, float(norm_sq), None if host_loss is None else float(host_loss))
         if self.residents is not None:  # the device step that would have consumed a resident device group's grads
             self.residents.clear_grads()
         return False
@@ -392,7 +297,7 @@ class OptimizerStep:
     def _flag_on_device(self, loss: Tensor | None) -> None:
         """The step's non-finite flag on the device for the device step, and the stats it is made of on their way to
         the host step's worker (one 12-byte D2H; [Note: late grads])."""
-        norm_sq = self._norm_sq if self._norm_sq is not None else self._device_norm_sq(self.groups)
+        norm_sq = self._norm_sq if self._norm_sq is not None else device_norm_sq(self.groups, self.device)
         coef = self._deferred_grad_scale
         stats = torch.stack([  # [3] fp32 on the device
             coef if coef is not None else torch.ones((), device=self.device),
@@ -409,23 +314,6 @@ class OptimizerStep:
         self._stats_copied = torch.cuda.Event()
         self._stats_copied.record(torch.cuda.current_stream(self.device))
 
-    def _nonfinite(self, index: int, norm_sq: float, loss: float | None) -> bool:
-        """Raise for ``nonfinite="raise"``; else log and count the skipped step and return False (any thread)."""
-        norm = math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq  # inf and nan stay what they are
-        what = f"gradient norm {norm:g}" + ("" if loss is None else f", loss {loss:g}")
-        if self.config.nonfinite == "raise":
-            raise NonFiniteError(
-                f"MegaTrainStrategy(nonfinite='raise'): optimizer step {index} has a non-finite {what}; nothing was "
-                "updated (masters, Adam states and step counts are as before it). HINT: nonfinite='skip' skips such "
-                "steps and trains on; lower the learning rate or clip gradients (gradient_clip_val) if they recur."
-            )
-        self.skipped.append(index)
-        log.warning(
-            "MegaTrain: skipped optimizer step %d: non-finite %s; masters, Adam states and step counts are unchanged "
-            "(%d skipped so far, MegaTrainStrategy(nonfinite='skip'))", index, what, len(self.skipped),
-        )
-        return False
-
     # - the update
 
     def run(self, optimizer: torch.optim.Optimizer) -> None:
@@ -439,19 +327,19 @@ class OptimizerStep:
         scale, self._deferred_grad_scale = self._deferred_grad_scale, None
         found_inf, self._found_inf = self._found_inf, None
         copied, self._stats_copied = self._stats_copied, None
-        index, self._device_stepped = self._index, False
+        index, self.guard.device_stepped = self._index, False
         if self._late_grads:
             assert self.overlap is not None
             self._late_grads = False  # the worker waits for them; zero_grad and backward wait for the worker
             if self.device_groups:  # they step before the worker prepares: allocate the host states it may need now
-                self._guarded(index, None, lambda: allocate_states(optimizer, self._host_params(optimizer)))
+                self.guard.guarded(index, None, lambda: allocate_states(optimizer, self._host_params(optimizer)))
                 self._device_step(optimizer, scale, found_inf, index)
             hyper = hyper_snapshot(optimizer)
             self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index))
         else:
             update = HostUpdate(optimizer, scale, skip=self._device_param_ids)
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._guarded(index, update, lambda: update.prepare([params]))
+            self.guard.guarded(index, update, lambda: update.prepare([params]))
             if self.device_groups:
                 self._device_step(optimizer, scale, None, index)
             if self.overlap is not None:
@@ -483,12 +371,12 @@ class OptimizerStep:
                 bind = [g is not None and id(p) in in_optimizer for p, g in zip(device_group.group.params, grads)]
                 device_group.bind_states(optimizer, bind)
                 compute.wait_event(device_group.written_back)  # the last write-back may still read the mirror
-                self._device_stepped = True
+                self.guard.device_stepped = True
                 update(device_group.group.params, device_group.group.views(device_group.master), grads)
                 device_group.updated()
 
         with torch.no_grad(), torch.profiler.record_function("megatrain::device_optimizer_step"):
-            self._guarded(index, None, step)
+            self.guard.guarded(index, None, step)
         if self.residents is not None:
             self.residents.clear_grads()
 
@@ -503,51 +391,16 @@ class OptimizerStep:
             stats_copied.synchronize()
         coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
         if not (math.isfinite(norm_sq) and math.isfinite(loss)):
-            self._nonfinite(index, norm_sq, loss)
+            self.guard.nonfinite(index, norm_sq, loss)
             return None
         scale = None if coef == 1.0 else torch.tensor(coef, dtype=torch.float32)
         update = HostUpdate(optimizer, scale, skip=self._device_param_ids, snapshot=hyper)
-        self._guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
+        self.guard.guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
         return self._committing(update, index)
 
     def _committing(self, update: HostUpdate, index: int) -> Callable[[list[Tensor]], None]:
-        """``update``, applied to one group at a time, with failures reported by :meth:`_guarded`."""
-        return lambda params: self._guarded(index, update, lambda: update(params))
-
-    def _guarded(self, index: int, update: HostUpdate | None, work: Callable[[], object]) -> None:
-        """Run part of step ``index``'s update; a failure raises :class:`StepFailed` saying whether anything was
-        updated, and marks a step left with part of its update applied as torn ([Note: all-or-nothing steps])."""
-        try:
-            work()
-        except BaseException as error:
-            started = update.started if update is not None else 0
-            if not started and not self._device_stepped:
-                message = (
-                    f"MegaTrain: optimizer step {index} failed before updating anything: every master, Adam state and "
-                    f"step count is as it was before the step ({type(error).__name__}: {error})"
-                )
-            else:
-                self._torn = (
-                    f"optimizer step {index} failed after updating {started} host parameters"
-                    f"{' and the gpu_optimizer_groups' if self._device_stepped else ''}, so the parameters and "
-                    "optimizer states mix two steps"
-                )
-                message = (
-                    f"MegaTrain: {self._torn} ({type(error).__name__}: {error}). Checkpoints of this state are "
-                    "refused. HINT: resume from the last checkpoint."
-                )
-            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: Lightning handles those itself
-                raise
-            raise StepFailed(message) from error
-
-    def refuse_torn(self, what: str) -> None:
-        """Called before saving parameters or optimizer states.
-
-        Raises:
-            RuntimeError: a failed step left part of its update applied ([Note: all-or-nothing steps]).
-        """
-        if self._torn is not None:
-            raise RuntimeError(f"MegaTrain cannot {what}: {self._torn}. HINT: resume from the last checkpoint.")
+        """``update``, applied to one group at a time, with failures reported by :meth:`StepGuard.guarded`."""
+        return lambda params: self.guard.guarded(index, update, lambda: update(params))
 
     # - after the update: waits
 
@@ -573,6 +426,23 @@ class OptimizerStep:
             device_group.wait_written_back(self.transfer.d2h_stream)  # device groups exist on CUDA only
 
 
-def _clip_coef(norm_sq: Tensor, max_norm: float) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_``'s factor, ``max_norm / (norm + 1e-6)`` clamped to 1, where ``norm_sq`` is."""
-    return torch.clamp(max_norm / (norm_sq.sqrt() + 1e-6), max=1.0)
+def _wait_in_zero_grad(
+    owner: torch.nn.Module | torch.optim.Optimizer, wait: Callable[[], None], then: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """Wrap ``owner.zero_grad`` to call ``wait`` before it (and ``then`` after); return the undo."""
+    zero_grad = owner.zero_grad
+
+    @functools.wraps(zero_grad)
+    def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
+        wait()
+        zero_grad(*args, **kwargs)
+        if then is not None:
+            then()
+
+    owner.zero_grad = waiting_zero_grad  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if owner.__dict__.get("zero_grad") is waiting_zero_grad:
+            del owner.zero_grad
+
+    return undo

@@ -74,12 +74,15 @@ def test_user_error_message_cuts_long_messages():
     assert first.startswith("megatrain: error: ValueError: xxx") and first.endswith("... [4,912 more characters]")
 
 
-def test_demo_fit_output(in_tmp, capfd, caplog):
+def test_demo_fit_output(in_tmp, capfd, caplog, recwarn):
     """A demo-sized fit with the progress bar and model summary on, as `make demo` runs it."""
     caplog.set_level("INFO")
     assert main(["fit", "--config", str(DEMO_CONFIG), "--trainer.max_steps=3", "--throughput.window=1"]) == 0
     out = capfd.readouterr()
     text = out.out + out.err + caplog.text  # the progress bar prints; info lines are logged
+    assert "GPU available: False, used: False" in text  # Lightning's device line stays
+    assert "TPU available" not in text and "litlogger" not in text  # its TPU line and its logger advertisement go
+    assert not [warning for warning in recwarn if "LeafSpec" in str(warning.message)]  # Lightning's, from torch
     assert "/-2" not in text and "v_num" not in text  # Lightning's "Epoch 0/-2" of a max_steps run
     assert "mfu" not in text  # no known peak FLOP/s on a CPU
     assert "Total FLOPs" not in text and "Setting accelerator to CPU" not in text

@@ -1,10 +1,12 @@
 # ruff: noqa: E501  (the templates are kept as published, long lines included)
-"""Published chat templates of seven model families, written into local test tokenizers (nothing is fetched).
+"""Published chat templates of nine model families, written into local test tokenizers (nothing is fetched).
 
 Each :class:`ChatFixture` holds a template's text as its model's ``tokenizer_config.json`` / ``chat_template.jinja``
 publishes it, its special tokens, and how it renders an assistant answer that ends the conversation
 (``answer.format(content=...)``), written down independently of the library. Tool-calling branches of Mistral v0.3
-and gpt-oss are left out (conversations with tools are refused by ``formats.py``); the rest is as published.
+and gpt-oss are left out (the tests use them as templates without tool support); the rest is as published. Llama 3.1,
+Qwen2.5 and Qwen3 render tool definitions, calls and results. DeepSeek-R1's distill template is not in
+``CHAT_FIXTURES``: its answers must hold their reasoning (``test_data_templates.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,128 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from lightning_megatrain.data import IGNORE_INDEX
+
 # meta-llama/Meta-Llama-3-8B-Instruct
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
     "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+# meta-llama/Llama-3.1-8B-Instruct
+LLAMA31 = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message + builtin tools #}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\\n\\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+                {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {#- This means we're in ipython mode #}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+# deepseek-ai/DeepSeek-R1-Distill-Qwen-7B (and -Llama-8B: the same template)
+DEEPSEEK_R1 = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}{%- for message in messages %}{%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
 )
 
 # Qwen/Qwen2.5-7B-Instruct
@@ -344,6 +462,9 @@ CHAT_FIXTURES = {
     "llama3": ChatFixture(LLAMA3, "<|begin_of_text|>", "<|end_of_text|>",
                           ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
                           "{content}<|eot_id|>", ("<|eot_id|>",), True),
+    "llama3.1": ChatFixture(LLAMA31, "<|begin_of_text|>", "<|eot_id|>",
+                            ("<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"),
+                            "{content}<|eot_id|>", (), True),
     "qwen2.5": ChatFixture(QWEN25, None, "<|im_end|>", ("<|im_start|>", "<|endoftext|>"),
                            "{content}<|im_end|>\n", (), True),
     "qwen3": ChatFixture(QWEN3, None, "<|endoftext|>", ("<|im_start|>", "<|im_end|>"),
@@ -357,6 +478,9 @@ CHAT_FIXTURES = {
                            ("<|start|>", "<|message|>", "<|channel|>", "<|end|>"),
                            "<|channel|>final<|message|>{content}<|return|>", (), False),
 }
+
+DEEPSEEK_R1_FIXTURE = ChatFixture(DEEPSEEK_R1, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                                  ("<｜User｜>", "<｜Assistant｜>"), "{content}<｜end▁of▁sentence｜>", (), False)
 
 _CORPUS = ["What is 2 + 3? It is 5. Double it: 10. Name a colour. Blue, green and red.",
            "You are a helpful assistant. Answer briefly. system user assistant model final analysis"]
@@ -378,3 +502,26 @@ def build_chat_tokenizer(fixture: ChatFixture, out_dir: str | Path | None = None
     if out_dir is not None:
         tokenizer.save_pretrained(out_dir)
     return tokenizer
+
+
+def _decode(tokenizer, ids):
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def trained_turns(tokenizer, examples):
+    """``(context text, trained text)`` for each run of trained labels, in order."""
+    turns = []
+    for example in examples:
+        position = 0
+        while position < len(example):
+            if example.labels[position] == IGNORE_INDEX:
+                position += 1
+                continue
+            end = position
+            while end < len(example) and example.labels[end] != IGNORE_INDEX:
+                end += 1
+            assert example.labels[position:end] == example.input_ids[position:end]
+            turns.append((_decode(tokenizer, example.input_ids[:position]),
+                          _decode(tokenizer, example.input_ids[position:end])))
+            position = end
+    return turns

@@ -114,18 +114,25 @@ def test_examples_with_nothing_left_to_train_are_dropped(tokenizer, caplog):
     assert f"Dropped {100 - len(module.train_dataset)} example(s)" in caplog.text
 
 
-def test_template_without_an_exact_turn_span_is_rejected(tmp_path, tokenizer):
-    """The generation prompt ends in text the rendered turn lacks: no sequence holds the turn in its inference
-    context, so neither encoding applies (the per-turn fallback handles templates that only rewrite past turns)."""
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda template: template.replace("{{ '<|assistant|>\\n' }}", "{{ '<|model|>\\n' }}"),
+     r"generation prompt for assistant message \d+ .* is not how it renders that turn"),
+    (lambda template: template + "{{ '<|eos|>' if messages|length > 3 else '' }}",  # text that depends on the future
+     r"generation prompt ends in '<\|eos\|>', which the model's answer continues, but assistant message 4 does not "
+     r"start with it"),
+], ids=["other-header", "future-text"])
+def test_template_without_an_exact_turn_span_is_rejected(tmp_path, edit, message):
+    """The generation prompt is not how the template opens the rendered turn, or ends in text the rendered turn lacks:
+    no sequence holds the turn in its inference context, so neither encoding applies (the per-turn fallback handles
+    templates that only rewrite past turns)."""
     broken = tmp_path / "tok"
     shutil.copytree(DEMO_TOKENIZER_DIR, broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())
-    config["chat_template"] += "{{ '<|eos|>' if messages|length > 3 else '' }}"  # text that depends on the future
+    config["chat_template"] = edit(config["chat_template"])
     (broken / "tokenizer_config.json").write_text(json.dumps(config))
     module = SFTDataModule("demo_sharegpt", tokenizer=str(broken))
     with pytest.raises(TemplateError, match=r"dataset 'demo_sharegpt', file .*demo_sharegpt.json, row \d+: the chat "
-                                            r"template's generation prompt for assistant message 4 .* is not how "
-                                            r"it renders that turn"):
+                                            r"template's " + message):
         module.setup()
 
 

@@ -102,8 +102,7 @@ MALFORMED = [
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
      r"row 1: message 1 has unknown role 'bot'"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "observation", "value": "a"}]},
-     r"row 1: message 1 has role 'observation': tool-calling turns are not supported .*"
-     r"drop these rows with skip_bad_rows=True"),
+     r"row 1: message 1 is a tool result \('tool' / 'observation'\) after a 'user' turn \(message 0\)"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"value": "a"}]},
      r"row 1: message 1 has no 'from' key"),
     ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": None}]},
@@ -168,7 +167,7 @@ def test_dataset_info_problems_are_listed_together(write_dataset, tmp_path):
     for expected in (
         r"entry 'hub': loads from a hub/script \(\['hf_hub_url'\]\), which is not supported",
         r"entry 'fmt': formatting='xml' is not one of \['alpaca', 'sharegpt'\]",
-        r"entry 'col': unsupported columns key\(s\) \['chosen'\]",
+        r"entry 'col': 'chosen'/'rejected' columns are for preference datasets; add 'ranking': true",
         r"entry 'col': .*col.json: no such file or folder",
         r"entry 'tag': 'tags' only apply to formatting='sharegpt'",
         r"dataset='nope': not registered in .*dataset_info.json \(registered: col, fmt, hub, tag\)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from chat_templates import CHAT_FIXTURES, QWEN3, build_chat_tokenizer
+from chat_templates import CHAT_FIXTURES, DEEPSEEK_R1, DEEPSEEK_R1_FIXTURE, QWEN3, build_chat_tokenizer, trained_turns
 
 from lightning_megatrain.data import IGNORE_INDEX, Conversation, SFTDataModule, TemplateError
 from lightning_megatrain.data.encoding import encode_sft
@@ -27,36 +27,13 @@ def chat_tokenizers():
     return {name: build_chat_tokenizer(fixture) for name, fixture in CHAT_FIXTURES.items()}
 
 
-def _decode(tokenizer, ids):
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _trained_turns(tokenizer, examples):
-    """``(context text, trained text)`` for each run of trained labels, in order."""
-    turns = []
-    for example in examples:
-        position = 0
-        while position < len(example):
-            if example.labels[position] == IGNORE_INDEX:
-                position += 1
-                continue
-            end = position
-            while end < len(example) and example.labels[end] != IGNORE_INDEX:
-                end += 1
-            assert example.labels[position:end] == example.input_ids[position:end]
-            turns.append((_decode(tokenizer, example.input_ids[:position]),
-                          _decode(tokenizer, example.input_ids[position:end])))
-            position = end
-    return turns
-
-
 @pytest.mark.parametrize("system", [True, False])
 @pytest.mark.parametrize("name", list(CHAT_FIXTURES))
 def test_each_assistant_turn_is_its_answer_in_its_inference_context(chat_tokenizers, name, system):
     fixture, tokenizer = CHAT_FIXTURES[name], chat_tokenizers[name]
     messages = MESSAGES if system else MESSAGES[1:]
     examples, per_turn = encode_sft(tokenizer, Conversation(messages), cutoff_len=4096, train_on_prompt=False)
-    turns = _trained_turns(tokenizer, examples)
+    turns = trained_turns(tokenizer, examples)
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     assert len(turns) == len(answers) == 3
     for (context, trained), index in zip(turns, answers, strict=True):
@@ -74,7 +51,7 @@ def test_qwen3_past_reasoning_is_dropped_from_later_contexts(chat_tokenizers):
     messages[2]["content"] = "<think>\nAdd them.\n</think>\n\nIt is 5."
     examples, per_turn = encode_sft(tokenizer, Conversation(messages), cutoff_len=4096, train_on_prompt=False)
     assert "not prefix-consistent at assistant message 2" in per_turn
-    (context_1, answer_1), (context_2, answer_2), _ = _trained_turns(tokenizer, examples)
+    (context_1, answer_1), (context_2, answer_2), _ = trained_turns(tokenizer, examples)
     assert answer_1 == "<think>\nAdd them.\n</think>\n\nIt is 5.<|im_end|>\n"
     assert "Add them." not in context_2 and context_2.endswith("It is 5.<|im_end|>\n<|im_start|>user\nDouble "
                                                                 "it.<|im_end|>\n<|im_start|>assistant\n")
@@ -128,14 +105,34 @@ def test_data_template_by_name_and_unknown_names(tmp_path):
         SFTDataModule("demo_sharegpt", template=3)
 
 
-def test_deepseek_r1_prompt_without_reasoning_has_no_exact_span(chat_tokenizers):
-    tokenizer = build_chat_tokenizer(CHAT_FIXTURES["qwen2.5"])
-    # DeepSeek-R1's shape: past reasoning dropped, and a '<think>\n' generation prompt no plain answer starts with
-    tokenizer.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}{{ '<|User|>' + m['content'] }}"
-        "{% elif m['role'] == 'assistant' %}{% set c = m['content'] %}{% if '</think>' in c %}"
-        "{% set c = c.split('</think>')[-1] %}{% endif %}{{ '<|Assistant|>' + c + eos_token }}{% endif %}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|Assistant|><think>\\n' }}{% endif %}"
-    )
-    with pytest.raises(TemplateError, match=r"generation prompt for assistant message 1 .* Put the reasoning"):
+REASONED = [{**message, "content": f"<think>\nStep {index}.\n</think>\n\n{message['content']}"}
+            if message["role"] == "assistant" else message for index, message in enumerate(MESSAGES)]
+
+
+def test_deepseek_r1_answers_continue_the_think_prompt_in_their_inference_context():
+    tokenizer = build_chat_tokenizer(DEEPSEEK_R1_FIXTURE)
+    examples, per_turn = encode_sft(tokenizer, Conversation(REASONED), cutoff_len=4096, train_on_prompt=False)
+    assert "not prefix-consistent at assistant message 2" in per_turn and len(examples) == 3
+    turns = trained_turns(tokenizer, examples)
+    answers = [index for index, message in enumerate(REASONED) if message["role"] == "assistant"]
+    for (context, trained), index in zip(turns, answers, strict=True):
+        assert context == tokenizer.apply_chat_template(REASONED[:index], tokenize=False, add_generation_prompt=True)
+        assert context.endswith("<｜Assistant｜><think>\n")  # the published prompt: the model writes on from here
+        answer = MESSAGES[index]["content"]
+        assert trained == f"Step {index}.\n</think>\n\n{answer}<｜end▁of▁sentence｜>"
+    # earlier turns appear in later contexts as the template renders them: answer only, reasoning dropped
+    assert "Step 2." not in turns[1][0] and turns[1][0].endswith(
+        "<｜Assistant｜>\n\nIt is 5.<｜end▁of▁sentence｜><｜User｜>Double it.<｜Assistant｜><think>\n")
+
+
+def test_deepseek_r1_answer_without_reasoning_is_refused_naming_the_fix(tmp_path):
+    tokenizer = build_chat_tokenizer(DEEPSEEK_R1_FIXTURE)
+    with pytest.raises(TemplateError, match=r"generation prompt ends in '<think>\\n', which the model's answer "
+                                            r"continues, but assistant message 1 does not start with it \(it starts "
+                                            r"'It is 5.'\).* Start every answer with '<think>\\n'"):
         encode_sft(tokenizer, Conversation(MESSAGES[1:5]), cutoff_len=4096, train_on_prompt=False)
+    path = tmp_path / "r1.jinja"
+    path.write_text(DEEPSEEK_R1)
+    with pytest.raises(TemplateError, match=r"dataset 'demo_sharegpt', file .*demo_sharegpt.json, row \d+: the chat "
+                                            r"template's generation prompt ends in '<think>\\n'"):
+        SFTDataModule("demo_sharegpt", template=str(path)).setup()

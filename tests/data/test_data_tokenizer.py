@@ -57,7 +57,8 @@ def test_build_demo_tokenizer_on_custom_corpus(tmp_path):
 
 def test_demo_files_are_the_generator_output(tmp_path):
     write_demo(tmp_path)
-    for name in ("dataset_info.json", "demo_alpaca.json", "demo_sharegpt.json", "demo_messages.jsonl"):
+    for name in ("dataset_info.json", "demo_alpaca.json", "demo_sharegpt.json", "demo_messages.jsonl",
+                 "demo_dpo_alpaca.json", "demo_dpo_sharegpt.json"):
         assert (tmp_path / name).read_bytes() == (DEMO_DIR / name).read_bytes(), name
     fresh = json.loads((tmp_path / "tokenizer" / "tokenizer.json").read_text())
     shipped = json.loads((DEMO_TOKENIZER_DIR / "tokenizer.json").read_text())

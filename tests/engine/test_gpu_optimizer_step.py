@@ -12,7 +12,8 @@ from unittest import mock
 import pytest
 import torch
 
-from lightning_megatrain.engine.optimizer_step import NonFiniteError, OptimizerStep
+from lightning_megatrain.engine.optimizer_step import OptimizerStep
+from lightning_megatrain.engine.step_guard import NonFiniteError
 
 from helpers.faults import Faulty, Snapshots, assert_bitwise_equal, fit
 

@@ -14,7 +14,8 @@ from torch import nn
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.engine.optimizer_step import NonFiniteError, OptimizerStep, StepFailed
+from lightning_megatrain.engine.optimizer_step import OptimizerStep
+from lightning_megatrain.engine.step_guard import NonFiniteError, StepFailed
 from lightning_megatrain.optim import host_optimizer
 from lightning_megatrain.optim.host_optimizer import to_host_optimizer
 

@@ -189,7 +189,7 @@ def test_overlapped_step_gates_every_reader(monkeypatch):
 
 def test_overlapped_step_failure_surfaces_on_the_training_thread(monkeypatch):
     # the first group's update fails on the worker: nothing was updated, and the next wait says so
-    from lightning_megatrain.engine.optimizer_step import StepFailed
+    from lightning_megatrain.engine.step_guard import StepFailed
     from lightning_megatrain.optim.host_optimizer import HostUpdate
 
     def failing_update(self, params):

@@ -7,7 +7,9 @@ Run from the repository root::
 Writes, next to this file: ``dataset_info.json``, ``demo_alpaca.json`` (alpaca, 200 rows, some with a system
 prompt and a one-turn history), ``demo_sharegpt.json`` (sharegpt, 100 multi-turn conversations with system
 prompts, as a column or as a leading ``system`` message), ``demo_messages.jsonl`` (OpenAI messages, 100 rows),
-and ``tokenizer/`` (see ``lightning_megatrain.data.tokenizer.build_demo_tokenizer``).
+the preference sets ``demo_dpo_alpaca.json`` (alpaca ``ranking``, 120 pairs) and ``demo_dpo_sharegpt.json`` (sharegpt
+``ranking``, 60 multi-turn prompts), whose rejected response is the right answer with one detail made wrong, and
+``tokenizer/`` (see ``lightning_megatrain.data.tokenizer.build_demo_tokenizer``; trained on the first three only).
 
 The content is simple, checkable tasks (arithmetic, word reversal, unit conversion, capitals, ...) written for
 this project.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 from lightning_megatrain.data.demo import DEMO_DIR
@@ -167,6 +170,49 @@ def messages_rows(rng: random.Random, count: int = 100) -> list[dict]:
     return rows
 
 
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """``answer`` with one detail made wrong: its last number moved, a capital swapped, a word's case or order."""
+    numbers = list(re.finditer(r"-?\d+", answer))
+    if numbers:
+        last = numbers[-1]
+        value = int(last.group()) + rng.choice([-10, -3, -2, -1, 1, 2, 3, 10])
+        return answer[: last.start()] + str(value) + answer[last.end() :]
+    if answer.isupper():
+        return answer.lower()
+    for city in CAPITALS.values():
+        if answer.endswith(f" {city}."):
+            return answer.replace(city, rng.choice(sorted(set(CAPITALS.values()) - {city})))
+    return " ".join(reversed(answer.split()))
+
+
+def dpo_alpaca_rows(rng: random.Random, count: int = 120) -> list[dict]:
+    rows = []
+    for _ in range(count):
+        instruction, extra, answer = task(rng)
+        row = {"instruction": instruction, "input": extra, "chosen": answer, "rejected": wrong_answer(answer, rng)}
+        if rng.random() < 0.25:
+            row["system"] = rng.choice(SYSTEMS)
+        if rng.random() < 0.2:
+            row["history"] = [list(question(rng))]
+        rows.append(row)
+    return rows
+
+
+def dpo_sharegpt_rows(rng: random.Random, count: int = 60) -> list[dict]:
+    rows = []
+    for _ in range(count):
+        pairs = conversation_pairs(rng)
+        messages = []
+        for user, assistant in pairs[:-1]:
+            messages += [{"from": "human", "value": user}, {"from": "gpt", "value": assistant}]
+        user, answer = pairs[-1]
+        messages.append({"from": "human", "value": user})
+        rows.append({"conversations": messages, "system": rng.choice(SYSTEMS),
+                     "chosen": {"from": "gpt", "value": answer},
+                     "rejected": {"from": "gpt", "value": wrong_answer(answer, rng)}})
+    return rows
+
+
 DATASET_INFO = {
     "demo_alpaca": {
         "file_name": "demo_alpaca.json",
@@ -185,11 +231,23 @@ DATASET_INFO = {
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
                  "system_tag": "system"},
     },
+    "demo_dpo_alpaca": {
+        "file_name": "demo_dpo_alpaca.json",
+        "ranking": True,
+        "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected",
+                    "system": "system", "history": "history"},
+    },
+    "demo_dpo_sharegpt": {
+        "file_name": "demo_dpo_sharegpt.json",
+        "formatting": "sharegpt",
+        "ranking": True,
+        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "system": "system"},
+    },
 }
 
 
 def write_demo(out_dir: Path = DEMO_DIR) -> None:
-    """Write the three demo datasets, ``dataset_info.json`` and the demo tokenizer into ``out_dir``."""
+    """Write the demo datasets, ``dataset_info.json`` and the demo tokenizer into ``out_dir``."""
     rng = random.Random(SEED)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataset_info.json").write_text(json.dumps(DATASET_INFO, indent=2) + "\n", encoding="utf-8")
@@ -198,6 +256,10 @@ def write_demo(out_dir: Path = DEMO_DIR) -> None:
         (out_dir / name).write_text(f"[\n{lines}\n]\n", encoding="utf-8")
     lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in messages_rows(rng))
     (out_dir / "demo_messages.jsonl").write_text(lines, encoding="utf-8")
+    preference = (("demo_dpo_alpaca.json", dpo_alpaca_rows(rng)), ("demo_dpo_sharegpt.json", dpo_sharegpt_rows(rng)))
+    for name, rows in preference:
+        lines = ",\n".join(json.dumps(row, ensure_ascii=False) for row in rows)
+        (out_dir / name).write_text(f"[\n{lines}\n]\n", encoding="utf-8")
     build_demo_tokenizer(out_dir / "tokenizer", corpus=demo_corpus(out_dir))
     log.info("Wrote demo datasets and tokenizer to %s", out_dir)
 

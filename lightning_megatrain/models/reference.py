@@ -1,0 +1,131 @@
+"""Reference log-probabilities for DPO and IPO: computed once with the policy's initial weights, kept per pair.
+
+[Note: reference log-probabilities]
+DPO compares each response's log-probability under the policy with its log-probability under the reference model,
+the policy before training. Both the reference and the data are fixed, so the reference's part is a table of two
+numbers per pair (chosen, rejected). ``DPOModule`` computes it in one pass over every split before the first
+optimizer step, when the policy's weights still are the reference's: batch by batch through
+``trainer.strategy.predict_step`` (under MegaTrain the layers stream as in any forward, at the run's precision), in
+eval mode and without gradients. No second copy of the weights exists anywhere: the reference costs no host or GPU
+bytes per parameter, 8 bytes per pair, and one forward of each pair per run, where a reference model beside the policy
+costs a forward of each pair at every step and, streamed from a bf16 host copy, 2 more host bytes per parameter.
+
+The table is saved in checkpoints, so resuming reads it instead of recomputing it from weights that have moved on.
+With ``DPOModule(reference_cache=PATH)`` it is also written to a file, keyed by the model, the precision and a
+SHA-256 of each split's batches (token ids, labels, masks, pair indices): a later run with the same key reads it and
+skips the pass; a different key is refused, naming what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+PAIR_INDEX = "pair_index"  # batch key: [B] each pair's position in its split (data/collate.py's PairCollator)
+REFERENCE_LOGPS = "reference_logps"  # batch key: [B, 2] the reference's (chosen, rejected) summed log-probabilities
+CACHE_VERSION = 1
+
+
+def fingerprint(loader: DataLoader) -> str:
+    """SHA-256 of a loader's batches, in order: every tensor of each batch, key by key."""
+    digest = hashlib.sha256()
+    for batch in loader:
+        for key in sorted(batch):
+            value = batch[key]
+            if isinstance(value, Tensor):
+                digest.update(key.encode())
+                digest.update(str(tuple(value.shape)).encode())
+                digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def compute_reference(module: LightningModule, loaders: Mapping[str, DataLoader]) -> dict[str, Tensor]:
+    """The ``[N, 2]`` fp32 (chosen, rejected) log-probabilities of every pair of each split, from ``module``'s
+    ``predict_step`` run through its trainer's strategy (see [Note: reference log-probabilities]).
+
+    Raises:
+        ValueError: A loader's batches lack ``pair_index``, or leave a pair of its split without a value.
+    """
+    strategy = module.trainer.strategy
+    was_training = module.training
+    module.eval()
+    tables = {}
+    try:
+        # inference_mode(False): the table must be a normal tensor even when an evaluation loop calls this
+        with torch.inference_mode(False), torch.no_grad():
+            for split, loader in loaders.items():
+                table = torch.full((len(loader.dataset), 2), float("nan"))  # [N, 2]
+                for batch_idx, batch in enumerate(loader):
+                    if PAIR_INDEX not in batch:
+                        raise ValueError(f"reference log-probabilities: the {split!r} loader's batches have no "
+                                         f"{PAIR_INDEX!r}; collate pairs with PairCollator (PreferenceDataModule)")
+                    output = strategy.predict_step(strategy.batch_to_device(batch), batch_idx)
+                    values = torch.stack([output["chosen_logps"], output["rejected_logps"]], dim=1)  # [B, 2]
+                    table[batch[PAIR_INDEX]] = values.float().cpu()
+                missing = int(table.isnan().any(1).sum())
+                if missing:
+                    raise ValueError(f"reference log-probabilities: {missing} of {len(table)} {split!r} pairs got "
+                                     f"no value; each pair_index of the split must appear once in 0..{len(table) - 1}")
+                tables[split] = table
+                log.info("DPO: reference log-probabilities of %d %s pairs computed (mean chosen %.3f, rejected %.3f)",
+                         len(table), split, float(table[:, 0].mean()), float(table[:, 1].mean()))
+    finally:
+        module.train(was_training)
+    return tables
+
+
+def load_cache(path: Path, key: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The tables of ``path`` whose split fingerprint matches ``key["fingerprints"]`` (``{}`` without a file).
+
+    Raises:
+        ValueError: The file is not a reference cache, or was computed for another model or precision, or its split
+            holds other data.
+    """
+    if not path.is_file():
+        return {}
+    try:
+        cache = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated file, another format: pickle and zip raise several types
+        raise ValueError(f"reference_cache={str(path)!r} is not a reference cache ({err}); delete it or point "
+                         "reference_cache elsewhere") from err
+    if not isinstance(cache, dict) or cache.get("version") != CACHE_VERSION:
+        raise ValueError(f"reference_cache={str(path)!r} is not a version-{CACHE_VERSION} reference cache; delete it "
+                         "or point reference_cache elsewhere")
+    for field in ("model", "precision"):
+        if cache[field] != key[field]:
+            raise ValueError(f"reference_cache={str(path)!r} was computed with {field}={cache[field]!r}, this run has "
+                             f"{field}={key[field]!r}; delete it (it is recomputed) or point reference_cache elsewhere")
+    tables = {}
+    for split, expected in key["fingerprints"].items():
+        found = cache["fingerprints"].get(split)
+        if found is not None and found != expected:
+            raise ValueError(f"reference_cache={str(path)!r} holds other {split!r} pairs (data fingerprint "
+                             f"{found[:12]}..., this run's {expected[:12]}...): the dataset, split, tokenizer or "
+                             "cutoff_len changed; delete it (it is recomputed) or point reference_cache elsewhere")
+        if found is not None:
+            tables[split] = cache["logps"][split]
+    return tables
+
+
+def save_cache(path: Path, key: Mapping[str, Any], tables: Mapping[str, Tensor]) -> None:
+    """Write the tables of the splits ``key["fingerprints"]`` names to ``path`` (a temporary file renamed over it),
+    beside the other splits the file holds (:func:`load_cache` has checked that it is for the same model)."""
+    cache = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else {}
+    fingerprints = {**cache.get("fingerprints", {}), **key["fingerprints"]}
+    logps = {**cache.get("logps", {}), **{split: tables[split] for split in key["fingerprints"]}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save({"version": CACHE_VERSION, "model": key["model"], "precision": key["precision"],
+                "fingerprints": fingerprints, "logps": logps}, temporary)
+    temporary.replace(path)
+    log.info("DPO: reference log-probabilities written to %s", path)
