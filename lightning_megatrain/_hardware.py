@@ -101,3 +101,18 @@ def gpu_mem_gib() -> float | None:
 def cpu_cores() -> int:
     """Cores this process may run on (its affinity where the OS has one, else all)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def umask() -> int:
+    """This process's file-creation mask (``/proc/self/status``'s ``Umask``, else set and restored at once): files and
+    folders made private by ``tempfile`` get ``0o666 & ~umask()`` / ``0o777 & ~umask()`` before they are published."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

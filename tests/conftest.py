@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -15,3 +16,10 @@ def _package_logs_reach_caplog():
     propagate, logger.propagate = logger.propagate, True
     yield
     logger.propagate = propagate
+
+
+@pytest.fixture
+def fast_cpuinfo(monkeypatch):
+    """``cpuinfo.get_cpu_info`` (2 s of subprocesses, which every ``DeepSpeedCPUAdam`` calls) run once per test."""
+    cpuinfo = pytest.importorskip("cpuinfo")
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", functools.lru_cache(cpuinfo.get_cpu_info))

@@ -4,15 +4,24 @@ checkpoint that loads ([Note: resuming from a readable checkpoint])."""
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
+import random
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
@@ -60,12 +69,29 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_no_temp_file(tmp_path, 
 
 def test_a_temp_file_left_by_a_killed_save_is_removed_by_the_next(tmp_path):
     target = tmp_path / "last.ckpt"
-    stale = tmp_path / ".last.ckpt.abc123.tmp"  # what SIGKILL during a save leaves
-    stale.write_bytes(b"x" * 100)
-    other = tmp_path / ".epoch=1.ckpt.def456.tmp"  # another checkpoint's: not this save's to remove
-    other.write_bytes(b"y")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a process that is gone
+    stale = tmp_path / ".last.ckpt.abc123.tmp"  # what SIGKILL during a save of this name leaves
+    killed = tmp_path / f".step5.ckpt.pid{dead}.def456.tmp"  # another name's, its writer gone: a step5-v1 case
+    writing = tmp_path / f".step6.ckpt.pid{os.getppid()}.ghi789.tmp"  # another name's, its writer alive
+    unknown = tmp_path / ".epoch=1.ckpt.jkl012.tmp"  # another name's, no writer recorded
+    for path in (stale, killed, writing, unknown):
+        path.write_bytes(b"x" * 100)
     AtomicCheckpointIO().save_checkpoint({"step": 3}, target)
-    assert not stale.exists() and other.exists() and torch.load(target) == {"step": 3}
+    assert not stale.exists() and not killed.exists() and torch.load(target) == {"step": 3}
+    assert writing.exists() and unknown.exists()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077], ids=["umask022", "umask077"])
+def test_a_checkpoint_has_the_mode_an_ordinary_save_gives(tmp_path, mask):
+    old = os.umask(mask)
+    try:
+        AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+        (tmp_path / "plain").write_bytes(b"")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "last.ckpt").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
+    assert (tmp_path / "last.ckpt").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_storage_options_are_refused_as_lightning_refuses_them(tmp_path):
@@ -79,6 +105,75 @@ def test_strategy_saves_atomically_by_default_and_takes_a_given_plugin():
     assert isinstance(MegaTrainStrategy().checkpoint_io, AtomicCheckpointIO)
     given = TorchCheckpointIO()
     assert MegaTrainStrategy(checkpoint_io=given).checkpoint_io is given
+
+
+# - host RAM during a save
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
+
+
+class _Wide(L.LightningModule):
+    """6.8M parameters, 6.3M of them in 6 streamed layers: a 78 MiB checkpoint (fp32 masters and both Adam moments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 1024)
+        self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(6))
+        self.head = nn.Linear(1024, 256)
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch)  # [B, T, 1024]
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch.flatten())
+
+    def train_dataloader(self):
+        return DataLoader(torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0)), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class _SaveAndMeasure(L.Callback):
+    """Saves at the last step and measures the process's peak RSS above its RSS before the save (the peak reset
+    through ``/proc/self/clear_refs`` first)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step < trainer.max_steps:
+            return
+        trainer.strategy.wait_for_optimizer()
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # VmHWM := VmRSS
+        before = _status_bytes("VmRSS")
+        trainer.save_checkpoint(self.path)
+        self.extra = _status_bytes("VmHWM") - before
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+def test_a_save_holds_no_second_copy_of_the_checkpoint_in_host_ram(tmp_path):
+    """[Note: atomic checkpoints]: a 78 MiB checkpoint saved through the strategy raises the peak RSS by under 4 MiB
+    (0.3 MiB measured), where Lightning's TorchCheckpointIO holds the whole checkpoint in a buffer first. The file
+    holds 12 bytes per parameter: fp32 masters and both moments, no grads."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    extra = {}
+    for plugin in (AtomicCheckpointIO(), TorchCheckpointIO()):
+        measure = _SaveAndMeasure(tmp_path / f"{type(plugin).__name__}.ckpt")
+        strategy = MegaTrainStrategy(layers="blocks", cpu_adam="torch", checkpoint_io=plugin)
+        module = _Wide()
+        cpu_trainer(strategy=strategy, max_steps=2, callbacks=[measure]).fit(module)
+        extra[type(plugin).__name__] = measure.extra
+    size = (tmp_path / "AtomicCheckpointIO.ckpt").stat().st_size
+    n_params = sum(p.numel() for p in module.parameters())
+    assert 12 * n_params <= size <= 12 * n_params + 2**20
+    assert extra["AtomicCheckpointIO"] < 4 * 2**20, extra
+    assert extra["TorchCheckpointIO"] > 0.9 * size, extra  # the measurement sees a copy where there is one
 
 
 # - resuming from a readable checkpoint ([Note: resuming from a readable checkpoint])
@@ -150,3 +245,87 @@ def test_a_checkpoint_named_by_path_does_not_fall_back(tmp_path):
     _truncate(tmp_path / "step1.ckpt")
     with pytest.raises(RuntimeError, match="PytorchStreamReader"):
         _fit(tmp_path, 2, ckpt_path=str(tmp_path / "step1.ckpt"))
+
+
+# - SIGKILL during saves, $TMPDIR on another filesystem
+
+
+BALLAST = 4 << 20  # fp32 values added to each checkpoint (16 MiB): saves take most of the child's time
+
+
+class _Ballast(L.Callback):
+    def __init__(self) -> None:
+        self.tensor = torch.randn(BALLAST, generator=torch.Generator().manual_seed(0))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["ballast"] = self.tensor
+
+
+def _train_saving_every_step(root, tmpdir, max_steps) -> None:
+    """The child: resume from ``root``'s last checkpoint and train, saving every step (top 2 and last)."""
+    os.environ["TMPDIR"] = str(tmpdir)
+    tempfile.tempdir = None  # tempfile reads $TMPDIR again
+    torch.set_num_threads(1)
+    module = ParityLM("qwen3")
+    checkpoints = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
+                                  every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
+    trainer = cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch"), max_steps=max_steps, default_root_dir=root,
+                          enable_checkpointing=True, callbacks=[checkpoints, _Ballast()])
+    trainer.fit(module, ckpt_path="last" if (root / "last.ckpt").exists() else None)
+
+
+def _other_filesystem(tmp_path):
+    """/dev/shm when it is another filesystem than ``tmp_path``'s (a rename across the two would be a copy), else a
+    folder beside the checkpoints."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != tmp_path.stat().st_dev:
+        return Path(tempfile.mkdtemp(prefix="megatrain-tmpdir-", dir=shm))
+    (tmp_path / "tmpdir").mkdir()
+    return tmp_path / "tmpdir"
+
+
+def test_sigkill_during_saves_leaves_every_checkpoint_loadable(tmp_path):
+    """A child process fits and saves every step; it is SIGKILLed at random times while a save's temporary file is
+    being written, 8 times, each child resuming from ``"last"``. After every kill each ``*.ckpt`` loads; a last child's
+    saves leave no temporary file of any kill behind; ``$TMPDIR`` (another filesystem where there is one) stays empty.
+    With Lightning's ``TorchCheckpointIO`` (its temporary file in ``$TMPDIR``, then a copy) a kill leaves a truncated
+    checkpoint here."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    tmpdir = _other_filesystem(tmp_path)
+    fork = multiprocessing.get_context("fork")  # no new interpreter per kill: the child has everything imported
+    rng = random.Random(0)
+    killed_mid_save, child = 0, None
+    try:
+        for kill in range(8):
+            child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, 10_000), daemon=True)
+            child.start()
+            saves, seen, deadline = rng.randint(1, 5), set(), time.monotonic() + 120
+            while len(seen) < saves:  # until the saves-th save of this child has begun
+                assert child.is_alive() and time.monotonic() < deadline, f"the child began {len(seen)} saves"
+                seen |= {p.name for p in root.glob(".*.tmp")}
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, 0.1) if kill else 0.0)  # the first at once: surely inside a save
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+            assert child.exitcode == -signal.SIGKILL
+            killed_mid_save += bool(list(root.glob(".*.tmp")))
+            ckpts = sorted(root.glob("*.ckpt"))
+            assert any(c.name == "last.ckpt" for c in ckpts) or len(ckpts) == 0
+            for ckpt in ckpts:
+                torch.load(ckpt, weights_only=False, mmap=True)  # raises for a truncated file
+        assert killed_mid_save >= 1  # at least one kill landed inside a save (most do)
+        start = torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"]
+        child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, start + 1))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+        assert not list(root.glob(".*.tmp")), "a temporary file survived the next save"
+        assert torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"] == start + 1
+        assert not list(tmpdir.iterdir())  # nothing went through $TMPDIR
+    finally:
+        if child is not None and child.is_alive():  # a failed assertion above
+            os.kill(child.pid, signal.SIGKILL)
+            child.join()
+        if tmpdir.parent != tmp_path:
+            shutil.rmtree(tmpdir, ignore_errors=True)

@@ -22,7 +22,7 @@ from lightning_megatrain.data.encoding import (
 from lightning_megatrain.data.formats import Conversation, convert_rows
 from lightning_megatrain.data.readers import dataset_files, read_rows
 from lightning_megatrain.data.registry import DatasetSpec, infer_spec, resolve_datasets
-from lightning_megatrain.data.sampling import EpochShuffleSampler, sample_indices, split_indices
+from lightning_megatrain.data.sampling import EpochShuffleSampler, ResumableLoader, sample_indices, split_indices
 from lightning_megatrain.data.templates import resolve_chat_template
 
 log = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ class SFTDataModule(LightningDataModule):
         self.val_dataset = self._finalize(val, "val")
 
     def _loader(self, items: list[Any], shuffle: bool) -> DataLoader:
-        return DataLoader(
+        return (ResumableLoader if shuffle else DataLoader)(
             items,
             batch_size=self.micro_batch_size,
             sampler=EpochShuffleSampler(len(items), self.seed) if shuffle else None,
@@ -330,7 +330,7 @@ class SFTDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (order seeded by ``seed + epoch``)."""
+        """Shuffled training batches (order seeded by ``seed + epoch``), resumable mid-epoch (``ResumableLoader``)."""
         if self.train_dataset is None:
             raise RuntimeError("SFTDataModule.setup() must run before train_dataloader()")
         return self._loader(self.train_dataset, shuffle=True)

@@ -1,11 +1,13 @@
-"""Seeded row sampling (``num_samples``), train/validation split and a resumable, epoch-aware shuffling sampler."""
+"""Seeded row sampling (``num_samples``), train/validation split, an epoch-aware shuffling sampler and the training
+loader that resumes mid-epoch."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 def validation_count(num_examples: int, val_size: int | float) -> int:
@@ -77,6 +79,7 @@ class EpochShuffleSampler(Sampler[int]):
         self.num_samples = num_samples
         self.seed = seed
         self.epoch = 0
+        self.start = 0  # positions of the epoch's order already trained on: a resumed epoch (ResumableLoader)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation of ``epoch``."""
@@ -84,7 +87,43 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist()[self.start:])
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class ResumableLoader(DataLoader):
+    """The training ``DataLoader`` over an :class:`EpochShuffleSampler`, resumable mid-epoch.
+
+    Lightning stores :meth:`state_dict` in every checkpoint (the fit loop's ``combined_loader`` entry: the epoch and
+    the batches of it trained on; with a sized loader Lightning fetches no batch ahead, so the count is exact) and
+    calls :meth:`load_state_dict` before the resumed run iterates. The resumed epoch then starts at the next batch
+    of the same order instead of at its first, so a run resumed mid-epoch sees the batches the uninterrupted run
+    sees. A checkpoint taken at the end of an epoch resumes at the next epoch's first batch.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trained = 0  # batches of the current epoch handed out (the one in training included)
+        self._resume: dict[str, int] | None = None  # a checkpoint's state, applied by the next __iter__
+
+    def __iter__(self) -> Iterator[Any]:
+        # a generator: this body runs at the epoch's first next(), after Lightning's set_epoch
+        sampler = self.sampler
+        assert isinstance(sampler, EpochShuffleSampler) and self.batch_size is not None
+        resume, self._resume = self._resume, None
+        skip = resume["batches"] if resume is not None and resume["epoch"] == sampler.epoch else 0
+        sampler.start = skip * self.batch_size
+        self._trained = skip
+        for batch in super().__iter__():
+            self._trained += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and how many of its batches were handed out (they are trained on by the time Lightning saves)."""
+        return {"epoch": self.sampler.epoch, "batches": self._trained}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at batch ``state["batches"]`` of epoch ``state["epoch"]`` when the next iteration is that epoch."""
+        self._resume = dict(state)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 from transformers.initialization import no_init_weights
 
+from lightning_megatrain._hardware import umask
 from lightning_megatrain.data.templates import end_of_turn_ids, resolve_chat_template
 from lightning_megatrain.models.causal_lm import CausalLMModule
 from lightning_megatrain.models.packed_attention import hf_attn_implementation
@@ -108,6 +109,7 @@ def export_checkpoint(
         model.save_pretrained(staging, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        _readable_per_umask(staging)
         if out_dir.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
             os.replace(out_dir, retired / out_dir.name)
@@ -119,6 +121,15 @@ def export_checkpoint(
         if staging.exists():
             shutil.rmtree(staging)
     return out_dir
+
+
+def _readable_per_umask(folder: Path) -> None:
+    """Give ``folder`` and what is in it the modes ``mkdir`` and ``open`` give: ``mkdtemp`` makes the folder private,
+    and safetensors writes ``model.safetensors`` private too (0o600 whatever the umask)."""
+    mask = umask()
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _generation_config(source: str | None, config: PretrainedConfig) -> GenerationConfig:

@@ -79,6 +79,16 @@ def _deepspeed_adam(optimizer: Optimizer) -> Optimizer:
             if type(self) is HostCPUAdam:
                 super().__del__()
 
+        # DeepSpeed's step() as the engine takes it: HostUpdate's ([Note: DeepSpeed's beta powers])
+        @torch.no_grad()
+        def step(self, closure: Callable[[], Any] | None = None) -> Any:
+            loss = None if closure is None else torch.enable_grad()(closure)()
+            params = [p for g in self.param_groups for p in g["params"]]
+            update = HostUpdate(self)
+            update.prepare([params])
+            update(params)
+            return loss
+
     d = optimizer.defaults
     return HostCPUAdam(
         optimizer.param_groups,
@@ -332,14 +342,9 @@ class HostUpdate:
                 grad = self._grads[id(p)]
                 if self._grad_scale is not None:
                     grad.mul_(self._grad_scale)
-                h = self._hyper[id(self._group_of[id(p)])]
                 state = self.optimizer.state[p]
                 state["step"] += 1
-                beta1, beta2 = h["betas"]
-                self.optimizer.ds_opt_adam.adam_update(
-                    self.optimizer.opt_id, state["step"], h["lr"], beta1, beta2, h["eps"], h["weight_decay"],
-                    h["bias_correction"], p.data, grad, state["exp_avg"], state["exp_avg_sq"],
-                )
+                _deepspeed_update(self.optimizer, self._hyper[id(self._group_of[id(p)])], p, grad, state)
             return
         by_group: dict[int, list[Tensor]] = {}
         for p in present:
@@ -364,6 +369,28 @@ def check_like(p: Tensor, tensors: dict[str, Tensor], kernel: str, contiguous: b
                 f"the {name} of a host parameter {_describe(p)} is {_describe(t)}"
                 f"{'' if dense else ' (not a dense contiguous tensor)'}: the {kernel} kernel cannot update it"
             )
+
+
+_NO_ELEMENTS = torch.empty(0)  # fp32: what DeepSpeed's adam_update takes for a call that updates nothing
+
+
+def _deepspeed_update(optimizer: Optimizer, h: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+    """DeepSpeedCPUAdam's update of ``p`` to step ``state["step"]``, its bias corrections from the step count alone.
+
+    [Note: DeepSpeed's beta powers]
+    DeepSpeed's C++ Adam object keeps beta1^t and beta2^t in fp32 between calls: a call for step t + 1 after one for
+    step t multiplies them by beta, any other step recomputes them as pow(beta, t). A run resumed from a checkpoint
+    gets a fresh object, so its first step took pow where the uninterrupted run had multiplied t times, and their
+    weights drifted apart in the last bits (by up to 6e-7 after 20 resumed steps at lr 1e-2 in unit tests). A call for
+    step 0 on no elements first resets the object, so every update takes pow(beta, t) (for t = 1: beta, as the
+    product gives): the update is a function of the checkpointed step count and betas alone, as torch's Adam's is,
+    and a resumed run is bitwise the uninterrupted one (tests/strategy/test_exact_resume.py).
+    """
+    beta1, beta2 = h["betas"]
+    args = (h["lr"], beta1, beta2, h["eps"], h["weight_decay"], h["bias_correction"])
+    ds, opt_id = optimizer.ds_opt_adam, optimizer.opt_id
+    ds.adam_update(opt_id, 0, *args, _NO_ELEMENTS, _NO_ELEMENTS, _NO_ELEMENTS, _NO_ELEMENTS)
+    ds.adam_update(opt_id, state["step"], *args, p.data, grad, state["exp_avg"], state["exp_avg_sq"])
 
 
 def _describe(t: Tensor) -> str:

@@ -6,7 +6,7 @@ import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
 from lightning_megatrain.data import IGNORE_INDEX, Example, PackedCollator, PadCollator, SFTDataModule, pack_examples
-from lightning_megatrain.data.sampling import EpochShuffleSampler, split_indices
+from lightning_megatrain.data.sampling import EpochShuffleSampler, ResumableLoader, split_indices
 
 PAD = 0
 
@@ -104,6 +104,40 @@ def test_sampler_is_deterministic_per_seed_and_epoch():
     sampler.set_epoch(0)
     assert list(sampler) == epoch0
     assert list(EpochShuffleSampler(100, seed=8)) != epoch0
+
+
+def test_resumable_loader_resumes_at_the_next_batch_of_the_saved_epoch():
+    """What Lightning does with the training loader: ``state_dict()`` when a checkpoint is saved after a batch,
+    ``load_state_dict()`` on a new loader before the resumed run iterates (tests/strategy/test_exact_resume.py fits
+    through it)."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    def loader() -> ResumableLoader:
+        return ResumableLoader(list(range(10)), batch_size=3, sampler=EpochShuffleSampler(10, seed=5))
+
+    first = loader()
+    assert isinstance(first, _Stateful)  # what Lightning checks before saving and restoring it
+    first.sampler.set_epoch(1)
+    batches = iter(first)
+    epoch1 = [next(batches).tolist() for _ in range(2)]
+    state = first.state_dict()
+    assert state == {"epoch": 1, "batches": 2}
+    epoch1 += [b.tolist() for b in batches]
+    assert len(epoch1) == 4 and first.state_dict() == {"epoch": 1, "batches": 4}
+
+    resumed = loader()
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(1)  # Lightning's set_epoch comes before the first batch
+    assert [b.tolist() for b in resumed] == epoch1[2:]
+    resumed.sampler.set_epoch(2)
+    whole = loader()
+    whole.sampler.set_epoch(2)
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in whole]  # the next epoch starts at its first batch
+
+    other_epoch = loader()  # a state of epoch 1 does not skip batches of another epoch (saved at an epoch's end)
+    other_epoch.load_state_dict(state)
+    other_epoch.sampler.set_epoch(2)
+    assert [b.tolist() for b in other_epoch] == [b.tolist() for b in whole]
 
 
 def _batches(module: SFTDataModule) -> list[list[list[int]]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -58,6 +59,19 @@ def test_export_reproduces_trained_logits(fitted, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids).logits, module(input_ids), rtol=0, atol=1e-5)
     assert AutoTokenizer.from_pretrained(out_dir)("t5 t7")["input_ids"] == [5, 7]
+
+
+@pytest.mark.parametrize("fitted", ["qwen3"], indirect=True)
+def test_export_folder_is_readable_per_the_umask(fitted, tmp_path):
+    _, ckpt_path = fitted
+    old = os.umask(0o022)
+    try:
+        out_dir = export_checkpoint(ckpt_path, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert out_dir.stat().st_mode & 0o777 == 0o755  # as mkdir makes it: others may read the exported model
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out_dir.iterdir()}
+    assert modes == dict.fromkeys(modes, "0o644")  # model.safetensors included (safetensors writes it 0o600)
 
 
 @pytest.mark.parametrize("fitted", ["qwen3"], indirect=True)
