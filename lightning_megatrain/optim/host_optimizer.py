@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as adam_functional  # what Adam/AdamW.step() call after _init_group
 
 from lightning_megatrain.config import CpuAdamMode
+from lightning_megatrain.optim.deepspeed_adam import deepspeed_host_adam, deepspeed_update
 
 log = logging.getLogger(__name__)
 
@@ -37,67 +36,10 @@ def _is_adam(optimizer: Optimizer) -> bool:
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
 
 
-def _decoupled(optimizer: Optimizer) -> bool:
+def is_decoupled(optimizer: Optimizer) -> bool:
     if hasattr(optimizer, "ds_opt_adam"):
         return bool(optimizer.adam_w_mode)
     return isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay", False))
-
-
-def cpu_adam_build_dir() -> Path | None:
-    """The folder where DeepSpeed's CPUAdam extension is about to be compiled (torch's JIT extension cache:
-    ``$TORCH_EXTENSIONS_DIR/cpu_adam``, else ``~/.cache/torch_extensions/<python>_<cuda>/cpu_adam``), or None when
-    nothing will be built: DeepSpeed was installed with it prebuilt, this process loaded it, or the cache holds it."""
-    from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder import CPUAdamBuilder
-    from torch.utils.cpp_extension import _get_build_directory  # the folder torch.utils.cpp_extension.load uses
-
-    name = CPUAdamBuilder.NAME
-    if installed_ops.get(name, False) or name in CPUAdamBuilder._loaded_ops:
-        return None
-    folder = Path(_get_build_directory(name, verbose=False))
-    return None if (folder / f"{name}.so").exists() else folder
-
-
-def _deepspeed_adam(optimizer: Optimizer) -> Optimizer:
-    if not torch.cuda.is_available():
-        # What DeepSpeed would detect, said up front: it then skips its "Setting accelerator to CPU" warning.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    folder = cpu_adam_build_dir()
-    if folder is not None:  # the JIT build prints nothing and takes a minute or more
-        log.info(
-            "MegaTrain: building DeepSpeed's CPU Adam extension in %s (once per machine, about a minute; later runs "
-            "load it from there)",
-            folder,
-        )
-
-    class HostCPUAdam(DeepSpeedCPUAdam):
-        def __del__(self) -> None:
-            # LightningOptimizer wraps an optimizer in a dynamic subclass that shares its __dict__ (opt_id included):
-            # collecting a wrapper must not free the C++ state of the optimizer still in use (segfault in step()).
-            if type(self) is HostCPUAdam:
-                super().__del__()
-
-        # DeepSpeed's step() as the engine takes it: HostUpdate's ([Note: DeepSpeed's beta powers])
-        @torch.no_grad()
-        def step(self, closure: Callable[[], Any] | None = None) -> Any:
-            loss = None if closure is None else torch.enable_grad()(closure)()
-            params = [p for g in self.param_groups for p in g["params"]]
-            update = HostUpdate(self)
-            update.prepare([params])
-            update(params)
-            return loss
-
-    d = optimizer.defaults
-    return HostCPUAdam(
-        optimizer.param_groups,
-        lr=float(d["lr"]),
-        betas=d["betas"],
-        eps=d["eps"],
-        weight_decay=d["weight_decay"],
-        adamw_mode=_decoupled(optimizer),
-    )
 
 
 def _torch_fused(optimizer: Optimizer) -> Optimizer:
@@ -124,7 +66,7 @@ def to_host_optimizer(optimizer: Optimizer, mode: CpuAdamMode = "auto") -> Optim
         return optimizer
     if mode != "torch" and _deepspeed_failure is None:
         try:
-            host = _deepspeed_adam(optimizer)
+            host = deepspeed_host_adam(optimizer)
             log.info("MegaTrain: %s -> DeepSpeedCPUAdam", type(optimizer).__name__)
             return host
         except Exception as e:  # ImportError, or the JIT build failing (no g++ / Python headers)
@@ -302,7 +244,7 @@ class HostUpdate:
         # clipping costs no separate pass (the AMP unscale argument; grads end up scaled exactly as clipping leaves
         # them).
         self._unscale = None if self.deepspeed else _unscale(grad_scale)
-        self._decoupled = _decoupled(optimizer)
+        self._decoupled = is_decoupled(optimizer)
         self.started = 0  # parameters whose update has begun: after a failure, 0 means nothing was written
 
     def _present(self, params: Sequence[Tensor]) -> list[Tensor]:
@@ -344,7 +286,7 @@ class HostUpdate:
                     grad.mul_(self._grad_scale)
                 state = self.optimizer.state[p]
                 state["step"] += 1
-                _deepspeed_update(self.optimizer, self._hyper[id(self._group_of[id(p)])], p, grad, state)
+                deepspeed_update(self.optimizer, self._hyper[id(self._group_of[id(p)])], p, grad, state)
             return
         by_group: dict[int, list[Tensor]] = {}
         for p in present:
@@ -371,28 +313,6 @@ def check_like(p: Tensor, tensors: dict[str, Tensor], kernel: str, contiguous: b
             )
 
 
-_NO_ELEMENTS = torch.empty(0)  # fp32: what DeepSpeed's adam_update takes for a call that updates nothing
-
-
-def _deepspeed_update(optimizer: Optimizer, h: dict, p: Tensor, grad: Tensor, state: dict) -> None:
-    """DeepSpeedCPUAdam's update of ``p`` to step ``state["step"]``, its bias corrections from the step count alone.
-
-    [Note: DeepSpeed's beta powers]
-    DeepSpeed's C++ Adam object keeps beta1^t and beta2^t in fp32 between calls: a call for step t + 1 after one for
-    step t multiplies them by beta, any other step recomputes them as pow(beta, t). A run resumed from a checkpoint
-    gets a fresh object, so its first step took pow where the uninterrupted run had multiplied t times, and their
-    weights drifted apart in the last bits (by up to 6e-7 after 20 resumed steps at lr 1e-2 in unit tests). A call for
-    step 0 on no elements first resets the object, so every update takes pow(beta, t) (for t = 1: beta, as the
-    product gives): the update is a function of the checkpointed step count and betas alone, as torch's Adam's is,
-    and a resumed run is bitwise the uninterrupted one (tests/strategy/test_exact_resume.py).
-    """
-    beta1, beta2 = h["betas"]
-    args = (h["lr"], beta1, beta2, h["eps"], h["weight_decay"], h["bias_correction"])
-    ds, opt_id = optimizer.ds_opt_adam, optimizer.opt_id
-    ds.adam_update(opt_id, 0, *args, _NO_ELEMENTS, _NO_ELEMENTS, _NO_ELEMENTS, _NO_ELEMENTS)
-    ds.adam_update(opt_id, state["step"], *args, p.data, grad, state["exp_avg"], state["exp_avg_sq"])
-
-
 def _describe(t: Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
 
@@ -410,7 +330,7 @@ def device_update(
     the step's non-finite decision, taken on the device ([Note: all-or-nothing steps] in engine/optimizer_step.py).
     """
     group_of, hyper = hyper_snapshot(optimizer)
-    decoupled = _decoupled(optimizer)
+    decoupled = is_decoupled(optimizer)
     unscale = _unscale(grad_scale)
     on_device: dict[torch.device, Tensor] = {}  # a host factor: one (pageable) copy per step, not one per group
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain import MegaTrainStrategy
-from lightning_megatrain.optim import host_optimizer
+from lightning_megatrain.optim import deepspeed_adam, host_optimizer
 
 from helpers.parity import assert_records_close, run
 
@@ -261,10 +261,10 @@ def test_cpu_adam_build_dir_is_the_torch_extensions_cache_until_built(tmp_path, 
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(CPUAdamBuilder, "_loaded_ops", {})  # as in a fresh process
-    folder = host_optimizer.cpu_adam_build_dir()
+    folder = deepspeed_adam.cpu_adam_build_dir()
     assert folder == tmp_path / "cpu_adam"
     (folder / "cpu_adam.so").touch()  # built by an earlier run: loaded, not built
-    assert host_optimizer.cpu_adam_build_dir() is None
+    assert deepspeed_adam.cpu_adam_build_dir() is None
 
 
 def test_building_cpu_adam_is_logged_before_the_build_and_the_fallback_still_warns(tmp_path, monkeypatch, caplog):
@@ -277,7 +277,7 @@ def test_building_cpu_adam_is_logged_before_the_build_and_the_fallback_still_war
         events.append("build")
         raise RuntimeError("mocked build failure")
 
-    monkeypatch.setattr(host_optimizer, "cpu_adam_build_dir", lambda: tmp_path / "cpu_adam")
+    monkeypatch.setattr(deepspeed_adam, "cpu_adam_build_dir", lambda: tmp_path / "cpu_adam")
     monkeypatch.setattr(CPUAdamBuilder, "load", build)
     monkeypatch.setattr(host_optimizer, "_deepspeed_failure", None)
     monkeypatch.setattr(host_optimizer, "_warned", False)
@@ -291,7 +291,7 @@ def test_building_cpu_adam_is_logged_before_the_build_and_the_fallback_still_war
 
 def test_no_build_message_when_the_extension_is_cached(monkeypatch, caplog):
     pytest.importorskip("deepspeed")
-    monkeypatch.setattr(host_optimizer, "cpu_adam_build_dir", lambda: None)
+    monkeypatch.setattr(deepspeed_adam, "cpu_adam_build_dir", lambda: None)
     monkeypatch.setattr(host_optimizer, "_deepspeed_failure", None)
     caplog.set_level("INFO", logger=host_optimizer.log.name)
     host_optimizer.to_host_optimizer(_adamw(), "auto")
