@@ -43,17 +43,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _zero_dropout(config: PretrainedConfig) -> list[str]:
+def _zero_dropout(config: PretrainedConfig) -> None:
     """Set every dropout probability of ``config`` and of its text config (``attention_dropout``,
-    ``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ...: float fields named ``*dropout*`` or ``*pdrop``) to 0;
-    returns the names it changed."""
-    changed = []
+    ``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ...: numbers named ``*dropout*`` or ``*pdrop``) to 0."""
     for part in {id(c): c for c in (config, config.get_text_config())}.values():
         for name, value in part.to_dict().items():
             if ("dropout" in name or name.endswith("pdrop")) and _is_number(value) and value > 0:
                 setattr(part, name, 0.0)
-                changed.append(name)
-    return changed
 
 
 def _right_padded(mask: Any) -> bool:
@@ -95,13 +91,14 @@ class DPOModule(CausalLMModule):
         loss_type: ``"sigmoid"`` (DPO), ``"ipo"``, ``"simpo"`` or ``"orpo"`` (formulas in
             ``models/preference_loss.py``). Default ``"sigmoid"``.
         beta: DPO's and SimPO's inverse temperature, IPO's ``tau``, ORPO's weight of the odds-ratio term. Larger
-            keeps DPO closer to the reference. Default ``None``: 2.0 for ``"simpo"`` (its paper's range is 2.0-2.5),
-            0.1 for the others.
+            keeps DPO closer to the reference. Default ``None``: 2.0 for ``"simpo"``, 0.1 for the others
+            (``preference_loss.default_beta``).
         label_smoothing: ``"sigmoid"``/``"simpo"``: the assumed probability that a pair's labels are flipped
             (conservative DPO), in [0, 0.5). Default 0.
         simpo_gamma: ``"simpo"``: the target reward margin ``gamma``. Default 0.5.
         reference_cache: ``"sigmoid"``/``"ipo"``: a file for the reference log-probabilities: read when it exists and
-            matches the run's model, precision and data (a mismatch is refused), else computed and written there.
+            matches the run's model (and the seed of a ``config`` model), precision and data (a mismatch is
+            refused), else computed and written there (by global rank zero).
             Default ``None``: computed in every run (and kept in checkpoints).
         disable_dropout: Set every dropout probability of the model's config (``attention_dropout``,
             ``hidden_dropout``, ``resid_pdrop``, ...) and every ``nn.Dropout`` to 0, as TRL does. ``False`` keeps
