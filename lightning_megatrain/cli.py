@@ -40,13 +40,15 @@ What this CLI adds to a plain ``LightningCLI``:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import MethodType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from jsonargparse import DefaultHelpFormatter, Namespace, set_parsing_settings
@@ -161,6 +163,23 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
     """jsonargparse's help with the description printed as written (keeps the command list readable)."""
 
 
+#: ``DPOModule``'s own arguments (``loss_type``, ``beta``, ...), named in the error of a CLI that does not take them.
+_DPO_ONLY = sorted(set(inspect.signature(DPOModule.__init__).parameters)
+                   - set(inspect.signature(CausalLMModule.__init__).parameters) - {"kwargs"})
+_DPO_OPTION = re.compile(rf"'model\.({'|'.join(_DPO_ONLY)})'")
+
+
+class _ArgumentParser(LightningArgumentParser):
+    """``LightningArgumentParser`` whose error about a ``DPOModule`` option (a DPO config given to ``megatrain fit``)
+    says to run ``megatrain dpo``."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if found := _DPO_OPTION.search(message):
+            message += (f"; {found.group(1)} is an option of DPOModule: run preference optimisation with "
+                        f"`{PROG} dpo fit|validate|test|predict ...` (docs/dpo.md)")
+        super().error(message, ex)
+
+
 class MegaTrainCLI(LightningCLI):
     """``LightningCLI`` for ``CausalLMModule`` + ``SFTDataModule`` with the megatrain defaults (module docstring).
 
@@ -185,6 +204,7 @@ class MegaTrainCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a resumed run may log into the same folder
         super().__init__(
             model_class=kwargs.pop("model_class", CausalLMModule),
+            parser_class=_ArgumentParser,
             datamodule_class=kwargs.pop("datamodule_class", SFTDataModule),
             subclass_mode_model=False,
             subclass_mode_data=False,
@@ -290,7 +310,7 @@ def export_main(argv: Sequence[str]) -> int:
     """``megatrain export CKPT OUT_DIR [--max-shard-size 5GB] [--overwrite]``."""
     parser = argparse.ArgumentParser(
         prog=f"{PROG} export",
-        description="Export a Lightning checkpoint of a CausalLMModule as a HuggingFace model folder "
+        description="Export a Lightning checkpoint of a CausalLMModule or DPOModule as a HuggingFace model folder "
         "(config.json, safetensors shards, generation config, tokenizer), loadable with "
         "AutoModelForCausalLM.from_pretrained(OUT_DIR). Only export checkpoints you trust (they are unpickled).",
     )

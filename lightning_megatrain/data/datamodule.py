@@ -159,6 +159,11 @@ class SFTDataModule(LightningDataModule):
                 "SFTDataModule does not read; train it with `megatrain dpo` (PreferenceDataModule and DPOModule, "
                 "docs/dpo.md), or register it without 'ranking' and with a response column")
 
+    def _chat_template_hint(self) -> str:
+        """Who needs a chat template and how to give one, for a tokenizer without it."""
+        return ("which mode='sft' needs; add one to tokenizer_config.json, pass template (a .jinja file), or use "
+                "mode='pt'")
+
     def _argument_problems(self) -> list[str]:
         """Every problem with the scalar arguments (``dataset``/``tokenizer`` are checked separately)."""
         problems = []
@@ -207,8 +212,7 @@ class SFTDataModule(LightningDataModule):
             except ValueError as err:
                 problems.append(str(err))
         if self.mode == "sft" and not tokenizer.chat_template:
-            problems.append(f"{where}: has no chat_template, which mode='sft' needs; add one to tokenizer_config.json "
-                            "or use mode='pt'")
+            problems.append(f"{where}: has no chat_template, {self._chat_template_hint()}")
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
             problems.append(f"{where}: defines neither a pad nor an eos token to pad with; set pad_token")
         return tokenizer

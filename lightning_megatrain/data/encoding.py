@@ -310,10 +310,12 @@ def encode_pair(
         The pair, or ``None`` when truncation left either response without a trained token.
 
     Raises:
-        TemplateError: If the template fails to render, or no exact span exists for a response.
+        TemplateError: If the template fails to render, drops the pair's tool definitions, calls or results, or no
+            exact span exists for a response.
     """
     examples = []
     for conversation in (pair.chosen, pair.rejected):
+        _check_tool_support(tokenizer, conversation)
         context, answer = render_turn(tokenizer, conversation, len(conversation.messages) - 1)
         example = _tokenize(tokenizer, [(context, False), (answer, True)], cutoff_len, train_on_prompt=False)
         if example is None:

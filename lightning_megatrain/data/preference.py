@@ -86,6 +86,10 @@ class PreferenceDataModule(SFTDataModule):
                 "and 'chosen'/'rejected' responses, registered with 'ranking': true in dataset_info.json "
                 "(docs/dpo.md); train an SFT dataset with `megatrain fit`")
 
+    def _chat_template_hint(self) -> str:
+        return ("which PreferenceDataModule needs to render each prompt and response; add one to "
+                "tokenizer_config.json or pass template (a .jinja file)")
+
     def _encode(self, pairs: list[tuple[Any, str]]) -> list[PairExample]:
         """Tokenize pairs (``PairExample.index`` counts the kept ones); pairs a truncation empties are dropped."""
         examples: list[PairExample] = []

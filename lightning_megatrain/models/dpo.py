@@ -9,10 +9,19 @@ from typing import Any
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.nn.modules.dropout import _DropoutNd
+from torch.utils.data import DataLoader
+from transformers import PretrainedConfig
 
 from lightning_megatrain.models.causal_lm import TARGET_ROWS, CausalLMModule, _labels
 from lightning_megatrain.models.loss import IGNORE_INDEX
-from lightning_megatrain.models.preference_loss import LOSS_TYPES, REFERENCE_FREE, PreferenceLoss, preference_loss
+from lightning_megatrain.models.preference_loss import (
+    LOSS_TYPES,
+    REFERENCE_FREE,
+    PreferenceLoss,
+    default_beta,
+    preference_loss,
+)
 from lightning_megatrain.models.reference import (
     PAIR_INDEX,
     REFERENCE_LOGPS,
@@ -27,6 +36,20 @@ from lightning_megatrain.models.sequence_logps import sequence_logps
 # attention never lets a real token see the padding after it, and the padding's own outputs are never targets, so the
 # log-probabilities are the same; no [2B, 1, T, T] mask is built (2.4 GiB at 146 rows of 4096 under sdpa).
 CAUSAL_ONLY = "causal_only"
+REFERENCE_FINGERPRINTS = "reference_fingerprints"  # checkpoint key: split -> fingerprint() of the pairs of its table
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _zero_dropout(config: PretrainedConfig) -> None:
+    """Set every dropout probability of ``config`` and of its text config (``attention_dropout``,
+    ``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ...: numbers named ``*dropout*`` or ``*pdrop``) to 0."""
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        for name, value in part.to_dict().items():
+            if ("dropout" in name or name.endswith("pdrop")) and _is_number(value) and value > 0:
+                setattr(part, name, 0.0)
 
 
 def _right_padded(mask: Any) -> bool:
@@ -60,17 +83,26 @@ class DPOModule(CausalLMModule):
     ``val_loss`` and ``val_rewards/...`` (``test_...`` in ``test``) averaged over the held-out pairs. ``predict``
     returns per batch ``{"chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens", "pair_index"}``.
 
+    Dropout is off by default (``disable_dropout``): the reference's log-probabilities are computed in eval mode, so
+    a policy trained with dropout would differ from its reference before its first update, and dropout's noise
+    enters both log-probabilities of every pair.
+
     Args:
         loss_type: ``"sigmoid"`` (DPO), ``"ipo"``, ``"simpo"`` or ``"orpo"`` (formulas in
             ``models/preference_loss.py``). Default ``"sigmoid"``.
         beta: DPO's and SimPO's inverse temperature, IPO's ``tau``, ORPO's weight of the odds-ratio term. Larger
-            keeps DPO closer to the reference. Default 0.1.
+            keeps DPO closer to the reference. Default ``None``: 2.0 for ``"simpo"``, 0.1 for the others
+            (``preference_loss.default_beta``).
         label_smoothing: ``"sigmoid"``/``"simpo"``: the assumed probability that a pair's labels are flipped
             (conservative DPO), in [0, 0.5). Default 0.
         simpo_gamma: ``"simpo"``: the target reward margin ``gamma``. Default 0.5.
         reference_cache: ``"sigmoid"``/``"ipo"``: a file for the reference log-probabilities: read when it exists and
-            matches the run's model, precision and data (a mismatch is refused), else computed and written there.
+            matches the run's model (and the seed of a ``config`` model), precision and data (a mismatch is
+            refused), else computed and written there (by global rank zero).
             Default ``None``: computed in every run (and kept in checkpoints).
+        disable_dropout: Set every dropout probability of the model's config (``attention_dropout``,
+            ``hidden_dropout``, ``resid_pdrop``, ...) and every ``nn.Dropout`` to 0, as TRL does. ``False`` keeps
+            the model's dropout in training (the reference is still computed without it). Default ``True``.
         model, config, tokenizer, attn_implementation, trust_remote_code, loss_chunk_size, learning_rate,
             weight_decay, betas, eps, warmup_steps, min_lr_ratio: as ``CausalLMModule`` (``loss_chunk_size``: target
             tokens per chunk of the LM head).
@@ -79,18 +111,25 @@ class DPOModule(CausalLMModule):
     def __init__(
         self,
         loss_type: str = "sigmoid",
-        beta: float = 0.1,
+        beta: float | None = None,
         label_smoothing: float = 0.0,
         simpo_gamma: float = 0.5,
         reference_cache: str | None = None,
+        disable_dropout: bool = True,
         **kwargs: Any,
     ) -> None:
         problems = []
         if loss_type not in LOSS_TYPES:
             problems.append(f"loss_type={loss_type!r}: must be one of {list(LOSS_TYPES)}")
-        if not (isinstance(beta, (int, float)) and beta > 0):
-            problems.append(f"beta={beta!r}: must be a number > 0 (e.g. 0.1)")
-        if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
+        if not (beta is None or (_is_number(beta) and beta > 0)):
+            problems.append(f"beta={beta!r}: must be a number > 0 (e.g. 0.1), or None for the loss's default")
+        if not _is_number(simpo_gamma):
+            problems.append(f"simpo_gamma={simpo_gamma!r}: must be a number (e.g. 0.5)")
+        if not (reference_cache is None or isinstance(reference_cache, str)):
+            problems.append(f"reference_cache={reference_cache!r}: must be a file path (a string) or None")
+        if not isinstance(disable_dropout, bool):
+            problems.append(f"disable_dropout={disable_dropout!r}: must be True or False")
+        if not (_is_number(label_smoothing) and 0 <= label_smoothing < 0.5):
             problems.append(f"label_smoothing={label_smoothing!r}: must be in [0, 0.5) (0 disables it)")
         elif label_smoothing and loss_type not in ("sigmoid", "simpo"):
             problems.append(f"label_smoothing={label_smoothing!r}: applies to loss_type 'sigmoid' and 'simpo' only, "
@@ -101,12 +140,34 @@ class DPOModule(CausalLMModule):
         if problems:
             raise ValueError("DPOModule: invalid argument(s):\n  - " + "\n  - ".join(problems))
         super().__init__(**kwargs)
+        self.beta = default_beta(loss_type) if beta is None else float(beta)
         self.reference_logps: dict[str, Tensor] = {}  # split -> [N, 2] (chosen, rejected), fp32 on the host
+        self.reference_fingerprints: dict[str, str] = {}  # split -> reference.fingerprint() of its table's pairs
+        self._checked_data: dict[str, Any] = {}  # split -> the dataset its table was checked against or computed on
+        self._init_seed: int | None = None  # torch's seed when configure_model initialised a config= model
         self._computing_reference = False
 
     @property
     def needs_reference(self) -> bool:
         return self.hparams.loss_type not in REFERENCE_FREE
+
+    def _resolve_config(self) -> PretrainedConfig:
+        """:meth:`CausalLMModule._resolve_config`, with the dropout probabilities set to 0 (``disable_dropout``)."""
+        config = super()._resolve_config()
+        if self.hparams.disable_dropout:
+            _zero_dropout(config)
+        return config
+
+    def configure_model(self) -> None:
+        """:meth:`CausalLMModule.configure_model`, recording the seed of a random init (a ``reference_cache`` key)
+        and setting every ``nn.Dropout``'s ``p`` to 0 (``disable_dropout``)."""
+        if self.model is None and self.hparams.config is not None:
+            self._init_seed = torch.initial_seed()
+        super().configure_model()
+        if self.hparams.disable_dropout:
+            for module in self.model.modules():
+                if isinstance(module, _DropoutNd):
+                    module.p = 0.0
 
     # -- the forward and the loss ---------------------------------------------------------------------------------
 
@@ -139,7 +200,7 @@ class DPOModule(CausalLMModule):
         result = preference_loss(
             logps[:pairs], logps[pairs:], tokens[:pairs], tokens[pairs:],
             None if reference is None else reference[:, 0], None if reference is None else reference[:, 1],
-            loss_type=self.hparams.loss_type, beta=self.hparams.beta,
+            loss_type=self.hparams.loss_type, beta=self.beta,
             label_smoothing=self.hparams.label_smoothing, simpo_gamma=self.hparams.simpo_gamma,
         )
         return result, torch.stack([logps[:pairs], logps[pairs:]], dim=1).detach()
@@ -223,45 +284,76 @@ class DPOModule(CausalLMModule):
 
     def _ensure_reference(self, every_split: bool) -> None:
         """Fills the missing tables of the datamodule's splits (``every_split``, else ``"val"`` only) before the
-        weights change: from ``reference_cache`` when it holds them, else by one pass through the strategy."""
+        weights change: from ``reference_cache`` when it holds them, else by one pass through the strategy. A table
+        restored from a checkpoint is first checked against its split's data (:meth:`_check_restored`).
+
+        Raises:
+            ValueError: A restored table was computed on other pairs than its split's.
+        """
         datamodule = getattr(self.trainer, "datamodule", None)
         if not self.needs_reference or not hasattr(datamodule, "reference_dataloaders"):
             return  # batches must then bring reference_logps (on_before_batch_transfer says so)
         loaders = {split: loader for split, loader in datamodule.reference_dataloaders().items()
                    if every_split or split == "val"}
-        for split, loader in loaders.items():  # tables from a checkpoint: for this data?
-            table = self.reference_logps.get(split)
-            if table is not None and len(table) != len(loader.dataset):
-                raise ValueError(
-                    f"DPOModule: the reference log-probabilities restored for the {split!r} split cover {len(table)} "
-                    f"pairs, the datamodule's {split!r} split has {len(loader.dataset)}: the data changed since the "
-                    "checkpoint was written; resume with the data it was trained on, or start a new run"
-                )
+        fingerprints = {}
+        for split, loader in loaders.items():
+            if self._checked_data.get(split) is not loader.dataset:  # each split's pairs are hashed once per run
+                fingerprints[split] = fingerprint(loader)
+                self._check_restored(split, loader, fingerprints[split])
         loaders = {split: loader for split, loader in loaders.items() if split not in self.reference_logps}
         if not loaders:
             return
         path = Path(self.hparams.reference_cache).expanduser() if self.hparams.reference_cache else None
+        key = {"model": self.hparams.model or json.dumps(self.hparams.config, sort_keys=True), "seed": self._init_seed,
+               "precision": str(self.trainer.precision),
+               "fingerprints": {split: fingerprints[split] for split in loaders}}
+        missing = loaders
         if path is not None:
-            model = self.hparams.model or json.dumps(self.hparams.config, sort_keys=True)
-            key = {"model": model, "precision": str(self.trainer.precision),
-                   "fingerprints": {split: fingerprint(loader) for split, loader in loaders.items()}}
             cached = load_cache(path, key)
             self.reference_logps.update(cached)
-            loaders = {split: loader for split, loader in loaders.items() if split not in cached}
-            if not loaders:
-                return
-        self._computing_reference = True
-        try:
-            self.reference_logps.update(compute_reference(self, loaders))
-        finally:
-            self._computing_reference = False
-        if path is not None:
-            save_cache(path, key, self.reference_logps)
+            missing = {split: loader for split, loader in loaders.items() if split not in cached}
+        if missing:
+            self._computing_reference = True
+            try:
+                self.reference_logps.update(compute_reference(self, missing))
+            finally:
+                self._computing_reference = False
+            if path is not None and self.trainer.is_global_zero:  # one writer; every rank computed the same tables
+                save_cache(path, key, self.reference_logps)
+        for split, loader in loaders.items():
+            self.reference_fingerprints[split] = key["fingerprints"][split]
+            self._checked_data[split] = loader.dataset
+
+    def _check_restored(self, split: str, loader: DataLoader, data_fingerprint: str) -> None:
+        """Refuse a table of ``split`` restored from a checkpoint whose pairs are not ``loader``'s, by count and by
+        the fingerprint stored beside it; remember ``loader``'s dataset as checked."""
+        table = self.reference_logps.get(split)
+        if table is None:
+            return
+        if len(table) != len(loader.dataset):
+            raise ValueError(
+                f"DPOModule: the reference log-probabilities restored for the {split!r} split cover {len(table)} "
+                f"pairs, the datamodule's {split!r} split has {len(loader.dataset)}: the data changed since the "
+                "checkpoint was written; resume with the data it was trained on, or start a new run"
+            )
+        restored = self.reference_fingerprints.get(split)
+        if restored is not None and restored != data_fingerprint:
+            raise ValueError(
+                f"DPOModule: the reference log-probabilities restored for the {split!r} split were computed on other "
+                f"pairs (data fingerprint {restored[:12]}..., the datamodule's {data_fingerprint[:12]}...): the "
+                "dataset, its seed or split, the tokenizer or cutoff_len changed since the checkpoint was written; "
+                "resume with the data it was trained on, or start a new run"
+            )
+        self.reference_fingerprints[split] = data_fingerprint
+        self._checked_data[split] = loader.dataset
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint[REFERENCE_LOGPS] = dict(self.reference_logps)
+        checkpoint[REFERENCE_FINGERPRINTS] = dict(self.reference_fingerprints)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.reference_logps = dict(checkpoint.get(REFERENCE_LOGPS, {}))
+        self.reference_fingerprints = dict(checkpoint.get(REFERENCE_FINGERPRINTS, {}))
+        self._checked_data = {}  # restored tables are checked against the data before use

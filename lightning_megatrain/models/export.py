@@ -1,7 +1,9 @@
-"""Export a Lightning checkpoint of a ``CausalLMModule`` as a HuggingFace model directory."""
+"""Export a Lightning checkpoint of a ``CausalLMModule`` (or a subclass: ``DPOModule``) as a HuggingFace model
+directory."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import tempfile
@@ -28,8 +30,9 @@ def export_checkpoint(
 ) -> Path:
     """Writes ``config.json``, safetensors shards, the generation config and the tokenizer.
 
-    The module is rebuilt from the checkpoint's ``hyper_parameters`` (its HF config is resolved
-    from ``model`` or ``config`` as in training), the architecture is created without random
+    A ``CausalLMModule`` is rebuilt from the checkpoint's ``hyper_parameters`` that its constructor takes (a
+    subclass's own, such as ``DPOModule``'s ``loss_type`` and ``beta``, are left out; the HF config is resolved from
+    ``model`` or ``config`` as in training, with the model's own dropout), the architecture is created without random
     initialisation and filled with the checkpoint's ``model.*`` weights (fp32 masters). The
     tokenizer is exported when the module has ``tokenizer`` or ``model`` set, with the chat template the data was
     encoded with (the datamodule's ``template``, when the checkpoint records one), and the generation config's
@@ -42,7 +45,7 @@ def export_checkpoint(
     state); only export checkpoints you trust.
 
     Args:
-        ckpt_path: Single-file Lightning checkpoint (``.ckpt``) of a ``CausalLMModule``.
+        ckpt_path: Single-file Lightning checkpoint (``.ckpt``) of a ``CausalLMModule`` or a subclass.
         out_dir: Destination directory.
         max_shard_size: Largest safetensors shard, e.g. ``"5GB"`` or a byte count.
         overwrite: Replace a non-empty ``out_dir``.
@@ -67,8 +70,9 @@ def export_checkpoint(
         raise ValueError(
             f"{ckpt_path} has no 'hyper_parameters'; it was not saved from a CausalLMModule."
         )
-    # LightningCLI adds private keys such as `_class_path` and `_instantiator`.
-    hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
+    # LightningCLI adds private keys such as `_class_path` and `_instantiator`; subclasses add their own arguments.
+    accepted = inspect.signature(CausalLMModule.__init__).parameters
+    hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if k in accepted and k != "self"}
     state_dict = {
         key[len(_PREFIX) :]: value
         for key, value in checkpoint["state_dict"].items()

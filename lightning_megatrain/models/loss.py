@@ -93,6 +93,44 @@ def _nll_and_grad_fused() -> Callable[..., tuple[Tensor, Tensor | None]]:
     return torch.compile(_nll_and_grad, dynamic=True)
 
 
+def _nll_and_grad_for(device: torch.device) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """:func:`_nll_and_grad` compiled on CUDA (:func:`_nll_and_grad_fused`), eager elsewhere."""
+    return _nll_and_grad_fused() if device.type == "cuda" else _nll_and_grad
+
+
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The LM head's matmul dtype: autocast's inside an enabled autocast region of ``hidden``'s device, else the
+    inputs' promoted dtype."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _check_head_args(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, softcap: float | None) -> None:
+    """The argument checks of a chunked LM head (:func:`causal_lm_loss`, ``models.sequence_logps``).
+
+    Raises:
+        ValueError: ``hidden`` not ``[B, T, H]``, ``labels`` not ``[B, T]``, ``weight`` not ``[V, H]``,
+            ``chunk_size`` < 1 or ``softcap`` <= 0.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"labels must be [B, T] = {tuple(hidden.shape[:2])} to match hidden, "
+            f"got {tuple(labels.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"weight must be [V, {hidden.shape[2]}] to match hidden, got {tuple(weight.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+
+
 class _ChunkedCausalLMLoss(torch.autograd.Function):
     """Mean token NLL of ``hidden @ weight^T`` against pre-shifted targets, gradients in forward.
 
@@ -140,7 +178,7 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
             )  # [V, H] accumulator
 
             need_grad = grad_hidden_flat is not None or grad_weight is not None
-            nll_and_grad = _nll_and_grad_fused() if hidden.device.type == "cuda" else _nll_and_grad
+            nll_and_grad = _nll_and_grad_for(hidden.device)
             if rows is None:  # all positions, masked: see [Note: target rows]
                 n_rows = batch * seq  # from the shape: no device sync
                 valid_flat = targets_flat != ignore_index  # [B*T]
@@ -288,21 +326,7 @@ def causal_lm_loss(
         ValueError: a shape, ``chunk_size``, ``softcap``, ``reduction`` or ``rows`` out of range,
             or ``reduction="none"`` with inputs that need gradients.
     """
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, T, H], got shape {tuple(hidden.shape)}")
-    if labels.shape != hidden.shape[:2]:
-        raise ValueError(
-            f"labels must be [B, T] = {tuple(hidden.shape[:2])} to match hidden, "
-            f"got {tuple(labels.shape)}"
-        )
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
-        raise ValueError(
-            f"weight must be [V, {hidden.shape[2]}] to match hidden, got {tuple(weight.shape)}"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    _check_head_args(hidden, weight, labels, chunk_size, softcap)
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     if not (rows is None or isinstance(rows, Tensor) or (isinstance(rows, str) and rows == "all")):
@@ -315,11 +339,7 @@ def causal_lm_loss(
             "torch.no_grad() or use reduction='mean' to train"
         )
 
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    compute_dtype = _compute_dtype(hidden, weight)
     shifted_labels = shift_labels(labels, ignore_index)  # [B, T]
     if rows is None:  # see [Note: target rows]
         rows = "all" if _counting_rows_syncs(hidden.device) else _rows_with_target(shifted_labels, ignore_index)

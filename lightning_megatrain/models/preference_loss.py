@@ -11,12 +11,15 @@ model's, ``s(x) = log sigmoid(x)``. The loss is the mean over the ``B`` pairs of
 - ``"simpo"`` (Meng et al. 2024, eq. 6): no reference, length-normalised: ``h = beta * (c / n^c - r / n^r) - gamma``,
   loss ``-(1 - e) * s(h) - e * s(-h)``.
 - ``"orpo"`` (Hong et al. 2024, eq. 6-7): no reference, ``beta`` weighting the odds-ratio term:
-  ``log odds(y) = a - log(1 - exp(a))`` with ``a = logp / n`` the mean token log-probability, loss
+  ``log odds(y) = a - log(1 - exp(a))`` with ``a = min(logp / n, -1e-6)`` the mean token log-probability, loss
   ``NLL - beta * mean_i s(log odds(chosen_i) - log odds(rejected_i))`` where ``NLL = -sum_i c_i / sum_i n^c_i`` is
   SFT's token-mean loss on the chosen responses.
 
 Rewards, logged as metrics: ``beta * (logp - logp^ref)`` for ``"sigmoid"`` and ``"ipo"``, ``beta * logp / n`` for the
 reference-free losses.
+
+``beta=None`` takes :func:`default_beta`: 2.0 for ``"simpo"`` (the paper's range is 2.0-2.5, its ``beta`` scaling a
+mean token log-probability), 0.1 for the others (DPO's and TRL's default).
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ from torch import Tensor
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # the losses that read no reference log-probabilities
+_DEFAULT_BETA = {"simpo": 2.0}  # the others: 0.1 (see the module docstring)
+# ORPO's log odds: a mean log-probability of 0 (every target certain) would make log(1 - exp(a)) = -inf and its
+# gradient NaN; a is capped just below it.
+_ORPO_MAX_MEAN_LOGP = -1e-6
+
+
+def default_beta(loss_type: str) -> float:
+    """``beta`` when none is given: 2.0 for ``"simpo"``, 0.1 for ``"sigmoid"``, ``"ipo"`` and ``"orpo"``."""
+    return _DEFAULT_BETA.get(loss_type, 0.1)
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ def preference_loss(
     reference_rejected_logps: Tensor | None = None,
     *,
     loss_type: str = "sigmoid",
-    beta: float = 0.1,
+    beta: float | None = None,
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
 ) -> PreferenceLoss:
@@ -85,7 +97,8 @@ def preference_loss(
         reference_chosen_logps: ``[B]`` the reference model's ``chosen_logps`` (``"sigmoid"``, ``"ipo"``).
         reference_rejected_logps: ``[B]`` the reference model's ``rejected_logps``.
         loss_type: ``"sigmoid"``, ``"ipo"``, ``"simpo"`` or ``"orpo"``.
-        beta: The inverse temperature of DPO and SimPO, IPO's ``tau``, ORPO's ``lambda``.
+        beta: The inverse temperature of DPO and SimPO, IPO's ``tau``, ORPO's ``lambda``; ``None``:
+            :func:`default_beta` of ``loss_type``.
         label_smoothing: Probability that a pair's preference is flipped (``"sigmoid"``, ``"simpo"``).
         simpo_gamma: SimPO's target reward margin ``gamma``.
 
@@ -94,6 +107,7 @@ def preference_loss(
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: must be one of {list(LOSS_TYPES)}")
+    beta = default_beta(loss_type) if beta is None else beta
     if loss_type in REFERENCE_FREE:
         chosen_mean = chosen_logps / chosen_tokens.clamp(min=1)  # [B]
         rejected_mean = rejected_logps / rejected_tokens.clamp(min=1)  # [B]
@@ -102,7 +116,8 @@ def preference_loss(
             h = beta * (chosen_mean - rejected_mean) - simpo_gamma  # [B]
             losses = -(1 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
             return PreferenceLoss(losses.mean(), *rewards)
-        log_odds = (chosen_mean - _log1m_exp(chosen_mean)) - (rejected_mean - _log1m_exp(rejected_mean))  # [B]
+        chosen_a, rejected_a = chosen_mean.clamp(max=_ORPO_MAX_MEAN_LOGP), rejected_mean.clamp(max=_ORPO_MAX_MEAN_LOGP)
+        log_odds = (chosen_a - _log1m_exp(chosen_a)) - (rejected_a - _log1m_exp(rejected_a))  # [B]
         nll = -chosen_logps.sum() / chosen_tokens.sum().clamp(min=1)  # []
         return PreferenceLoss(nll - beta * F.logsigmoid(log_odds).mean(), *rewards)
     if reference_chosen_logps is None or reference_rejected_logps is None:

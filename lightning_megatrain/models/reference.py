@@ -10,16 +10,20 @@ eval mode and without gradients. No second copy of the weights exists anywhere: 
 bytes per parameter, 8 bytes per pair, and one forward of each pair per run, where a reference model beside the policy
 costs a forward of each pair at every step and, streamed from a bf16 host copy, 2 more host bytes per parameter.
 
-The table is saved in checkpoints, so resuming reads it instead of recomputing it from weights that have moved on.
-With ``DPOModule(reference_cache=PATH)`` it is also written to a file, keyed by the model, the precision and a
-SHA-256 of each split's batches (token ids, labels, masks, pair indices): a later run with the same key reads it and
-skips the pass; a different key is refused, naming what differs.
+Each split's table is tied to its data by :func:`fingerprint`, a SHA-256 of the split's pairs in order, unpadded
+(so ``micro_batch_size`` and ``pad_to_multiple_of`` do not change it). The tables and their fingerprints are saved in
+checkpoints, so resuming reads them instead of recomputing them from weights that have moved on, and a resumed run
+whose data fingerprint differs (another dataset, seed, split, tokenizer or ``cutoff_len``) is refused. With
+``DPOModule(reference_cache=PATH)`` the tables are also written to a file, keyed by the model (with the seed of a
+randomly initialised one), the precision and the fingerprints: a later run with the same key reads it and skips the
+pass; a different key is refused, naming what differs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from array import array
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,12 +37,30 @@ log = logging.getLogger(__name__)
 
 PAIR_INDEX = "pair_index"  # batch key: [B] each pair's position in its split (data/collate.py's PairCollator)
 REFERENCE_LOGPS = "reference_logps"  # batch key: [B, 2] the reference's (chosen, rejected) summed log-probabilities
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+_KEY_FIELDS = ("model", "seed", "precision")  # what a cache must match beside the data fingerprints
+_PAIR_END = b"\xffpair"  # written after each pair, so that no two splits' byte streams coincide
+
+
+def _int64(values: Any) -> bytes:
+    return array("q", values).tobytes()  # int64 in the host's byte order
 
 
 def fingerprint(loader: DataLoader) -> str:
-    """SHA-256 of a loader's batches, in order: every tensor of each batch, key by key."""
+    """SHA-256 of a split's pairs in order, before padding: each pair's chosen and rejected ``input_ids`` and
+    ``labels`` as int64 bytes (each sequence led by its length), then a separator. The batch shape
+    (``micro_batch_size``, ``pad_to_multiple_of``) does not change it. A dataset of items other than pairs (with
+    ``chosen``/``rejected`` ``input_ids`` and ``labels``): the loader's batches instead, each tensor key by key."""
     digest = hashlib.sha256()
+    dataset = loader.dataset
+    if all(hasattr(item, "chosen") and hasattr(item, "rejected") for item in dataset):
+        for pair in dataset:
+            for sequence in (pair.chosen, pair.rejected):
+                digest.update(_int64([len(sequence.input_ids)]))
+                digest.update(_int64(sequence.input_ids))
+                digest.update(_int64(sequence.labels))
+            digest.update(_PAIR_END)
+        return digest.hexdigest()
     for batch in loader:
         for key in sorted(batch):
             value = batch[key]
@@ -88,8 +110,8 @@ def load_cache(path: Path, key: Mapping[str, Any]) -> dict[str, Tensor]:
     """The tables of ``path`` whose split fingerprint matches ``key["fingerprints"]`` (``{}`` without a file).
 
     Raises:
-        ValueError: The file is not a reference cache, or was computed for another model or precision, or its split
-            holds other data.
+        ValueError: The file is not a reference cache, or was computed for another model, seed or precision, or its
+            split holds other data.
     """
     if not path.is_file():
         return {}
@@ -101,7 +123,7 @@ def load_cache(path: Path, key: Mapping[str, Any]) -> dict[str, Tensor]:
     if not isinstance(cache, dict) or cache.get("version") != CACHE_VERSION:
         raise ValueError(f"reference_cache={str(path)!r} is not a version-{CACHE_VERSION} reference cache; delete it "
                          "or point reference_cache elsewhere")
-    for field in ("model", "precision"):
+    for field in _KEY_FIELDS:
         if cache[field] != key[field]:
             raise ValueError(f"reference_cache={str(path)!r} was computed with {field}={cache[field]!r}, this run has "
                              f"{field}={key[field]!r}; delete it (it is recomputed) or point reference_cache elsewhere")
@@ -125,7 +147,7 @@ def save_cache(path: Path, key: Mapping[str, Any], tables: Mapping[str, Tensor])
     logps = {**cache.get("logps", {}), **{split: tables[split] for split in key["fingerprints"]}}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    torch.save({"version": CACHE_VERSION, "model": key["model"], "precision": key["precision"],
+    torch.save({"version": CACHE_VERSION, **{field: key[field] for field in _KEY_FIELDS},
                 "fingerprints": fingerprints, "logps": logps}, temporary)
     temporary.replace(path)
     log.info("DPO: reference log-probabilities written to %s", path)

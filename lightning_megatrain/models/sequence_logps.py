@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from lightning_megatrain.models.loss import IGNORE_INDEX, _nll_and_grad, _nll_and_grad_fused, shift_labels, target_rows
-
-
-def _chunk_nll(logits: Tensor, target: Tensor, scale: Tensor, softcap: float | None, acc_dtype: torch.dtype,
-               need_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """``loss._nll_and_grad``, compiled on CUDA as the chunked cross-entropy runs it."""
-    nll_and_grad = _nll_and_grad_fused() if logits.device.type == "cuda" else _nll_and_grad
-    return nll_and_grad(logits, target, scale, softcap, acc_dtype, need_grad)
+from lightning_megatrain.models.loss import (
+    IGNORE_INDEX,
+    _check_head_args,
+    _compute_dtype,
+    _nll_and_grad_for,
+    shift_labels,
+    target_rows,
+)
 
 
 class _SequenceLogps(torch.autograd.Function):
@@ -47,10 +47,11 @@ class _SequenceLogps(torch.autograd.Function):
             w = weight.to(compute_dtype)  # [V, H]
             sums = torch.zeros(batch, dtype=acc_dtype, device=hidden.device)  # [B]
             unit = torch.ones((), dtype=acc_dtype, device=hidden.device)  # [] unused without gradients
+            nll_and_grad = _nll_and_grad_for(hidden.device)
             for start in range(0, rows.numel(), chunk_size):
                 idx = rows[start : start + chunk_size]  # [C]
                 logits = hidden_flat.index_select(0, idx).to(compute_dtype) @ w.t()  # [C, V]
-                nll, _ = _chunk_nll(logits, targets_flat.index_select(0, idx), unit, softcap, acc_dtype, False)  # [C]
+                nll, _ = nll_and_grad(logits, targets_flat.index_select(0, idx), unit, softcap, acc_dtype, False)  # [C]
                 sums.index_add_(0, torch.div(idx, seq, rounding_mode="floor"), nll, alpha=-1)  # [B] -= nll
         ctx.save_for_backward(hidden, weight, shifted_labels, rows)
         ctx.chunk_size, ctx.softcap, ctx.compute_dtype = chunk_size, softcap, compute_dtype
@@ -72,12 +73,13 @@ class _SequenceLogps(torch.autograd.Function):
             scale_rows = grad_sums.to(acc_dtype).neg()  # [B]
             grad_hidden_flat = torch.zeros_like(hidden_flat) if need_hidden else None  # [B*T, H]
             grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
+            nll_and_grad = _nll_and_grad_for(hidden.device)
             for start in range(0, rows.numel(), ctx.chunk_size):
                 idx = rows[start : start + ctx.chunk_size]  # [C]
                 h = hidden_flat.index_select(0, idx).to(compute_dtype)  # [C, H]
                 scale = scale_rows.index_select(0, torch.div(idx, seq, rounding_mode="floor")).unsqueeze(1)  # [C, 1]
-                _, grad_logits = _chunk_nll(h @ w.t(), targets_flat.index_select(0, idx), scale, ctx.softcap,
-                                            acc_dtype, True)  # [C, V] in the compute dtype
+                _, grad_logits = nll_and_grad(h @ w.t(), targets_flat.index_select(0, idx), scale, ctx.softcap,
+                                              acc_dtype, True)  # [C, V] in the compute dtype
                 if grad_hidden_flat is not None:
                     grad_hidden_flat.index_copy_(0, idx, (grad_logits @ w).to(hidden.dtype))  # [B*T, H]
                 if grad_weight is not None:
@@ -123,20 +125,8 @@ def sequence_logps(
     Raises:
         ValueError: A shape, ``chunk_size`` or ``softcap`` out of range.
     """
-    if hidden.dim() != 3 or labels.shape != hidden.shape[:2]:
-        raise ValueError(f"hidden must be [B, T, H] and labels [B, T] to match, got {tuple(hidden.shape)} and "
-                         f"{tuple(labels.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
-        raise ValueError(f"weight must be [V, {hidden.shape[2]}] to match hidden, got {tuple(weight.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"softcap must be positive or None, got {softcap}")
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    _check_head_args(hidden, weight, labels, chunk_size, softcap)
+    compute_dtype = _compute_dtype(hidden, weight)
     if rows is None:
         rows = target_rows(labels, ignore_index)
     shifted = shift_labels(labels, ignore_index)  # [B, T]

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
 from lightning_megatrain import MegaTrainStrategy, planner
 from lightning_megatrain.cli import MegaTrainCLI, main
@@ -42,6 +43,16 @@ def test_dpo_demo_config_fits_then_validates(in_tmp):
                        model_class=DPOModule, datamodule_class=PreferenceDataModule)
     assert torch.equal(cli.model.reference_logps["val"], tables["val"])  # from the checkpoint, not recomputed
     assert torch.isfinite(cli.trainer.callback_metrics["val_loss"])
+    assert main(["export", str(last), str(in_tmp / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(in_tmp / "hf")
+    assert torch.equal(exported.lm_head.weight, checkpoint["state_dict"]["model.lm_head.weight"])
+
+
+def test_a_dpo_config_given_to_megatrain_fit_points_to_megatrain_dpo(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(DEMO)])
+    assert ("does not accept option 'model.loss_type'; loss_type is an option of DPOModule: run preference "
+            "optimisation with `megatrain dpo fit|validate|test|predict ...`") in capsys.readouterr().err
 
 
 def test_dpo_3b_config_instantiates_with_a_tiny_model(in_tmp):

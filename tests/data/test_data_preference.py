@@ -4,6 +4,7 @@ chosen-then-rejected batch, and the errors that name the option and the fix."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -138,6 +139,8 @@ def test_truncated_pairs_are_dropped_with_a_warning(write_dataset, caplog):
 
 def test_the_bundled_demo_pairs_load():
     module = PreferenceDataModule("demo_dpo_alpaca,demo_dpo_sharegpt", val_size=10)
+    with pytest.raises(RuntimeError, match=r"PreferenceDataModule.setup\(\) must run before reference_dataloaders\(\)"):
+        module.reference_dataloaders()
     module.setup("fit")
     assert len(module.train_dataset) + len(module.val_dataset) == 180
     for pair in module.train_dataset:
@@ -189,3 +192,14 @@ def test_registry_checks_ranking_entries(write_dataset, entry, match):
     folder = str(write_dataset("x", [{"instruction": "q", "output": "a"}], entry))
     with pytest.raises(ValueError, match=match):
         SFTDataModule("x", dataset_dir=folder)
+
+
+def test_a_tokenizer_without_chat_template_is_refused_with_the_preference_fix(tmp_path, tokenizer):
+    plain = tmp_path / "plain"
+    tokenizer.save_pretrained(plain)
+    config = plain / "tokenizer_config.json"
+    config.write_text(re.sub(r'\s*"chat_template": ".*?",\n', "\n", config.read_text()))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=r"has no chat_template, which PreferenceDataModule needs to render each "
+                                         r"prompt and response; .* or pass template \(a .jinja file\)$"):
+        PreferenceDataModule(tokenizer=str(plain))

@@ -8,8 +8,8 @@ import pytest
 from chat_templates import CHAT_FIXTURES, build_chat_tokenizer, trained_turns
 
 from lightning_megatrain.data import IGNORE_INDEX, Conversation, DatasetFormatError, SFTDataModule, TemplateError
-from lightning_megatrain.data.encoding import encode_sft
-from lightning_megatrain.data.formats import convert_rows
+from lightning_megatrain.data.encoding import encode_pair, encode_sft
+from lightning_megatrain.data.formats import PreferencePair, convert_rows
 from lightning_megatrain.data.registry import DEFAULT_COLUMNS, DEFAULT_TAGS, OPENAI_TAGS, DatasetSpec
 
 WEATHER = {"name": "get_weather", "description": "Current weather of a city.",
@@ -177,6 +177,16 @@ def test_a_template_without_tool_support_is_refused(name, messages, dropped):
     with pytest.raises(TemplateError, match=rf"does not render {dropped} \(.*\), and this conversation has them: "
                                             r".*Choose a template that supports tools with data.template"):
         encode_sft(tokenizer, conversation, 4096, False)
+
+
+def test_a_pair_with_tool_turns_and_a_template_without_tools_is_refused():
+    tokenizer = build_chat_tokenizer(CHAT_FIXTURES["llama3"])
+    rejected = {"role": "assistant", "content": "It is 30 C in Paris."}
+    pair = PreferencePair(Conversation(CANONICAL), Conversation([*CANONICAL[:-1], rejected]))
+    with pytest.raises(TemplateError, match=r"does not render tool calls \(.*\), and this conversation has them: "
+                                            r".*Choose a template that supports tools with data.template"):
+        encode_pair(tokenizer, pair, 4096, index=0)
+    assert encode_pair(build_chat_tokenizer(CHAT_FIXTURES["qwen2.5"]), pair, 4096, index=0) is not None
 
 
 def test_tool_datasets_train_through_the_datamodule(tmp_path, write_dataset):

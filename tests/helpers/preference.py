@@ -48,11 +48,12 @@ def fit_dpo(
     datamodule: PreferenceDataModule | None = None,
     module: DPOModule | None = None,
     ckpt_path: str | None = None,
+    seed: int = 0,
     **trainer_kwargs: Any,
 ) -> tuple[DPOModule, Trainer]:
-    """Fit ``module`` (default: a seeded ``FusedAdamDPO`` of the tiny Llama) on ``datamodule`` (default
-    :func:`demo_pairs` registered in ``folder``) for ``steps`` optimizer steps under ``strategy``."""
-    seed_everything(0, verbose=False)
+    """Fit ``module`` (default: a ``FusedAdamDPO`` of the tiny Llama) on ``datamodule`` (default :func:`demo_pairs`
+    registered in ``folder``) for ``steps`` optimizer steps under ``strategy``, after ``seed_everything(seed)``."""
+    seed_everything(seed, verbose=False)
     module = module if module is not None else FusedAdamDPO(config=TINY_CONFIG)
     trainer = Trainer(**{
         "accelerator": "cpu", "devices": 1, "strategy": strategy, "max_steps": steps, "precision": "32-true",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_megatrain.models import DPOModule, sequence_logps
-from lightning_megatrain.models.preference_loss import preference_loss
+from lightning_megatrain.models.preference_loss import default_beta, preference_loss
 
 BETA, SMOOTHING, GAMMA = 0.5, 0.2, 0.3
 
@@ -139,6 +139,47 @@ def test_orpo_log_odds_stay_finite_near_certain_responses():
     assert torch.isfinite(loss) and torch.isfinite(c.grad).all()
 
 
+def test_orpo_stays_finite_at_a_mean_log_probability_of_zero():
+    c = torch.tensor([0.0, -2.0], requires_grad=True)
+    r = torch.tensor([-3.0, 0.0], requires_grad=True)
+    loss = preference_loss(c, r, torch.ones(2), torch.ones(2), loss_type="orpo", beta=0.1).loss
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(c.grad).all() and torch.isfinite(r.grad).all()
+
+
+def test_beta_defaults_per_loss():
+    assert [default_beta(loss) for loss in ("sigmoid", "ipo", "simpo", "orpo")] == [0.1, 0.1, 2.0, 0.1]
+    assert DPOModule(config={"model_type": "llama"}, loss_type="simpo").beta == 2.0
+    assert DPOModule(config={"model_type": "llama"}, loss_type="simpo", beta=2.5).beta == 2.5
+    c, r, n = torch.tensor([-2.0]), torch.tensor([-4.0]), torch.ones(1)
+    simpo = preference_loss(c, r, n, n, loss_type="simpo")
+    torch.testing.assert_close(simpo.chosen_rewards, 2.0 * c)
+
+
+GPT2 = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+        "bos_token_id": 1, "eos_token_id": 2}  # nn.Dropout modules, from resid_pdrop, embd_pdrop and attn_pdrop
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # llama: functional attention dropout (attention_dropout)
+def test_dropout_is_off_in_training_unless_kept(arch, disable_dropout, tiny_archs):
+    config, attn = ({**tiny_archs["llama"][0], "attention_dropout": 0.5}, "sdpa") if arch == "llama" else (GPT2, "sdpa")
+    module = build(config, attn, disable_dropout=disable_dropout)
+    batch = pair_batch(pairs=2)
+    module.eval()
+    with torch.no_grad():
+        reference, _ = module._sequence_logps(batch)  # as the reference pass computes it
+        module.train()
+        trained, _ = module._sequence_logps(batch)
+    dropouts = [m.p for m in module.model.modules() if isinstance(m, torch.nn.Dropout)]
+    if disable_dropout:
+        torch.testing.assert_close(trained, reference, rtol=1e-6, atol=0)
+        assert all(p == 0 for p in dropouts)
+        assert module.hf_config.get_text_config().to_dict().get("attention_dropout", 0) == 0
+    else:
+        assert not torch.allclose(trained, reference)
+
+
 def test_predict_step_returns_the_policy_logps(tiny_archs):
     config, attn = tiny_archs["llama"]
     module = build(config, attn)
@@ -162,19 +203,24 @@ def test_reference_losses_need_reference_logps(tiny_archs):
 
 def test_bad_arguments_are_reported_together():
     with pytest.raises(ValueError) as info:
-        DPOModule(config={"model_type": "llama"}, loss_type="kto", beta=0, label_smoothing=0.7)
+        DPOModule(config={"model_type": "llama"}, loss_type="kto", beta=0, label_smoothing=0.7, simpo_gamma="0.5",
+                  reference_cache=3, disable_dropout="yes")
     message = str(info.value)
     assert "loss_type='kto': must be one of ['sigmoid', 'ipo', 'simpo', 'orpo']" in message
     assert "beta=0: must be a number > 0" in message
     assert "label_smoothing=0.7: must be in [0, 0.5)" in message
+    assert "simpo_gamma='0.5': must be a number" in message
+    assert "reference_cache=3: must be a file path (a string) or None" in message
+    assert "disable_dropout='yes': must be True or False" in message
     with pytest.raises(ValueError, match=r"label_smoothing=0.1: applies to loss_type 'sigmoid' and 'simpo' only"):
         DPOModule(config={"model_type": "llama"}, loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"reference_cache='r.pt': loss_type='orpo' reads no reference"):
         DPOModule(config={"model_type": "llama"}, loss_type="orpo", reference_cache="r.pt")
 
 
-def test_right_padded_batches_run_without_their_mask(tiny_archs):
-    config, attn = tiny_archs["llama"]
+@pytest.mark.parametrize("attn", ["sdpa", "packed_sdpa"])
+def test_right_padded_batches_run_without_their_mask(attn, tiny_archs):
+    config, _ = tiny_archs["llama"]
     module = build(config, attn)
     batch = pair_batch(pairs=3)  # right-padded rows of different lengths
     prepared = module.on_before_batch_transfer({**batch, "reference_logps": torch.zeros(3, 2)}, 0)
@@ -186,3 +232,17 @@ def test_right_padded_batches_run_without_their_mask(tiny_archs):
     left_padded = {**batch, "attention_mask": batch["attention_mask"].flip(1)}
     assert "causal_only" not in module.on_before_batch_transfer({**left_padded, "reference_logps": torch.zeros(3, 2)},
                                                                 0)
+
+
+def test_sequence_logps_refuses_mismatched_shapes_and_bad_options():
+    hidden, weight, labels = torch.zeros(2, 5, 8), torch.zeros(16, 8), torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden must be \[B, T, H\], got shape \(2, 5\)"):
+        sequence_logps(hidden[..., 0], weight, labels)
+    with pytest.raises(ValueError, match=r"labels must be \[B, T\] = \(2, 5\) to match hidden, got \(2, 4\)"):
+        sequence_logps(hidden, weight, labels[:, :4])
+    with pytest.raises(ValueError, match=r"weight must be \[V, 8\] to match hidden, got \(16, 4\)"):
+        sequence_logps(hidden, weight[:, :4], labels)
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive integer, got 0"):
+        sequence_logps(hidden, weight, labels, chunk_size=0)
+    with pytest.raises(ValueError, match=r"softcap must be positive or None, got -1.0"):
+        sequence_logps(hidden, weight, labels, softcap=-1.0)

@@ -110,11 +110,14 @@ def question(rng: random.Random) -> tuple[str, str]:
     return (f"{instruction}\n{extra}" if extra else instruction), answer
 
 
-def alpaca_rows(rng: random.Random, count: int = 200) -> list[dict]:
+def alpaca_rows(rng: random.Random, count: int = 200, preference: bool = False) -> list[dict]:
+    """Alpaca rows: an ``output``, or with ``preference`` the right answer ``chosen`` and :func:`wrong_answer`
+    ``rejected``; a quarter with a system prompt, a fifth with one earlier turn."""
     rows = []
     for _ in range(count):
         instruction, extra, answer = task(rng)
-        row = {"instruction": instruction, "input": extra, "output": answer}
+        responses = {"chosen": answer, "rejected": wrong_answer(answer, rng)} if preference else {"output": answer}
+        row = {"instruction": instruction, "input": extra, **responses}
         if rng.random() < 0.25:
             row["system"] = rng.choice(SYSTEMS)
         if rng.random() < 0.2:
@@ -185,19 +188,6 @@ def wrong_answer(answer: str, rng: random.Random) -> str:
     return " ".join(reversed(answer.split()))
 
 
-def dpo_alpaca_rows(rng: random.Random, count: int = 120) -> list[dict]:
-    rows = []
-    for _ in range(count):
-        instruction, extra, answer = task(rng)
-        row = {"instruction": instruction, "input": extra, "chosen": answer, "rejected": wrong_answer(answer, rng)}
-        if rng.random() < 0.25:
-            row["system"] = rng.choice(SYSTEMS)
-        if rng.random() < 0.2:
-            row["history"] = [list(question(rng))]
-        rows.append(row)
-    return rows
-
-
 def dpo_sharegpt_rows(rng: random.Random, count: int = 60) -> list[dict]:
     rows = []
     for _ in range(count):
@@ -256,7 +246,8 @@ def write_demo(out_dir: Path = DEMO_DIR) -> None:
         (out_dir / name).write_text(f"[\n{lines}\n]\n", encoding="utf-8")
     lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in messages_rows(rng))
     (out_dir / "demo_messages.jsonl").write_text(lines, encoding="utf-8")
-    preference = (("demo_dpo_alpaca.json", dpo_alpaca_rows(rng)), ("demo_dpo_sharegpt.json", dpo_sharegpt_rows(rng)))
+    preference = (("demo_dpo_alpaca.json", alpaca_rows(rng, 120, preference=True)),
+                  ("demo_dpo_sharegpt.json", dpo_sharegpt_rows(rng)))
     for name, rows in preference:
         lines = ",\n".join(json.dumps(row, ensure_ascii=False) for row in rows)
         (out_dir / name).write_text(f"[\n{lines}\n]\n", encoding="utf-8")
