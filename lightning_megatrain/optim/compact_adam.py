@@ -241,14 +241,8 @@ class CompactAdamW(Optimizer):
         super().__init__(params, defaults)
         self.compile = compile in (True, "auto")
 
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):  # noqa: ANN001
-        # torch casts every floating-point state to the parameter's dtype on load: the fp32 block scales of a bf16
-        # parameter would lose bits. Keep each state's own dtype.
-        return value.to(device=param.device) if isinstance(value, Tensor) else value
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``Optimizer.load_state_dict``, each state keeping its dtype.
+        """As ``Optimizer.load_state_dict``, each state tensor keeping its dtype.
 
         Raises:
             ValueError: the state dict was saved with other ``weights`` or ``moments`` formats.
@@ -261,6 +255,14 @@ class CompactAdamW(Optimizer):
                         f"optimizer has {key}={own[key]!r}. HINT: resume with the format it was saved with."
                     )
         super().load_state_dict(state_dict)
+        # torch casts every state tensor of a floating-point parameter to the parameter's dtype (the 8-bit codes and
+        # fp32 block scales of a bf16 parameter would come back bf16): put each saved tensor back in its own dtype
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if isinstance(value, Tensor):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
 
     def _check_param(self, p: Tensor, weights: str) -> None:
         want = HostStateLayout(weights, torch.float32, "fp32").weight_dtype
