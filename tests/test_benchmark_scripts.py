@@ -292,3 +292,20 @@ def test_long_context_dry_run_rows(tmp_path):
         assert row["step_s"] > 0 and len(row["losses"]) == 2 and all(math.isfinite(x) for x in row["losses"])
         assert row["placement"]["segment_layers"] == 1 and row["placement"]["device_checkpoints"] == 0
         assert row["planned"]["host_gib"] > 0 and row["planned"]["gpu_gib"] > 0
+
+
+def test_compact_adam_dry_run_rows(tmp_path):
+    # benchmarks/compact_adam.py on 2 x 2**16 parameters, eager: a row per system with its rate and state bytes; the
+    # numbers that count need the H200's 16-core host
+    compact_adam = _load("compact_adam")
+    systems = "torch_fused,compact,compact_kahan,fp32_int8"
+    stdout = _run(str(BENCH / "compact_adam.py"), "--dry-run", "--systems", systems, "--out", str(tmp_path),
+                  timeout=240)
+    meta = json.loads((tmp_path / "compact_adam.json").read_text())
+    rows = meta["results"]
+    assert meta["dry_run"] is True and [r["system"] for r in rows] == systems.split(",")
+    for r in rows:
+        assert set(compact_adam.ROW_KEYS) == r.keys() and r["error"] is None, r
+        assert r["params"] == 2 * 2**16 and r["gparam_per_s"] > 0 and r["compiled"] is False
+        assert f"| {r['system']} | {r['state_bytes_per_param']:.2f} | False |" in stdout
+    assert [r["state_bytes_per_param"] for r in rows] == [16.0, 6.03125, 8.03125, 10.03125]

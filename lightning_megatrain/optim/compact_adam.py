@@ -46,7 +46,7 @@ from lightning_megatrain.optim.rounding import (
     encode_unsigned,
     mix_seed,
     n_blocks,
-    round_nearest,
+    nearest_bits,
     round_stochastic,
 )
 
@@ -122,12 +122,16 @@ def _chunk_update(
         m32, v32 = decode_signed(m, m_scale), decode_unsigned(v, v_scale)
     m32 = torch.lerp(m32, g32, 1 - beta1)
     v32 = torch.addcmul(v32 * beta2, g32, g32, value=1 - beta2)
-    denom = (v32.sqrt() / bc2_sqrt) + eps
+    root = v32.sqrt()
+    if moments == "fp32":
+        denom = (root / bc2_sqrt) + eps  # torch's order: with fp32 weights too, torch's AdamW bit for bit
+    else:
+        denom = root * (1.0 / bc2_sqrt) + eps
     w32 = torch.addcdiv(w32, m32, denom, value=-step_size)
     if weights == "bf16_sr":
-        w.copy_(round_stochastic(w32, start))
+        w.copy_(round_stochastic(w32, start))  # exact: an fp32 holding a bf16 value
     elif weights == "bf16_kahan":
-        high = round_nearest(w32)  # fp32 holding a bf16 value
+        high = nearest_bits(w32).view(torch.float32)  # an fp32 holding the nearest bf16 value
         comp.copy_(w32 - high)  # the rounding error, added back by the next update
         w.copy_(high)  # exact
     else:
@@ -139,7 +143,7 @@ def _chunk_update(
         codes, scale = encode_signed(m32)
         m.copy_(codes)
         m_scale.copy_(scale)
-        codes, scale = encode_unsigned(v32)
+        codes, scale = encode_unsigned(v32, root)
         v.copy_(codes)
         v_scale.copy_(scale)
 

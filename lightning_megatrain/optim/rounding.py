@@ -54,13 +54,18 @@ def _per_element(scale: Tensor, numel: int) -> Tensor:
     return scale.view(-1, 1).expand(-1, BLOCK).reshape(-1)[:numel]
 
 
+def _inverse(scale: Tensor, numel: int) -> Tensor:
+    """1 / each block's scale (0 for an all-zero block) over its elements: [numel]. The reciprocal is taken per block,
+    so the elements are multiplied, not divided."""
+    return _per_element(torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale)), numel)
+
+
 def encode_signed(x: Tensor) -> tuple[Tensor, Tensor]:
     """fp32 [n] -> (int8 codes [n], fp32 scales [n_blocks]); see [Note: 8-bit moments]."""
     scale = _blocks(x).abs().amax(dim=1)  # [n_blocks]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = x / _per_element(safe, x.numel())  # in [-1, 1]
-    codes = torch.round(127.0 * torch.sign(y) * torch.sqrt(y.abs()))
-    return codes.to(torch.int8), scale
+    y = x.abs() * _inverse(scale, x.numel())  # in [0, 1]
+    q = torch.round(127.0 * torch.sqrt(y))
+    return torch.where(x < 0, -q, q).to(torch.int8), scale  # where, not copysign: inductor vectorizes it
 
 
 def decode_signed(codes: Tensor, scale: Tensor) -> Tensor:
@@ -69,12 +74,12 @@ def decode_signed(codes: Tensor, scale: Tensor) -> Tensor:
     return d * d.abs() * _per_element(scale, codes.numel())
 
 
-def encode_unsigned(x: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 [n], x >= 0 -> (uint8 codes [n], fp32 scales [n_blocks]); see [Note: 8-bit moments]."""
+def encode_unsigned(x: Tensor, root: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 x >= 0 [n] and its square root (which the Adam update has computed already: one square root fewer per
+    element) -> (uint8 codes [n], fp32 scales [n_blocks]: each block's max of x); see [Note: 8-bit moments]. The
+    code is round(255 * sqrt(root / sqrt(scale)))."""
     scale = _blocks(x).amax(dim=1)  # [n_blocks]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = x / _per_element(safe, x.numel())  # in [0, 1]
-    codes = torch.round(255.0 * torch.sqrt(torch.sqrt(y)))
+    codes = torch.round(255.0 * torch.sqrt(root * _inverse(scale.sqrt(), root.numel())))  # a root per block
     return codes.to(torch.uint8), scale
 
 
@@ -94,7 +99,7 @@ def mix_seed(*values: int) -> int:
 
 
 def _hash32(x: int) -> int:
-    """Python-int twin of :func:`_hash_bits`, for seeds."""
+    """A 32-bit integer hash ("lowbias32"-style: xor-shifts and two odd multipliers, both below 2**31)."""
     x &= _M32
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _M32
@@ -103,34 +108,37 @@ def _hash32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _hash_bits(index: Tensor) -> Tensor:
-    """A 32-bit integer hash of each int64 element (in int64, masked: both multipliers are below 2**31, so no
-    product overflows)."""
-    x = index & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _M32
-    return x ^ (x >> 16)
+def _hash_bits(start: Tensor, numel: int) -> Tensor:
+    """The low 16 bits of :func:`_hash32` of ``start + i`` for ``i < numel`` (int32 [numel]; ``start`` 0-dim int64).
+    In int32 with wrapping adds and multiplies (vectorized integer ops wrap) and logical shifts written as
+    arithmetic shift and mask: half the vector work of int64."""
+    low = ((start + 2**31) & 0xFFFFFFFF) - 2**31  # the low 32 bits as a signed int32 value
+    x = low.to(torch.int32) + torch.arange(numel, dtype=torch.int32, device=start.device)
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x5BD1E995
+    return (x ^ ((x >> 16) & 0xFFFF)) & 0xFFFF
 
 
-def round_nearest(x: Tensor) -> Tensor:
-    """fp32 [n] -> fp32 [n] holding the bf16 value nearest to ``x`` (ties to even), by integer arithmetic on the
-    bits: ``x - round_nearest(x)`` is the rounding error. ``x.to(bfloat16).float()`` computes the same value in
-    eager mode, but inductor folds that round trip away (the error would come out 0 under ``torch.compile``)."""
-    bits = x.view(torch.int32).to(torch.int64)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits & -0x10000).to(torch.int32).view(torch.float32)
+def nearest_bits(x: Tensor) -> Tensor:
+    """fp32 [n] -> int32 [n]: the bits of the fp32 value equal to the bf16 nearest to ``x`` (ties to even), by
+    integer arithmetic. ``x.to(bfloat16).float()`` is the same value in eager mode, but inductor folds that round trip
+    away, so a rounding error computed from it comes out 0 under ``torch.compile``. Finite values only (a NaN's
+    payload may wrap)."""
+    bits = x.view(torch.int32)
+    return (bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000
 
 
 def round_stochastic(x: Tensor, start: Tensor) -> Tensor:
-    """fp32 [n] -> bf16 [n] rounded stochastically (see [Note: stochastic rounding]).
+    """fp32 [n] -> fp32 [n] holding ``x`` rounded stochastically to a bf16 value (see [Note: stochastic rounding]);
+    its conversion to bf16 is exact.
 
     ``start`` (0-dim int64): the hash input of element 0 (the seed plus the chunk's offset); element ``i`` draws
-    its 16 random bits from ``hash(start + i)``. Adding them below the 16 bits that bf16 drops and truncating rounds
-    the magnitude up with probability (dropped bits) / 2**16. inf stays inf; a finite value within one bf16 unit of
-    the largest finite one may round to inf, as round-to-nearest does.
+    its 16 random bits from ``hash(start + i)``. Adding them below the 16 bits that bf16 drops and clearing those
+    rounds the magnitude up with probability (dropped bits) / 2**16 (the sign bit is untouched: finite values do not
+    carry into it). inf stays inf; a finite value within one bf16 unit of the largest finite one may round to inf,
+    as round-to-nearest does; a NaN's payload may wrap. (Writing the top 16 bits through an int16 view of the bf16
+    weights instead would skip a bit cast, but inductor does not vectorize a loop that stores int16.)
     """
-    noise = _hash_bits(start + torch.arange(x.numel(), dtype=torch.int64, device=x.device)) & 0xFFFF
-    bits = x.view(torch.int32).to(torch.int64) + noise  # int64: no overflow, the sign kept
-    return (bits & -0x10000).to(torch.int32).view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits are 0
+    return ((x.view(torch.int32) + _hash_bits(start, x.numel())) & -0x10000).view(torch.float32)

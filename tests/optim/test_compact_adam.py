@@ -14,11 +14,13 @@ from lightning_megatrain.optim import compact_adam
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW, adamw_update, new_state
 from lightning_megatrain.optim.rounding import (
     BLOCK,
+    _hash32,
+    _hash_bits,
     decode_signed,
     decode_unsigned,
     encode_signed,
     encode_unsigned,
-    round_nearest,
+    nearest_bits,
     round_stochastic,
 )
 
@@ -97,7 +99,7 @@ def test_block_quantization_error_bounds():
     err = (decode_signed(codes, scale) - x).abs()
     assert torch.all(err <= s * ((q + dq) ** 2 - q**2) * 1.0001 + 1e-30)
     v = x.square()
-    codes, scale = encode_unsigned(v)
+    codes, scale = encode_unsigned(v, v.sqrt())
     assert codes.dtype == torch.uint8
     s = scale.repeat_interleave(BLOCK)
     q, dq = (v / s.clamp_min(1e-30)) ** 0.25, 0.5 / 255
@@ -113,18 +115,23 @@ def test_block_quantization_error_bounds():
 
 def test_stochastic_rounding_is_unbiased_and_reproducible():
     """[Note: stochastic rounding]: each value lands on one of its two bf16 neighbours, on average on itself; the
-    same start gives the same bits, another start others; round_nearest is bf16's round to nearest even."""
+    same start gives the same bits, another start others, element i's bits are hash(start + i) whatever the chunk;
+    nearest_bits is bf16's round to nearest even."""
     x = torch.full((200_000,), 1.0 + 2**-10)  # 1/8 of the way from 1.0 to the next bf16 (1 + 2**-7)
-    r = round_stochastic(x, torch.tensor(12345)).float()
+    r = round_stochastic(x, torch.tensor(12345))
     assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert r.mean().item() == pytest.approx(1.0 + 2**-10, abs=2**-7 * 0.01)
-    assert torch.equal(r, round_stochastic(x, torch.tensor(12345)).float())
-    assert not torch.equal(r, round_stochastic(x, torch.tensor(12346)).float())
+    assert torch.equal(r, round_stochastic(x, torch.tensor(12345)))
+    assert not torch.equal(r, round_stochastic(x, torch.tensor(12346)))
     y = -torch.rand(100_000) * 10
-    assert ((round_stochastic(y, torch.tensor(7)).float() - y).abs() < y.abs() * 2**-7).all()
-    assert (round_stochastic(y, torch.tensor(7)).float() - y).mean().abs() < 1e-3 * y.abs().mean() * 2**-7 * 100
+    assert ((round_stochastic(y, torch.tensor(7)) - y).abs() < y.abs() * 2**-7).all()
+    assert (round_stochastic(y, torch.tensor(7)) - y).mean().abs() < 1e-3 * y.abs().mean() * 2**-7 * 100
     z = torch.randn(100_000) * torch.logspace(-20, 20, 100_000)
-    assert torch.equal(round_nearest(z), z.bfloat16().float())
+    assert torch.equal(nearest_bits(z).view(torch.float32), z.bfloat16().float())
+    start = 2**31 - 40  # the int32 index wraps inside this range
+    bits = _hash_bits(torch.tensor(start), 80)
+    assert bits.tolist() == [_hash32((start + i) & 0xFFFFFFFF) & 0xFFFF for i in range(80)]
+    assert torch.equal(bits[50:], _hash_bits(torch.tensor(start + 50), 30))
 
 
 def _teacher_student(weights, moments, *, lr, shift=0.0, steps=200):
@@ -231,7 +238,7 @@ def test_save_and_resume_are_bit_exact(weights):
 def test_compiled_kernel_matches_eager():
     """The torch.compile'd chunk update (inductor's C++ backend) gives eager's result: the same bf16 weights and
     8-bit codes except where fp32 reassociation moves a value across a rounding boundary (one unit), and a
-    compensation that is not folded to zero (inductor drops a bf16 round trip: optim/rounding.py round_nearest)."""
+    compensation that is not folded to zero (inductor drops a bf16 round trip: optim/rounding.py nearest_bits)."""
     torch.manual_seed(0)
     n = 3 * BLOCK + 5
     w0, grads = torch.randn(n).bfloat16(), [torch.randn(n) for _ in range(2)]
