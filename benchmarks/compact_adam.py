@@ -4,7 +4,7 @@ Each system steps the same layer-shaped parameters (``--layers`` flat tensors of
 random gradients; the figure is parameters updated per second (median of ``--repeats`` full steps, the first step,
 which allocates the states and compiles, not counted). Memory traffic per parameter (read + write): fp32 AdamW 28 B
 (p, g, m, v read; p, m, v written); ``compact`` 10 B (bf16 p and g, 8-bit m and v read; p, m, v written);
-``compact_kahan`` 14 B; ``fp32_int8`` 16 B. The kernels are optim/compact_adam.py's, through ``torch.compile``
+``compact_kahan`` 14 B; ``int8_moments`` 16 B. The kernels are optim/compact_adam.py's, through ``torch.compile``
 unless ``--eager``.
 
 Usage (on the H200's 16-core host: the rates the planner quotes):
@@ -23,12 +23,10 @@ from statistics import median
 
 import torch
 
-from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW, HostStateLayout
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW
 from lightning_megatrain.optim.host_optimizer import to_host_optimizer
 
-# the compact layouts of host_state, and fp32 weights and grads with 8-bit moments
-LAYOUTS = {**{name: layout for name, layout in HOST_STATE_LAYOUTS.items() if name != "fp32"},
-           "fp32_int8": HostStateLayout("fp32", torch.float32, "int8")}
+LAYOUTS = {name: layout for name, layout in HOST_STATE_LAYOUTS.items() if name != "fp32"}  # CompactAdamW's
 # system -> (parameter dtype, gradient dtype, CompactAdamW formats or None, host state bytes per parameter)
 SYSTEMS = {
     "torch_fused": (torch.float32, torch.float32, None, 16.0),

@@ -298,7 +298,7 @@ def test_compact_adam_dry_run_rows(tmp_path):
     # benchmarks/compact_adam.py on 2 x 2**16 parameters, eager: a row per system with its rate and state bytes; the
     # numbers that count need the H200's 16-core host
     compact_adam = _load("compact_adam")
-    systems = "torch_fused,compact,compact_kahan,fp32_int8"
+    systems = "torch_fused,compact,compact_kahan,int8_moments"
     stdout = _run(str(BENCH / "compact_adam.py"), "--dry-run", "--systems", systems, "--out", str(tmp_path),
                   timeout=240)
     meta = json.loads((tmp_path / "compact_adam.json").read_text())

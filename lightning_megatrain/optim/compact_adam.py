@@ -9,6 +9,7 @@ parameter from :meth:`HostStateLayout.bytes_per_param`; the planner reads them f
 host_state          weights                      grads     Adam moments                           B/param
 ==================  ===========================  ========  =====================================  ===========
 ``fp32``            fp32 master                  fp32      fp32 m and v                           16
+``int8_moments``    fp32 master                  fp32      8-bit m and v + fp32 scale per 256     10.03
 ``compact``         bf16, stochastic rounding    bf16      8-bit m and v + fp32 scale per 256     6.03
 ``compact_kahan``   bf16 + bf16 compensation     bf16      8-bit m and v + fp32 scale per 256     8.03
 ==================  ===========================  ========  =====================================  ===========
@@ -79,6 +80,7 @@ class HostStateLayout:
 
 HOST_STATE_LAYOUTS = {
     "fp32": HostStateLayout("fp32", torch.float32, "fp32"),
+    "int8_moments": HostStateLayout("fp32", torch.float32, "int8"),
     "compact": HostStateLayout("bf16_sr", torch.bfloat16, "int8"),
     "compact_kahan": HostStateLayout("bf16_kahan", torch.bfloat16, "int8"),
 }

@@ -189,7 +189,7 @@ def test_round_to_nearest_stalls_where_stochastic_rounding_and_kahan_do_not():
 def test_state_bytes_per_parameter():
     """[Note: compact host state]'s table, and the bytes a CompactAdamW step really allocates for each layout."""
     assert {k: sum(v.bytes_per_param().values()) for k, v in HOST_STATE_LAYOUTS.items()} == {
-        "fp32": 16, "compact": 6.03125, "compact_kahan": 8.03125}
+        "fp32": 16, "int8_moments": 10.03125, "compact": 6.03125, "compact_kahan": 8.03125}
     n = 64 * BLOCK
     for name, layout in HOST_STATE_LAYOUTS.items():
         p = torch.nn.Parameter(torch.zeros(n, dtype=layout.weight_dtype))
