@@ -40,6 +40,7 @@ What this CLI adds to a plain ``LightningCLI``:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -71,11 +72,13 @@ from lightning_megatrain.planner import (
     GPU_REF_GIB,
     HOST_OS_RESERVE_FRACTION,
     HOST_OS_RESERVE_MIN_GIB,
+    HOST_STATE_BYTES,
     OPTIMIZERS,
     PRECISIONS,
     Machine,
     plan,
 )
+from lightning_megatrain.planner.capacity import largest_models, render_capacities
 
 PROG = "megatrain"
 
@@ -383,6 +386,11 @@ def plan_main(argv: Sequence[str]) -> int:
         "(default auto)")
     add("--device-checkpoints", type=_auto_int(), default="auto", metavar="auto|N",
         help="as MegaTrainStrategy(device_checkpoints=N): the last N checkpoints stay on the GPU (default auto)")
+    add("--host-state", choices=list(HOST_STATE_BYTES), default="fp32",
+        help="host state layout: fp32 (16 B/param), int8_moments (10.03), compact (6.03), compact_kahan (8.03); "
+        "docs/compact-state.md")
+    add("--largest", action="store_true",
+        help="instead of one plan: the deepest model of this shape that fits, for each host state")
     add("--json", action="store_true", help="print the plan as JSON")
     ns = parser.parse_args(list(argv))
     try:
@@ -392,14 +400,20 @@ def plan_main(argv: Sequence[str]) -> int:
                               device_checkpoints=ns.device_checkpoints)
         machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
                           achieved_tflops=ns.tflops)
-        p = plan(
-            ns.model, seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,
-            precision=ns.precision, optimizer=ns.optimizer, loss=ns.loss, loss_chunk_size=ns.loss_chunk_size,
-            attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload, config=config,
-            machine=machine,
-        )
+        kwargs = dict(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,
+                      precision=ns.precision, optimizer=ns.optimizer, loss=ns.loss, loss_chunk_size=ns.loss_chunk_size,
+                      attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload,
+                      config=config, machine=machine)
+        if ns.largest:
+            capacities = largest_models(ns.model, **kwargs)
+        else:
+            p = plan(ns.model, host_state=ns.host_state, **kwargs)
     except (ValueError, OSError) as err:  # OSError: a --model path that does not exist, a Hub name not reachable
         parser.error(str(err))
+    if ns.largest:
+        print(json.dumps([dataclasses.asdict(c) for c in capacities], indent=2) if ns.json
+              else render_capacities(str(ns.model)[:60], capacities))
+        return 0
     print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
     return 0
 

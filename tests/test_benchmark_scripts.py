@@ -317,3 +317,20 @@ def test_muon_step_dry_run(tmp_path):
     flops = 2 * (2 * ns_flops(64, 64) + 2 * ns_flops(32, 64) + 3 * ns_flops(176, 64))
     assert row["ns_only"]["tflop"] == pytest.approx(flops / 1e12) and row["ns_only"]["dtype"] == "float32"
     assert "| 2 x Llama layer h=64 i=176 kv=32 |" in proc.stdout
+
+
+def test_compact_adam_dry_run_rows(tmp_path):
+    # benchmarks/compact_adam.py on 2 x 2**16 parameters, eager: a row per system with its rate and state bytes; the
+    # numbers that count need the H200's 16-core host
+    compact_adam = _load("compact_adam")
+    systems = "torch_fused,compact,compact_kahan,int8_moments"
+    stdout = _run(str(BENCH / "compact_adam.py"), "--dry-run", "--systems", systems, "--out", str(tmp_path),
+                  timeout=240)
+    meta = json.loads((tmp_path / "compact_adam.json").read_text())
+    rows = meta["results"]
+    assert meta["dry_run"] is True and [r["system"] for r in rows] == systems.split(",")
+    for r in rows:
+        assert set(compact_adam.ROW_KEYS) == r.keys() and r["error"] is None, r
+        assert r["params"] == 2 * 2**16 and r["gparam_per_s"] > 0 and r["compiled"] is False
+        assert f"| {r['system']} | {r['state_bytes_per_param']:.2f} | False |" in stdout
+    assert [r["state_bytes_per_param"] for r in rows] == [16.0, 6.03125, 8.03125, 10.03125]

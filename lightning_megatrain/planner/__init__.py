@@ -18,6 +18,7 @@ The ``megatrain plan`` command line is ``lightning_megatrain.cli.plan_main``.
 
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
+    COMPACT_ADAM_GPARAMS,
     COMPILED_TFLOPS,
     CPU_ADAM_GPARAMS,
     CPU_REF_CORES,
@@ -39,18 +40,20 @@ from lightning_megatrain.planner.constants import (
 )
 from lightning_megatrain.planner.long_context import Placement, longest_seq_len
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import gpu_bytes, host_bytes, layer_activation
+from lightning_megatrain.planner.memory import HOST_STATE_BYTES, gpu_bytes, host_bytes, layer_activation
 from lightning_megatrain.planner.planning import Plan, host_os_reserve, place_checkpoints, plan
 from lightning_megatrain.planner.shape import describe, load_config
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
 __all__ = [
     "ACHIEVED_TFLOPS",
+    "COMPACT_ADAM_GPARAMS",
     "COMPILED_TFLOPS",
     "CPU_ADAM_GPARAMS",
     "CPU_REF_CORES",
     "FP32_TFLOPS",
     "GPU_REF_GIB",
+    "HOST_STATE_BYTES",
     "GPU_RESERVE_GIB",
     "HOST_COPY_GBPS",
     "HOST_OS_RESERVE_FRACTION",

@@ -1,8 +1,9 @@
 """Memory model: host RAM and GPU memory in bytes for one micro-batch shape (the items ``megatrain plan`` lists).
 
 - host RAM: fp32 masters 4 + fp32 grads 4 (both page-locked at their exact size) + optimizer states (AdamW 8,
-  SGD 0, SGD+momentum 4; none for ``gpu_optimizer_groups``) per parameter, 3 grad slabs, offloaded layer inputs
-  (page-locked at their exact size too) and the process itself;
+  SGD 0, SGD+momentum 4; none for ``gpu_optimizer_groups``) per parameter, or the bytes of a compact ``host_state``
+  (:data:`HOST_STATE_BYTES`), 3 grad slabs, offloaded layer inputs (page-locked at their exact size too) and the
+  process itself;
 - GPU memory: slots, residents, ``gpu_optimizer_groups`` state, saved layer inputs, the runtime reserve, plus the
   larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and the
   loss. Every layer is recomputed (``keep_layers=0``): the floor that must fit.
@@ -41,8 +42,16 @@ from __future__ import annotations
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import OPTIMIZERS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _LinearAttn, _Shape
+
+# host_state -> host bytes per parameter of the weights ("masters"), the grads and the Adam moments, from the layouts
+# of optim/compact_adam.py ([Note: compact host state]): fp32 16, int8_moments 10.03, compact 6.03, compact_kahan 8.03
+HOST_STATE_BYTES = {
+    name: {"masters": b["weights"], "grads": b["grads"], "optimizer states": b["optimizer states"]}
+    for name, b in ((name, layout.bytes_per_param()) for name, layout in HOST_STATE_LAYOUTS.items())
+}
 
 
 def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int | None = None) -> tuple[float, float]:
@@ -219,9 +228,11 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
 
 def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: str, offload: bool,
                process_gib: float, pinned_pow2: bool, gpu_groups: int = 0, segment: int = 1,
-               device_checkpoints: int = 0) -> dict[str, int]:
+               device_checkpoints: int = 0, host_state: str = "fp32") -> dict[str, int]:
     """Host items in bytes (engine/host_store.py, transfer.py, residents.py). The offloaded layer inputs are the
-    checkpoints not kept on the GPU: :func:`checkpoints` less ``device_checkpoints`` (:func:`gpu_bytes`)."""
+    checkpoints not kept on the GPU: :func:`checkpoints` less ``device_checkpoints`` (:func:`gpu_bytes`). A
+    ``host_state`` other than ``"fp32"`` (Adam/AdamW only) sizes masters, grads and moments by
+    :data:`HOST_STATE_BYTES`."""
     n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
     groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
     stash = 4 * s.hidden * micro_batch * seq_len if offload else 0
@@ -231,11 +242,13 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     rounded = [stash] * offloaded + groups * 2 + [4 * s.resident_params] + [max_layer * c] * 3
     rounded = rounded if pinned_pow2 else []
     pow2 = lambda b: 1 << (int(b) - 1).bit_length() if b > 0 else 0
+    state = HOST_STATE_BYTES[host_state]
+    moments = OPTIMIZERS[optimizer][0] if host_state == "fp32" else state["optimizer states"]
     return {
-        "masters": 4 * n,
-        "grads": 4 * n,
-        "optimizer states": OPTIMIZERS[optimizer][0] * (n - _device_numels(s, gpu_groups)[0]
-                                                        - sum(_device_numels(s, gpu_groups)[1])),
+        "masters": round(state["masters"] * n),
+        "grads": round(state["grads"] * n),
+        "optimizer states": round(moments * (n - _device_numels(s, gpu_groups)[0]
+                                             - sum(_device_numels(s, gpu_groups)[1]))),
         "grad slabs": 3 * max_layer * c,
         # the residents' grads go straight into their host grads; a staging buffer exists only in the old engine
         "resident grad staging": 4 * s.resident_params if pinned_pow2 else 0,

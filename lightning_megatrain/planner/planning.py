@@ -17,6 +17,7 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
+    COMPACT_ADAM_GPARAMS,
     COMPILED_TFLOPS,
     CPU_REF_CORES,
     FP32_TFLOPS,
@@ -31,7 +32,7 @@ from lightning_megatrain.planner.constants import (
 )
 from lightning_megatrain.planner.long_context import SEQ_STEP, Placement, longest_placeable, place
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes, host_bytes
+from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, checkpoints, gpu_bytes, host_bytes
 from lightning_megatrain.planner.report import render, verdict
 from lightning_megatrain.planner.shape import _Shape, describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
@@ -79,6 +80,9 @@ class Plan:
     # reason, and the longest sequence that fits this machine at this micro-batch (planner/long_context.py); None
     # for a plan those options leave as the engine was before them (and then absent from to_dict and report)
     long_context: dict[str, Any] | None = None
+    # the host state layout planned (planner/memory.py HOST_STATE_BYTES); absent from to_dict and the report's
+    # header when "fp32"
+    host_state: str = "fp32"
 
     @property
     def host_total(self) -> int:
@@ -113,6 +117,8 @@ class Plan:
         d = dataclasses.asdict(self)
         if d["long_context"] is None:
             del d["long_context"]
+        if d["host_state"] == "fp32":
+            del d["host_state"]
         d.update(host_total=self.host_total, gpu_total=self.gpu_total, host_bytes_per_param=self.host_bytes_per_param,
                  host_state_bytes_per_param=self.host_state_bytes_per_param, host_usable=self.host_usable,
                  fits=self.fits)
@@ -136,7 +142,7 @@ def host_os_reserve(host_limit: int) -> int:
 def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",
          optimizer: str = "adamw", loss: str = "chunked", loss_chunk_size: int = 4096,
          attn_implementation: str | None = None, offload_activations: bool = True,
-         config: EngineConfig = EngineConfig(), machine: Machine = Machine()) -> Plan:
+         config: EngineConfig = EngineConfig(), machine: Machine = Machine(), host_state: str = "fp32") -> Plan:
     """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
 
     Args:
@@ -177,19 +183,36 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine). Host RAM
             fits where it is at most the limit less :func:`host_os_reserve` (``Plan.host_usable``); the long-context
             placement and the largest micro-batch by host RAM are judged against that too.
+        host_state: the host state layout (planner/memory.py ``HOST_STATE_BYTES``, optim/compact_adam.py [Note:
+            compact host state]): ``"fp32"`` (16 B/param with AdamW), ``"int8_moments"`` (10.03; CompactAdamW with
+            fp32 weights, the user's optimizer, today), ``"compact"`` (6.03) or ``"compact_kahan"`` (8.03), the last
+            two modelled for the engine integration that is not there yet (docs/compact-state.md). Any but
+            ``"fp32"`` is planned as CompactAdamW runs: Adam/AdamW only, no device groups (``"auto"`` plans none),
+            the host step serial, at ``COMPACT_ADAM_GPARAMS`` (constants.py).
 
     Raises:
-        ValueError: an unknown precision, optimizer or loss; a seq_len, micro_batch or grad_accum below 1;
-            ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than Adam/AdamW.
+        ValueError: an unknown precision, optimizer, loss or host_state; a seq_len, micro_batch or grad_accum below
+            1; ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than
+            Adam/AdamW; a host_state other than "fp32" with an optimizer other than Adam/AdamW or with
+            ``gpu_optimizer_groups`` > 0.
     """
     m = machine
+    if host_state not in HOST_STATE_BYTES:
+        raise ValueError(f"host_state={host_state!r}: choose one of {list(HOST_STATE_BYTES)}")
+    if host_state != "fp32":
+        if optimizer not in ("adamw", "adam") or config.gpu_optimizer_groups not in (0, "auto"):
+            raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW) on the host only; "
+                             f"got optimizer={optimizer!r}, gpu_optimizer_groups={config.gpu_optimizer_groups!r}. "
+                             "HINT: optimizer='adamw' and gpu_optimizer_groups=0, or host_state='fp32'.")
+        config = config.replace(gpu_optimizer_groups=0, overlap_optimizer=False)
     config = config.replace(
         **{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"}
     )
     if config.gpu_optimizer_groups == "auto":
         kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
                       optimizer=optimizer, loss=loss, loss_chunk_size=loss_chunk_size,
-                      attn_implementation=attn_implementation, offload_activations=offload_activations, machine=m)
+                      attn_implementation=attn_implementation, offload_activations=offload_activations, machine=m,
+                      host_state=host_state)
         suggested = plan(model, config=config.replace(gpu_optimizer_groups=0), **kwargs).suggested_gpu_optimizer_groups
         return plan(model, config=config.replace(gpu_optimizer_groups=suggested or 0), **kwargs)
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
@@ -215,11 +238,12 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
            "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups}
     opt_rate = TORCH_ADAM_GPARAMS if overlap and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
+    opt_rate = opt_rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups}
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
-           "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups}
+           "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups, "host_state": host_state}
     # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
     # every other host item, which no sequence length changes
     host_free = host_usable - sum(v for k, v in host_bytes(s, micro_batch, seq_len, **hkw).items()
@@ -241,7 +265,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         min_hide = last + 1 if last < 1 << 16 else None
     step = t["step total"] = _step_total(t)
     overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
-    if not overlap:
+    if not overlap and host_state == "fp32":  # CompactAdamW does not overlap
         rate = TORCH_ADAM_GPARAMS if optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
         overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{**tkw, "overlap_optimizer": True,
                                                                              "opt_rate": rate * cores / CPU_REF_CORES}))
@@ -278,6 +302,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             "longest_seq_len": longest_placeable(s, micro_batch, config=config, gkw=base, host_free=host_free,
                                                  gpu_limit=gpu_limit) if offload_activations else None,
         }
+    p.host_state = host_state
     p.warnings = _warnings(p, s, overlapped_step)
     if overlap and optimizer in ("adamw", "adam"):
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
@@ -352,7 +377,8 @@ def _step_total(t: dict[str, float]) -> float:
 
 
 def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
-    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it)."""
+    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it, or its
+    host_state's CompactAdamW cannot)."""
     out, t = [], p.time
     if not p.transfers_hidden:
         need = f"micro-batch >= {p.min_micro_batch_to_hide}" if p.min_micro_batch_to_hide else "no micro-batch"
@@ -372,7 +398,8 @@ def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
                    f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
     if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
         step, cpu = t["step total"], t["CPU optimizer (serial)"]
-        how = (f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
+        how = (f"host_state={p.host_state!r} steps CompactAdamW serially; raise" if overlapped_step is None else
+               f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
                f"instead of {step:.2f}; or raise" if overlapped_step < step else
                f"overlap_optimizer=True does not help here: {overlapped_step:.2f} s per step planned with it instead "
                f"of {step:.2f}, its host step outlasting the next forward; raise")

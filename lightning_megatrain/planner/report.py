@@ -17,7 +17,8 @@ def render(p: Plan) -> str:
     """``Plan.report``: a readable table (GiB = 2**30 bytes)."""
     g = lambda b: f"{b / GIB:9.2f} GiB"
     lines = [
-        f"MegaTrain plan: {p.model}  ({p.precision}, {p.optimizer}, {p.loss} loss)",
+        f"MegaTrain plan: {p.model}  ({p.precision}, {p.optimizer}, {p.loss} loss"
+        + ("" if p.host_state == "fp32" else f", host_state {p.host_state}") + ")",
         f"  {verdict(p)}",
         (f"  params {p.n_params / 1e9:.3f}B = {p.n_layers} layers x {p.max_layer_params / 1e6:.1f}M (max)"
         f" + {p.resident_params / 1e6:.1f}M resident; active per token {p.active_params / 1e9:.3f}B"),
@@ -25,7 +26,7 @@ def render(p: Plan) -> str:
         f"{p.grad_accum}; activation offload {'on' if p.offload_activations else 'off'}"),
         "", "  Host RAM", *(f"    {k:<28}{g(v)}" for k, v in p.host.items()),
         (f"    {'total':<28}{g(p.host_total)}  of {p.host_usable / GIB:.1f} GiB usable  "
-        f"({p.host_bytes_per_param:.2f} B/param; state {p.host_state_bytes_per_param:.0f} B/param)"),
+        f"({p.host_bytes_per_param:.2f} B/param; state {_per_param(p)} B/param)"),
         (f"    usable: the {p.host_limit / GIB:.1f} GiB limit less {p.host_reserve / GIB:.1f} GiB left to "
          f"the OS and other processes (max({HOST_OS_RESERVE_MIN_GIB:g} GiB, {HOST_OS_RESERVE_FRACTION:.0%}))"),
         "", "  GPU memory (peak = persistent + the larger phase)",
@@ -66,6 +67,11 @@ def verdict(p: Plan) -> str:
     if p.long_context is not None and not p.long_context["fits"]:
         over.append("no placement of the layer-input checkpoints fits (Long context below)")
     return f"DOES NOT FIT: {used}; over: {', '.join(over)}"
+
+
+def _per_param(p: Plan) -> str:
+    """Host state bytes per parameter: whole bytes for fp32 state (16), two decimals for a compact host_state's."""
+    return f"{p.host_state_bytes_per_param:.0f}" if p.host_state == "fp32" else f"{p.host_state_bytes_per_param:.2f}"
 
 
 def _batches(n: int) -> str:

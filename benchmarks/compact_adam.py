@@ -1,0 +1,122 @@
+"""Host AdamW speed by host-state layout: CompactAdamW's formats against torch's fused AdamW and DeepSpeedCPUAdam.
+
+Each system steps the same layer-shaped parameters (``--layers`` flat tensors of ``--params / --layers`` each) with
+random gradients; the figure is parameters updated per second (median of ``--repeats`` full steps, the first step,
+which allocates the states and compiles, not counted). Memory traffic per parameter (read + write): fp32 AdamW 28 B
+(p, g, m, v read; p, m, v written); ``compact`` 10 B (bf16 p and g, 8-bit m and v read; p, m, v written);
+``compact_kahan`` 14 B; ``int8_moments`` 16 B. The kernels are optim/compact_adam.py's, through ``torch.compile``
+unless ``--eager``.
+
+Usage (on the H200's 16-core host: the rates the planner quotes):
+    python benchmarks/compact_adam.py --params 1.6e9 --layers 16 --out DIR     (writes DIR/compact_adam.json)
+    python benchmarks/compact_adam.py --dry-run --out DIR                      (tiny, eager: checks the code path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from statistics import median
+
+import torch
+
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW
+from lightning_megatrain.optim.host_optimizer import to_host_optimizer
+
+LAYOUTS = {name: layout for name, layout in HOST_STATE_LAYOUTS.items() if name != "fp32"}  # CompactAdamW's
+# system -> (parameter dtype, gradient dtype, CompactAdamW formats or None, host state bytes per parameter)
+SYSTEMS = {
+    "torch_fused": (torch.float32, torch.float32, None, 16.0),
+    "deepspeed": (torch.float32, torch.float32, None, 16.0),
+    **{name: (layout.weight_dtype, layout.grad_dtype, (layout.weights, layout.moments),
+              sum(layout.bytes_per_param().values())) for name, layout in LAYOUTS.items()},
+}
+ROW_KEYS = ("system", "params", "threads", "state_bytes_per_param", "compiled", "step_s", "gparam_per_s",
+            "vs_deepspeed", "error")
+
+
+def _params(n_layers: int, per_layer: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    params = []
+    for _ in range(n_layers):
+        p = torch.nn.Parameter(torch.empty(per_layer, dtype=dtype).normal_(0.0, 0.02))
+        p.grad = torch.empty(per_layer, dtype=grad_dtype).normal_()
+        params.append(p)
+    return params
+
+
+def _optimizer(system: str, params: list[torch.nn.Parameter], eager: bool) -> torch.optim.Optimizer:
+    formats = SYSTEMS[system][2]
+    if formats is None:
+        return to_host_optimizer(torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1),
+                                 "torch" if system == "torch_fused" else "deepspeed")
+    weights, moments = formats
+    return CompactAdamW(params, lr=1e-4, weight_decay=0.1, weights=weights, moments=moments, compile=not eager)
+
+
+def measure(system: str, n_layers: int, per_layer: int, repeats: int, eager: bool) -> dict:
+    dtype, grad_dtype, formats, state_bytes = SYSTEMS[system]
+    row = {"system": system, "params": n_layers * per_layer, "threads": torch.get_num_threads(),
+           "state_bytes_per_param": state_bytes, "compiled": formats is not None and not eager, "step_s": None,
+           "gparam_per_s": None, "vs_deepspeed": None, "error": None}
+    try:
+        params = _params(n_layers, per_layer, dtype, grad_dtype)
+        opt = _optimizer(system, params, eager)
+        opt.step()  # allocates the states (and compiles)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t)
+        row["step_s"] = median(times)
+        row["gparam_per_s"] = row["params"] / row["step_s"] / 1e9
+    except Exception as e:  # DeepSpeed not installed or not building: the row says so, the others still run
+        row["error"] = f"{type(e).__name__}: {e}"
+    gc.collect()
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| system | state B/param | compiled | step s | Gparam/s | vs DeepSpeedCPUAdam |", "| --- " * 6 + "|"]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['system']} | {r['state_bytes_per_param']:.2f} | | | error: {r['error'][:60]} | |")
+            continue
+        ratio = f"{r['vs_deepspeed']:.2f}x" if r["vs_deepspeed"] else ""
+        lines.append(f"| {r['system']} | {r['state_bytes_per_param']:.2f} | {r['compiled']} | {r['step_s']:.3f} | "
+                     f"{r['gparam_per_s']:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=1.6e9)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
+    parser.add_argument("--eager", action="store_true", help="CompactAdamW without torch.compile")
+    parser.add_argument("--dry-run", action="store_true", help="2 layers of 2**16, 1 repeat, eager")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    if args.dry_run:
+        args.params, args.layers, args.repeats, args.eager = 2 * 2**16, 2, 1, True
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    per_layer = int(args.params / args.layers)
+    rows = [measure(s, args.layers, per_layer, args.repeats, args.eager) for s in systems]
+    reference = next((r["gparam_per_s"] for r in rows if r["system"] == "deepspeed" and not r["error"]), None)
+    for r in rows:
+        if reference and r["gparam_per_s"]:
+            r["vs_deepspeed"] = r["gparam_per_s"] / reference
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "compact_adam.json"), "w") as f:
+        json.dump({"dry_run": args.dry_run, "results": rows}, f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""AdamW over compact host state: bf16 weights (stochastic rounding or Kahan compensation), bf16 or fp32 gradients,
+8-bit block-quantized moments; the host-RAM layouts of ``host_state`` and their bytes per parameter.
+
+[Note: compact host state]
+``host_state`` (config.py) names one layout of the per-parameter host state (:data:`HOST_STATE_LAYOUTS`, bytes per
+parameter from :meth:`HostStateLayout.bytes_per_param`; the planner reads them from here):
+
+==================  ===========================  ========  =====================================  ===========
+host_state          weights                      grads     Adam moments                           B/param
+==================  ===========================  ========  =====================================  ===========
+``fp32``            fp32 master                  fp32      fp32 m and v                           16
+``int8_moments``    fp32 master                  fp32      8-bit m and v + fp32 scale per 256     10.03
+``compact``         bf16, stochastic rounding    bf16      8-bit m and v + fp32 scale per 256     6.03
+``compact_kahan``   bf16 + bf16 compensation     bf16      8-bit m and v + fp32 scale per 256     8.03
+==================  ===========================  ========  =====================================  ===========
+
+The update is torch's AdamW (``_single_tensor_adam``'s formula and op order), computed in fp32 on a chunk of
+``CHUNK`` elements at a time: the chunk's weights, moments (decoded, [Note: 8-bit moments] in optim/rounding.py)
+and gradient are widened to fp32, updated, and written back in their storage format, so fp32 temporaries are
+bounded by a chunk whatever the tensor's size. The new bf16 weight is rounded stochastically ([Note: stochastic
+rounding]) or to nearest with the rounding error kept in a bf16 *compensation* buffer that the next update adds
+back (Kahan summation: weight + compensation carries about 16 significant bits). With every format fp32 the kernel
+is torch's AdamW bit for bit (tests/optim/test_compact_adam.py). Gradients are read in whatever dtype they arrive
+and summed across micro-batches in that dtype by whoever writes them.
+
+Speed: the kernel runs through ``torch.compile`` (inductor's C++/OpenMP backend fuses the chunk into one or two
+passes over memory) where it builds, else as eager torch ops (many passes, several times slower);
+``benchmarks/compact_adam.py`` measures both against torch's fused AdamW and DeepSpeedCPUAdam.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_megatrain.optim.rounding import (
+    BLOCK,
+    decode_signed,
+    decode_unsigned,
+    encode_signed,
+    encode_unsigned,
+    mix_seed,
+    n_blocks,
+    nearest_bits,
+    round_stochastic,
+)
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20  # elements per kernel call (a multiple of BLOCK): 4 MiB per fp32 temporary
+WEIGHT_FORMATS = ("fp32", "bf16", "bf16_sr", "bf16_kahan")  # "bf16": round to nearest, no compensation (stalls)
+MOMENT_FORMATS = ("fp32", "int8")
+
+
+@dataclass(frozen=True)
+class HostStateLayout:
+    """How one parameter's host state is stored: see [Note: compact host state]."""
+
+    weights: str  # one of WEIGHT_FORMATS
+    grad_dtype: torch.dtype
+    moments: str  # one of MOMENT_FORMATS
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return torch.float32 if self.weights == "fp32" else torch.bfloat16
+
+    def bytes_per_param(self) -> dict[str, float]:
+        """Host bytes per parameter by item: the weights (with the compensation), the grads, the Adam moments (with
+        their block scales)."""
+        weights = self.weight_dtype.itemsize * (2 if self.weights == "bf16_kahan" else 1)
+        moments = 8.0 if self.moments == "fp32" else 2 + 2 * 4 / BLOCK
+        return {"weights": weights, "grads": self.grad_dtype.itemsize, "optimizer states": moments}
+
+
+HOST_STATE_LAYOUTS = {
+    "fp32": HostStateLayout("fp32", torch.float32, "fp32"),
+    "int8_moments": HostStateLayout("fp32", torch.float32, "int8"),
+    "compact": HostStateLayout("bf16_sr", torch.bfloat16, "int8"),
+    "compact_kahan": HostStateLayout("bf16_kahan", torch.bfloat16, "int8"),
+}
+
+
+def new_state(p: Tensor, weights: str, moments: str) -> dict[str, Tensor]:
+    """The state of ``p`` before its first update (zeros; the step count a 0-dim fp32 tensor, as torch's AdamW)."""
+    n = p.numel()
+    state = {"step": torch.zeros((), dtype=torch.float32)}
+    if moments == "fp32":
+        state["exp_avg"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+    else:
+        state["exp_avg"] = torch.zeros(n, dtype=torch.int8, device=p.device)
+        state["exp_avg_scale"] = torch.zeros(n_blocks(n), dtype=torch.float32, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
+        state["exp_avg_sq_scale"] = torch.zeros(n_blocks(n), dtype=torch.float32, device=p.device)
+    if weights == "bf16_kahan":
+        state["compensation"] = torch.zeros(n, dtype=torch.bfloat16, device=p.device)
+    return state
+
+
+def _chunk_update(
+    w: Tensor, g: Tensor, m: Tensor, m_scale: Tensor | None, v: Tensor, v_scale: Tensor | None,
+    comp: Tensor | None, start: Tensor, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    step_size: float, bc2_sqrt: float, grad_scale: float, weights: str, moments: str, decoupled: bool,
+) -> None:
+    """AdamW on one chunk (1D views, updated in place), in torch's ``_single_tensor_adam`` op order."""
+    w32 = w.float() if comp is None else w.float() + comp.float()
+    g32 = g.float()
+    if grad_scale != 1.0:
+        g32 = g32 * grad_scale
+    if weight_decay != 0:
+        if decoupled:
+            w32 = w32 * (1 - lr * weight_decay)
+        else:
+            g32 = g32.add(w32, alpha=weight_decay)
+    if moments == "fp32":
+        m32, v32 = m, v
+    else:
+        m32, v32 = decode_signed(m, m_scale), decode_unsigned(v, v_scale)
+    m32 = torch.lerp(m32, g32, 1 - beta1)
+    v32 = torch.addcmul(v32 * beta2, g32, g32, value=1 - beta2)
+    root = v32.sqrt()
+    if moments == "fp32":
+        denom = (root / bc2_sqrt) + eps  # torch's order: with fp32 weights too, torch's AdamW bit for bit
+    else:
+        denom = root * (1.0 / bc2_sqrt) + eps
+    w32 = torch.addcdiv(w32, m32, denom, value=-step_size)
+    if weights == "bf16_sr":
+        w.copy_(round_stochastic(w32, start))  # exact: an fp32 holding a bf16 value
+    elif weights == "bf16_kahan":
+        high = nearest_bits(w32).view(torch.float32)  # an fp32 holding the nearest bf16 value
+        comp.copy_(w32 - high)  # the rounding error, added back by the next update
+        w.copy_(high)  # exact
+    else:
+        w.copy_(w32)  # fp32, or bf16 rounded to nearest
+    if moments == "fp32":
+        m.copy_(m32)
+        v.copy_(v32)
+    else:
+        codes, scale = encode_signed(m32)
+        m.copy_(codes)
+        m_scale.copy_(scale)
+        codes, scale = encode_unsigned(v32, root)
+        v.copy_(codes)
+        v_scale.copy_(scale)
+
+
+_compiled: Callable[..., None] | None = None
+_compile_failure: str | None = None  # a failed build is tried and reported once per process
+
+
+def _kernel(compile: bool) -> Callable[..., None]:
+    """The chunk update, through ``torch.compile`` when asked and it builds (one graph per format pair; sizes and
+    hyperparameters are dynamic, so neither recompiles)."""
+    global _compiled
+    if not compile or _compile_failure is not None:
+        return _chunk_update
+    if _compiled is None:
+        _compiled = torch.compile(_chunk_update, dynamic=True)
+    return _compiled
+
+
+def adamw_update(
+    w: Tensor, g: Tensor, state: dict[str, Tensor], *, lr: float, betas: tuple[float, float], eps: float,
+    weight_decay: float, decoupled: bool, weights: str, moments: str, seed: int, grad_scale: float = 1.0,
+    compile: bool = False,
+) -> None:
+    """One AdamW step of one parameter over its compact state (see [Note: compact host state]).
+
+    Args:
+        w: the weights, 1D contiguous; fp32 for ``weights="fp32"``, else bf16. Updated in place.
+        g: the gradient, 1D, same length, any float dtype (read only).
+        state: :func:`new_state`'s entries; ``state["step"]`` is incremented here.
+        seed: the stochastic rounding's seed for this parameter and step (:func:`~optim.rounding.mix_seed`).
+        grad_scale: factor the gradient is multiplied by first (the clipping coefficient).
+        compile: run the chunk update through ``torch.compile`` (falls back to eager, logged once, if it fails).
+    """
+    global _compile_failure
+    state["step"] += 1
+    step = float(state["step"])
+    beta1, beta2 = betas
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 step_size=lr / (1 - beta1**step), bc2_sqrt=(1 - beta2**step) ** 0.5, grad_scale=float(grad_scale),
+                 weights=weights, moments=moments, decoupled=decoupled)
+    m, v, comp = state["exp_avg"], state["exp_avg_sq"], state.get("compensation")
+    m_scale, v_scale = state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")
+    n = w.numel()
+    for start in range(0, n, CHUNK):
+        end = min(n, start + CHUNK)
+        blocks = slice(start // BLOCK, n_blocks(end))
+        args = (w[start:end], g[start:end], m[start:end], None if m_scale is None else m_scale[blocks],
+                v[start:end], None if v_scale is None else v_scale[blocks],
+                None if comp is None else comp[start:end], torch.tensor(seed + start, dtype=torch.int64))
+        kernel = _kernel(compile)
+        try:
+            kernel(*args, **hyper)
+        except Exception as e:  # inductor could not build (no C++ compiler, ...): nothing was written yet
+            if kernel is _chunk_update:
+                raise
+            _compile_failure = f"{type(e).__name__}: {e}"
+            log.warning("MegaTrain: the compiled compact AdamW kernel does not build (%s); running it eagerly "
+                        "(several times slower)", _compile_failure.splitlines()[0])
+            _chunk_update(*args, **hyper)
+
+
+def _check_format(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"CompactAdamW({name}={value!r}): choose one of {allowed}")
+
+
+class CompactAdamW(Optimizer):
+    """AdamW (or Adam with ``decoupled_weight_decay=False``) over compact state: see [Note: compact host state].
+
+    Args:
+        params, lr, betas, eps, weight_decay, decoupled_weight_decay: as ``torch.optim.AdamW``.
+        weights: ``"bf16_sr"`` (bf16 parameters, stochastic rounding), ``"bf16_kahan"`` (bf16 parameters and a bf16
+            compensation buffer), ``"bf16"`` (bf16, round to nearest: small updates are lost; for comparison) or
+            ``"fp32"`` (fp32 parameters).
+        moments: ``"int8"`` (8-bit block-quantized m and v, [Note: 8-bit moments]) or ``"fp32"``.
+        seed: the stochastic rounding's seed; the bits of step t of parameter i derive from (seed, t, i), so a
+            resumed run rounds as the uninterrupted one.
+        compile: run the update through ``torch.compile`` (``"auto"``: yes, falling back to eager ops if it does
+            not build). Not saved in the state dict.
+
+    Raises:
+        ValueError: an unknown ``weights``, ``moments`` or ``compile``; a state dict saved with other formats.
+        TypeError: at a parameter's first step: its dtype is not the one ``weights`` stores, or it is not a
+            contiguous CPU tensor, or its gradient is sparse.
+    """
+
+    def __init__(
+        self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+        weight_decay: float = 1e-2, *, decoupled_weight_decay: bool = True, weights: str = "bf16_sr",
+        moments: str = "int8", seed: int = 0, compile: bool | str = "auto",
+    ) -> None:
+        _check_format("weights", weights, WEIGHT_FORMATS)
+        _check_format("moments", moments, MOMENT_FORMATS)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=decoupled_weight_decay, weights=weights, moments=moments, seed=seed)
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"CompactAdamW(compile={compile!r}): choose True, False or 'auto'")
+        super().__init__(params, defaults)
+        self.compile = compile in (True, "auto")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``Optimizer.load_state_dict``, each state tensor keeping its dtype.
+
+        Raises:
+            ValueError: the state dict was saved with other ``weights`` or ``moments`` formats.
+        """
+        for saved, own in zip(state_dict["param_groups"], self.param_groups):
+            for key in ("weights", "moments"):
+                if saved.get(key) != own[key]:
+                    raise ValueError(
+                        f"CompactAdamW.load_state_dict: the state was saved with {key}={saved.get(key)!r}, this "
+                        f"optimizer has {key}={own[key]!r}. HINT: resume with the format it was saved with."
+                    )
+        super().load_state_dict(state_dict)
+        # torch casts every state tensor of a floating-point parameter to the parameter's dtype (the 8-bit codes and
+        # fp32 block scales of a bf16 parameter would come back bf16): put each saved tensor back in its own dtype
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved, params):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if isinstance(value, Tensor):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
+    def _check_param(self, p: Tensor, weights: str) -> None:
+        want = HostStateLayout(weights, torch.float32, "fp32").weight_dtype
+        if p.dtype != want or p.device.type != "cpu" or p.grad.is_sparse or not p.is_contiguous():
+            raise TypeError(
+                f"CompactAdamW(weights={weights!r}) updates contiguous {str(want).replace('torch.', '')} CPU "
+                f"parameters with dense gradients; got a {str(p.dtype).replace('torch.', '')} parameter on {p.device}"
+                f"{' with a sparse gradient' if p.grad.is_sparse else ''}. HINT: cast the module with "
+                f"`.to({want})` before building the optimizer, or choose weights='fp32' for fp32 parameters."
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0  # the parameter's position over all groups: its stochastic rounding stream
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self._check_param(p, group["weights"])
+                    state.update(new_state(p, group["weights"], group["moments"]))
+                adamw_update(
+                    p.view(-1), p.grad.reshape(-1), state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                    weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                    weights=group["weights"], moments=group["moments"],
+                    seed=mix_seed(group["seed"], int(state["step"]) + 1, index - 1), compile=self.compile,
+                )
+        return loss
+
+
+def state_nbytes(optimizer: Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, scales, compensation, step counts)."""
+    return sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, Tensor))
+

@@ -1,0 +1,75 @@
+"""The planner's host-state modes: bytes per parameter by mode, the errors, the largest model of a shape that fits a
+128 GiB host in each mode (pinned), and ``megatrain plan --host-state`` / ``--largest``."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_megatrain import planner
+from lightning_megatrain.cli import plan_main
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.planner import HOST_STATE_BYTES, Machine
+from lightning_megatrain.planner.capacity import largest_models
+
+LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
+LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}
+SERIAL = EngineConfig(overlap_optimizer=False, compile_layers=False, gpu_optimizer_groups=0)
+HOST_128 = Machine(host_ram_gib=128, gpu_mem_gib=139, cpu_cores=16)
+
+
+def test_host_state_bytes_per_parameter():
+    """Masters, grads and moments of each mode are its bytes per parameter times the parameters; nothing else in
+    the plan's host RAM changes with the mode."""
+    assert {k: sum(v.values()) for k, v in HOST_STATE_BYTES.items()} == {
+        "fp32": 16, "int8_moments": 10.03125, "compact": 6.03125, "compact_kahan": 8.03125}
+    plans = {k: planner.plan(LLAMA_3B, seq_len=4096, config=SERIAL, machine=HOST_128, host_state=k)
+             for k in HOST_STATE_BYTES}
+    n = plans["fp32"].n_params
+    for mode, p in plans.items():
+        for item, per_param in HOST_STATE_BYTES[mode].items():
+            assert p.host[item] == round(per_param * n), (mode, item)
+        assert p.host_state_bytes_per_param == pytest.approx(sum(HOST_STATE_BYTES[mode].values()))
+        others = {k: v for k, v in p.host.items() if k not in HOST_STATE_BYTES[mode]}
+        assert others == {k: v for k, v in plans["fp32"].host.items() if k not in HOST_STATE_BYTES[mode]}
+    assert "host_state" not in plans["fp32"].to_dict() and plans["compact"].to_dict()["host_state"] == "compact"
+    assert "host_state compact)" in plans["compact"].report().splitlines()[0]
+    assert "state 6.03 B/param" in plans["compact"].report()
+
+
+def test_host_state_errors():
+    with pytest.raises(ValueError, match=r"host_state='int4': choose one of \['fp32', 'int8_moments', 'compact'"):
+        planner.plan(LLAMA_3B, seq_len=128, host_state="int4")
+    with pytest.raises(ValueError, match=r"host_state='compact' is planned for CompactAdamW .* got optimizer='sgd'"):
+        planner.plan(LLAMA_3B, seq_len=128, optimizer="sgd", host_state="compact")
+    with pytest.raises(ValueError, match=r"gpu_optimizer_groups=2\. HINT: optimizer='adamw' and gpu_optimizer_groups"):
+        planner.plan(LLAMA_3B, seq_len=128, config=EngineConfig(gpu_optimizer_groups=2), host_state="compact")
+
+
+def test_largest_llama3_8b_shape_on_a_128_gib_host_by_host_state():
+    """Llama-3-8B's width at 4,096 tokens per micro-batch on a 128 GiB host (124.2 GiB usable): 32 layers (8.0B, the
+    model itself) in fp32, 54 with 8-bit moments, 68 compact with Kahan, 93 compact (21.3B: over 20B). Each depth
+    fits and the next does not."""
+    caps = largest_models(LLAMA3_8B, seq_len=4096, config=SERIAL, machine=HOST_128)
+    assert {c.host_state: c.layers for c in caps} == {"fp32": 32, "int8_moments": 54, "compact": 93,
+                                                      "compact_kahan": 68}
+    compact = next(c for c in caps if c.host_state == "compact")
+    assert compact.n_params > 20e9 and compact.host_total <= compact.host_usable
+    deeper = planner.plan(LLAMA3_8B | {"num_hidden_layers": 94}, seq_len=4096, config=SERIAL, machine=HOST_128,
+                          host_state="compact")
+    assert not deeper.fits and deeper.host_total > deeper.host_usable
+
+
+def test_cli_plan_host_state_and_largest(capsys):
+    model = '{"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, ' \
+            '"num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8}'
+    common = ["--model", model, "--seq-len", "4096", "--host-ram", "64", "--gpu-mem", "139", "--cpu-cores", "16"]
+    assert plan_main([*common, "--host-state", "compact"]) == 0
+    assert "host_state compact)" in capsys.readouterr().out
+    assert plan_main([*common, "--largest"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:6]}
+    assert list(rows) == ["fp32", "int8_moments", "compact", "compact_kahan"]
+    layers = {k: int(v[2]) for k, v in rows.items()}
+    assert layers["fp32"] < layers["int8_moments"] < layers["compact_kahan"] < layers["compact"]
