@@ -18,13 +18,17 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from statistics import median
 
 import torch
 
-from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW
-from lightning_megatrain.optim.host_optimizer import to_host_optimizer
+# the GPU machine's copy of the tree has the package uninstalled: import it from this checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW  # noqa: E402
+from lightning_megatrain.optim.host_optimizer import to_host_optimizer  # noqa: E402
 
 LAYOUTS = {name: layout for name, layout in HOST_STATE_LAYOUTS.items() if name != "fp32"}  # CompactAdamW's
 # system -> (parameter dtype, gradient dtype, CompactAdamW formats or None, host state bytes per parameter)

@@ -22,19 +22,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from statistics import median
 
 import torch
 from torch import nn
 
-from lightning_megatrain.engine.discovery import tensor_slots
-from lightning_megatrain.engine.host_store import pack_group
-from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.optim import Muon, muon_param_groups
-from lightning_megatrain.optim.host_optimizer import to_host_optimizer
-from lightning_megatrain.optim.newton_schulz import newton_schulz, ns_flops
-from lightning_megatrain.optim.updates import host_update
+# the GPU machine's copy of the tree has the package uninstalled: import it from this checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_megatrain.engine.discovery import tensor_slots  # noqa: E402
+from lightning_megatrain.engine.host_store import pack_group  # noqa: E402
+from lightning_megatrain.engine.pinned import HostRegistry  # noqa: E402
+from lightning_megatrain.optim import Muon, muon_param_groups  # noqa: E402
+from lightning_megatrain.optim.host_optimizer import to_host_optimizer  # noqa: E402
+from lightning_megatrain.optim.newton_schulz import newton_schulz, ns_flops  # noqa: E402
+from lightning_megatrain.optim.updates import host_update  # noqa: E402
 
 
 class LlamaLayer(nn.Module):

@@ -6,9 +6,11 @@ Skipped without CUDA (CI); run on the GPU machine with ``python -m pytest -m gpu
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers.gpu import gpu_strategy
 from helpers.parity import Recorder, assert_records_close
@@ -17,9 +19,23 @@ from helpers.preference import TINY_CONFIG, FusedAdamDPO, fit_dpo
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def _initial_weights(folder: Path) -> str:
+    """The tiny Llama, initialised on the host from a fixed seed, saved as an HF folder: both runs load these weights.
+    With ``config=`` each would initialise inside its strategy's init context, plain Lightning's on the GPU with the
+    CUDA generator (other weights than the host's), which made the first step's gradients disagree by 140% while
+    both losses were log 2 (policy = reference)."""
+    path = folder / "initial"
+    if not path.exists():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(**TINY_CONFIG)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
 def _record(strategy, folder, precision="32-true", **module_kwargs):
     recorder = Recorder()
-    module, _ = fit_dpo(strategy, folder, module=FusedAdamDPO(config=TINY_CONFIG, **module_kwargs),
+    module = FusedAdamDPO(model=_initial_weights(folder), **module_kwargs)
+    module, _ = fit_dpo(strategy, folder, module=module,
                         callbacks=[recorder], accelerator="cuda", precision=precision, accumulate_grad_batches=2,
                         gradient_clip_val=1.0)
     recorder.record.accumulate = 2
