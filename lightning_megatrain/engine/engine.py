@@ -28,6 +28,7 @@ from lightning_megatrain.engine.placement import (
     token_shape,
 )
 from lightning_megatrain.engine.recompute import RecomputePolicy
+from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
 from lightning_megatrain.engine.tiling import SequenceTiles
@@ -154,6 +155,8 @@ class MegaTrainEngine:
         self.streamed = StreamedLayers(
             stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers
         )
+        # what transformers records inside the layers (router logits) leaves their nodes ([Note: recorded outputs])
+        self.streamed.recorded = find_recorded(module, path, stack)
         self.streamed.install(self.device.type)
         # "auto" starts as one checkpoint per layer, all offloaded ([Note: recompute segments]); placed (and
         # checked) for the first training micro-batch's tokens, again for any longer one

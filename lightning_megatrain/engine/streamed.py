@@ -13,7 +13,9 @@ input grads. A layer the recompute policy *keeps* (engine/recompute.py, [Note: k
 grad in forward on a private copy of its weights (a device group's weights stay put: no copy) and keeps its graph;
 its backward is the ``autograd.grad`` alone. With ``segment_layers > 1`` only a segment's first layer stashes its
 input; the others record what a replay needs and get their input in backward from the segment (engine/segments.py,
-[Note: recompute segments]). Plain ``loss.backward()`` therefore walks the layers in reverse and
+[Note: recompute segments]). The node's outputs are the layer's own, then the tensors transformers records inside
+it while a call records them (MoE router logits, [Note: recorded outputs] in engine/recorded.py), so a router loss's
+gradient reaches the recompute too. Plain ``loss.backward()`` therefore walks the layers in reverse and
 Lightning's loops, the user's loss and manual optimization stay untouched. Without grad (validation, predict) the
 layer simply runs on bound weights.
 
@@ -55,6 +57,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.recompute import RecomputePolicy
+from lightning_megatrain.engine.recorded import Recorded, RecordedOutputs, capture
 from lightning_megatrain.engine.segments import LayerRecord, Segments, replay_state
 from lightning_megatrain.engine.tiling import inside_tile
 from lightning_megatrain.engine.transfer import Transfer
@@ -184,6 +187,9 @@ class StreamedLayers:
         # Which recomputed layers save their input and which are replayed from a segment's first ([Note: recompute
         # segments]); configured by the engine (segment_layers, device_checkpoints).
         self.segments = Segments(len(stack))
+        # What transformers records inside the layers (MoE router logits), returned by each layer's node ([Note:
+        # recorded outputs] in engine/recorded.py); the engine installs the recorders it finds.
+        self.recorded = RecordedOutputs()
         # The function each layer runs: its class's own ``forward``, or that function compiled once per class (see
         # [Note: compiled layers]).
         self.forwards: dict[type, Callable[..., Any]] = {}
@@ -195,8 +201,10 @@ class StreamedLayers:
         self.device_type = device_type
         for index, layer in enumerate(self.stack):
             layer.forward = _LayerForward(self, index)  # instance attribute shadows the class method
+        self.recorded.install()
 
     def uninstall(self) -> None:
+        self.recorded.uninstall()
         for layer in self.stack:
             if isinstance(layer.__dict__.get("forward"), _LayerForward):
                 del layer.forward
@@ -205,18 +213,29 @@ class StreamedLayers:
         group = self.groups[index]
         return [(slot, weights[k]) for slot, k in group.slot_index] + self.buffers[index]
 
-    def run_layer(self, index: int, weights: list[Tensor], args: tuple, kwargs: dict) -> Any:
+    def run_layer(self, index: int, weights: list[Tensor], args: tuple, kwargs: dict, eager: bool = False) -> Any:
+        """Layer ``index`` on ``weights``: its class's forward as compiled, or, ``eager``, as written (a call that
+        records router logits, see [Note: recorded outputs])."""
         layer = self.stack[index]
+        forward = type(layer).forward if eager else self.forwards[type(layer)]
         with bind(self.bindings(index, weights)):
-            return self.forwards[type(layer)](layer, *args, **kwargs)
+            return forward(layer, *args, **kwargs)
 
-    def run_streamed(self, index: int, args: tuple, kwargs: dict) -> Any:
+    def run_recording(
+        self, index: int, weights: list[Tensor], args: tuple, kwargs: dict, keys: frozenset[str]
+    ) -> tuple[Any, list[Recorded]]:
+        """:meth:`run_layer`, and what its recorders of ``keys`` captured ([Note: recorded outputs])."""
+        with capture(keys) as recorded:
+            output = self.run_layer(index, weights, args, kwargs, eager=bool(keys))
+        return output, recorded
+
+    def run_streamed(self, index: int, args: tuple, kwargs: dict, eager: bool = False) -> Any:
         """Layer ``index`` on its slot's weights, acquired and released around it, with no graph of its own: without
         grad (validation, predict) and a segment's replay in backward (the caller sets grad mode and RNG)."""
         flat = self.transfer.acquire(index)
         self.transfer.prefetch(index + 1)
         try:
-            return self.run_layer(index, self.groups[index].views(flat), args, kwargs)
+            return self.run_layer(index, self.groups[index].views(flat), args, kwargs, eager)
         finally:
             self.transfer.release(index)
 
@@ -233,7 +252,11 @@ class _LayerForward:
         if not torch.is_grad_enabled():
             if index == 0:
                 owner.segments.reset()  # validation or a reference forward: the hints of a training one go
-            return owner.run_streamed(index, args, kwargs)
+            keys = owner.recorded.requested()
+            with capture(keys) as recorded:
+                output = owner.run_streamed(index, args, kwargs, eager=bool(keys))
+            owner.recorded.replace(recorded)  # tiles' captures merged ([Note: recorded outputs])
+            return output
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
                 kwargs[key] = None
@@ -244,8 +267,10 @@ class _LayerForward:
         # A leaf that requires grad makes sure this node exists even when no input requires grad (frozen embeddings).
         anchor = torch.empty(0, requires_grad=True)
         outputs = StreamedLayerFunction.apply(owner, index, spec, out_box, anchor, *leaves)
+        out_spec, out_leaves, recorded = out_box
+        if recorded:  # the node's last outputs: what the layer's recorders captured ([Note: recorded outputs])
+            owner.recorded.replace(recorded, outputs[len(outputs) - len(recorded) :])
         owner.segments.produced(index, outputs)  # the next layer may chain on its first output
-        out_spec, out_leaves = out_box
         tensors = iter(outputs)
         return pytree.tree_unflatten([next(tensors) if x is _TENSOR else x for x in out_leaves], out_spec)
 
@@ -262,6 +287,9 @@ class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner: StreamedLayers, index: int, spec, out_box: list, anchor: Tensor, *leaves: Any):
         ctx.owner, ctx.index, ctx.spec = owner, index, spec
+        # an output nothing differentiates (a recorded one without an aux loss) gets None, not zeros: no backward work
+        ctx.set_materialize_grads(False)
+        ctx.recorded_keys = owner.recorded.requested()  # what the layer's recorders capture ([Note: recorded outputs])
         # Inputs on the activation path (they require grad) are the ones backward differentiates: stashed
         # (offloaded on CUDA, see [Note: activation offload]) for a recompute, or kept in the graph. The rest (masks,
         # rotary tables) are shared by all layers and saved as they are.
@@ -277,15 +305,17 @@ class StreamedLayerFunction(torch.autograd.Function):
         ctx.stashed = []
         ctx.segment = None
         if owner.policy.keep(input_bytes):
-            output = _forward_kept(ctx, owner, index, leaves)
+            output, recorded = _forward_kept(ctx, owner, index, leaves)
         else:
-            output = _forward_recomputable(ctx, owner, index, leaves)
+            output, recorded = _forward_recomputable(ctx, owner, index, leaves)
         owner.stashed[index] = ctx.stashed
+        ctx.n_recorded = len(recorded)
 
         out_leaves, out_spec = pytree.tree_flatten(output)
-        out_box.extend([out_spec, [_TENSOR if isinstance(x, Tensor) else x for x in out_leaves]])
+        out_box.extend([out_spec, [_TENSOR if isinstance(x, Tensor) else x for x in out_leaves], recorded])
         # kept: detached aliases, the graph's own outputs stay in ctx.kept for backward
-        return tuple(x.detach() for x in out_leaves if isinstance(x, Tensor))
+        tensors = [x for x in out_leaves if isinstance(x, Tensor)] + [r.value for r in recorded]
+        return tuple(x.detach() for x in tensors)
 
     @staticmethod
     def backward(ctx, *grad_outputs: Tensor):
@@ -304,7 +334,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         with bind(owner.bindings(index, weights)):
             grads = torch.autograd.grad(
                 [o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs], allow_unused=True
-            )
+            ) if pairs else (None,) * len(wrt)
         input_grads = grads[: len(inputs_needing_grad)]
         weight_grads = iter(grads[len(inputs_needing_grad) :])
         owner.transfer.drain(index, [next(weight_grads) if w.requires_grad else None for w in weights])
@@ -326,8 +356,9 @@ def _weight_leaves(group: FlatGroup, flat: Tensor) -> list[Tensor]:
     return [w.detach().requires_grad_(p.requires_grad) for w, p in zip(group.views(flat), group.params)]
 
 
-def _forward_kept(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> Any:
-    """Run layer ``index`` with grad and keep its graph for backward (see [Note: keep or recompute])."""
+def _forward_kept(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> tuple[Any, list[Recorded]]:
+    """Run layer ``index`` with grad and keep its graph for backward (see [Note: keep or recompute]): its output and
+    what its recorders captured ([Note: recorded outputs])."""
     transfer = owner.transfer
     flat = transfer.acquire(index)
     transfer.prefetch(index + 1)
@@ -343,15 +374,17 @@ def _forward_kept(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> Any:
     ctx.other_leaves = leaves  # only its length is used in backward
     with torch.profiler.record_function(f"megatrain::forward_layer_{index}_kept"), torch.enable_grad():
         args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
-        output = owner.run_layer(index, weights, args, kwargs)
-    ctx.kept = ([x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)], inputs, weights)
+        output, recorded = owner.run_recording(index, weights, args, kwargs, ctx.recorded_keys)
+    outs = [x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)] + [r.value for r in recorded]
+    ctx.kept = (outs, inputs, weights)
     owner.kept.add(index)
     owner.segments.close()
-    return output
+    return output, recorded
 
 
-def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> Any:
-    """Run layer ``index`` without a graph; keep only what a recompute needs (see [Note: streamed layer])."""
+def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple) -> tuple[Any, list[Recorded]]:
+    """Run layer ``index`` without a graph; keep only what a recompute needs (see [Note: streamed layer]): its output
+    and what its recorders captured ([Note: recorded outputs])."""
     transfer = owner.transfer
     ctx.rng = _capture_rng(owner.device_type)
     ctx.autocast = (torch.is_autocast_enabled(owner.device_type), torch.get_autocast_dtype(owner.device_type))
@@ -372,9 +405,11 @@ def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple)
     transfer.prefetch(index + 1)
     with torch.profiler.record_function(f"megatrain::forward_layer_{index}"):
         args, kwargs = pytree.tree_unflatten(list(leaves), ctx.spec)
-        output = owner.run_layer(index, owner.groups[index].views(flat), args, kwargs)
+        output, recorded = owner.run_recording(
+            index, owner.groups[index].views(flat), args, kwargs, ctx.recorded_keys
+        )
     transfer.release(index)
-    return output
+    return output, recorded
 
 
 def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], list[tuple[int, Tensor]], list[Tensor]]:
@@ -388,7 +423,9 @@ def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], li
         leaves[pos] = saved
     inputs_needing_grad: list[tuple[int, Tensor]] = []
     if ctx.segment is not None:  # restored or replayed from the segment's checkpoint ([Note: recompute segments])
-        restored = [ctx.segment.input(index, transfer, owner.run_streamed)]
+        # replayed as the forward ran: eagerly where it recorded ([Note: recorded outputs])
+        replay = functools.partial(owner.run_streamed, eager=bool(ctx.recorded_keys))
+        restored = [ctx.segment.input(index, transfer, replay)]
     else:
         restored = [transfer.unstash(stashed) for stashed in ctx.stashed]
     for pos, x in zip(ctx.stashed_positions, restored):
@@ -417,7 +454,14 @@ def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], li
         torch.enable_grad(),
     ):
         args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
-        output = owner.run_layer(index, weights, args, kwargs)
+        output, recorded = owner.run_recording(index, weights, args, kwargs, ctx.recorded_keys)
     if policy.calibrating:
         policy.measure_recompute(torch.cuda.memory_allocated(transfer.device) - before, input_bytes)
-    return [x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)], inputs_needing_grad, weights
+    if len(recorded) != ctx.n_recorded:
+        raise RuntimeError(
+            f"MegaTrain: layer {index}'s recompute recorded {len(recorded)} outputs (router logits), its forward "
+            f"{ctx.n_recorded}: the layer's code took another path on the same inputs and RNG state. HINT: keep the "
+            "layer's graph instead (keep_layers), or turn output_router_logits off."
+        )
+    outs = [x for x in pytree.tree_leaves(output) if isinstance(x, Tensor)] + [r.value for r in recorded]
+    return outs, inputs_needing_grad, weights

@@ -4,14 +4,15 @@ time, in forward and in the recompute.
 [Note: sequence tiles]
 What: the block a decoder layer applies to each position alone (``mlp``, ``block_sparse_moe``, ``feed_forward`` or
 ``ffn``, see ``BLOCK_NAMES``) gets a ``forward`` that splits its input [B, T, H] along T into tiles of ``t =
-tile_length(seq_tile, T)`` positions, runs the block's own forward on each and concatenates the outputs; a block
-that also returns rows flattened to [B * t, E] (MoE router logits or scores) gets them back in the untiled (b, t)
-order. Attention is untouched: it is not position-wise, and a block that mixes positions (an MoE router with a
-capacity over all tokens) would compute something else tiled: ``seq_tile=None`` for such a model. The dropless
-routers of the HF families route each token alone. Without grad the tiles just run one after the other. With
-grad each tile runs under a non-reentrant ``torch.utils.checkpoint``, which saves only the tile's input (a view of
-the block's input) and re-runs the tile inside backward, so one tile's intermediates are alive at a time, in the
-engine's recompute and its backward alike (engine/streamed.py, [Note: streamed layer]).
+tile_length(seq_tile, T)`` positions, runs the block's own forward on each and concatenates the outputs; a block that
+also returns rows flattened to [B * t, E] (MoE router logits or scores) gets them back in the untiled (b, t) order, and
+router logits transformers records inside the block are merged the same way ([Note: recorded outputs] in
+engine/recorded.py). Attention is untouched: it is not position-wise, and a block that mixes positions (an MoE router
+with a capacity over all tokens) would compute something else tiled: ``seq_tile=None`` for such a model. The dropless
+routers of the HF families route each token alone. Without grad the tiles just run one after the other. With grad each
+tile runs under a non-reentrant ``torch.utils.checkpoint``, which saves only the tile's input (a view of the block's
+input) and re-runs the tile inside backward, so one tile's intermediates are alive at a time, in the engine's recompute
+and its backward alike (engine/streamed.py, [Note: streamed layer]).
 
 Memory: an eager Llama MLP with grad holds 4 tensors of [B, T, I] until backward (gate and up projections, SiLU of
 gate, their product) and about 3 more at once in backward (their grads): at the 7B shape (H 4096, I 11008), B = 1
@@ -71,6 +72,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from lightning_megatrain.config import Auto
+from lightning_megatrain.engine.recorded import capture, current_frame, merge_tiles
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +124,18 @@ def run_tiled(forward: Callable[[Tensor], Any], hidden: Tensor, tile: int) -> An
     """
     batch = hidden.shape[0]
     tiles = hidden.split(tile, dim=1)  # views: [B, t, H], the last one shorter where tile does not divide T
-    if torch.is_grad_enabled():  # saves each tile's input and its RNG state; re-runs the tile in backward
-        outputs = [checkpoint(_run_tile, forward, x, use_reentrant=False) for x in tiles]
-    else:
-        outputs = [_run_tile(forward, x) for x in tiles]
     lengths = [x.shape[1] for x in tiles]
+    frame = current_frame()  # a recording call: each tile captures apart ([Note: recorded outputs])
+    outputs, captured = [], []
+    for x in tiles:
+        with capture(frame.keys if frame is not None else frozenset()) as recorded:
+            if torch.is_grad_enabled():  # saves the tile's input and its RNG state; re-runs the tile in backward
+                outputs.append(checkpoint(_run_tile, forward, x, use_reentrant=False))
+            else:
+                outputs.append(_run_tile(forward, x))
+        captured.append(recorded)
+    if frame is not None:  # one per router call, in the untiled order, as the untiled block records
+        frame.items.extend(merge_tiles(captured, lambda parts: _merge(parts, batch, lengths, hidden.dim())))
     flat, spec = zip(*(pytree.tree_flatten(o) for o in outputs))
     merged = [_merge([leaves[k] for leaves in flat], batch, lengths, hidden.dim()) for k in range(len(flat[0]))]
     return pytree.tree_unflatten(merged, spec[0])

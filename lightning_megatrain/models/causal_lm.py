@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from lightning_megatrain.models.hf_loss import RouterAux, router_aux, router_aux_loss
 from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
 from lightning_megatrain.models.packed_attention import (
     AUTO,
@@ -72,6 +73,13 @@ class CausalLMModule(LightningModule):
     ``attention_mask``, ``labels`` (default: ``input_ids`` with padding set to -100) and
     ``position_ids``; label -100 is ignored. ``tokens_trained`` counts the target tokens of all
     training steps (saved in checkpoints) and is logged as ``train_tokens``.
+
+    MoE router loss: with ``output_router_logits`` on in the config (e.g. ``config={"model_type":
+    "mixtral", ..., "output_router_logits": True}``) training adds the router auxiliary loss as
+    the model's own forward adds it with labels (HF's load-balancing loss of the router logits,
+    times ``router_aux_loss_coef``; see ``models/hf_loss.py``), with its gradient through the
+    routers under any strategy. ``train_loss`` is that sum; the unweighted router loss is logged
+    as ``train_aux_loss``. Evaluation and prediction report the next-token NLL alone.
 
     Evaluation: ``validate`` logs ``val_loss`` / ``val_ppl`` and ``test`` logs ``test_loss`` /
     ``test_ppl``, the target-token-weighted mean NLL over the whole dataloader and its ``exp``.
@@ -142,6 +150,7 @@ class CausalLMModule(LightningModule):
         self.save_hyperparameters()
         self.hf_config = self._resolve_config()
         self.model: PreTrainedModel | None = None
+        self.router_aux: RouterAux | None = None  # the MoE router loss training adds, set by configure_model
         self.val_loss_mean = MeanMetric()
         self.test_loss_mean = MeanMetric()
         self.tokens_trained = 0
@@ -161,13 +170,6 @@ class CausalLMModule(LightningModule):
         text_config = config.get_text_config()
         config.use_cache = False
         text_config.use_cache = False
-        if getattr(text_config, "output_router_logits", False):
-            raise ValueError(
-                f"output_router_logits=True in the {config.model_type} config is not supported: "
-                "the streamed engine cannot give the router weights an auxiliary-loss gradient "
-                "yet. Set it to false (e.g. config={..., 'output_router_logits': False} or in the "
-                "model's config.json)."
-            )
         for name, neutral in _UNSUPPORTED_LOGIT_SCALES.items():
             value = getattr(text_config, name, neutral)
             if value != neutral:
@@ -178,7 +180,12 @@ class CausalLMModule(LightningModule):
         return config
 
     def configure_model(self) -> None:
-        """Creates the HF model (fp32 masters) once, inside the strategy's init context."""
+        """Creates the HF model (fp32 masters) once, inside the strategy's init context.
+
+        Raises:
+            ValueError: ``output_router_logits`` is on and the model's forward adds its router auxiliary loss in a
+                form this module does not reproduce (see ``models/hf_loss.py``, [Note: HF loss]).
+        """
         if self.model is not None:
             return
         hp = self.hparams
@@ -194,6 +201,17 @@ class CausalLMModule(LightningModule):
         else:
             self.model = AutoModelForCausalLM.from_config(self.hf_config, **kwargs)
         apply_auto(self.model, hp.attn_implementation)
+        if getattr(self.hf_config.get_text_config(), "output_router_logits", False):
+            aux = router_aux(type(self.model))
+            if isinstance(aux, str):
+                raise ValueError(
+                    f"output_router_logits=True in the {self.hf_config.model_type} config: CausalLMModule adds the "
+                    f"MoE router auxiliary loss as {type(self.model).__name__}.forward does, but cannot read which "
+                    f"loss that forward adds: {aux}. HINT: set output_router_logits to false (config={{..., "
+                    "'output_router_logits': False} or in the model's config.json), or train with a LightningModule "
+                    "that calls the model with labels."
+                )
+            self.router_aux = aux
 
     def _decoder(self) -> nn.Module:
         """The base model under the LM head; returns last hidden states (after the final norm)."""
@@ -224,16 +242,28 @@ class CausalLMModule(LightningModule):
         host-computed ``target_rows``); ``"none"`` (no gradients):
         the per-token losses ``[B, T]`` (see ``causal_lm_loss``) and the counts per row ``[B]``.
         """
+        loss, n_tokens, _ = self._loss_terms(batch, reduction)
+        return loss, n_tokens
+
+    def _loss_terms(
+        self, batch: dict[str, Tensor], reduction: Literal["mean", "none"] = "mean", router_aux: bool = False
+    ) -> tuple[Tensor, Tensor | int, Tensor | None]:
+        """:meth:`_loss`, and with ``router_aux`` the MoE router auxiliary loss ``[]`` (unweighted, computed from the
+        router logits as the model's forward computes it), or None where the model adds none."""
         input_ids = batch["input_ids"]  # [B, T]
         attention_mask = batch.get("attention_mask")  # [B, T] or None
         labels = _labels(batch)  # [B, T]
         rows = batch.get(TARGET_ROWS)  # [N] from on_before_batch_transfer, or None
-        hidden = self._decoder()(
+        # MoE with the router loss on: only training asks for the router logits (evaluation reports the plain NLL)
+        router = {"output_router_logits": router_aux} if self.router_aux is not None else {}
+        out = self._decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=batch.get("position_ids"),
             use_cache=False,
-        ).last_hidden_state  # [B, T, H]
+            **router,
+        )
+        hidden = out.last_hidden_state  # [B, T, H]
         loss = causal_lm_loss(
             hidden,
             self._lm_head_weight(),
@@ -243,10 +273,13 @@ class CausalLMModule(LightningModule):
             reduction=reduction,
             rows=rows,
         )  # [] or [B, T]
+        aux = None
+        if router_aux and self.router_aux is not None:  # the logits lead back into the routers under any strategy
+            aux = router_aux_loss(self.model, self.router_aux, out.router_logits, attention_mask)  # []
         targets = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
         if reduction == "none":
-            return loss, targets.sum(1)  # [B]
-        return loss, targets.sum() if rows is None else rows.numel()  # [] (an int when counted on the host)
+            return loss, targets.sum(1), aux  # [B]
+        return loss, targets.sum() if rows is None else rows.numel(), aux  # [] (an int when counted on the host)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Adds the loss's target positions (``target_rows``), computed on the host: on a GPU the loss then
@@ -289,9 +322,12 @@ class CausalLMModule(LightningModule):
         ).logits
 
     def training_step(self, batch: dict[str, Tensor]) -> Tensor:
-        loss, n_tokens = self._loss(batch)
+        loss, n_tokens, aux = self._loss_terms(batch, router_aux=True)
         self.tokens_trained += int(n_tokens)
         batch_size = batch["input_ids"].shape[0]
+        if aux is not None:  # as HF's forward: ``loss += coef * aux_loss``
+            loss = loss + getattr(self.model, self.router_aux.coef) * aux.to(loss.device)
+            self.log("train_aux_loss", aux, batch_size=batch_size)
         self.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         # float64 keeps the count exact (float32 would round it above 2**24 tokens).
         tokens = torch.tensor(self.tokens_trained, dtype=torch.float64)  # []

@@ -152,8 +152,18 @@ class DPOModule(CausalLMModule):
         return self.hparams.loss_type not in REFERENCE_FREE
 
     def _resolve_config(self) -> PretrainedConfig:
-        """:meth:`CausalLMModule._resolve_config`, with the dropout probabilities set to 0 (``disable_dropout``)."""
+        """:meth:`CausalLMModule._resolve_config`, with the dropout probabilities set to 0 (``disable_dropout``).
+
+        Raises:
+            ValueError: ``output_router_logits`` is on: the preference losses add no MoE router auxiliary loss.
+        """
         config = super()._resolve_config()
+        if getattr(config.get_text_config(), "output_router_logits", False):
+            raise ValueError(
+                f"DPOModule: output_router_logits=True in the {config.model_type} config, but the preference losses "
+                "add no MoE router auxiliary loss (CausalLMModule's SFT loss does). HINT: set output_router_logits to "
+                "false (config={..., 'output_router_logits': False} or in the model's config.json)."
+            )
         if self.hparams.disable_dropout:
             _zero_dropout(config)
         return config

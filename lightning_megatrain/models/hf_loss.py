@@ -19,37 +19,41 @@ attribute shadowing the class's, as engine/streamed.py does for decoder layers) 
 
 Same loss, same gradients. HF pads ``labels`` with one ``ignore_index`` column, shifts it left and takes
 ``cross_entropy(logits, shifted, ignore_index)``: the mean over the N targets that are not ``ignore_index``, or, with
-``num_items_in_batch``, their sum divided by it. ``causal_lm_loss`` shifts the same way and returns the same mean;
-with ``num_items_in_batch`` this returns ``mean * N / num_items_in_batch``. With no target and no
-``num_items_in_batch`` HF's mean is ``0 / 0``: NaN, with zero gradients; this returns the same, a ``masked_fill`` of
-``causal_lm_loss``'s value for no target (0, zero gradients). ``N`` is counted on the device, so neither case reads a
-value on the host. The hidden states are HF's own tensors, so
-in fp32 loss and every gradient agree to rounding (tests/models/test_models_hf_loss.py states the tolerances). Under
-bf16 autocast both project in bf16; this soft-caps and takes the log-softmax in fp32 where HF soft-caps the bf16
-logits, so the two are close, not bitwise equal.
+``num_items_in_batch``, their sum divided by it. ``causal_lm_loss`` shifts the same way and returns the same mean; with
+``num_items_in_batch`` this returns ``mean * N / num_items_in_batch``. With ``output_router_logits`` on (as argument or
+config) HF's forward, run without labels, still computes the router auxiliary loss and returns it as ``aux_loss``; this
+adds ``self.<coef> * aux_loss`` to the loss as HF's forward does with labels (under the streamed engine the router
+logits it is computed from lead back into the layers: [Note: recorded outputs] in engine/recorded.py). With no target
+and no ``num_items_in_batch`` HF's mean is ``0 / 0``: NaN, with zero gradients; this returns the same, a ``masked_fill``
+of ``causal_lm_loss``'s value for no target (0, zero gradients). ``N`` is counted on the device, so neither case reads a
+value on the host. The hidden states are HF's own tensors, so in fp32 loss and every gradient agree to rounding
+(tests/models/test_models_hf_loss.py states the tolerances). Under bf16 autocast both project in bf16; this soft-caps
+and takes the log-softmax in fp32 where HF soft-caps the bf16 logits, so the two are close, not bitwise equal.
 
-Where it applies, decided once per model at install: a ``PreTrainedModel`` whose class (or a base class) is
-named ``*ForCausalLM``, whose ``forward`` takes ``labels`` and ``logits_to_keep`` and whose code, read with
-``inspect`` and compared statement by statement after ``ast.unparse`` (:func:`_head_form`), is exactly: optional
-``x = x if x is not None else self.config.x`` lines; ``outputs = self.<backbone>(...)``; hidden states
-``outputs.last_hidden_state`` or ``outputs[0]``, sliced by ``logits_to_keep``; ``logits = self.lm_head(hidden_states)``
-(optionally ``.float()``); optionally Gemma's soft-cap by ``self.config.final_logit_softcapping``; ``loss = None`` and,
-with labels, ``loss = self.loss_function(logits, labels, vocab_size, **kwargs)``; optionally the MoE router
-auxiliary loss under ``output_router_logits``; ``return <Output>(loss=loss, logits=logits, ...)``. In transformers
-5.24 that is 101 causal LMs (Llama, Mistral, Qwen2/3/3.5 and their MoE, Gemma 1-3, Phi3, Mixtral, gpt-oss, DeepSeek
-V2/V3, OLMo, ...). A forward that does anything else to the hidden states, logits or loss is left alone, with one
-INFO line naming the reason: Cohere's ``logit_scale``, Granite's ``logits_scaling``, MiniCPM3's and Falcon-H1's
-multipliers, Bamba's z-loss, the Bart-style decoders' unshifted loss, a user subclass that overrides ``forward``.
+Where it applies, decided once per model at install: a ``PreTrainedModel`` whose class (or a base class) is named
+``*ForCausalLM``, whose ``forward`` takes ``labels`` and ``logits_to_keep`` and whose code, read with ``inspect`` and
+compared statement by statement after ``ast.unparse`` (:func:`_head_form`), is exactly: optional ``x = x if x is not
+None else self.config.x`` lines; ``outputs = self.<backbone>(...)``; hidden states ``outputs.last_hidden_state`` or
+``outputs[0]``, sliced by ``logits_to_keep``; ``logits = self.lm_head(hidden_states)`` (optionally ``.float()``);
+optionally Gemma's soft-cap by ``self.config.final_logit_softcapping``; ``loss = None`` and, with labels, ``loss =
+self.loss_function(logits, labels, vocab_size, **kwargs)``; optionally the MoE router auxiliary loss (``aux_loss =
+None``, then under ``output_router_logits``: ``aux_loss = f(outputs.router_logits, self.a, self.b, attention_mask)``
+and, with labels, ``loss += self.coef * aux_loss.to(loss.device)``, as Mixtral, Qwen2/3-MoE, gpt-oss and 19 more causal
+LMs add HF's load-balancing loss); ``return <Output>(loss=loss, logits=logits, ...)`` (with ``aux_loss=aux_loss`` where
+it adds one). In transformers 5.24 that is 101 causal LMs (Llama, Mistral, Qwen2/3/3.5 and their MoE, Gemma 1-3, Phi3,
+Mixtral, gpt-oss, DeepSeek V2/V3, OLMo, ...). A forward that does anything else to the hidden states, logits or loss is
+left alone, with one INFO line naming the reason: Cohere's ``logit_scale``, Granite's ``logits_scaling``, MiniCPM3's and
+Falcon-H1's multipliers, Bamba's z-loss, the Bart-style decoders' unshifted loss, a user subclass that overrides
+``forward``.
 
 Per call it falls back to the class's forward, with the caller's arguments untouched, when: there are no labels
-(generation, logits for metrics; no log line); ``logits_to_keep`` is not 0; ``shift_labels`` is given; the output
-would be a tuple (``return_dict=False``, as argument or config); ``output_router_logits`` is on in a forward that adds
-the router auxiliary loss; ``loss_function`` is not HF's ``ForCausalLMLoss``; ``lm_head`` is not a bias-free
-``nn.Linear`` without hooks or a replaced ``forward``; the backbone is not the module hooked at install; the vocabulary
-size the loss reshapes by is not the head's row count; the soft-cap is not positive; the labels are not an integer
-``[B, T]`` tensor matching the inputs; ``ignore_index`` is not an int; or ``num_items_in_batch`` has more than one
-element. Each reason is logged once per model at INFO. None of these reads a tensor's values: deciding costs no
-device sync.
+(generation, logits for metrics; no log line); ``logits_to_keep`` is not 0; ``shift_labels`` is given; the output would
+be a tuple (``return_dict=False``, as argument or config); ``loss_function`` is not HF's ``ForCausalLMLoss``;
+``lm_head`` is not a bias-free ``nn.Linear`` without hooks or a replaced ``forward``; the backbone is not the module
+hooked at install; the vocabulary size the loss reshapes by is not the head's row count; the soft-cap is not positive;
+the labels are not an integer ``[B, T]`` tensor matching the inputs; ``ignore_index`` is not an int; or
+``num_items_in_batch`` has more than one element. Each reason is logged once per model at INFO. None of these reads a
+tensor's values: deciding costs no device sync.
 
 Why ``logits=None`` and not logits computed lazily on first read: the point is the memory, and a lazy value would
 materialise the same ``[B, T, V]`` block wherever it is read (after the loss, so at the step's peak) and keep the
@@ -96,6 +100,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
+class RouterAux:
+    """How a recognised ``forward`` adds the MoE router auxiliary loss under ``output_router_logits`` (see [Note: HF
+    loss]): ``aux_loss = <function>(outputs.router_logits, self.<num_experts>, self.<top_k>, attention_mask)``, then,
+    with labels, ``loss += self.<coef> * aux_loss``."""
+
+    function: str  # a name in the forward's module: HF's ``load_balancing_loss_func`` of that family
+    num_experts: str  # attribute names on the model
+    top_k: str
+    coef: str
+
+
+@dataclasses.dataclass(frozen=True)
 class _HeadForm:
     """What a recognised ``forward`` does around its head (see [Note: HF loss])."""
 
@@ -103,7 +119,7 @@ class _HeadForm:
     first_output: bool  # hidden states are ``outputs[0]`` (else ``outputs.last_hidden_state``)
     softcap: bool  # caps the logits by ``self.config.final_logit_softcapping`` when it is not None
     vocab_from_config: bool  # the loss reshapes by ``self.config.vocab_size`` (else ``self.vocab_size``)
-    router_aux: bool  # adds the router auxiliary loss to the loss when ``output_router_logits``
+    router_aux: RouterAux | None  # adds the router auxiliary loss to the loss when ``output_router_logits``
 
 
 # Statements of the recognised forms as ``ast.unparse`` writes them (formatting and comments do not matter).
@@ -122,7 +138,12 @@ _LOSS = re.compile(
     r"if labels is not None:\n    loss = self\.loss_function\((?:logits=)?logits, (?:labels=)?labels, "
     r"(?:vocab_size=)?self\.(config\.)?vocab_size, \*\*kwargs\)"
 )
-_ROUTER_AUX = re.compile(r"if output_router_logits:\n(?:    .*(?:\n|$))+")
+_ROUTER_AUX = re.compile(
+    r"if output_router_logits:\n"
+    r"    aux_loss = (\w+)\((\w+)\.router_logits, self\.(\w+), self\.(\w+), attention_mask\)\n"
+    r"    if labels is not None:\n"
+    r"        loss \+= self\.(\w+) \* aux_loss\.to\(loss\.device\)"
+)
 
 
 @functools.cache
@@ -163,10 +184,10 @@ def _head_form(cls: type) -> _HeadForm | str:
     if loss is None:
         return f"its logits or loss are not HF's plain causal-LM loss ({_clip(body[n : n + 2])})"
     n += 2
-    router_aux = rest[n : n + 1] == ["aux_loss = None"] and len(rest) > n + 1
-    router_aux = router_aux and _ROUTER_AUX.fullmatch(rest[n + 1]) is not None
-    n += 2 if router_aux else 0
-    if len(body) != n + 1 or not _returns_loss_and_logits(body[n]):
+    aux = _ROUTER_AUX.fullmatch(rest[n + 1]) if rest[n : n + 1] == ["aux_loss = None"] and len(rest) > n + 1 else None
+    router_aux = RouterAux(aux[1], *aux.group(3, 4, 5)) if aux is not None and aux[2] == out else None
+    n += 2 if router_aux is not None else 0
+    if len(body) != n + 1 or not _returns_loss_and_logits(body[n], aux=router_aux is not None):
         return f"it does more after the loss ({_clip(body[n : n + 2])})"
     return _HeadForm(backbone, first_output, softcap, loss[1] is not None, router_aux)
 
@@ -191,12 +212,13 @@ def _backbone_call(stmt: ast.stmt) -> tuple[str, str] | None:
     return None
 
 
-def _returns_loss_and_logits(stmt: ast.stmt) -> bool:
-    """``return <Output>(..., loss=loss, logits=logits, ...)``."""
+def _returns_loss_and_logits(stmt: ast.stmt, aux: bool = False) -> bool:
+    """``return <Output>(..., loss=loss, logits=logits, ...)`` (and ``aux_loss=aux_loss`` with ``aux``)."""
     if not (isinstance(stmt, ast.Return) and isinstance(stmt.value, ast.Call)):
         return False
     keywords = {k.arg: k.value for k in stmt.value.keywords}
-    return all(isinstance(keywords.get(name), ast.Name) and keywords[name].id == name for name in ("loss", "logits"))
+    names = ("loss", "logits", "aux_loss") if aux else ("loss", "logits")
+    return all(isinstance(keywords.get(name), ast.Name) and keywords[name].id == name for name in names)
 
 
 def _clip(statements: list[ast.stmt], width: int = 100) -> str:
@@ -287,6 +309,9 @@ class _ChunkedLossForward:
             loss = loss * n_targets / (num.to(loss.device, non_blocking=True) if isinstance(num, Tensor) else num)
         else:  # HF: sum / N, NaN (0 / 0) with zero gradients when N = 0
             loss = loss.masked_fill(n_targets == 0, float("nan"))  # []
+        aux = self.form.router_aux
+        if aux is not None and getattr(out, "aux_loss", None) is not None:  # HF computed it: output_router_logits
+            loss = loss + getattr(model, aux.coef) * out.aux_loss.to(loss.device)  # HF's ``loss += coef * aux_loss``
         return dataclasses.replace(out, loss=loss, logits=None)
 
     def _plan(self, args: tuple, kwargs: dict[str, Any]) -> _Call | str | None:
@@ -309,10 +334,6 @@ class _ChunkedLossForward:
         return_dict = named.get("return_dict")
         if not (model.config.return_dict if return_dict is None else return_dict):
             return "return_dict=False (a tuple output)"
-        if form.router_aux:
-            router = named.get("output_router_logits")
-            if router if router is not None else getattr(model.config, "output_router_logits", False):
-                return "output_router_logits=True (HF adds the router auxiliary loss)"
         if model.loss_function is not ForCausalLMLoss:
             return "a loss_function other than HF's ForCausalLMLoss"
         if getattr(model, form.backbone) is not self.backbone:
@@ -450,3 +471,22 @@ def _refusal(model: PreTrainedModel) -> str | None:
     if not isinstance(getattr(model, form.backbone, None), nn.Module):
         return f"self.{form.backbone} is not a module"
     return None
+
+
+def router_aux(cls: type) -> RouterAux | None | str:
+    """How ``cls.forward`` adds the MoE router auxiliary loss under ``output_router_logits`` (see :class:`RouterAux`):
+    None where its recognised form adds none (DeepSeek-V3's routers balance without one), else the reason its form is
+    not one [Note: HF loss] reproduces, in which case nobody can say which loss it adds."""
+    form = _head_form(cls)
+    return form if isinstance(form, str) else form.router_aux
+
+
+def router_aux_loss(
+    model: PreTrainedModel, aux: RouterAux, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None
+) -> Tensor:
+    """The router auxiliary loss ``model``'s forward computes from ``router_logits`` (one ``[B * T, E]`` tensor per
+    MoE layer) and ``attention_mask`` ``[B, T]``, unweighted: by the family's own function (HF's
+    ``load_balancing_loss_func`` of its modeling file) on the model's attributes. The forward adds it to the loss
+    times ``getattr(model, aux.coef)``."""
+    function = inspect.unwrap(type(model).forward).__globals__[aux.function]
+    return function(router_logits, getattr(model, aux.num_experts), getattr(model, aux.top_k), attention_mask)

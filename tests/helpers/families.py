@@ -222,3 +222,15 @@ if hasattr(transformers, "Qwen3_5TextConfig"):  # newer than some supported tran
     FAMILIES["qwen3_5"] = qwen3_5
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+
+# Router auxiliary-loss weight of the router-loss runs: HF's default is 0.001 (Mixtral, Qwen3-MoE) or 0.9 (gpt-oss); 0.1
+# makes the router loss's share of each router's gradient large (tests/engine/test_recorded.py measures it), so a
+# dropped, doubled or misplaced router-loss gradient is far outside the parity tolerance.
+ROUTER_AUX_COEF = 0.1
+
+
+def with_router_aux(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` with the MoE router auxiliary loss on (``output_router_logits``), weighted ``ROUTER_AUX_COEF``."""
+    config.output_router_logits = True
+    config.router_aux_loss_coef = ROUTER_AUX_COEF
+    return config

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_megatrain.models.hf_loss import install_chunked_hf_loss
 
-from helpers.families import FAMILIES, SEQ, VOCAB
+from helpers.families import FAMILIES, SEQ, VOCAB, with_router_aux
 
 MICRO_BATCH = 2
 N_SAMPLES = 32  # 16 micro-batches: enough for steps * accumulate <= 16
@@ -35,7 +35,9 @@ class ParityLM(LightningModule):
 
     Its HF loss runs through the chunked cross-entropy under every strategy (``install_chunked_hf_loss``, what
     ``MegaTrainStrategy`` installs by default), so that a run and its reference compute the same loss to the bit;
-    ``tests/models/test_models_hf_loss.py`` checks that loss against HF's own.
+    ``tests/models/test_models_hf_loss.py`` checks that loss against HF's own. ``chunked_loss=False``: HF's own loss
+    (run it with ``MegaTrainStrategy(chunked_hf_loss=False)``). ``router_aux``: an MoE family with its router
+    auxiliary loss on (``families.with_router_aux``).
     """
 
     def __init__(
@@ -46,15 +48,19 @@ class ParityLM(LightningModule):
         optimizer: str = "adamw",
         scheduler: bool = False,
         lr: float | None = None,
+        router_aux: bool = False,
+        chunked_loss: bool = True,
     ) -> None:
         super().__init__()
         self.optimizer_name = optimizer
         self.use_scheduler = scheduler
         self.lr = lr
         cfg = FAMILIES[family]()
+        if router_aux:
+            cfg = with_router_aux(cfg)
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        install_chunked_hf_loss(self.model)
+        install_chunked_hf_loss(self.model, enabled=chunked_loss)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss
@@ -170,11 +176,16 @@ def run(
     accelerator: str = "cpu",
     module: Callable[[], LightningModule] | None = None,
     record_grads: bool = True,
+    router_aux: bool = False,
 ) -> Record:
     """Train ``family`` (or what ``module`` builds, after seeding) for ``steps`` optimizer steps under ``strategy``
-    on ``accelerator`` and return its Record (without grads and learning rates unless ``record_grads``)."""
+    on ``accelerator`` and return its Record (without grads and learning rates unless ``record_grads``); with
+    ``router_aux``, the family's MoE router auxiliary loss on."""
     seed_everything(seed, workers=True, verbose=False)
-    module = module() if module is not None else ParityLM(family, seed=seed, optimizer=optimizer, scheduler=scheduler)
+    if module is not None:
+        module = module()
+    else:
+        module = ParityLM(family, seed=seed, optimizer=optimizer, scheduler=scheduler, router_aux=router_aux)
     recorder = Recorder() if record_grads else LossAndWeightRecorder()
     trainer = Trainer(
         accelerator=accelerator,

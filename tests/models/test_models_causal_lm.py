@@ -266,16 +266,68 @@ def test_from_pretrained_directory(tiny_archs, tmp_path):
         ({"config": {"hidden_size": 8}}, "config needs a 'model_type' key"),
         ({"config": {"model_type": "llama"}, "loss_chunk_size": 0}, "loss_chunk_size must be"),
         ({"config": {"model_type": "llama"}, "min_lr_ratio": 2.0}, "min_lr_ratio must be"),
-        (
-            {"config": {"model_type": "mixtral", "output_router_logits": True}},
-            "output_router_logits=True in the mixtral config is not supported.*Set it to false",
-        ),
         ({"config": {"model_type": "cohere"}}, r"cohere rescales its logits \(logit_scale="),
     ],
 )
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CausalLMModule(**kwargs)
+
+
+_MOE_TINY = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "vocab_size": 128, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.5,
+}
+MOE_ARCHS = {
+    "mixtral": ({"model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 32, **_MOE_TINY}, "sdpa"),
+    "qwen3_moe": ({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 16, **_MOE_TINY}, "sdpa"),
+    "gpt_oss": ({"model_type": "gpt_oss", "num_local_experts": 4, "intermediate_size": 32, **_MOE_TINY}, "eager"),
+}
+
+
+@pytest.mark.parametrize("arch", list(MOE_ARCHS))
+def test_router_aux_loss_matches_hf(arch):
+    # output_router_logits=True: training adds the router loss as HF's forward does with labels (coef 0.5 times the
+    # load-balancing loss of the unpadded positions); evaluation reports the plain NLL
+    config, attn = MOE_ARCHS[arch]
+    module = build(config, attn, loss_chunk_size=5)
+    input_ids, labels = random_batch()
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, -3:] = 0
+    labels = labels.masked_fill(attention_mask == 0, -100)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    loss = train_loss(module, batch)
+    grads = param_grads(module, loss)
+    ref = module.model(**batch)
+    ref_grads = param_grads(module, ref.loss)
+
+    assert module.router_aux is not None and ref.aux_loss > 0.5
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+    nll, _ = module._loss(batch)  # what validation, test and predict see
+    torch.testing.assert_close(loss - nll, 0.5 * ref.aux_loss, rtol=1e-5, atol=0)
+
+
+def test_router_logits_of_a_model_without_router_loss_or_with_an_unread_one():
+    common = {**_MOE_TINY, "intermediate_size": 32}
+    # DeepSeek-V3's routers balance without an auxiliary loss: its forward adds none, and neither does training here
+    module = build({"model_type": "deepseek_v3", **common, "n_routed_experts": 4, "moe_intermediate_size": 16,
+                    "q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                    "v_head_dim": 8, "head_dim": 4, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1})
+    input_ids, labels = random_batch()
+    assert module.router_aux is None
+    torch.testing.assert_close(train_loss(module, {"input_ids": input_ids, "labels": labels}),
+                               module.model(input_ids=input_ids, labels=labels).loss, rtol=1e-5, atol=0)
+    # Doge's forward is not a form models/hf_loss.py reads (in 5.17 its router loss, in 5.24 its first statement):
+    # which router loss it adds is unknown, so it is refused
+    module = CausalLMModule(config={"model_type": "doge", **common, "num_experts": 16, "is_moe": True})
+    with pytest.raises(ValueError, match=r"output_router_logits=True in the doge config: .* cannot read which loss "
+                                         r"that forward adds: .*HINT: set output_router_logits to false"):
+        module.configure_model()
 
 
 def test_host_computed_target_rows_give_the_same_loss_grads_and_count(tiny_archs):

@@ -216,6 +216,10 @@ def test_bad_arguments_are_reported_together():
         DPOModule(config={"model_type": "llama"}, loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"reference_cache='r.pt': loss_type='orpo' reads no reference"):
         DPOModule(config={"model_type": "llama"}, loss_type="orpo", reference_cache="r.pt")
+    # CausalLMModule adds the MoE router loss; the preference losses do not, so the flag is refused
+    with pytest.raises(ValueError, match=r"DPOModule: output_router_logits=True in the mixtral config, but the "
+                                         r"preference losses add no MoE router auxiliary loss.*HINT: set"):
+        DPOModule(config={"model_type": "mixtral", "output_router_logits": True})
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "packed_sdpa"])

@@ -38,7 +38,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.models import install_chunked_hf_loss
-from lightning_megatrain.models.hf_loss import _head_form, _HeadForm
+from lightning_megatrain.models.hf_loss import RouterAux, _head_form, _HeadForm
 
 from helpers.dispatch import LargestTensor
 
@@ -68,8 +68,11 @@ ARCHS = {
          "layer_types": ["sliding_attention", "full_attention"]},
         "sdpa",
     ),
-    # MoE: the forward holds the router auxiliary loss, off here (output_router_logits=False)
+    # MoE: the forward holds the router auxiliary loss, off here (output_router_logits=False; on in
+    # test_router_aux_loss_matches_hf)
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}, "sdpa"),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}, "sdpa"),
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}, "eager"),
     "phi3": ("phi3", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}, "sdpa"),
 }
 SOFTCAPPED = ("gemma2", "gemma3_text")
@@ -185,6 +188,28 @@ def test_bf16_autocast_is_close_and_evaluation_needs_no_grad(arch):
     handle.remove()
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_router_aux_loss_matches_hf(arch):
+    # output_router_logits=True: HF's forward adds router_aux_loss_coef times its load-balancing loss of the router
+    # logits (over the unpadded positions: the attention mask) to the loss; the chunked loss adds HF's own aux_loss
+    model = build(arch)
+    model.router_aux_loss_coef = 0.5  # a large share, so that a dropped or doubled term fails the comparison
+    batch = padded_batch()
+    ref, ref_grads = loss_and_grads(model, **batch, output_router_logits=True)
+    plain = model(**batch).loss  # the config's output_router_logits=False: no router loss
+
+    install_chunked_hf_loss(model, chunk_size=5)
+    out, grads = loss_and_grads(model, **batch, output_router_logits=True)
+
+    assert out.logits is None and torch.equal(out.aux_loss, ref.aux_loss)
+    assert_same_loss_and_grads(out, grads, ref, ref_grads)
+    torch.testing.assert_close(out.loss - plain, 0.5 * ref.aux_loss, rtol=1e-5, atol=0)
+    assert ref.aux_loss > 0.5  # the Switch-style loss is E * sum(f_i * P_i), about top_k where routing is balanced
+    with torch.no_grad():  # the config's flag decides when the call does not say
+        model.config.output_router_logits = True
+        torch.testing.assert_close(model(**batch).loss, ref.loss, rtol=LOSS_RTOL, atol=0)
+
+
 @pytest.mark.parametrize("num_items", [23, torch.tensor(23), torch.tensor([23.0])])
 def test_num_items_in_batch_divides_the_sum_as_hf(num_items):
     model = build("qwen3")
@@ -231,7 +256,6 @@ FALLBACKS = {
     "shift_labels": ("llama_tied", lambda b: {"shift_labels": b["labels"]}, None),
     "return_dict": ("llama_tied", lambda b: {"return_dict": False}, None),
     "num_items_vector": ("llama_tied", lambda b: {"num_items_in_batch": torch.tensor([20.0, 30.0])}, None),
-    "router_aux_loss": ("mixtral", lambda b: {"output_router_logits": True}, None),
     "hooked_head": ("llama_tied", lambda b: {}, _hooked_head),
     "own_loss_function": ("llama_tied", lambda b: {}, _own_loss_function),
     "new_backbone": ("llama_tied", lambda b: {}, _new_backbone),
@@ -244,7 +268,6 @@ REASONS = {
     "shift_labels": "shift_labels",
     "return_dict": "return_dict=False",
     "num_items_vector": "num_items_in_batch of several elements",
-    "router_aux_loss": "output_router_logits=True",
     "hooked_head": "lm_head that is not a bias-free nn.Linear without hooks",
     "own_loss_function": "loss_function other than HF's ForCausalLMLoss",
     "new_backbone": "backbone 'model' replaced since install",
@@ -496,14 +519,17 @@ class ScaledLlama(LlamaForCausalLM):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+MIXTRAL_AUX = RouterAux("load_balancing_loss_func", "num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+
+
 @pytest.mark.parametrize(
     ("cls", "expected"),
     [
-        (LlamaForCausalLM, _HeadForm("model", False, False, True, False)),
-        (Gemma2ForCausalLM, _HeadForm("model", False, True, False, False)),
-        (MixtralForCausalLM, _HeadForm("model", False, False, False, True)),
-        (GPTJForCausalLM, _HeadForm("transformer", False, False, True, False)),
-        (OlderLlama, _HeadForm("model", False, False, True, False)),
+        (LlamaForCausalLM, _HeadForm("model", False, False, True, None)),
+        (Gemma2ForCausalLM, _HeadForm("model", False, True, False, None)),
+        (MixtralForCausalLM, _HeadForm("model", False, False, False, MIXTRAL_AUX)),
+        (GPTJForCausalLM, _HeadForm("transformer", False, False, True, None)),
+        (OlderLlama, _HeadForm("model", False, False, True, None)),
         (ScaledLlama, "its logits or loss are not HF's plain causal-LM loss"),
         (CohereForCausalLM, "its logits or loss are not HF's plain causal-LM loss"),  # logit_scale
         (GraniteForCausalLM, "its logits or loss are not HF's plain causal-LM loss"),  # logits_scaling
