@@ -143,8 +143,9 @@ _DROP = object()
 
 class RecordedOutputs:
     """The recorders inside a layer stack and the ``PreTrainedModel`` s around it, hooked by :meth:`install` (see
-    [Note: recorded outputs]); :func:`find_recorded` builds it. Without recorders (no transformers model, or a model
-    that records nothing inside its layers) it hooks nothing and no call records."""
+    [Note: recorded outputs]); :func:`find_recorded` builds it. Without recorders (a model that records nothing inside
+    its layers, or whose recorders this does not find) no call records, and the ancestors' post-hooks refuse router
+    logits without a graph; without ancestors (no transformers model) it hooks nothing."""
 
     def __init__(
         self, recorders: list[tuple[nn.Module, _Recorder]] = (), ancestors: list[nn.Module] = ()
@@ -268,9 +269,11 @@ def _recorders(model: PreTrainedModel, name: str, module: nn.Module) -> list[_Re
         if key in _LAYER_OUTPUT_KEYS:
             continue
         for spec in specs if isinstance(specs, list) else [specs]:
-            if isinstance(spec, (type, str)):  # shorthand: a class or a class-name suffix
-                target, suffix, layer_name, index = (spec, None, None, 1) if isinstance(spec, type) else (
-                    None, spec, None, 1)
+            # shorthands: a class, or a class-name suffix, recording the second element of a tuple output
+            if isinstance(spec, type):
+                target, suffix, layer_name, index = spec, None, None, 1
+            elif isinstance(spec, str):
+                target, suffix, layer_name, index = None, spec, None, 1
             else:
                 target = getattr(spec, "target_class", None)
                 suffix = getattr(spec, "class_name", None)

@@ -223,9 +223,9 @@ if hasattr(transformers, "Qwen3_5TextConfig"):  # newer than some supported tran
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 
-# Router auxiliary-loss weight of the router-loss runs: HF's default is 0.001 (Mixtral, Qwen3-MoE) or 0.9 (gpt-oss); 0.1
-# makes the router loss's share of each router's gradient large (tests/engine/test_recorded.py measures it), so a
-# dropped, doubled or misplaced router-loss gradient is far outside the parity tolerance.
+# Router auxiliary-loss weight of the router-loss runs: the configs' default is 0.001; 0.1 makes the router loss's share
+# of each router's gradient large (over 5%, tests/engine/test_recorded.py checks it), so a dropped, doubled or misplaced
+# router-loss gradient is far outside the parity tolerance.
 ROUTER_AUX_COEF = 0.1
 
 
