@@ -267,6 +267,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             step = self.engine.step
             schedulers = [config.scheduler for config in self.lr_scheduler_configs]
             self.optimizers = step.to_host_optimizers(self.optimizers, schedulers)  # Adam/AdamW on the host
+            self.engine.check_host_state(self.optimizers)  # their states, before any step allocates them
             if step.steps_after_return:
                 if not any(isinstance(c, OptimizerBarrier) for c in trainer.callbacks):  # once per Trainer
                     trainer.callbacks.insert(0, OptimizerBarrier())  # first: waits before hooks that read parameters

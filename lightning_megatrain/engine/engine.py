@@ -15,7 +15,13 @@ from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
-from lightning_megatrain.engine.host_store import FlatGroup, check_host_memory, check_packed, pack_group
+from lightning_megatrain.engine.host_store import (
+    FlatGroup,
+    check_host_bytes_to_come,
+    check_host_memory,
+    check_packed,
+    pack_group,
+)
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
@@ -23,6 +29,7 @@ from lightning_megatrain.engine.placement import (
     checkpoint_host_budget,
     choose_checkpoints,
     choose_gpu_optimizer_groups,
+    host_bytes_to_come,
     module_hf_config,
     resolve,
     token_shape,
@@ -116,12 +123,10 @@ class MegaTrainEngine:
         n_resident = sum(p.numel() for p in {id(s.get()): s.get() for s in resident_slots if s.is_param}.values())
         n_device = self._check_gpu_optimizer_groups(len(stack))
         device_numel = ([n_resident] + layer_numels)[:n_device]
-        check_host_memory(
+        check_host_memory(  # the optimizer states: check_host_state, once the optimizers exist
             layer_numels + [n_resident],
-            fitting=fitting,
             pinned=self.on_cuda,
             slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
-            device_numel=sum(device_numel),
         )
         if self.on_cuda:
             self._check_gpu_memory(max_layer, n_resident, device_numel)
@@ -226,6 +231,16 @@ class MegaTrainEngine:
         log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
         self.config = self.config.replace(gpu_optimizer_groups=n)
         self._place_device_groups(n)
+
+    def check_host_state(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Refuse before the first step when host RAM cannot hold the host groups' grads and the optimizers' states
+        still to come (the setup's check counted masters and grads only: the optimizers did not exist yet).
+
+        Raises:
+            RuntimeError: with the numbers (engine/host_store.py ``check_host_bytes_to_come``).
+        """
+        host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
+        check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
 
     def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
         """``segment_layers`` and ``device_checkpoints`` for the training micro-batch ``batch``: decided where "auto",

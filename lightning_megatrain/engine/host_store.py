@@ -216,17 +216,14 @@ def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None, la
                      _grad=None if lazy_grad else new_grad())
 
 
-def check_host_memory(
-    group_numels: list[int], fitting: bool, pinned: bool, slab_bytes: int = 0, device_numel: int = 0
-) -> None:
-    """Refuse to start when host RAM cannot hold the masters, grads, optimizer states and grad slabs.
+def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0) -> None:
+    """Refuse to start when host RAM cannot hold the masters, grads and grad slabs (the optimizer states are checked
+    once the optimizers exist, :func:`check_host_bytes_to_come`).
 
     Args:
         group_numels: parameters per flat group (each layer, and the residents).
-        fitting: Adam states (8 bytes/param) will be allocated.
         pinned: the flat buffers are page-locked (CUDA): exact sizes rounded to pages (engine/pinned.py).
         slab_bytes: bytes of each of the 3 pinned grad slabs (CUDA).
-        device_numel: parameters whose Adam states live on the GPU (engine/device_state.py), not in host RAM.
 
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
@@ -237,19 +234,33 @@ def check_host_memory(
     n_params = sum(group_numels)
     block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
     flats = sum(2 * block(4 * n) for n in group_numels)  # fp32 master + fp32 grad per group
-    adam = 8 * (n_params - device_numel) if fitting else 0
-    need = flats + adam + 3 * block(slab_bytes) - 4 * n_params
+    need = flats + 3 * block(slab_bytes) - 4 * n_params
+    _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters (fp32 master and grad: {_size(flats)}"
+                        f"{' pinned' if pinned else ''}, minus the model already loaded)")
+
+
+def check_host_bytes_to_come(to_come: int) -> None:
+    """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' fp32 grads
+    not yet allocated and the optimizers' states (engine/placement.py ``host_bytes_to_come``).
+
+    Raises:
+        RuntimeError: as :func:`check_host_memory`.
+    """
+    _refuse_short(to_come, "for the fp32 grads and optimizer states of the first step (Adam/AdamW: 8 bytes per "
+                           "parameter, Muon's matrices 4, CompactAdamW's 8-bit moments about 2)")
+
+
+def _refuse_short(need: int, what: str) -> None:
     bound = available_host_bytes()
     if bound is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
     available, limit = bound
     if need > available:
         raise RuntimeError(
-            f"MegaTrainStrategy needs about {_size(need)} more host RAM for {n_params / 1e9:.2f}B parameters "
-            f"(fp32 master and grad: {_size(flats)}{' pinned' if pinned else ''}"
-            f"{f', Adam exp_avg and exp_avg_sq: {_size(adam)}' if fitting else ''}, minus the "
-            f"model already loaded) but only {_size(available)} is available ({limit}). HINT: use a machine with more "
-            "RAM, a smaller model, or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know better."
+            f"MegaTrainStrategy needs about {_size(need)} more host RAM {what} but only {_size(available)} is "
+            f"available ({limit}). HINT: use a machine with more RAM, a smaller model, an optimizer with less state "
+            "(lightning_megatrain.optim.Muon, CompactAdamW), or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know "
+            "better."
         )
 
 

@@ -36,8 +36,8 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   again with the fewest on the GPU the host needs. Explicit ints are checked the same way. Nothing fitting is an error,
   raised before the micro-batch allocates anything, with the bytes needed and free on the host and the GPU and the
   longest sequence that fits this machine at this micro-batch. This is also the host-memory check of the checkpoints:
-  the setup preflight (engine/host_store.py, ``check_host_memory``) runs before any batch exists, so it checks the
-  masters, grads, Adam states and slabs only. ``1`` and ``0`` on a CPU compute device, where a layer's input stays in
+  the setup preflight (engine/host_store.py, ``check_host_memory``, then ``check_host_bytes_to_come`` once the
+  optimizers exist) runs before any batch exists, so it checks the masters, grads, optimizer states and slabs only. ``1`` and ``0`` on a CPU compute device, where a layer's input stays in
   host memory with its activations. ``seq_tile`` is not decided here: engine/tiling.py's ``tile_length`` resolves it per
   sequence, and the plan counts its tiles.
 
@@ -56,6 +56,7 @@ from transformers import PretrainedConfig
 
 from lightning_megatrain._hardware import GIB, available_host_bytes
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.optim.updates import host_state_bytes
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
 
 if TYPE_CHECKING:
@@ -121,17 +122,21 @@ def module_hf_config(module: nn.Module) -> PretrainedConfig | None:
     return next((m.config for m in module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)), None)
 
 
+def host_bytes_to_come(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Host bytes the host groups still allocate before their first step ends: their fp32 grads not yet allocated
+    and the optimizer states their parameters have none of yet (optim/updates.py ``host_state_bytes``: Adam 8 B per
+    parameter, Muon's matrices 4, 8-bit moments about 2)."""
+    held = frozenset(id(p) for g in host_groups for p in g.params)
+    return sum(4 * g.numel - g.grad_nbytes for g in host_groups) + host_state_bytes(optimizers, held)
+
+
 def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Host bytes free for offloaded layer-input checkpoints (``choose_checkpoints``' ``host_bytes``): what the
-    process may still allocate (``_hardware.available_host_bytes``), less what it allocates before a backward ends:
-    the host groups' fp32 grads not yet allocated and, before the first step, their Adam states (8 B/param)."""
+    process may still allocate (``_hardware.available_host_bytes``), less :func:`host_bytes_to_come`."""
     free = available_host_bytes()
     if free is None:
         return 1 << 62  # nothing to check against
-    to_come = sum(4 * g.numel - g.grad_nbytes for g in host_groups)
-    if not any(o.state for o in optimizers):
-        to_come += 8 * sum(g.numel for g in host_groups)
-    return free[0] - to_come
+    return free[0] - host_bytes_to_come(host_groups, optimizers)
 
 
 def choose_gpu_optimizer_groups(
@@ -232,9 +237,9 @@ def choose_checkpoints(
             residents, device groups and reserve itself.
         host_bytes: host memory free for the offloaded checkpoints: ``_hardware.available_host_bytes()[0]`` read
             now, after setup allocated the masters, grads and slabs, less the host memory still to be allocated
-            before this micro-batch's backward ends and kept through it: the host Adam/AdamW states if the first
-            step has not yet allocated them (8 bytes per parameter not in a device group; 0 once they exist, as on
-            resume). Where ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
+            before this micro-batch's backward ends and kept through it: the optimizer states the first step has not
+            yet allocated (``host_bytes_to_come``: 8 bytes per Adam parameter not in a device group, 4 per Muon
+            matrix, about 2 with 8-bit moments; 0 once they exist, as on resume). Where ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
 
     Returns:
         ``(segment_layers, device_checkpoints, why)``: ints for the engine (``device_checkpoints`` at most the

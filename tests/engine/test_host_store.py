@@ -93,10 +93,36 @@ def test_host_check_counts_page_locked_buffers_at_their_size(monkeypatch):
     # 1.5 GiB of fp32 per group: 2 groups x (master + grad) = 6 GiB, minus the 3 GiB model already loaded
     numels = [(3 * gib // 2) // 4] * 2
     monkeypatch.setattr(host_store, "available_host_bytes", lambda: (4 * gib, "MemAvailable"))
-    host_store.check_host_memory(numels, fitting=False, pinned=True)  # 3 GiB + a few pages: no power-of-two blocks
-    with pytest.raises(RuntimeError, match=r"needs about 9.0 GiB more host RAM(.|\n)*pinned(.|\n)*Adam(.|\n)*"
-                       r"only 4.0 GiB is available \(MemAvailable\)"):
-        host_store.check_host_memory(numels, fitting=True, pinned=True)  # + 8 bytes/param of Adam moments: 6 + 6 - 3
+    host_store.check_host_memory(numels, pinned=True)  # 3 GiB + a few pages: no power-of-two blocks
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (2 * gib, "MemAvailable"))
+    with pytest.raises(RuntimeError, match=r"needs about 3.0 GiB more host RAM for 0.81B parameters \(fp32 master and "
+                       r"grad: 6.0 GiB pinned(.|\n)*only 2.0 GiB is available \(MemAvailable\)"):
+        host_store.check_host_memory(numels, pinned=True)
+
+
+def test_host_state_check_counts_each_optimizers_state(monkeypatch):
+    # once the optimizers exist: the grads not yet allocated and the states to come, by optimizer (AdamW 8 B/param,
+    # Muon's matrices 4 and AdamW's 8 for the rest, SGD without momentum none), the ones already there not again
+    from lightning_megatrain.engine import host_store
+    from lightning_megatrain.engine.placement import host_bytes_to_come
+    from lightning_megatrain.optim import Muon
+
+    group, _ = _group((64, 32), (32,))
+    params = group.params
+    n_matrix, n = 64 * 32, 64 * 32 + 32
+    grads = 4 * n - group.grad_nbytes  # the fp32 grads not allocated yet
+    assert host_bytes_to_come([group], [torch.optim.AdamW(params)]) == grads + 8 * n
+    muon = Muon([{"params": [params[0]], "use_muon": True}, {"params": [params[1]], "use_muon": False}])
+    assert host_bytes_to_come([group], [muon]) == grads + 4 * n_matrix + 8 * 32
+    assert host_bytes_to_come([group], [torch.optim.SGD(params, lr=0.1)]) == grads
+    adamw = torch.optim.AdamW(params)
+    adamw.state[params[0]] = {"step": torch.zeros(())}  # a state already there (a resumed one) is not counted again
+    assert host_bytes_to_come([group], [adamw]) == grads + 8 * 32
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (grads + 4 * n_matrix + 8 * 32, "MemAvailable"))
+    host_store.check_host_bytes_to_come(host_bytes_to_come([group], [muon]))  # Muon's states fit
+    with pytest.raises(RuntimeError, match=r"needs about [0-9.]+ MiB more host RAM for the fp32 grads and optimizer "
+                                           r"states(.|\n)*Muon(.|\n)*\(MemAvailable\)"):
+        host_store.check_host_bytes_to_come(host_bytes_to_come([group], [torch.optim.AdamW(params)]))
 
 
 def test_host_bound_is_the_smallest_of_meminfo_cgroup_and_rlimit(tmp_path, monkeypatch):
@@ -124,7 +150,7 @@ def test_small_needs_print_in_mib(monkeypatch):
     monkeypatch.setattr(host_store, "available_host_bytes", lambda: (1024, "cgroup memory.max"))
     with pytest.raises(RuntimeError, match=r"needs about [1-9][0-9.]* MiB more host RAM(.|\n)*only 0.0 MiB is "
                                            r"available \(cgroup memory.max\)"):
-        host_store.check_host_memory([1 << 20], fitting=True, pinned=False)
+        host_store.check_host_memory([1 << 20], pinned=False)
 
 
 class _FakeCudart:

@@ -117,6 +117,17 @@ def test_too_little_host_ram_error():
             cpu_trainer(strategy="megatrain").fit(ParityLM("llama_tied"))
 
 
+def test_too_little_host_ram_for_the_optimizer_states_error():
+    # masters and grads fit (4 B/param more than the model already loaded), AdamW's 8 B/param of states do not: refused
+    # once configure_optimizers ran, before any step
+    module = ParityLM("llama_tied")
+    n = sum(p.numel() for p in module.parameters())
+    with mock.patch.object(host_store, "available_host_bytes", return_value=(6 * n, "MemAvailable")):
+        with pytest.raises(RuntimeError, match=r"needs about .* MiB more host RAM for the fp32 grads and optimizer "
+                                               r"states of the first step(.|\n)*\(MemAvailable\)"):
+            cpu_trainer(strategy="megatrain").fit(module)
+
+
 def test_too_little_gpu_memory_error():
     from lightning_megatrain.engine import MegaTrainEngine
 
