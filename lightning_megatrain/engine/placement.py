@@ -37,9 +37,10 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   raised before the micro-batch allocates anything, with the bytes needed and free on the host and the GPU and the
   longest sequence that fits this machine at this micro-batch. This is also the host-memory check of the checkpoints:
   the setup preflight (engine/host_store.py, ``check_host_memory``, then ``check_host_bytes_to_come`` once the
-  optimizers exist) runs before any batch exists, so it checks the masters, grads, optimizer states and slabs only. ``1`` and ``0`` on a CPU compute device, where a layer's input stays in
-  host memory with its activations. ``seq_tile`` is not decided here: engine/tiling.py's ``tile_length`` resolves it per
-  sequence, and the plan counts its tiles.
+  optimizers exist) runs before any batch exists, so it checks the masters, grads, optimizer states and slabs only.
+  ``1`` and ``0`` on a CPU compute device, where a layer's input stays in host memory with its activations.
+  ``seq_tile`` is not decided here: engine/tiling.py's ``tile_length`` resolves it per sequence, and the plan counts
+  its tiles.
 
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
@@ -239,7 +240,8 @@ def choose_checkpoints(
             now, after setup allocated the masters, grads and slabs, less the host memory still to be allocated
             before this micro-batch's backward ends and kept through it: the optimizer states the first step has not
             yet allocated (``host_bytes_to_come``: 8 bytes per Adam parameter not in a device group, 4 per Muon
-            matrix, about 2 with 8-bit moments; 0 once they exist, as on resume). Where ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
+            matrix, about 2 with 8-bit moments; 0 once they exist, as on resume). Where ``available_host_bytes()``
+            is None, pass a huge number (nothing to check against).
 
     Returns:
         ``(segment_layers, device_checkpoints, why)``: ints for the engine (``device_checkpoints`` at most the
