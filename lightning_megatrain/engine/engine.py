@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.compiled import check_compilable
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
 from lightning_megatrain.engine.host_store import (
@@ -37,7 +38,7 @@ from lightning_megatrain.engine.placement import (
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
-from lightning_megatrain.engine.streamed import StreamedLayers, check_compilable
+from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
 from lightning_megatrain.optim.host_optimizer import overlappable

@@ -41,7 +41,7 @@ one merged tensor (without, the list would hold one entry per tile, which the lo
 against an attention mask). A segment's replay in backward ([Note: recompute segments] in engine/segments.py)
 captures nothing: it only regenerates inputs.
 
-Under ``compile_layers`` ([Note: compiled layers] in engine/streamed.py) a call that records runs its layers' own
+Under ``compile_layers`` ([Note: compiled layers] in engine/compiled.py) a call that records runs its layers' own
 forward, not the compiled one, in forward, recompute and segment replay alike (so the replays regenerate the
 forward's inputs bitwise): transformers' recording hook reads a ``ContextVar``, which dynamo cannot trace, and the
 graph break would run the layer's selective checkpoint eagerly, which refuses an in-place op on a saved matmul output

@@ -44,7 +44,7 @@ a block replays the forward's masks. Such a block (dropout, Mixtral's ``router_j
 its random numbers tile by tile, though: its masks are not the untiled run's, only from the same distribution. No
 family the tests train draws any inside the block (Phi-3's ``resid_mlp_dropout`` is applied outside it).
 
-Compiled layers ([Note: compiled layers] in engine/streamed.py): dynamo traces the tiles into the layer's graph, each
+Compiled layers ([Note: compiled layers] in engine/compiled.py): dynamo traces the tiles into the layer's graph, each
 as a nested checkpoint region, without a graph break. The regions' tags override the layer's selective policy, so
 the graph saves the block's input, not every tile's matmul outputs, and inductor's backward re-runs each tile just
 before that tile's backward, reusing the tile's buffers (read off the generated code on the CPU, 8 tiles: peak of
@@ -189,7 +189,7 @@ def _tiled_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs:
 
     Installed as a method bound to each block, reading the block's own forward and ``seq_tile`` from attributes, not
     as a callable object per block: dynamo guards on the function, which all blocks share, so one compiled layer
-    serves every layer (see [Note: compiled layers] in engine/streamed.py). A call with more than the hidden states
+    serves every layer (see [Note: compiled layers] in engine/compiled.py). A call with more than the hidden states
     (no HF block takes any) runs untiled.
     """
     untiled = self._megatrain_untiled_forward

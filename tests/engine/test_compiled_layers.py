@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from lightning_megatrain.engine.streamed import _compile
+from lightning_megatrain.engine.compiled import compile_layer_forward as _compile
 
 
 def _run(forward, layer, x0, cos, sin, grad_out):

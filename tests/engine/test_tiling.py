@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from lightning_megatrain import MegaTrainStrategy
-from lightning_megatrain.engine.streamed import _save_matmuls
+from lightning_megatrain.engine.compiled import _save_matmuls
 from lightning_megatrain.engine.tiling import AUTO_TILE, SequenceTiles, find_block, run_tiled, tile_length
 
 from helpers.families import FAMILIES, SEQ

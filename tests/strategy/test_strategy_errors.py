@@ -166,7 +166,7 @@ def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
     # checked before the parameters are packed into host flats: a 100B model would otherwise fail in its first step
     from torch._inductor.exc import InvalidCxxCompiler
 
-    from lightning_megatrain.engine import streamed
+    from lightning_megatrain.engine import compiled
 
     def broken_compile(fn, **kwargs):
         def run(*args, **kw):
@@ -176,10 +176,10 @@ def test_compile_layers_without_a_working_torch_compile_fails_at_setup():
 
     module = ParityLM("llama_tied")
     storage = [p.data_ptr() for p in module.parameters()]  # packing moves every parameter into a host flat
-    with mock.patch.object(streamed.torch, "compile", broken_compile):
+    with mock.patch.object(compiled.torch, "compile", broken_compile):
         with pytest.raises(RuntimeError, match=r"cannot build CPU kernels here \(InvalidCxxCompiler\)(.|\n)*HINT"):
             cpu_trainer(strategy=MegaTrainStrategy(compile_layers=True)).fit(module)
     assert [p.data_ptr() for p in module.parameters()] == storage  # refused before packing
     with mock.patch("torch.utils._triton.has_triton", lambda: False):
         with pytest.raises(RuntimeError, match=r"needs Triton for torch.compile on CUDA"):
-            streamed.check_compilable(torch.device("cuda", 0))
+            compiled.check_compilable(torch.device("cuda", 0))
