@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_megatrain.models.hf_loss import RouterAux, router_aux, router_aux_loss
+from lightning_megatrain.models.hf_forms import RouterAux, router_aux, router_aux_loss
 from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
 from lightning_megatrain.models.packed_attention import (
     AUTO,

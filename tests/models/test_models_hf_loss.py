@@ -38,7 +38,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.models import install_chunked_hf_loss
-from lightning_megatrain.models.hf_loss import RouterAux, _head_form, _HeadForm
+from lightning_megatrain.models.hf_forms import HeadForm, RouterAux, head_form
 
 from helpers.dispatch import LargestTensor
 
@@ -525,11 +525,11 @@ MIXTRAL_AUX = RouterAux("load_balancing_loss_func", "num_experts", "num_experts_
 @pytest.mark.parametrize(
     ("cls", "expected"),
     [
-        (LlamaForCausalLM, _HeadForm("model", False, False, True, None)),
-        (Gemma2ForCausalLM, _HeadForm("model", False, True, False, None)),
-        (MixtralForCausalLM, _HeadForm("model", False, False, False, MIXTRAL_AUX)),
-        (GPTJForCausalLM, _HeadForm("transformer", False, False, True, None)),
-        (OlderLlama, _HeadForm("model", False, False, True, None)),
+        (LlamaForCausalLM, HeadForm("model", False, False, True, None)),
+        (Gemma2ForCausalLM, HeadForm("model", False, True, False, None)),
+        (MixtralForCausalLM, HeadForm("model", False, False, False, MIXTRAL_AUX)),
+        (GPTJForCausalLM, HeadForm("transformer", False, False, True, None)),
+        (OlderLlama, HeadForm("model", False, False, True, None)),
         (ScaledLlama, "its logits or loss are not HF's plain causal-LM loss"),
         (CohereForCausalLM, "its logits or loss are not HF's plain causal-LM loss"),  # logit_scale
         (GraniteForCausalLM, "its logits or loss are not HF's plain causal-LM loss"),  # logits_scaling
@@ -539,7 +539,7 @@ MIXTRAL_AUX = RouterAux("load_balancing_loss_func", "num_experts", "num_experts_
     ],
 )
 def test_head_forms(cls, expected):
-    form = _head_form(cls)
+    form = head_form(cls)
     if isinstance(expected, str):
         assert isinstance(form, str) and form.startswith(expected), form
     else:
