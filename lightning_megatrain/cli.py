@@ -40,9 +40,7 @@ What this CLI adds to a plain ``LightningCLI``:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
-import json
 import os
 import re
 import sys
@@ -63,22 +61,9 @@ from torch.optim import Optimizer
 import lightning_megatrain  # noqa: F401  (registers strategy="megatrain")
 from lightning_megatrain._console import quiet_lightning
 from lightning_megatrain.callbacks import FitSummary, ParamSummary, StepProgressBar, ThroughputLogger
-from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, PreferenceDataModule, SFTDataModule
 from lightning_megatrain.models import CausalLMModule, DPOModule, export_checkpoint
-from lightning_megatrain.planner import (
-    ACHIEVED_TFLOPS,
-    COMPILED_TFLOPS,
-    GPU_REF_GIB,
-    HOST_OS_RESERVE_FRACTION,
-    HOST_OS_RESERVE_MIN_GIB,
-    HOST_STATE_BYTES,
-    OPTIMIZERS,
-    PRECISIONS,
-    Machine,
-    plan,
-)
-from lightning_megatrain.planner.capacity import largest_models, render_capacities
+from lightning_megatrain.planner.command import plan_main
 
 PROG = "megatrain"
 
@@ -331,93 +316,6 @@ def export_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _auto_int(none: bool = False):
-    """An argparse type: ``auto``, an int, or (``none=True``) ``none`` for None; the range is EngineConfig's check."""
-
-    def parse(text: str) -> int | str | None:
-        if text == "auto" or (none and text == "none"):
-            return None if text == "none" else text
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"need auto{', none' if none else ''} or an int; got {text!r}") from None
-
-    return parse
-
-
-def plan_main(argv: Sequence[str]) -> int:
-    """``megatrain plan --model NAME_OR_DIR_OR_JSON --seq-len L [--micro-batch B] ... [--json]``: prints the plan of
-    :func:`lightning_megatrain.planner.plan` as a table (or JSON); returns 0."""
-    parser = argparse.ArgumentParser(
-        prog=f"{PROG} plan",
-        description="Host RAM, GPU memory and throughput of Trainer(strategy='megatrain') for a model (no weights "
-        "are loaded).",
-    )
-    add = parser.add_argument
-    add("--model", required=True, help="local dir with config.json, a .json file, inline JSON "
-        "('{\"model_type\": \"llama\", ...}') or a hub name")
-    add("--seq-len", type=int, required=True)
-    add("--micro-batch", type=int, default=1)
-    add("--grad-accum", type=int, default=1)
-    add("--precision", choices=list(PRECISIONS), default="bf16-mixed")
-    add("--optimizer", choices=list(OPTIMIZERS), default="adamw")
-    add("--loss", choices=["chunked", "naive"], default="chunked")
-    add("--attn-implementation", help="as model.attn_implementation, e.g. eager (default: the config's)")
-    add("--host-ram", type=float, help=f"GiB (default: this machine's); max({HOST_OS_RESERVE_MIN_GIB:g} GiB, "
-        f"{HOST_OS_RESERVE_FRACTION * 100:g}%%) of it is left to the OS and other processes")
-    add("--gpu-mem", type=float, help=f"GiB (default: this machine's GPU, else {GPU_REF_GIB:.0f} as on an H200)")
-    add("--cpu-cores", type=int)
-    add("--tflops", type=float, help=f"achieved TFLOP/s on executed FLOPs (default {ACHIEVED_TFLOPS:.0f} bf16, "
-        f"{COMPILED_TFLOPS:.0f} with --compile-layers)")
-    add("--no-offload", action="store_true", help="keep every layer's input on the GPU")
-    add("--num-slots", type=int, default=2)
-    add("--overlap-optimizer", action="store_true",
-        help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
-    add("--gpu-optimizer-groups", type=int, default=0,
-        help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU")
-    add("--compile-layers", action="store_true",
-        help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
-    add("--loss-chunk-size", type=int, default=4096)
-    add("--seq-tile", type=_auto_int(none=True), default="auto", metavar="auto|none|N",
-        help="as MegaTrainStrategy(seq_tile=...): positions per tile of the MLP/MoE block (default auto: "
-        "engine/tiling.py's rule)")
-    add("--segment-layers", type=_auto_int(), default="auto", metavar="auto|K",
-        help="as MegaTrainStrategy(segment_layers=K): one layer-input checkpoint per K recomputed layers "
-        "(default auto)")
-    add("--device-checkpoints", type=_auto_int(), default="auto", metavar="auto|N",
-        help="as MegaTrainStrategy(device_checkpoints=N): the last N checkpoints stay on the GPU (default auto)")
-    add("--host-state", choices=list(HOST_STATE_BYTES), default="fp32",
-        help="host state layout: fp32 (16 B/param), int8_moments (10.03), compact (6.03), compact_kahan (8.03); "
-        "docs/compact-state.md")
-    add("--largest", action="store_true",
-        help="instead of one plan: the deepest model of this shape that fits, for each host state")
-    add("--json", action="store_true", help="print the plan as JSON")
-    ns = parser.parse_args(list(argv))
-    try:
-        config = EngineConfig(num_slots=ns.num_slots, overlap_optimizer=ns.overlap_optimizer,
-                              gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers,
-                              seq_tile=ns.seq_tile, segment_layers=ns.segment_layers,
-                              device_checkpoints=ns.device_checkpoints)
-        machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
-                          achieved_tflops=ns.tflops)
-        kwargs = dict(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,
-                      precision=ns.precision, optimizer=ns.optimizer, loss=ns.loss, loss_chunk_size=ns.loss_chunk_size,
-                      attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload,
-                      config=config, machine=machine)
-        if ns.largest:
-            capacities = largest_models(ns.model, **kwargs)
-        else:
-            p = plan(ns.model, host_state=ns.host_state, **kwargs)
-    except (ValueError, OSError) as err:  # OSError: a --model path that does not exist, a Hub name not reachable
-        parser.error(str(err))
-    if ns.largest:
-        print(json.dumps([dataclasses.asdict(c) for c in capacities], indent=2) if ns.json
-              else render_capacities(str(ns.model)[:60], capacities))
-        return 0
-    print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
-    return 0
-
-
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of the ``megatrain`` console script and of ``python -m lightning_megatrain``.
 
@@ -438,7 +336,7 @@ def main(args: Sequence[str] | None = None) -> int:
         if argv and argv[0] == "export":
             return export_main(argv[1:])
         if argv and argv[0] == "plan":
-            return plan_main(argv[1:])
+            return plan_main(argv[1:], prog=f"{PROG} plan")
         if argv and argv[0] == "dpo":  # preference optimisation: the same CLI over other classes
             argv = argv[1:]
             if args is None:

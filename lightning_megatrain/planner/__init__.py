@@ -13,7 +13,7 @@ does, and models host RAM and GPU memory in bytes and the time of one optimizer 
   ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`);
 - ``planning.py``: :func:`plan`, :class:`Plan`, :func:`place_checkpoints`, the searches and the warnings.
 
-The ``megatrain plan`` command line is ``lightning_megatrain.cli.plan_main``.
+The ``megatrain plan`` command line is ``lightning_megatrain.planner.command.plan_main``.
 """
 
 from lightning_megatrain.planner.constants import (

@@ -72,9 +72,9 @@ def test_export_missing_checkpoint_is_a_usage_error(tmp_path, capsys):
 
 def test_plan_dispatches_to_plan_main(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "plan_main", lambda argv: seen.append(argv) or 7)
+    monkeypatch.setattr(cli, "plan_main", lambda argv, prog: seen.append((argv, prog)) or 7)
     assert main(["plan", "--model", "x", "--gpu-mem", "80"]) == 7
-    assert seen == [["--model", "x", "--gpu-mem", "80"]]
+    assert seen == [(["--model", "x", "--gpu-mem", "80"], "megatrain plan")]
 
 
 def test_plan_help_lists_every_flag(capsys):
