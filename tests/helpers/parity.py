@@ -30,6 +30,23 @@ def make_data(n: int = N_SAMPLES, seq: int = SEQ, vocab: int = VOCAB) -> torch.T
     return torch.randint(0, vocab, (n, seq), generator=g)
 
 
+class TinyStackLM(LightningModule):
+    """Base of the hand-built (non-HF) stacks' test modules: ``embed`` (32 tokens -> 16), ``blocks``, ``head``
+    built by the subclass after seeding; trains on 4 batches of 2 x 6 random tokens with fused AdamW at 1e-2."""
+
+    def __init__(self, blocks: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = blocks
+        self.head = torch.nn.Linear(16, 32)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0)), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
 class ParityLM(LightningModule):
     """fp32 ``AutoModelForCausalLM`` built from a ``FAMILIES`` config under ``seed``.
 

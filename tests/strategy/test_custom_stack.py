@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_megatrain import MegaTrainStrategy
 
-from helpers.parity import assert_records_close, run
+from helpers.parity import TinyStackLM, assert_records_close, run
 
 
 class Block(nn.Module):
@@ -24,13 +22,10 @@ class Block(nn.Module):
         return x + scale * torch.tanh(self.experts[route](self.norm(x))), None  # [B, T, W], no aux output
 
 
-class Net(L.LightningModule):
+class Net(TinyStackLM):
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(Block(16) for _ in range(3))
-        self.head = nn.Linear(16, 32)
+        super().__init__(nn.ModuleList(Block(16) for _ in range(3)))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         x = self.embed(batch)  # [B, T, W]
@@ -38,11 +33,6 @@ class Net(L.LightningModule):
             x, _ = block(x, route=(batch_idx + i) % 2, scale=0.5)
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch.flatten())
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0)), batch_size=2)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
 
 
 def _run(strategy):

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.engine import find_layer_stack
 
-from helpers.parity import assert_records_close, run
+from helpers.parity import TinyStackLM, assert_records_close, run
 
 
 class Block(nn.Module):
@@ -24,23 +22,15 @@ class Block(nn.Module):
         return x + torch.tanh(self.proj(self.norm(x)))  # [B, T, W]
 
 
-class Net(L.LightningModule):
+class Net(TinyStackLM):
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.Sequential(*(Block(16) for _ in range(3)))
-        self.head = nn.Linear(16, 32)
+        super().__init__(nn.Sequential(*(Block(16) for _ in range(3))))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.head(self.blocks(self.embed(batch)))  # [B, T, V]
         return nn.functional.cross_entropy(logits.flatten(0, 1), batch.flatten())
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0)), batch_size=2)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
 
 
 def _run(strategy):
