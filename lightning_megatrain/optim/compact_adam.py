@@ -303,6 +303,7 @@ class CompactAdamW(Optimizer):
                 self.update_param(p, p.grad, group, index - 1)
         return loss
 
+    @torch.no_grad()  # also on the overlapped step's worker thread, where grad mode is on by default
     def update_param(self, p: Tensor, grad: Tensor, hyper: dict[str, Any], index: int, grad_scale: float = 1.0) -> None:
         """One update of ``p`` (its state already created) with ``grad`` multiplied by ``grad_scale`` and the
         hyperparameters ``hyper`` (its param group's, or a snapshot of them); ``index``: ``p``'s position over all
