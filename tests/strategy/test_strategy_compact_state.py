@@ -5,12 +5,9 @@ References:
 
 - ``int8_moments``: the same module under Lightning's default strategy with ``CompactAdamW(weights="fp32",
   moments="int8")`` as its optimizer (fp32 compute, so both sides compute what the fp32 parity tests compare).
-- ``compact`` / ``compact_kahan``: :func:`bf16_loop`, a plain PyTorch loop over the same HF model with every
-  *parameter* rounded to bf16 (buffers such as the rotary frequencies stay fp32, as the engine leaves them): forward
-  under CPU bf16 autocast, ``(loss / accumulate).backward()`` into the bf16 ``.grad`` (autograd's own bf16
-  accumulation), clipping's factor from the fp32 sum of the grads' squares, then the compact kernel
-  (``adamw_update``) on each parameter with that factor as ``grad_scale`` and the stochastic-rounding seed
-  ``mix_seed(0, step, position of the parameter in the optimizer)``, as ``CompactAdamW.step`` derives it.
+- ``compact`` / ``compact_kahan``: ``bf16_loop`` (tests/helpers/compact.py), a plain PyTorch loop over the same
+  model with bf16 parameters, autograd's bf16 grad accumulation and the compact kernel applied as
+  ``CompactAdamW.step`` applies it (that module's docstring defines it exactly).
 """
 
 from __future__ import annotations
@@ -21,15 +18,12 @@ import torch
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.optim import CompactAdamW, compact_adam
-from lightning_megatrain.optim.compact_adam import adamw_update, n_blocks, new_state
-from lightning_megatrain.optim.rounding import mix_seed
+from lightning_megatrain.optim.compact_adam import n_blocks
 from lightning_megatrain.planner import HOST_STATE_BYTES
 
-from helpers.parity import MICRO_BATCH, ParityLM, assert_records_close, make_data, run
+from helpers.compact import LR, WD, WEIGHTS, bf16_loop, fit_engine, max_relative_error
+from helpers.parity import ParityLM, assert_records_close, run
 from helpers.trainers import cpu_trainer
-
-WEIGHTS = {"compact": "bf16_sr", "compact_kahan": "bf16_kahan"}
-LR, WD, GAMMA = 1e-2, 0.1, 0.5  # ParityLM's AdamW and its StepLR (scheduler=True)
 
 
 @pytest.fixture(autouse=True)
@@ -54,59 +48,6 @@ def test_int8_moments_match_plain_lightning_with_compact_adamw(overlap):
     assert_records_close(ours, reference, rtol=1e-5, rtol_updated=1e-4)
 
 
-class Steps(L.Callback):
-    """Each micro-batch's loss and each step's clipping factor the engine's update applied."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
-
-
-def fit_engine(host_state: str, *, accumulate: int, clip: float | None, overlap: bool, steps: int = 3):
-    L.seed_everything(0, verbose=False)
-    module, record = ParityLM("qwen3", scheduler=True), Steps()
-    trainer = cpu_trainer(strategy=MegaTrainStrategy(host_state=host_state, overlap_optimizer=overlap),
-                          max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
-                          precision="bf16-mixed", callbacks=[record])
-    trainer.fit(module)
-    return module.model, trainer.optimizers[0], record.losses
-
-
-def bf16_loop(host_state: str, *, accumulate: int, clip: float | None, steps: int = 3):
-    """The reference of the module docstring; returns the model, each micro-batch's loss and each step's factor."""
-    L.seed_everything(0, verbose=False)
-    model = ParityLM("qwen3").model
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    params = list(model.parameters())  # configure_optimizers' order: the seeds' positions
-    states = [new_state(p, WEIGHTS[host_state], "int8") for p in params]
-    data, losses, coefs, micro = make_data(), [], [], 0
-    for step in range(steps):
-        for p in params:
-            p.grad = None
-        for _ in range(accumulate):
-            batch = data[micro * MICRO_BATCH : (micro + 1) * MICRO_BATCH]
-            micro += 1
-            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-                loss = model(input_ids=batch, labels=batch).loss
-            (loss / accumulate).backward()
-            losses.append(float(loss.detach()))
-        coef = 1.0
-        if clip is not None:
-            norm = torch.stack([p.grad.float().square().sum() for p in params if p.grad is not None]).sum().sqrt()
-            coef = float(torch.clamp(clip / (norm + 1e-6), max=1.0))
-        coefs.append(coef)
-        with torch.no_grad():
-            for k, (p, state) in enumerate(zip(params, states)):
-                if p.grad is not None:
-                    adamw_update(p.view(-1), p.grad.reshape(-1), state, lr=LR * GAMMA**step, betas=(0.9, 0.999),
-                                 eps=1e-8, weight_decay=WD, decoupled=True, weights=WEIGHTS[host_state],
-                                 moments="int8", seed=mix_seed(0, step + 1, k), grad_scale=coef)
-    return model, losses, coefs
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("host_state", ["compact", "compact_kahan"])
 def test_compact_layouts_equal_the_bf16_loop_bit_for_bit(host_state, overlap):
@@ -114,10 +55,10 @@ def test_compact_layouts_equal_the_bf16_loop_bit_for_bit(host_state, overlap):
     equal the reference loop's exactly, serial and overlapped: the bf16 masters are the parameters, the bf16 grads
     are summed as autograd sums them, and each update is the kernel's with the same rounding bits."""
     model, optimizer, losses = fit_engine(host_state, accumulate=2, clip=None, overlap=overlap)
-    reference, ref_losses, _ = bf16_loop(host_state, accumulate=2, clip=None)
+    masters, ref_losses, _ = bf16_loop(host_state, accumulate=2, clip=None)
     assert isinstance(optimizer, CompactAdamW) and optimizer.param_groups[0]["weights"] == WEIGHTS[host_state]
     assert losses == ref_losses and ref_losses[-1] < ref_losses[0]
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+    for (name, a), b in zip(model.named_parameters(), masters):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
     state = optimizer.state[next(model.parameters())]
     assert state["exp_avg"].dtype == torch.int8 and int(state["step"]) == 3
@@ -139,14 +80,13 @@ def test_compact_layouts_with_clipping_track_the_bf16_loop(host_state, overlap):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compact_adam.CompactAdamW, "update_param", recording)
         model, _, losses = fit_engine(host_state, accumulate=2, clip=0.05, overlap=overlap)
-    reference, ref_losses, coefs = bf16_loop(host_state, accumulate=2, clip=0.05)
+    masters, ref_losses, coefs = bf16_loop(host_state, accumulate=2, clip=0.05)
     assert all(c < 1 for c in coefs)
     assert scales[0] == pytest.approx(coefs[0], rel=1e-6)
     assert losses[:2] == ref_losses[:2]  # the first step's micro-batches: nothing updated yet
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        error = float((a.float() - b.float()).norm() / b.float().norm())
-        assert error < 2**-8, (name, error)
+    error, name = max_relative_error(model, masters)
+    assert error < 2**-8, (name, error)
 
 
 def _fit_one_batch(host_state, root, steps, overlap, ckpt_path=None, checkpoint=False):
