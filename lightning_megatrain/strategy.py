@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
-from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers, NonFiniteMode
+from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, HostState, KeepLayers, NonFiniteMode
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
@@ -133,6 +133,15 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             (engine/optimizer_step.py, [Note: all-or-nothing steps]). An update that fails (host RAM for the first
             step's Adam states, a gradient or state the kernel cannot take) fails before it writes anything:
             ``StepFailed`` says that masters and optimizer states are as they were.
+        host_state: how each parameter's host state is stored (docs/compact-state.md): ``"fp32"`` (default: fp32
+            master, grad and Adam moments, 16 bytes/param), ``"int8_moments"`` (8-bit block-quantized moments, 10.03),
+            ``"compact_kahan"`` (bf16 master with a bf16 Kahan compensation, bf16 grad, 8-bit moments, 8.03) or
+            ``"compact"`` (bf16 master rounded stochastically, bf16 grad, 8-bit moments, 6.03). Other than
+            ``"fp32"``, Adam/AdamW from ``configure_optimizers`` runs as ``CompactAdamW`` with the layout's formats
+            (overlapped, all or nothing, clipping inside its kernel; optim/compact_update.py, [Note: compact state in
+            the engine]); another optimizer is refused, and so is ``gpu_optimizer_groups`` > 0 (``"auto"`` places
+            none). The bf16 layouts make the parameters bf16 (checkpoints hold bf16 weights) and need
+            ``precision="bf16-mixed"``.
         checkpoint_io: Lightning checkpoint IO plugin. Default: local saves are written to a temporary file beside
             the target and renamed over it, never buffered whole in host RAM (checkpoint_io.py, [Note: atomic
             checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads
@@ -165,6 +174,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
         nonfinite: NonFiniteMode = "skip",
+        host_state: HostState = "fp32",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -182,6 +192,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,
             nonfinite=nonfinite,
+            host_state=host_state,
         )
         # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints])
         checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()

@@ -20,6 +20,7 @@ from lightning_megatrain.engine.host_store import (
     FlatGroup,
     check_host_bytes_to_come,
     check_host_memory,
+    check_layout_compute,
     check_packed,
     pack_group,
 )
@@ -41,6 +42,7 @@ from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.optim.host_optimizer import overlappable
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ class MegaTrainEngine:
     also builds the optimizer step over them (:attr:`step`).
 
     Args:
-        module: the LightningModule (or any ``nn.Module``) whose parameters become host fp32 masters.
+        module: the LightningModule (or any ``nn.Module``) whose parameters become host masters (fp32, or bf16 for a
+            compact ``host_state``).
         device: the compute device (``cuda:N`` or ``cpu``).
         compute_dtype: dtype layers are streamed and computed in (``bfloat16`` or ``float32``).
         config: the options (lightning_megatrain/config.py, one documented field each).
@@ -109,6 +112,8 @@ class MegaTrainEngine:
                 ``torch.compile`` (before any large allocation).
         """
         module = self.module
+        layout = HOST_STATE_LAYOUTS[self.config.host_state]
+        check_layout_compute(self.config.host_state, self.compute_dtype)
         self.config = resolve(self.config, self.device)  # the "auto" options ([Note: auto placement])
         path, stack = find_layer_stack(module, self.config.layers)
         resident_slots = tensor_slots(module, skip=stack)
@@ -128,15 +133,19 @@ class MegaTrainEngine:
             layer_numels + [n_resident],
             pinned=self.on_cuda,
             slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
+            master_bytes=layout.weight_dtype.itemsize,
+            grad_bytes=layout.grad_dtype.itemsize,
         )
         if self.on_cuda:
             self._check_gpu_memory(max_layer, n_resident, device_numel)
 
         pin = self.on_cuda
         registry = self.registry = HostRegistry() if pin else None
+        dtypes = dict(master_dtype=layout.weight_dtype, grad_dtype=layout.grad_dtype)  # the host_state's
         # device groups (the residents, then the first layers) allocate host grads only if code reads them
-        self.groups = [pack_group(slots, registry, lazy_grad=i + 1 < n_device) for i, slots in enumerate(layer_slots)]
-        resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=n_device > 0)
+        self.groups = [pack_group(slots, registry, lazy_grad=i + 1 < n_device, **dtypes)
+                       for i, slots in enumerate(layer_slots)]
+        resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=n_device > 0, **dtypes)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
         overlap = self._overlap = (
             OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
@@ -180,13 +189,14 @@ class MegaTrainEngine:
         self._place_device_groups(n_device)
         log.info(
             "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
-            "%.2fB params in host RAM (%s), compute %s on %s with %d slots%s",
+            "%.2fB params in host RAM (%s, host_state %s), compute %s on %s with %d slots%s",
             len(stack),
             path,
             max_layer / 1e6,
             n_resident / 1e6,
             n_params / 1e9,
             "pinned" if pin else "pageable",
+            self.config.host_state,
             str(self.compute_dtype).replace("torch.", ""),
             self.device,
             self.config.num_slots,
@@ -342,10 +352,11 @@ class MegaTrainEngine:
 
     def _check_gpu_memory(self, max_layer: int, n_resident: int, device_numel: list[int]) -> None:
         free, _ = torch.cuda.mem_get_info(self.device)
-        per_slot = max_layer * (4 + (self.compute_dtype.itemsize if self.compute_dtype != torch.float32 else 0))
-        # slots + resident compute copies and their grads (fp32) + a packed grad buffer for one layer
+        master = HOST_STATE_LAYOUTS[self.config.host_state].weight_dtype  # what a slot's upload reads
+        per_slot = max_layer * (master.itemsize + (self.compute_dtype.itemsize if self.compute_dtype != master else 0))
+        # slots + resident compute copies and their grads (the masters' dtype) + a packed grad buffer for one layer
         slots = self.config.num_slots
-        need = slots * per_slot + n_resident * 8 + max_layer * self.compute_dtype.itemsize
+        need = slots * per_slot + n_resident * 2 * master.itemsize + max_layer * self.compute_dtype.itemsize
         # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
         itemsize = self.compute_dtype.itemsize
         device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
@@ -417,7 +428,8 @@ class MegaTrainEngine:
             self.residents.invalidate()
 
     def host_bytes(self) -> dict[str, int]:
-        """Host memory the engine holds, by kind: the fp32 masters, the fp32 grad buffers allocated so far, the
+        """Host memory the engine holds, by kind: the masters, the grad buffers allocated so far (fp32, or bf16 for a
+        compact ``host_state``), the
         drain's pinned slabs and, on CUDA, the stash pool's page-locked buffers of offloaded layer inputs. Sizes only:
         no sync, callable any time after :meth:`setup`."""
         groups = self.flat_groups

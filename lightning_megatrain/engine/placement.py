@@ -17,12 +17,13 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 
 - ``gpu_optimizer_groups``: decided before the first training micro-batch, whose shape the choice needs
   (:func:`choose_gpu_optimizer_groups`): the fewest groups with which the overlapped host Adam no longer outlasts
-  the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device and
-  host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU memory
-  before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, without the overlapped step (the
-  groups pay by hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
-  ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot
-  describe the model (no HF config, or one it cannot build).
+  the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device
+  and host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU
+  memory before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, with a ``host_state`` other
+  than ``"fp32"`` (decided at setup: the groups hold fp32 state), without the overlapped step (the groups pay by
+  hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
+  ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot describe
+  the model (no HF config, or one it cannot build).
 
 - ``segment_layers`` and ``device_checkpoints``: where the layer-input checkpoints go (config.py), decided at the first
   training micro-batch, whose ``B x T`` sizes them (:func:`choose_checkpoints`), after ``gpu_optimizer_groups`` and
@@ -98,6 +99,10 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
     if config.gpu_optimizer_groups == "auto" and not on_cuda:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")
+    elif config.gpu_optimizer_groups == "auto" and config.host_state != "fp32":
+        changes["gpu_optimizer_groups"] = 0
+        log.info("MegaTrain: gpu_optimizer_groups=0 (auto: host_state=%r steps CompactAdamW on the host; the device "
+                 "groups hold fp32 state)", config.host_state)
     for name, value in (("segment_layers", 1), ("device_checkpoints", 0)):
         if getattr(config, name) == "auto" and not on_cuda:
             changes[name] = value
@@ -124,11 +129,12 @@ def module_hf_config(module: nn.Module) -> PretrainedConfig | None:
 
 
 def host_bytes_to_come(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Host bytes the host groups still allocate before their first step ends: their fp32 grads not yet allocated
+    """Host bytes the host groups still allocate before their first step ends: their grads not yet allocated
     and the optimizer states their parameters have none of yet (optim/updates.py ``host_state_bytes``: Adam 8 B per
     parameter, Muon's matrices 4, 8-bit moments about 2)."""
     held = frozenset(id(p) for g in host_groups for p in g.params)
-    return sum(4 * g.numel - g.grad_nbytes for g in host_groups) + host_state_bytes(optimizers, held)
+    return sum(g.grad_dtype.itemsize * g.numel - g.grad_nbytes for g in host_groups) + host_state_bytes(
+        optimizers, held)
 
 
 def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
