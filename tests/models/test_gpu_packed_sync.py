@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROWS = [[document(70, 1), document(120, 2), document(30, 3)], [document(90, 4), document(40, 5)], [document(200, 6)]]
 COLLATE = PackedCollator(pad_token_id=0, pad_to_multiple_of=64)  # rows of 256 tokens, with padding tails
 CUDA = torch.device("cuda")
+LONGER = {"max_position_embeddings": 256}  # positions up to 199
 SYNC = "called a synchronizing CUDA operation"  # torch's error under set_sync_debug_mode("error")
 
 
@@ -51,7 +52,7 @@ def _moved(bind: bool) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # SDPA per document; one flash varlen call
 def test_a_bound_packed_batch_runs_forward_and_backward_without_a_sync(arch, dtype, monkeypatch):
     torch.manual_seed(0)
-    config = AutoConfig.for_model(**CONFIGS[arch])
+    config = AutoConfig.for_model(**{**CONFIGS[arch], **LONGER})
     model = AutoModelForCausalLM.from_config(config, attn_implementation=pa.PACKED_SDPA).to(CUDA)
     varlen_calls = []
     varlen = pa._varlen_attn
@@ -78,7 +79,7 @@ def test_causal_lm_module_loss_on_a_packed_batch_runs_without_a_sync(arch):
     """``CausalLMModule``'s own transfer binds the documents, and its chunked loss counts targets on the host: its
     training forward and backward on a packed batch in bf16 make no sync."""
     torch.manual_seed(0)
-    module = CausalLMModule(config=CONFIGS[arch])
+    module = CausalLMModule(config={**CONFIGS[arch], **LONGER})
     module.configure_model()
     module.to(CUDA)
 
