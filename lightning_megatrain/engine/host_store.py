@@ -216,7 +216,8 @@ def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None, la
                      _grad=None if lazy_grad else new_grad())
 
 
-def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0) -> None:
+def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0,
+                      grad_numels: list[int] | None = None) -> None:
     """Refuse to start when host RAM cannot hold the masters, grads and grad slabs (the optimizer states are checked
     once the optimizers exist, :func:`check_host_bytes_to_come`).
 
@@ -224,6 +225,9 @@ def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0
         group_numels: parameters per flat group (each layer, and the residents).
         pinned: the flat buffers are page-locked (CUDA): exact sizes rounded to pages (engine/pinned.py).
         slab_bytes: bytes of each of the 3 pinned grad slabs (CUDA).
+        grad_numels: parameters per group whose grad buffer setup allocates (default ``group_numels``); the others
+            are allocated later or never (device groups, and every group while ``gpu_optimizer_groups="auto"`` is
+            undecided: engine/placement.py) and are checked then.
 
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
@@ -233,9 +237,11 @@ def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0
     """
     n_params = sum(group_numels)
     block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
-    flats = sum(2 * block(4 * n) for n in group_numels)  # fp32 master + fp32 grad per group
+    grad_numels = group_numels if grad_numels is None else grad_numels
+    flats = sum(block(4 * n) for n in group_numels) + sum(block(4 * n) for n in grad_numels if n)  # masters, grads
     need = flats + 3 * block(slab_bytes) - 4 * n_params
-    _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters (fp32 master and grad: {_size(flats)}"
+    what = "master and grad" if grad_numels is group_numels else f"masters and {sum(grad_numels) / 1e9:.2f}B grads"
+    _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters (fp32 {what}: {_size(flats)}"
                         f"{' pinned' if pinned else ''}, minus the model already loaded)")
 
 

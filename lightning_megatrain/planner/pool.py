@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.planner.constants import GPU_RESERVE_GIB, PRECISIONS
 from lightning_megatrain.planner.long_context import Placement, place
-from lightning_megatrain.planner.memory import _gpu_peak, gpu_bytes
+from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, gpu_bytes
 from lightning_megatrain.planner.shape import _Shape, describe
 
 
@@ -137,3 +138,56 @@ def auto_split(model: object, host: dict[str, int], host_usable: int, gpu_limit:
     to_come = lambda n: host_to_come(s, n, grads=4, states=optimizer_state_bytes)  # noqa: E731
     return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_usable - fixed,
                  gpu_limit=gpu_limit, to_come=to_come)
+
+
+def _engine_split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gpu_limit: int,
+                  host_free: int, to_come: Callable[[int], int], precision: str, loss: str,
+                  loss_chunk_size: int, gpu_reserve_gib: float) -> Split:
+    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
+           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib}
+    return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit,
+                 to_come=to_come)
+
+
+def split_first_batch(model: object, micro_batch: int, seq_len: int, *, config: EngineConfig, gpu_limit: int,
+                      host_free: int, to_come: Callable[[int], int], precision: str = "bf16-mixed",
+                      loss: str = "chunked", attn_implementation: str | None = None, loss_chunk_size: int = 4096,
+                      gpu_reserve_gib: float = GPU_RESERVE_GIB) -> Split:
+    """:func:`split` as the engine runs it at the first training micro-batch (engine/placement.py): the model from
+    its HF config, the host bytes free (measured) and still to come (``to_come(n)``, counted from its groups and
+    optimizers), and a GPU of ``gpu_limit`` bytes (the plan counts the slots, residents, groups and reserve)."""
+    s = describe(model, attn_implementation=attn_implementation)
+    return _engine_split(s, micro_batch, seq_len, config=config, gpu_limit=gpu_limit, host_free=host_free,
+                         to_come=to_come, precision=precision, loss=loss, loss_chunk_size=loss_chunk_size,
+                         gpu_reserve_gib=gpu_reserve_gib)
+
+
+def split_options(model: object, micro_batch: int, seq_len: int, *, config: EngineConfig, gpu_limit: int,
+                  host_free: int, to_come: Callable[[int], int], precision: str = "bf16-mixed",
+                  loss: str = "chunked", attn_implementation: str | None = None, loss_chunk_size: int = 4096,
+                  gpu_reserve_gib: float = GPU_RESERVE_GIB) -> str:
+    """Where no split fits (:func:`split_first_batch`): what would, in words, for the refusal's HINT: the largest
+    smaller micro-batch at this sequence length with its split, and whether CompactAdamW's 8-bit moments
+    (``int8_moments``, memory.py ``HOST_STATE_BYTES``; no device groups) let the host hold every group's state."""
+    s = describe(model, attn_implementation=attn_implementation)
+    kw = dict(config=config, gpu_limit=gpu_limit, host_free=host_free, to_come=to_come, precision=precision,
+              loss=loss, loss_chunk_size=loss_chunk_size, gpu_reserve_gib=gpu_reserve_gib)
+    lo, hi = 0, micro_batch  # the largest fitting micro-batch below micro_batch (fitting falls as it grows)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _engine_split(s, mid, seq_len, **kw).fits else (lo, mid)
+    out = []
+    if lo:
+        smaller = _engine_split(s, lo, seq_len, **kw)
+        out.append(f"micro-batch {lo} x {seq_len} fits with gpu_optimizer_groups={smaller.groups} "
+                   f"(host {_size(smaller.host_to_come + smaller.placement.host_need)} of {_size(host_free)} free, "
+                   f"GPU peak {_size(smaller.gpu_peak)} of {_size(gpu_limit)})")
+    else:
+        out.append(f"no micro-batch of {seq_len} tokens fits at any split: shorter sequences hold fewer activations")
+    compact = HOST_STATE_BYTES["int8_moments"]
+    need = host_to_come(s, 0, grads=compact["grads"], states=compact["optimizer states"])
+    verdict = "fits" if need <= host_free else "does not fit either"
+    out.append(f"CompactAdamW(weights='fp32') in configure_optimizers (8-bit moments, "
+               f"{sum(compact.values()):.2f} B/param of host state, all on the host) {verdict}: its grads and "
+               f"states need {_size(need)} of {_size(host_free)} free")
+    return "; ".join(out)
