@@ -267,6 +267,7 @@ def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequen
         return
     if device.type != "cuda" or len(optimizers) != 1 or not overlappable(optimizers[0]):
         check_host_bytes_to_come(to_come(0))  # refuses, with the numbers
+        return
     n = fewest_host_groups(to_come, free)
     groups = forward_groups[:n]
     need = sum(gpu_bytes_per_param(compute_dtype.itemsize, resident=k == 0) * g.numel for k, g in enumerate(groups))
