@@ -334,3 +334,13 @@ def test_compact_adam_dry_run_rows(tmp_path):
         assert r["params"] == 2 * 2**16 and r["gparam_per_s"] > 0 and r["compiled"] is False
         assert f"| {r['system']} | {r['state_bytes_per_param']:.2f} | False |" in stdout
     assert [r["state_bytes_per_param"] for r in rows] == [16.0, 6.03125, 8.03125, 10.03125]
+
+
+def test_memory_pool_benchmark_dry_run():
+    """benchmarks/memory_pool.py --dry-run: a tiny Llama trains on the CPU, the row has the measured and planned
+    numbers side by side (the split itself needs CUDA: benchmarks/memory_pool.py on the H200)."""
+    out = _run("benchmarks/memory_pool.py", "--dry-run", timeout=300)
+    row = json.loads(out[out.index("\n{") + 1:])
+    assert row["model"] == "tiny-llama" and row["measured"]["gpu_optimizer_groups"] == 0
+    assert row["measured"]["tokens_per_s"] > 0 and row["measured"]["peak_host_rss_gib"] > 0
+    assert row["planned"]["fits"] and {"host_gib", "gpu_peak_gib", "tokens_per_s"} <= set(row["planned"])
