@@ -22,7 +22,10 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, without the overlapped step (the
   groups pay by hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
   ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot
-  describe the model (no HF config, or one it cannot build).
+  describe the model (no HF config, or one it cannot build). Where the host cannot hold every group's grads and
+  optimizer states, at least the fewest groups with which it holds the rest, measured against the host memory free
+  then (planner/pool.py, [Note: memory pool]); the host grads wait for that decision (setup allocates none while it
+  is pending), and where no split fits, or device groups cannot run, it is refused with both memories' numbers.
 
 - ``segment_layers`` and ``device_checkpoints``: where the layer-input checkpoints go (config.py), decided at the first
   training micro-batch, whose ``B x T`` sizes them (:func:`choose_checkpoints`), after ``gpu_optimizer_groups`` and
