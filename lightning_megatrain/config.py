@@ -46,7 +46,8 @@ class EngineConfig:
     """How many groups, in the order the forward reads them (the residents, then layers 0, 1, ...), keep fp32
     master, grad and Adam states on the GPU and step there (engine/device_state.py). 18 bytes of GPU memory per
     layer parameter; CUDA and Adam/AdamW only. ``"auto"``: the fewest that hide the overlapped host Adam behind the
-    forward, planned for the first training micro-batch (engine/placement.py)."""
+    forward, planned for the first training micro-batch, and at least the fewest with which the host holds the other
+    groups' state (planner/pool.py, [Note: memory pool]) (engine/placement.py)."""
 
     compile_layers: bool | Auto = "auto"
     """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).

@@ -27,7 +27,7 @@ from lightning_megatrain._hardware import GIB, host_rss_gib
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
 from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, HostState, KeepLayers, NonFiniteMode
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.hooks import OptimizerBarrier
+from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
 from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
@@ -375,7 +375,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         if self.engine is not None and self.engine.placement_pending:  # the first micro-batch ([Note: auto placement])
-            trainer = self.lightning_module.trainer
+            module = self.lightning_module
+            trainer = module.trainer
             self.engine.place_for_batch(
                 batch,
                 grad_accum=trainer.accumulate_grad_batches,
@@ -383,6 +384,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 custom_clipping=(trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
                 or is_overridden("configure_gradient_clipping", self.lightning_module),
                 chunked_loss=self._chunked_loss,
+                grads_read=grads_read_by_hooks(module) or not module.automatic_optimization,
             )
         elif self.engine is not None and self.engine.checkpoints_outgrown(batch):  # longer than the first
             trainer = self.lightning_module.trainer

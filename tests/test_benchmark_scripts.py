@@ -358,3 +358,13 @@ def test_soak_summary_measures_growth_and_loss_gap():
     assert summary["loss"]["max_abs_diff"] == pytest.approx(0.1)
     assert summary["loss"]["steps_before_floor"] == 3
     assert summary["loss"]["max_rel_diff_before_floor"] == pytest.approx(0.1)
+
+
+def test_memory_pool_benchmark_dry_run():
+    """benchmarks/memory_pool.py --dry-run: a tiny Llama trains on the CPU, the row has the measured and planned
+    numbers side by side (the split itself needs CUDA: benchmarks/memory_pool.py on the H200)."""
+    out = _run("benchmarks/memory_pool.py", "--dry-run", timeout=300)
+    row = json.loads(out[out.index("\n{") + 1:])
+    assert row["model"] == "tiny-llama" and row["measured"]["gpu_optimizer_groups"] == 0
+    assert row["measured"]["tokens_per_s"] > 0 and row["measured"]["peak_host_rss_gib"] > 0
+    assert row["planned"]["fits"] and {"host_gib", "gpu_peak_gib", "tokens_per_s"} <= set(row["planned"])

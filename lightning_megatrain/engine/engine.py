@@ -28,10 +28,13 @@ from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.placement import (
+    check_split_possible,
     checkpoint_host_budget,
     choose_checkpoints,
     choose_gpu_optimizer_groups,
     host_bytes_to_come,
+    host_bytes_to_come_split,
+    host_free_checked,
     module_hf_config,
     resolve,
     token_shape,
@@ -129,12 +132,19 @@ class MegaTrainEngine:
         n_resident = sum(p.numel() for p in {id(s.get()): s.get() for s in resident_slots if s.is_param}.values())
         n_device = self._check_gpu_optimizer_groups(len(stack))
         device_numel = ([n_resident] + layer_numels)[:n_device]
+        # host grads (forward order: the residents, then the layers) are allocated now, except the device groups'
+        # (only if code reads them) and, while "auto" is undecided, every group's: the split of the state between
+        # host and GPU is decided at the first training micro-batch, before the host allocations it saves
+        # ([Note: memory pool] in planner/pool.py; _choose_device_groups allocates the host groups' then)
+        self._grads_deferred = fitting and self.config.gpu_optimizer_groups == "auto"
+        lazy = [self._grads_deferred or k < n_device for k in range(len(stack) + 1)]
         check_host_memory(  # the optimizer states: check_host_state, once the optimizers exist
             layer_numels + [n_resident],
             pinned=self.on_cuda,
             slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
             master_bytes=layout.weight_dtype.itemsize,
             grad_bytes=layout.grad_dtype.itemsize,
+            grad_numels=[0 if off else n for n, off in zip(layer_numels + [n_resident], lazy[1:] + lazy[:1])],
         )
         if self.on_cuda:
             self._check_gpu_memory(max_layer, n_resident, device_numel)
@@ -142,10 +152,9 @@ class MegaTrainEngine:
         pin = self.on_cuda
         registry = self.registry = HostRegistry() if pin else None
         dtypes = dict(master_dtype=layout.weight_dtype, grad_dtype=layout.grad_dtype)  # the host_state's
-        # device groups (the residents, then the first layers) allocate host grads only if code reads them
-        self.groups = [pack_group(slots, registry, lazy_grad=i + 1 < n_device, **dtypes)
+        self.groups = [pack_group(slots, registry, lazy_grad=lazy[i + 1], **dtypes)
                        for i, slots in enumerate(layer_slots)]
-        resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=n_device > 0, **dtypes)
+        resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=lazy[0], **dtypes)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
         overlap = self._overlap = (
             OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
@@ -211,14 +220,16 @@ class MegaTrainEngine:
         optimizers: Sequence[torch.optim.Optimizer],
         custom_clipping: bool,
         chunked_loss: bool,
+        grads_read: bool = False,
     ) -> None:
         """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them, then place (or
         check) the layer-input checkpoints (engine/placement.py, [Note: auto placement]); logs each choice. Called
-        once, before that micro-batch's forward. Raises before any allocation of the micro-batch when no placement of
-        its checkpoints fits, with the numbers."""
+        once, before that micro-batch's forward. ``grads_read``: code reads ``p.grad`` before the step (the device
+        groups' grads then reach the host too). Raises before any allocation of the micro-batch when no split of the
+        state between host and GPU, or no placement of its checkpoints, fits, with the numbers."""
         self.placement_pending = False
         if self.config.gpu_optimizer_groups == "auto":
-            self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss)
+            self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read)
         if self.on_cuda:
             self.place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
 
@@ -227,7 +238,9 @@ class MegaTrainEngine:
         shape = token_shape(batch) if self._placed_tokens else None
         return shape is not None and shape[0] * shape[1] > self._placed_tokens
 
-    def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss) -> None:
+    def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read) -> None:
+        forward = [self.resident_group, *self.groups]
+        free = host_free_checked()
         n, why = choose_gpu_optimizer_groups(
             self.module,
             batch,
@@ -238,10 +251,16 @@ class MegaTrainEngine:
             adam_only=len(optimizers) == 1 and overlappable(optimizers[0]),
             custom_clipping=custom_clipping,
             chunked_loss=chunked_loss,
+            host_free=free,
+            to_come=lambda k: host_bytes_to_come_split(forward, optimizers, k, grads_read),
         )
         log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
         self.config = self.config.replace(gpu_optimizer_groups=n)
         self._place_device_groups(n)
+        if self._grads_deferred:  # the host groups' grads, deferred at setup, now that the split is decided
+            self._grads_deferred = False
+            for group in forward[n:]:
+                group.grad  # noqa: B018  (allocates the buffer: FlatGroup.grad)
 
     def check_host_state(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Refuse before the first step when host RAM cannot hold the host groups' grads and the optimizers' states
@@ -250,6 +269,9 @@ class MegaTrainEngine:
         Raises:
             RuntimeError: with the numbers (engine/host_store.py ``check_host_bytes_to_come``).
         """
+        if self.placement_pending and self.config.gpu_optimizer_groups == "auto":  # split at the first micro-batch
+            check_split_possible([self.resident_group, *self.groups], optimizers, self.device, self.compute_dtype)
+            return
         host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
         check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
 

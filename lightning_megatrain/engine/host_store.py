@@ -231,9 +231,8 @@ def pack_group(
                      grad_dtype=grad_dtype, _grad=None if lazy_grad else new_grad())
 
 
-def check_host_memory(
-    group_numels: list[int], pinned: bool, slab_bytes: int = 0, master_bytes: int = 4, grad_bytes: int = 4
-) -> None:
+def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0, master_bytes: int = 4,
+                      grad_bytes: int = 4, grad_numels: list[int] | None = None) -> None:
     """Refuse to start when host RAM cannot hold the masters, grads and grad slabs (the optimizer states are checked
     once the optimizers exist, :func:`check_host_bytes_to_come`).
 
@@ -243,6 +242,9 @@ def check_host_memory(
         slab_bytes: bytes of each of the 3 pinned grad slabs (CUDA).
         master_bytes, grad_bytes: bytes per parameter of a master and a grad (the ``host_state`` layout's: 4 for
             fp32, 2 for bf16).
+        grad_numels: parameters per group whose grad buffer setup allocates (default ``group_numels``); the others
+            are allocated later or never (device groups, and every group while ``gpu_optimizer_groups="auto"`` is
+            undecided: engine/placement.py) and are checked then.
 
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
@@ -252,9 +254,12 @@ def check_host_memory(
     """
     n_params = sum(group_numels)
     block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
-    flats = sum(block(master_bytes * n) + block(grad_bytes * n) for n in group_numels)  # master + grad per group
+    grad_numels = group_numels if grad_numels is None else grad_numels
+    flats = (sum(block(master_bytes * n) for n in group_numels)
+             + sum(block(grad_bytes * n) for n in grad_numels if n))  # masters, grads
     need = flats + 3 * block(slab_bytes) - 4 * n_params
-    _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters (masters and grads: {_size(flats)}"
+    what = "masters and grads" if grad_numels is group_numels else f"masters and {sum(grad_numels) / 1e9:.2f}B grads"
+    _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters ({what}: {_size(flats)}"
                         f"{' pinned' if pinned else ''}, minus the model already loaded)")
 
 
