@@ -159,7 +159,7 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
     for module in (placement, host_store):
         monkeypatch.setattr(module, "available_host_bytes", lambda: (total // 2, "MemAvailable"))
     # a CPU compute device cannot hold device groups: the host check's own refusal
-    with pytest.raises(RuntimeError, match=r"needs about .* more host RAM for the fp32 grads and optimizer states"):
+    with pytest.raises(RuntimeError, match=r"needs about .* more host RAM for the grads and optimizer states"):
         placement.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1024, 139 * GIB))
     with pytest.raises(RuntimeError, match=r"the host cannot hold every group's grads and optimizer states .* it "
