@@ -16,6 +16,8 @@ CpuAdamMode = Literal["auto", "deepspeed", "torch"]
 CPU_ADAM_MODES = ("auto", "deepspeed", "torch")
 NonFiniteMode = Literal["skip", "raise"]
 NONFINITE_MODES = ("skip", "raise")
+CheckpointFormat = Literal["file", "sharded"]
+CHECKPOINT_FORMATS = ("file", "sharded")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,11 @@ class EngineConfig:
     ``"raise"`` stops training with an error, nothing updated (engine/optimizer_step.py, [Note: all-or-nothing
     steps]). The learning-rate schedule and ``global_step`` advance either way, as under AMP's skipped steps."""
 
+    checkpoint_format: CheckpointFormat = "file"
+    """How local checkpoints are saved: ``"file"``, one ``torch.save`` archive (checkpoint_io.py, [Note: atomic
+    checkpoints]); ``"sharded"``, a directory of one safetensors file per decoder layer plus the residents', for
+    models whose checkpoint is large (sharded_checkpoint.py, [Note: sharded checkpoints]). Both load either."""
+
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
@@ -119,6 +126,8 @@ class EngineConfig:
             out.append(f"cpu_adam={self.cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
         if self.nonfinite not in NONFINITE_MODES:
             out.append(f"nonfinite={self.nonfinite!r}: choose one of {NONFINITE_MODES}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            out.append(f"checkpoint_format={self.checkpoint_format!r}: choose one of {CHECKPOINT_FORMATS}")
         return out
 
     def replace(self, **changes: object) -> EngineConfig:
