@@ -78,8 +78,9 @@ _SAFETENSORS_DTYPES = {
 }
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
-# tensors that view a mapped shard, by id (see owned()); not a WeakSet: its membership test compares tensors with ==
-_MAPPED: dict[int, weakref.ref[Tensor]] = {}
+# tensors that view a mapped shard, by id, with their file and offset (see owned()); not a WeakSet: its membership
+# test compares tensors with ==
+_MAPPED: dict[int, tuple[weakref.ref[Tensor], Path, int]] = {}
 
 
 def is_sharded(path: _PATH) -> bool:
@@ -255,7 +256,11 @@ def _swap_in(tmp: Path, target: Path) -> None:
         os.rename(tmp, old)  # tmp now holds the previous checkpoint
     else:  # see [Note: sharded checkpoints] for the window between these two renames
         os.rename(target, old)
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # an error, not a kill: the previous checkpoint goes back
+            raise
     fsync_dir(target.parent)
     _remove(old)
 
@@ -313,7 +318,7 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
             continue
         t = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + n + begin)
         out[name] = t = t.reshape(entry["shape"])
-        _MAPPED[id(t)] = weakref.ref(t, lambda _, key=id(t): _MAPPED.pop(key, None))
+        _MAPPED[id(t)] = (weakref.ref(t, lambda _, key=id(t): _MAPPED.pop(key, None)), path, 8 + n + begin)
     return out
 
 
@@ -352,12 +357,40 @@ def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[
     return load_sharded(path, load_file) if is_sharded(path) else load_file(path)
 
 
+def _read_mapped(t: Tensor, into: Tensor) -> bool:
+    """Read the bytes of ``t``, a tensor viewing a mapped shard, from its file straight into ``into`` (contiguous,
+    same dtype and size) without touching the mapping; False when ``t`` views no mapped shard."""
+    mapped = _MAPPED.get(id(t))
+    if mapped is None or mapped[0]() is not t:
+        return False
+    with open(mapped[1], "rb") as f:
+        f.seek(mapped[2])
+        read = f.readinto(into.reshape(-1).view(torch.uint8).numpy())
+    if read != into.nbytes:
+        raise ValueError(f"{mapped[1]}: {read} bytes of a tensor at byte {mapped[2]}, expected {into.nbytes}")
+    return True
+
+
+def read_into(state_dict: dict[str, Any], targets: Mapping[str, Tensor]) -> None:
+    """Read each tensor of ``state_dict`` (a loaded checkpoint's) that views a mapped shard straight into the
+    tensor of the same name, shape and dtype in ``targets`` (the module's: its host masters), and point the entry
+    at that tensor, whose copy onto itself ``load_state_dict`` then skips. The masters' bytes go from the file into
+    the masters once, not through the mapping (whose pages would count in the RSS until the load ends)."""
+    for name, value in state_dict.items():
+        target = targets.get(name)
+        if (isinstance(value, Tensor) and isinstance(target, Tensor) and target.shape == value.shape
+                and target.dtype == value.dtype and target.device.type == "cpu" and target.is_contiguous()
+                and _read_mapped(value, target)):
+            state_dict[name] = target
+
+
 def owned(state: Any) -> Any:
-    """``state`` (an optimizer state dict) with every tensor that views a mapped shard replaced by a copy in memory
-    of its own, one at a time: the optimizer keeps what it loads, and must not keep the files mapped."""
+    """``state`` (an optimizer state dict) with every tensor that views a mapped shard replaced by a tensor of its
+    own, read from the file into it one at a time (not through the mapping): the optimizer keeps what it loads, and
+    must not keep the files mapped."""
     if isinstance(state, Tensor):
-        mapped = _MAPPED.get(id(state))
-        return state.clone() if mapped is not None and mapped() is state else state
+        own = torch.empty(state.shape, dtype=state.dtype)
+        return own if state.is_contiguous() and _read_mapped(state, own) else state
     if isinstance(state, Mapping):
         return {k: owned(v) for k, v in state.items()}
     if isinstance(state, list):
@@ -365,11 +398,17 @@ def owned(state: Any) -> Any:
     return state
 
 
-def convert_to_file(src: _PATH, out: _PATH) -> Path:
+def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:
     """Write the sharded checkpoint ``src`` as one Lightning ``.ckpt`` file ``out`` that plain Lightning loads
-    (``torch.save`` streams each tensor from the mapped shards: no copy of the checkpoint in host RAM)."""
+    (``torch.save`` streams each tensor from the mapped shards: no copy of the checkpoint in host RAM).
+
+    Raises:
+        ValueError: ``src`` is not a sharded checkpoint. FileExistsError: ``out`` exists and not ``overwrite``.
+    """
     if not is_sharded(src):
         raise ValueError(f"src={str(src)!r} is not a directory: pass a sharded checkpoint (a *.ckpt directory).")
+    if os.path.lexists(out) and not overwrite:
+        raise FileExistsError(f"out={str(out)!r} exists; pass overwrite=True (--overwrite) to replace it.")
     checkpoint = load_sharded(src, lambda meta: torch.load(meta, map_location="cpu", weights_only=False))
     AtomicCheckpointIO().save_checkpoint(checkpoint, out)
     return Path(out)

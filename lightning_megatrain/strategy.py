@@ -30,7 +30,13 @@ from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
-from lightning_megatrain.sharded_checkpoint import ShardedCheckpointIO, layer_layout, load_any, owned
+from lightning_megatrain.sharded_checkpoint import (
+    ShardedCheckpointIO,
+    layer_layout,
+    load_any,
+    owned,
+    read_into,
+)
 
 log = logging.getLogger(__name__)
 
@@ -343,6 +349,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.wait_for_optimizer()
+        read_into(checkpoint["state_dict"], self.lightning_module.state_dict())  # a sharded checkpoint's, in place
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.engine is not None:
             self.engine.reload_masters()
