@@ -92,7 +92,7 @@ def remove_stale_temporaries(target: Path) -> None:
     """Remove the temporary files of killed saves beside ``target``: those of its name, and those whose writer's
     process is gone (see [Note: atomic checkpoints]); also the temporary and previous directories of sharded saves
     ([Note: sharded checkpoints] in sharded_checkpoint.py)."""
-    for stale in [*target.parent.glob(".*.tmp"), *target.parent.glob(".*.old")]:
+    for stale in [p for suffix in ("tmp", "old", "del") for p in target.parent.glob(f".*.{suffix}")]:
         writer = _TEMP_WRITER.fullmatch(stale.name)
         if stale.name.startswith(f".{target.name}.") or (writer is not None and not _alive(int(writer[1]))):
             if stale.is_dir() and not stale.is_symlink():
@@ -102,7 +102,7 @@ def remove_stale_temporaries(target: Path) -> None:
                     stale.unlink()
 
 
-_TEMP_WRITER = re.compile(r"\..+\.pid(\d+)\.[^.]+\.(?:tmp|old)")  # .<name>.pid<writer>.<random>.tmp or .old
+_TEMP_WRITER = re.compile(r"\..+\.pid(\d+)\.[^.]+\.(?:tmp|old|del)")  # .<name>.pid<writer>.<random>.<suffix>
 
 
 def _alive(pid: int) -> bool:

@@ -26,9 +26,10 @@ fsynced, the index last, then the directory. The new directory then replaces the
 checkpoint, now under the temporary name, is renamed ``.old`` and removed. A kill at any point leaves the target
 whole, old or new. Where the exchange is refused (other systems and filesystems) the target is renamed ``.old`` and
 the new one renamed in, two renames back to back: a kill between them leaves no target, the old checkpoint whole as
-``.old`` and the new whole as ``.tmp`` (its index present); the next save of that name renames the new one back
-first. A removed checkpoint (top-k) is renamed ``.old`` before it is deleted, so a kill never leaves half of one
-under its name. Leftover ``.tmp`` and ``.old`` directories go as the file path's temporary files do ([Note: atomic
+``.old`` and the new whole as ``.tmp`` (its index present); the next save into that directory, of any name, renames
+the new one back first (:func:`recover`), but a resume from ``"last"`` before it does not see it. A removed
+checkpoint (top-k) is renamed ``.del`` before it is deleted, so a kill never leaves half of one under its name.
+Leftover ``.tmp``, ``.old`` and ``.del`` directories go as the file path's temporary files do ([Note: atomic
 checkpoints] in checkpoint_io.py).
 
 Loading: ``load_sharded`` checks each shard's size against the index (a truncated shard fails, so ``"last"`` falls
@@ -48,6 +49,7 @@ import ctypes
 import json
 import mmap
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -192,7 +194,7 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
     swapped in atomically; a failure removes what it wrote and leaves ``target`` as it was."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    recover(target)
+    recover(target.parent)
     remove_stale_temporaries(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".tmp", dir=target.parent))
     try:
@@ -229,8 +231,8 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
         raise
 
 
-def _old_name(target: Path) -> Path:
-    return Path(tempfile.mktemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".old", dir=target.parent))
+def _temporary_name(target: Path, suffix: str) -> Path:
+    return Path(tempfile.mktemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=suffix, dir=target.parent))
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -253,7 +255,7 @@ def _swap_in(tmp: Path, target: Path) -> None:
         os.rename(tmp, target)
         fsync_dir(target.parent)
         return
-    old = _old_name(target)
+    old = _temporary_name(target, ".old")
     if _exchange(tmp, target):
         os.rename(tmp, old)  # tmp now holds the previous checkpoint
     else:  # see [Note: sharded checkpoints] for the window between these two renames
@@ -275,26 +277,35 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def recover(target: Path) -> None:
-    """After a kill between the two renames of the fallback swap (no ``target``): rename the complete new directory
-    (a ``.tmp`` with its index), else the previous one (``.old``), back to ``target``."""
-    if os.path.lexists(target):
-        return
-    new = [p for p in target.parent.glob(f".{target.name}.pid*.tmp") if (p / INDEX).is_file()]
-    old = list(target.parent.glob(f".{target.name}.pid*.old"))
-    for candidate in sorted(new, key=os.path.getmtime, reverse=True) + sorted(old, key=os.path.getmtime, reverse=True):
-        with contextlib.suppress(OSError):
-            os.rename(candidate, target)
-            fsync_dir(target.parent)
-            return
+def recover(directory: Path) -> None:
+    """After a kill between the two renames of the fallback swap (a checkpoint's name gone, its ``.tmp`` and
+    ``.old`` left): rename the complete new directory (a ``.tmp`` with its index), else the previous one (``.old``),
+    back to the name. Run before a save removes leftovers; a removal's leftovers (``.del``) never come back."""
+    leftovers: dict[str, list[Path]] = {}
+    for p in directory.glob(".*.pid*.*"):
+        name = _LEFTOVER.fullmatch(p.name)
+        if name is not None and p.is_dir() and not os.path.lexists(directory / name[1]):
+            leftovers.setdefault(name[1], []).append(p)
+    for name, found in leftovers.items():
+        new = [p for p in found if p.suffix == ".tmp" and (p / INDEX).is_file()]
+        old = [p for p in found if p.suffix == ".old"]
+        for candidate in sorted(new, key=os.path.getmtime)[-1:] + sorted(old, key=os.path.getmtime)[-1:]:
+            with contextlib.suppress(OSError):
+                os.rename(candidate, directory / name)
+                fsync_dir(directory)
+                break
+
+
+_LEFTOVER = re.compile(r"\.(.+)\.pid\d+\.[^.]+\.(?:tmp|old)")  # .<name>.pid<writer>.<random>.tmp or .old
 
 
 def remove_sharded(path: Path) -> None:
-    """Remove a checkpoint directory: renamed away first, so that no half-removed checkpoint keeps its name."""
-    old = _old_name(path)
-    os.rename(path, old)
+    """Remove a checkpoint directory: renamed away (``.del``) first, so that no half-removed checkpoint keeps its
+    name, nor gets it back from :func:`recover`."""
+    gone = _temporary_name(path, ".del")
+    os.rename(path, gone)
     fsync_dir(path.parent)
-    _remove(old)
+    _remove(gone)
 
 
 # - reading

@@ -11,6 +11,8 @@ import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import lightning as L
@@ -92,6 +94,19 @@ def test_a_checkpoint_is_a_directory_with_one_shard_per_layer(tmp_path):
     trainer.save_checkpoint(again)
     AtomicCheckpointIO().save_checkpoint(trainer._checkpoint_connector.dump_checkpoint(), file)
     _assert_same(_load(again), torch.load(file, weights_only=False))
+
+
+def test_a_tied_weight_is_stored_once_and_the_module_versions_survive(tmp_path):
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    state_dict = module.state_dict()
+    state_dict["tied.a"] = state_dict["tied.b"] = tied = torch.randn(5, 2)
+    save_sharded({"state_dict": state_dict}, tmp_path / "x.ckpt", lambda place: "residents")
+    index = json.loads((tmp_path / "x.ckpt" / "index.json").read_text())
+    assert index["shards"]["residents.safetensors"]["tensors"]["state_dict/tied.a"] == [
+        ["state_dict", "tied.a"], ["state_dict", "tied.b"]]
+    loaded = _load(tmp_path / "x.ckpt")["state_dict"]
+    assert loaded["tied.a"] is loaded["tied.b"] and torch.equal(loaded["tied.a"], tied)
+    assert loaded._metadata == state_dict._metadata  # the modules' versions, which their load hooks read
 
 
 # - exact resume through Lightning (the pattern of tests/strategy/test_exact_resume.py)
@@ -245,20 +260,24 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_no_temporary_directory(
 def test_a_kill_between_the_two_renames_is_recovered(tmp_path):
     """Where the exchange is refused, a kill between ``target -> .old`` and ``.tmp -> target`` leaves both whole
     under temporary names: the complete new one (its index written) comes back; without it the old one; an
-    incomplete ``.tmp`` never does, and the next save removes it."""
-    target = tmp_path / "last.ckpt"
-    _save(target, 1.0)
-    target.rename(tmp_path / ".last.ckpt.pid1.a.old")
-    _save(tmp_path / "new", 2.0)
-    (tmp_path / "new").rename(tmp_path / ".last.ckpt.pid1.b.tmp")
-    (tmp_path / ".last.ckpt.pid1.c.tmp").mkdir()  # a save killed before its index
-    recover(target)
-    assert _load(target)["global_step"] == 2
+    incomplete ``.tmp`` never does, nor a removal's ``.del``; the next save of any name removes what is left."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # the killed writer: a process that is gone
+    target, elsewhere = tmp_path / "last.ckpt", tmp_path / "elsewhere"
+    for name, value in (("old", 1.0), ("new", 2.0), ("gone", 4.0)):
+        _save(elsewhere / name, value)  # saved elsewhere: a save here would recover what follows
+    (elsewhere / "old").rename(tmp_path / f".last.ckpt.pid{dead}.a.old")
+    (elsewhere / "new").rename(tmp_path / f".last.ckpt.pid{dead}.b.tmp")
+    (tmp_path / f".last.ckpt.pid{dead}.c.tmp").mkdir()  # a save killed before its index
+    (elsewhere / "gone").rename(tmp_path / f".gone.pid{dead}.d.del")  # a removal killed before its rmtree ended
+    elsewhere.rmdir()
+    recover(tmp_path)
+    assert _load(target)["global_step"] == 2 and not (tmp_path / "gone").exists()
     shutil.rmtree(target)
-    recover(target)
+    recover(tmp_path)
     assert _load(target)["global_step"] == 1
-    _save(target, 3.0)
-    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"] and _load(target)["global_step"] == 3
+    _save(tmp_path / "step3.ckpt", 3.0)  # another name: recovers and cleans the directory too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step3.ckpt"]
 
 
 def _train_saving_every_step(root, max_steps) -> None:
