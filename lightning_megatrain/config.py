@@ -18,6 +18,8 @@ NonFiniteMode = Literal["skip", "raise"]
 NONFINITE_MODES = ("skip", "raise")
 HostState = Literal["fp32", "int8_moments", "compact_kahan", "compact"]
 HOST_STATES = ("fp32", "int8_moments", "compact_kahan", "compact")  # optim/compact_adam.py HOST_STATE_LAYOUTS
+CheckpointFormat = Literal["file", "sharded"]
+CHECKPOINT_FORMATS = ("file", "sharded")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,10 @@ class EngineConfig:
     bf16 grad, 8-bit moments: 8.03 B) or ``"compact"`` (bf16 master rounded stochastically, bf16 grad, 8-bit
     moments: 6.03 B). Other than ``"fp32"``: Adam/AdamW run as ``CompactAdamW`` on the host
     (optim/compact_update.py), no ``gpu_optimizer_groups``; the bf16 layouts need ``precision="bf16-mixed"``."""
+    checkpoint_format: CheckpointFormat = "file"
+    """How local checkpoints are saved: ``"file"``, one ``torch.save`` archive (checkpoint_io.py, [Note: atomic
+    checkpoints]); ``"sharded"``, a directory of one safetensors file per decoder layer plus the residents', for
+    models whose checkpoint is large (sharded_checkpoint.py, [Note: sharded checkpoints]). Both load either."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -136,6 +142,8 @@ class EngineConfig:
             out.append(f"host_state={self.host_state!r} with gpu_optimizer_groups={groups}: the device groups step "
                        "fp32 masters and fp32 Adam moments on the GPU; use gpu_optimizer_groups=0 (or 'auto', which "
                        "places none with a compact host_state), or host_state='fp32'")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            out.append(f"checkpoint_format={self.checkpoint_format!r}: choose one of {CHECKPOINT_FORMATS}")
         return out
 
     def replace(self, **changes: object) -> EngineConfig:

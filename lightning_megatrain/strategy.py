@@ -25,13 +25,28 @@ from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
-from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, HostState, KeepLayers, NonFiniteMode
+from lightning_megatrain.config import (
+    Auto,
+    CheckpointFormat,
+    CpuAdamMode,
+    EngineConfig,
+    HostState,
+    KeepLayers,
+    NonFiniteMode,
+)
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
 from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
+from lightning_megatrain.sharded_checkpoint import (
+    ShardedCheckpointIO,
+    layer_layout,
+    load_any,
+    owned,
+    read_into,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +159,16 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             the engine]); another optimizer is refused, and so is ``gpu_optimizer_groups`` > 0 (``"auto"`` places
             none). The bf16 layouts make the parameters bf16 (checkpoints hold bf16 weights) and need
             ``precision="bf16-mixed"``.
-        checkpoint_io: Lightning checkpoint IO plugin. Default: local saves are written to a temporary file beside
-            the target and renamed over it, never buffered whole in host RAM (checkpoint_io.py, [Note: atomic
-            checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads
-            when the last one does not, with a warning ([Note: resuming from a readable checkpoint]).
+        checkpoint_format: ``"file"`` (default): a checkpoint is one file. ``"sharded"``: a directory of the same name
+            holding one safetensors file per decoder layer (its masters and optimizer states) and one for the
+            residents, swapped in atomically, loadable by ``ckpt_path`` and ``"last"`` like a file; ``megatrain
+            convert`` makes it one file for plain Lightning (sharded_checkpoint.py, [Note: sharded checkpoints]).
+            Loading reads either format.
+        checkpoint_io: Lightning checkpoint IO plugin (not with ``checkpoint_format="sharded"``). Default: local saves
+            are written to a temporary file beside the target and renamed over it, never buffered whole in host RAM
+            (checkpoint_io.py, [Note: atomic checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from
+            the newest checkpoint that loads when the last one does not, with a warning ([Note: resuming from a
+            readable checkpoint]).
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
             ``"bf16-true"`` is mapped to ``"bf16-mixed"`` with a warning: masters are never kept in bf16.
@@ -177,6 +198,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         cpu_adam: CpuAdamMode = "auto",
         nonfinite: NonFiniteMode = "skip",
         host_state: HostState = "fp32",
+        checkpoint_format: CheckpointFormat = "file",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -195,8 +217,17 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             cpu_adam=cpu_adam,
             nonfinite=nonfinite,
             host_state=host_state,
+            checkpoint_format=checkpoint_format,
         )
-        # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints])
+        if checkpoint_format == "sharded" and checkpoint_io is not None:
+            raise ValueError(f"MegaTrainStrategy(checkpoint_format='sharded') saves through its own checkpoint IO, got "
+                             f"checkpoint_io={type(checkpoint_io).__name__}. HINT: pass one of the two.")
+        # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints]), or per layer
+        # ([Note: sharded checkpoints])
+        if checkpoint_io is None and checkpoint_format == "sharded":
+            checkpoint_io = ShardedCheckpointIO(
+                lambda checkpoint: layer_layout(checkpoint, self.lightning_module, self.config.layers, self.optimizers)
+            )
         checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
@@ -332,12 +363,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
             trainer = None
-        load = super().load_checkpoint
-        return load_readable(lambda path: load(path, weights_only=weights_only), checkpoint_path, trainer)
+        load = super().load_checkpoint  # a sharded directory's meta.pt through it ([Note: sharded checkpoints])
+        return load_readable(lambda path: load_any(path, lambda file: load(file, weights_only=weights_only)),
+                             checkpoint_path, trainer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.wait_for_optimizer()
+        read_into(checkpoint["state_dict"], self.lightning_module.state_dict())  # a sharded checkpoint's, in place
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.engine is not None:
             self.engine.reload_masters()
@@ -355,7 +388,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # The base class would move the states to root_device; they belong with the host masters.
         self.wait_for_optimizer()
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning
+            # also from a checkpoint of another host Adam or plain Lightning; states mapped from a sharded checkpoint
+            # become the optimizer's own memory
+            load_host_state(optimizer, owned(state))
 
     @property
     @override
