@@ -276,3 +276,19 @@ def test_errors():
     b = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ValueError, match=r"saved with weights='fp32', this optimizer has weights='bf16_kahan'"):
         CompactAdamW([b], weights="bf16_kahan", compile=False).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("weights", ["bf16_sr", "bf16_kahan", "fp32"])
+def test_update_is_device_generic(weights):
+    """Every tensor the eager kernel makes is on the parameter's device: a step on the meta device (which refuses
+    CPU operands, as a GPU does) runs, and the states stay there. benchmarks/compact_quality.py runs it on a GPU."""
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    p = torch.nn.Parameter(torch.zeros(3 * BLOCK + 5, device="meta", dtype=dtype))
+    p.grad = torch.zeros_like(p)
+    opt = CompactAdamW([p], weights=weights, compile=False)
+    opt.step()
+    opt.step()
+    state = opt.state[p]
+    assert float(state["step"]) == 2 and state["step"].device.type == "cpu"
+    assert {k for k, v in state.items() if v.device.type != "meta"} == {"step"}
+
