@@ -501,6 +501,10 @@ def main(argv: list[str] | None = None) -> dict:
             v.train_step(batch, args.clip)
         step += 1
         round_s = max(round_s, time.perf_counter() - t) if step > 3 else 0.0  # the first steps compile
+        if step == 20:
+            rate, now = sum(statistics.median(v.step_seconds[3:]) for v in variants), time.perf_counter() - start
+            print(f"step 20 ({now:.0f} s): {rate:.3f} s per step of all variants; {args.steps} steps projected to "
+                  f"end at {now + (args.steps - 20) * rate:.0f} s of the {args.budget_s:.0f} s budget", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             t = time.perf_counter()
             losses = {v.name: v.evaluate(held, args.batch) for v in variants}
