@@ -81,10 +81,9 @@ from svg_plot import COLORS, Series, line_chart  # noqa: E402
 from lightning_megatrain.optim.compact_adam import (  # noqa: E402
     HOST_STATE_LAYOUTS,
     CompactAdamW,
-    adamw_update,
-    new_state,
     state_nbytes,
 )
+from lightning_megatrain.optim.rounding import BLOCK  # noqa: E402
 
 REFERENCE = "adamw_fp32"
 VARIANTS = (REFERENCE, "int8_moments", "compact_kahan", "compact")  # the last three: HOST_STATE_LAYOUTS keys
@@ -300,25 +299,28 @@ class Variant:
 
 
 def kernel_check(names: list[str], device: torch.device, compile: bool, steps: int = 3) -> dict:
-    """Largest difference between the weights (+ compensation) after ``steps`` updates of the run's kernel (on
-    ``device``, compiled or not) and of the CPU's eager kernel, from the same start and gradients, per layout."""
+    """Largest difference between the weights (+ compensation) after ``steps`` steps of ``CompactAdamW`` as the run
+    uses it (on ``device``, compiled or not) and as the CPU's eager kernel, from the same start and gradients, per
+    layout. A parameter of whole quantization blocks with weight decay, as the default model's matrices: the graphs
+    compiled here serve the training (a tensor's dtypes, ``requires_grad``, the grad mode and the weight decay's
+    being zero are guarded: each difference is another graph, and past ``torch._dynamo.config.recompile_limit``
+    the kernel runs eagerly)."""
     out = {}
     gen = torch.Generator().manual_seed(0)
-    n = 100_003  # ends in a partial quantization block
-    w0 = torch.randn(n, generator=gen) * 0.02
-    grads = [torch.randn(n, generator=gen) * 1e-3 for _ in range(steps)]
+    w0 = torch.randn(392 * BLOCK, generator=gen) * 0.02
+    grads = [torch.randn(w0.numel(), generator=gen) * 1e-3 for _ in range(steps)]
     for name in names:
         layout = HOST_STATE_LAYOUTS[name]
         results = []
         for dev, comp in ((device, compile), (torch.device("cpu"), False)):
-            w = w0.to(dev, layout.weight_dtype, copy=True)  # a copy: fp32 on the CPU would be w0 itself
-            state = new_state(w, layout.weights, layout.moments)
-            for i, g in enumerate(grads):
-                adamw_update(w, g.to(dev, layout.grad_dtype), state, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=0.1, decoupled=True, weights=layout.weights, moments=layout.moments,
-                             seed=i, compile=comp)
-            full = w.float() + (state["compensation"].float() if "compensation" in state else 0)
-            results.append(full.cpu())
+            p = torch.nn.Parameter(w0.to(dev, layout.weight_dtype, copy=True))
+            opt = CompactAdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, weights=layout.weights,
+                               moments=layout.moments, compile=comp)
+            for g in grads:
+                p.grad = g.to(dev, layout.grad_dtype)
+                opt.step()
+            comp_buffer = opt.state[p].get("compensation")
+            results.append((p.detach().float() + (0 if comp_buffer is None else comp_buffer.float())).cpu())
         diff = (results[0] - results[1]).abs().max().item()
         out[name] = {"max_abs_diff": diff, "relative_to_max_weight": diff / results[1].abs().max().item()}
     return out
@@ -518,6 +520,9 @@ def main(argv: list[str] | None = None) -> dict:
         for v in variants:
             v.evaluate(held, args.batch)
     seconds |= {"total": time.perf_counter() - start}
+    # graphs torch.compile built (the CompactAdamW kernel: one per layout, with and without weight decay); over
+    # torch._dynamo.config.recompile_limit (8), further calls would have run eagerly
+    facts["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     summary = summarize(variants, args, facts, seconds)
     write_outputs(out, variants, summary, args.smooth)
     print(table(summary))

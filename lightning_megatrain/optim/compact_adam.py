@@ -199,11 +199,13 @@ def adamw_update(
     for start in range(0, n, CHUNK):
         end = min(n, start + CHUNK)
         blocks = slice(start // BLOCK, n_blocks(end))
-        args = (w[start:end], g[start:end], m[start:end], None if m_scale is None else m_scale[blocks],
-                v[start:end], None if v_scale is None else v_scale[blocks],
-                None if comp is None else comp[start:end],
-                # the hash input on the weights' device; a fill, not a copy: no host-device sync on a GPU
-                torch.full((), seed + start, dtype=torch.int64, device=w.device))
+        # detached: the same memory without a view's base, whose sizes torch.compile would guard on (a graph for
+        # each parameter shape and chunk position instead of one per format pair)
+        args = tuple(None if t is None else t.detach() for t in (
+            w[start:end], g[start:end], m[start:end], None if m_scale is None else m_scale[blocks],
+            v[start:end], None if v_scale is None else v_scale[blocks], None if comp is None else comp[start:end],
+            # the hash input on the weights' device; a fill, not a copy: no host-device sync on a GPU
+            torch.full((), seed + start, dtype=torch.int64, device=w.device)))
         kernel = _kernel(compile)
         try:
             kernel(*args, **hyper)

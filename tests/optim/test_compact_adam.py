@@ -292,3 +292,23 @@ def test_update_is_device_generic(weights):
     assert float(state["step"]) == 2 and state["step"].device.type == "cpu"
     assert {k for k, v in state.items() if v.device.type != "meta"} == {"step"}
 
+
+
+def test_compiled_kernel_is_one_graph_for_every_parameter_shape(monkeypatch):
+    """The chunks reach the compiled kernel detached, so parameters of any shape, and chunks at any position, share
+    one graph per format pair and weight decay (as views, their bases' sizes were guarded: a graph per shape, and
+    past ``torch._dynamo.config.recompile_limit`` (8) the kernel ran eagerly). Whole blocks only: a partial block
+    is another graph (its padding), a chunk of one block too (torch.compile specializes size 1)."""
+    monkeypatch.setattr(compact_adam, "CHUNK", 4 * BLOCK)
+    monkeypatch.setattr(compact_adam, "_compiled", None)
+    torch._dynamo.reset()
+    # one chunk (square), three chunks (the last partial), two chunks of a 1D parameter
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(32, 32), (40, 64), (6 * BLOCK,)]]
+    opt = CompactAdamW(params, weights="fp32", moments="int8", compile=True)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert compact_adam._compile_failure is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
