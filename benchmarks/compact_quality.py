@@ -301,10 +301,8 @@ class Variant:
 def kernel_check(names: list[str], device: torch.device, compile: bool, steps: int = 3) -> dict:
     """Largest difference between the weights (+ compensation) after ``steps`` steps of ``CompactAdamW`` as the run
     uses it (on ``device``, compiled or not) and as the CPU's eager kernel, from the same start and gradients, per
-    layout. A parameter of whole quantization blocks with weight decay, as the default model's matrices: the graphs
-    compiled here serve the training (a tensor's dtypes, ``requires_grad``, the grad mode and the weight decay's
-    being zero are guarded: each difference is another graph, and past ``torch._dynamo.config.recompile_limit``
-    the kernel runs eagerly)."""
+    layout. With weight decay, on whole quantization blocks: the graph compiled here is the one the training's
+    matrices use (the norms, without weight decay, add one per layout)."""
     out = {}
     gen = torch.Generator().manual_seed(0)
     w0 = torch.randn(392 * BLOCK, generator=gen) * 0.02
@@ -520,8 +518,8 @@ def main(argv: list[str] | None = None) -> dict:
         for v in variants:
             v.evaluate(held, args.batch)
     seconds |= {"total": time.perf_counter() - start}
-    # graphs torch.compile built (the CompactAdamW kernel: one per layout, with and without weight decay); over
-    # torch._dynamo.config.recompile_limit (8), further calls would have run eagerly
+    # graphs torch.compile built: the CompactAdamW kernel's, one per layout with and one without weight decay (6
+    # for the three layouts); past torch._dynamo.config.recompile_limit (8) further shapes would run eagerly
     facts["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     summary = summarize(variants, args, facts, seconds)
     write_outputs(out, variants, summary, args.smooth)

@@ -161,8 +161,9 @@ _compile_failure: str | None = None  # a failed build is tried and reported once
 
 
 def _kernel(compile: bool) -> Callable[..., None]:
-    """The chunk update, through ``torch.compile`` when asked and it builds (one graph per format pair; sizes and
-    hyperparameters are dynamic, so neither recompiles)."""
+    """The chunk update, through ``torch.compile`` when asked and it builds (one graph per format pair and for zero
+    or non-zero weight decay; sizes and hyperparameters are dynamic, so neither recompiles, as long as every chunk
+    has more than one quantization block and whole blocks except at a tensor's end)."""
     global _compiled
     if not compile or _compile_failure is not None:
         return _chunk_update
