@@ -14,13 +14,13 @@ the factor multiplied into the gradients in their dtype), bf16 autocast. The mod
 device (the GPU): the kernel is the one the host runs (optim/compact_adam.py, compiled on a GPU through Triton), and
 ``kernel_check`` in the summary gives its largest difference from the CPU's eager kernel after a few steps.
 
-How the bf16-weight variants (``compact_kahan``, ``compact``) compute: their parameters are bf16 tensors, the
-optimizer's weights themselves, and the forward reads them directly (as the engine would upload the bf16 master into
-a compute slot): under bf16 autocast each matmul's operands are these weights, where the fp32 variants' are
-autocast's round-to-nearest bf16 copies of their fp32 parameters. A forward hook casts the embedding's output to
-fp32, so the residual stream is fp32 in every variant (as in the engine, whose embedding is an fp32 resident), and
-RMSNorm multiplies its bf16 weight into fp32 activations. Autograd returns their gradients in bf16, the compact
-layouts' gradient dtype. Buffers (the rotary frequencies) stay fp32.
+How the bf16-weight variants (``compact_kahan``, ``compact``) compute, as the engine does with a compact
+``host_state`` (whose layer slots and resident compute copies are its bf16 masters): their parameters are bf16
+tensors, the optimizer's weights themselves, and the forward reads them directly under bf16 autocast; the
+embedding's output is therefore bf16, and so is the residual stream, where the fp32 variants' is fp32 (their
+embedding is fp32) and their matmuls' operands are autocast's round-to-nearest bf16 copies of the fp32 weights.
+Autograd returns the gradients in bf16, the compact layouts' gradient dtype. Buffers (the rotary frequencies) stay
+fp32.
 
 Data: the ``.py`` files (source and docstrings) of the installed ``--packages``, listed in sorted path order; one in
 ``--held-out-every`` (by a CRC32 of its path) is held out, the rest shuffled with ``--seed``. A byte-level BPE
@@ -213,10 +213,6 @@ def make_model(args: argparse.Namespace, vocab: int, tokenizer) -> torch.nn.Modu
     return LlamaForCausalLM(config)
 
 
-def _fp32_residual(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-    return output.float()  # see the module docstring: the residual stream is fp32 in every variant
-
-
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio`` at ``total``."""
     if step < warmup:
@@ -236,7 +232,6 @@ class Variant:
         if layout is not None and layout.weight_dtype != torch.float32:
             for p in self.model.parameters():  # parameters only: buffers (rotary frequencies) stay fp32
                 p.data = p.data.to(layout.weight_dtype)
-            self.model.get_input_embeddings().register_forward_hook(_fp32_residual)
         self.model.to(device).train()
         params = [p for p in self.model.parameters()]
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
