@@ -21,7 +21,9 @@ bounded by a chunk whatever the tensor's size. The new bf16 weight is rounded st
 rounding]) or to nearest with the rounding error kept in a bf16 *compensation* buffer that the next update adds
 back (Kahan summation: weight + compensation carries about 16 significant bits). With every format fp32 the kernel
 is torch's AdamW bit for bit (tests/optim/test_compact_adam.py). Gradients are read in whatever dtype they arrive
-and summed across micro-batches in that dtype by whoever writes them.
+and summed across micro-batches in that dtype by whoever writes them. Nothing is tied to the CPU: the state lives
+on the parameter's device (the step count on the CPU, as in torch's AdamW), so the same kernel runs on GPU
+parameters (benchmarks/compact_quality.py trains with it there).
 
 Speed: the kernel runs through ``torch.compile`` (inductor's C++/OpenMP backend fuses the chunk into one or two
 passes over memory) where it builds, else as eager torch ops (many passes, several times slower);
@@ -159,8 +161,9 @@ _compile_failure: str | None = None  # a failed build is tried and reported once
 
 
 def _kernel(compile: bool) -> Callable[..., None]:
-    """The chunk update, through ``torch.compile`` when asked and it builds (one graph per format pair; sizes and
-    hyperparameters are dynamic, so neither recompiles)."""
+    """The chunk update, through ``torch.compile`` when asked and it builds (one graph per format pair and for zero
+    or non-zero weight decay; sizes and hyperparameters are dynamic, so neither recompiles, as long as every chunk
+    has more than one quantization block and whole blocks except at a tensor's end)."""
     global _compiled
     if not compile or _compile_failure is not None:
         return _chunk_update
@@ -197,9 +200,13 @@ def adamw_update(
     for start in range(0, n, CHUNK):
         end = min(n, start + CHUNK)
         blocks = slice(start // BLOCK, n_blocks(end))
-        args = (w[start:end], g[start:end], m[start:end], None if m_scale is None else m_scale[blocks],
-                v[start:end], None if v_scale is None else v_scale[blocks],
-                None if comp is None else comp[start:end], torch.tensor(seed + start, dtype=torch.int64))
+        # detached: the same memory without a view's base, whose sizes torch.compile would guard on (a graph for
+        # each parameter shape and chunk position instead of one per format pair)
+        args = tuple(None if t is None else t.detach() for t in (
+            w[start:end], g[start:end], m[start:end], None if m_scale is None else m_scale[blocks],
+            v[start:end], None if v_scale is None else v_scale[blocks], None if comp is None else comp[start:end],
+            # the hash input on the weights' device; a fill, not a copy: no host-device sync on a GPU
+            torch.full((), seed + start, dtype=torch.int64, device=w.device)))
         kernel = _kernel(compile)
         try:
             kernel(*args, **hyper)
@@ -233,8 +240,8 @@ class CompactAdamW(Optimizer):
 
     Raises:
         ValueError: an unknown ``weights``, ``moments`` or ``compile``; a state dict saved with other formats.
-        TypeError: at a parameter's first step: its dtype is not the one ``weights`` stores, or it is not a
-            contiguous CPU tensor, or its gradient is sparse.
+        TypeError: at a parameter's first step: its dtype is not the one ``weights`` stores, or it is not
+            contiguous, or its gradient is sparse.
     """
 
     def __init__(
@@ -276,10 +283,10 @@ class CompactAdamW(Optimizer):
 
     def _check_param(self, p: Tensor, weights: str) -> None:
         want = HostStateLayout(weights, torch.float32, "fp32").weight_dtype
-        if p.dtype != want or p.device.type != "cpu" or p.grad.is_sparse or not p.is_contiguous():
+        if p.dtype != want or p.grad.is_sparse or not p.is_contiguous():
             raise TypeError(
-                f"CompactAdamW(weights={weights!r}) updates contiguous {str(want).replace('torch.', '')} CPU "
-                f"parameters with dense gradients; got a {str(p.dtype).replace('torch.', '')} parameter on {p.device}"
+                f"CompactAdamW(weights={weights!r}) updates contiguous {str(want).replace('torch.', '')} parameters "
+                f"with dense gradients; got a {str(p.dtype).replace('torch.', '')} parameter on {p.device}"
                 f"{' with a sparse gradient' if p.grad.is_sparse else ''}. HINT: cast the module with "
                 f"`.to({want})` before building the optimizer, or choose weights='fp32' for fp32 parameters."
             )

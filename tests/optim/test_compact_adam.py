@@ -276,3 +276,39 @@ def test_errors():
     b = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ValueError, match=r"saved with weights='fp32', this optimizer has weights='bf16_kahan'"):
         CompactAdamW([b], weights="bf16_kahan", compile=False).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("weights", ["bf16_sr", "bf16_kahan", "fp32"])
+def test_update_is_device_generic(weights):
+    """Every tensor the eager kernel makes is on the parameter's device: a step on the meta device (which refuses
+    CPU operands, as a GPU does) runs, and the states stay there. benchmarks/compact_quality.py runs it on a GPU."""
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    p = torch.nn.Parameter(torch.zeros(3 * BLOCK + 5, device="meta", dtype=dtype))
+    p.grad = torch.zeros_like(p)
+    opt = CompactAdamW([p], weights=weights, compile=False)
+    opt.step()
+    opt.step()
+    state = opt.state[p]
+    assert float(state["step"]) == 2 and state["step"].device.type == "cpu"
+    assert {k for k, v in state.items() if v.device.type != "meta"} == {"step"}
+
+
+
+def test_compiled_kernel_is_one_graph_for_every_parameter_shape(monkeypatch):
+    """The chunks reach the compiled kernel detached, so parameters of any shape, and chunks at any position, share
+    one graph per format pair and weight decay (as views, their bases' sizes were guarded: a graph per shape, and
+    past ``torch._dynamo.config.recompile_limit`` (8) the kernel ran eagerly). Whole blocks only: a partial block
+    is another graph (its padding), a chunk of one block too (torch.compile specializes size 1)."""
+    monkeypatch.setattr(compact_adam, "CHUNK", 4 * BLOCK)
+    monkeypatch.setattr(compact_adam, "_compiled", None)
+    torch._dynamo.reset()
+    # one chunk (square), three chunks (the last partial), two chunks of a 1D parameter
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(32, 32), (40, 64), (6 * BLOCK,)]]
+    opt = CompactAdamW(params, weights="fp32", moments="int8", compile=True)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert compact_adam._compile_failure is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
