@@ -148,10 +148,10 @@ def _saved_bytes_of_one_layer(config, batch: int, seq: int, bf16: bool = True) -
 
 @pytest.mark.parametrize("name, attn, tolerance", [
     ("llama_untied", "sdpa", 0.02), ("qwen3", "sdpa", 0.1), ("mixtral", "sdpa", 0.25), ("gemma2", "eager", 0.25),
-    # gpt-oss: the formula is 7% low at this shape. Varying one width at a time here, the saved tensors grow by
-    # 4 B per routed token and unit of expert width more than the Mixtral-derived MoE term (the clamped SwiGLU keeps
-    # more intermediates), 2 B per hidden unit less, and 4 B per expert less (no fp32 router logits): 28 KB/token
-    # more at the 120B shape, 2% of the 1.84 MB that eager attention saves per token at 4,096 positions
+    # gpt-oss: the formula is 7% low at this shape. Varying one width at a time here, gpt-oss saves per routed token
+    # about 4 B more per unit of expert width than the Mixtral-derived MoE term (the clamped SwiGLU keeps more
+    # intermediates) and about 1 B less per hidden unit, and 4 B less per expert (no fp32 router logits): about
+    # 34 KB/token more at the 120B shape, 2% of the 1.84 MB that eager attention saves per token at 4,096 positions
     ("gpt_oss", "eager", 0.1)])
 def test_activation_formula_matches_saved_tensors(name, attn, tolerance):
     batch, seq = 2, 32
