@@ -120,7 +120,6 @@ def render_capacities(model_name: str, capacities: list[Capacity]) -> str:
                      f"{c.host_total / gib:>8.1f} of {c.host_usable / gib:<5.1f}{c.gpu_groups:>12}"
                      f"{c.gpu_total / gib:>14.1f}")
     lines.append("  (state B/param: host bytes; GPU groups keep their grads and Adam states on the GPU and their "
-                 "masters on both, planner/pool.py; fp32 and int8_moments run today, int8_moments as "
-                 "CompactAdamW(weights='fp32') in configure_optimizers; compact and compact_kahan need the engine "
-                 "integration: docs/compact-state.md)")
+                 "masters on both, planner/pool.py; each host_state is MegaTrainStrategy(host_state=...), "
+                 "docs/compact-state.md says what each costs and how far each is tested)")
     return "\n".join(lines)

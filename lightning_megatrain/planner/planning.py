@@ -15,6 +15,7 @@ from typing import Any
 from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_gib
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
     COMPACT_ADAM_GPARAMS,
@@ -191,9 +192,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         host_state: the host state layout (planner/memory.py ``HOST_STATE_BYTES``, optim/compact_adam.py [Note:
             compact host state]): ``"fp32"`` (16 B/param with AdamW), ``"int8_moments"`` (10.03; CompactAdamW with
             fp32 weights, the user's optimizer, today), ``"compact"`` (6.03) or ``"compact_kahan"`` (8.03), the last
-            two modelled for the engine integration that is not there yet (docs/compact-state.md). Any but
-            ``"fp32"`` is planned as CompactAdamW runs: Adam/AdamW only, no device groups (``"auto"`` plans none),
-            the host step serial, at ``COMPACT_ADAM_GPARAMS`` (constants.py).
+            two with bf16 weights and grads on the host (docs/compact-state.md). Any but ``"fp32"`` is planned as
+            the engine runs CompactAdamW: Adam/AdamW only, no device groups (``"auto"`` plans none), the host step
+            at ``COMPACT_ADAM_GPARAMS`` (constants.py), overlapped where ``overlap_optimizer`` says so, and with
+            bf16 weights the uploads and grad drains move 2 bytes per parameter instead of 4.
 
     Raises:
         ValueError: an unknown precision, optimizer, loss or host_state; a seq_len, micro_batch or grad_accum below
@@ -209,7 +211,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW) on the host only; "
                              f"got optimizer={optimizer!r}, gpu_optimizer_groups={config.gpu_optimizer_groups!r}. "
                              "HINT: optimizer='adamw' and gpu_optimizer_groups=0, or host_state='fp32'.")
-        config = config.replace(gpu_optimizer_groups=0, overlap_optimizer=False)
+        config = config.replace(gpu_optimizer_groups=0)
     config = config.replace(
         **{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"}
     )
@@ -258,7 +260,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     opt_rate = opt_rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
-           "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups}
+           "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
+           **_transfer_bytes(host_state)}
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups, "host_state": host_state}
     # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
@@ -282,8 +285,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         min_hide = last + 1 if last < 1 << 16 else None
     step = t["step total"] = _step_total(t)
     overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
-    if not overlap and host_state == "fp32":  # CompactAdamW does not overlap
+    if not overlap:
         rate = TORCH_ADAM_GPARAMS if optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
+        rate = rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
         overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{**tkw, "overlap_optimizer": True,
                                                                              "opt_rate": rate * cores / CPU_REF_CORES}))
     tokens = micro_batch * seq_len * grad_accum
@@ -321,7 +325,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         }
     p.host_state = host_state
     p.warnings = _warnings(p, s, overlapped_step)
-    if overlap and optimizer in ("adamw", "adam"):
+    if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
 
@@ -387,6 +391,14 @@ def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: di
     return None
 
 
+def _transfer_bytes(host_state: str) -> dict[str, int]:
+    """Bytes per parameter that an upload reads from the host masters and a drain writes to the host grads: the
+    itemsize of the host_state layout's weights and grads (optim/compact_adam.py; a Kahan compensation stays on
+    the host)."""
+    layout = HOST_STATE_LAYOUTS[host_state]
+    return {"weight_bytes": layout.weight_dtype.itemsize, "grad_bytes": layout.grad_dtype.itemsize}
+
+
 def _step_total(t: dict[str, float]) -> float:
     """Seconds per step from step_time's items: the serial ones (H2D and D2H busy overlap compute; "  of which" are
     parts)."""
@@ -394,15 +406,14 @@ def _step_total(t: dict[str, float]) -> float:
 
 
 def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
-    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it, or its
-    host_state's CompactAdamW cannot)."""
+    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it)."""
     out, t = [], p.time
     if not p.transfers_hidden:
         need = f"micro-batch >= {p.min_micro_batch_to_hide}" if p.min_micro_batch_to_hide else "no micro-batch"
+        upload = _transfer_bytes(p.host_state)["weight_bytes"] * p.max_layer_params / p.assumptions["pcie_h2d_gbps"]
         out.append(f"too few tokens per micro-batch ({p.micro_batch * p.seq_len:,}) to hide PCIe: "
                    f"{t['transfers exposed'] * 1e3:.0f} ms of transfers exposed per step (uploading the largest "
-                   f"layer takes {4 * p.max_layer_params / (p.assumptions['pcie_h2d_gbps'] * 1e6):.1f} ms); "
-                   f"{need} hides them at seq {p.seq_len}")
+                   f"layer takes {upload / 1e6:.1f} ms); {need} hides them at seq {p.seq_len}")
     if p.host_total > p.host_usable:
         top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host.items() if v >= 0.05 * p.host_total)
         out.append(f"host RAM too small: needs {p.host_total / GIB:.1f} GiB ({top} GiB; "
@@ -415,8 +426,7 @@ def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
                    f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
     if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
         step, cpu = t["step total"], t["CPU optimizer (serial)"]
-        how = (f"host_state={p.host_state!r} steps CompactAdamW serially; raise" if overlapped_step is None else
-               f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
+        how = (f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
                f"instead of {step:.2f}; or raise" if overlapped_step < step else
                f"overlap_optimizer=True does not help here: {overlapped_step:.2f} s per step planned with it instead "
                f"of {step:.2f}, its host step outlasting the next forward; raise")

@@ -47,7 +47,7 @@ def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
 def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,
               h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float,
               overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
-              device_checkpoints: int = 0) -> dict[str, float]:
+              device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
     when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
@@ -56,7 +56,11 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     Long context (planner/memory.py's ``gpu_bytes`` names the options): a tiled position-wise block runs its forward
     once more in backward (``2 * mlp_active`` FLOPs per token); a segment's last layer first replays the forward of
     the segment's other layers (attention included), each uploading its weights once more; only checkpoints move
-    over PCIe, and only those not kept on the GPU (the last ``device_checkpoints``)."""
+    over PCIe, and only those not kept on the GPU (the last ``device_checkpoints``).
+
+    ``weight_bytes`` and ``grad_bytes``: bytes per parameter of the host masters each upload reads and of the host
+    grads each drain writes (4 for fp32; 2 for the bf16 weights and grads of a compact ``host_state``, which the GPU
+    receives without an fp32 staging copy, docs/compact-state.md)."""
     on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
@@ -71,23 +75,25 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         last = min(first + segment, L) - 1
         replays[last] = list(range(first, last))
     bwd = [b + sum(fwd[j] for j in r) for b, r in zip(bwd, replays)]
-    up = [4 * ly.numel / (h2d * 1e9) for ly in s.layers]  # fp32 masters stream and are cast on the GPU
+    wb, gb = weight_bytes, grad_bytes
+    up = [wb * ly.numel / (h2d * 1e9) for ly in s.layers]  # host masters stream and are cast on the GPU
     up = [0.0] * len(on_gpu_layers) + up[len(on_gpu_layers):]
     act = 4 * H * tok if offload else 0
     on_host = firsts[: max(len(firsts) - device_checkpoints, 0)] if offload else []
     stash = [act if i in on_host else 0 for i in range(L)]  # D2H in forward, H2D (restore) in backward
-    # Grads go D2H in fp32 straight into the pinned host grads. The 1st micro-batch of a step writes them; later ones
-    # first upload them (H2D, fp32) and write back the sum made on the device (engine/drain.py, [Note: gradient drain]).
-    grads = [4 * ly.numel for ly in s.layers]
+    # Grads go D2H (fp32, or bf16 for bf16 host grads) straight into the pinned host grads. The 1st micro-batch of a
+    # step writes them; later ones first upload them (H2D) and write back the sum made on the device (engine/drain.py,
+    # [Note: gradient drain]).
+    grads = [gb * ly.numel for ly in s.layers]
     grads_up = [[0] * len(s.layers), [0] * len(on_gpu_layers) + grads[len(on_gpu_layers):]]  # device groups sum there
     exposed, fill = 0.0, 0.0
     for m in range(grad_accum):
         for i in range(L):  # forward: upload i+1 and offload input i while i computes
             exposed += max(0.0, max(up[i + 1] if i + 1 < L else 0, stash[i] / (d2h * 1e9)) - fwd[i])
         for i in reversed(range(L)):  # backward: upload i-1 (not for the layers still in slots), restore its input
-            load = (4 * s.layers[i - 1].numel if len(on_gpu_layers) <= i - 1 < L - num_slots else 0)
+            load = (wb * s.layers[i - 1].numel if len(on_gpu_layers) <= i - 1 < L - num_slots else 0)
             load += stash[i - segment] if i - segment >= 0 else 0  # the segment below's checkpoint, prefetched
-            load += sum(4 * s.layers[j].numel for j in replays[i] if j >= len(on_gpu_layers))  # replayed weights
+            load += sum(wb * s.layers[j].numel for j in replays[i] if j >= len(on_gpu_layers))  # replayed weights
             load += grads_up[min(m, 1)][i]
             exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
         fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
@@ -105,7 +111,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         "D2H busy": grad_accum * (sum(grads) + sum(stash)) / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
-        "residents up + drain (serial)": (0 if on_gpu_resident else r * 4 / (h2d * 1e9)) + r * 4 / (d2h * 1e9)
+        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9)
         + r * 12 / (HOST_COPY_GBPS * 1e9),
         **({"CPU optimizer (beyond the next forward)": max(0.0, optimizer_s - sum(fwd) - head / 3)}
            if overlap_optimizer else {"CPU optimizer (serial)": optimizer_s}),

@@ -78,3 +78,29 @@ def test_cli_plan_host_state_and_largest(capsys):
     layers = {k: int(v[2]) for k, v in rows.items()}
     assert out.splitlines()[6].startswith("  fp32 + GPU (auto)")
     assert layers["fp32"] < layers["int8_moments"] < layers["compact_kahan"] < layers["compact"]
+
+
+def test_compact_host_state_moves_bf16_over_pcie_and_overlaps():
+    """compact and compact_kahan keep bf16 weights and grads on the host: each upload and grad drain moves 2 bytes
+    per parameter instead of 4 (int8_moments keeps fp32 ones); the host step overlaps the next forward with
+    overlap_optimizer, and no device groups are suggested (they hold fp32 state)."""
+    plans = {k: planner.plan(LLAMA_3B, seq_len=4096, config=SERIAL, machine=HOST_128, host_state=k)
+             for k in HOST_STATE_BYTES}
+    s = planner.describe(LLAMA_3B)
+    layers = [ly.numel for ly in s.layers]
+    h2d, d2h = HOST_128.pcie_h2d_gbps * 1e9, HOST_128.pcie_d2h_gbps * 1e9
+    weights_up = 4 * (sum(layers) + sum(layers[:-2])) / h2d  # forward uploads, backward's but the 2 in slots
+    grads_down = 4 * sum(layers) / d2h
+    fp32 = plans["fp32"].time
+    assert plans["int8_moments"].time["H2D busy"] == fp32["H2D busy"]
+    for mode in ("compact", "compact_kahan"):
+        t = plans[mode].time
+        assert t["H2D busy"] == pytest.approx(fp32["H2D busy"] - weights_up / 2)
+        assert t["D2H busy"] == pytest.approx(fp32["D2H busy"] - grads_down / 2)
+    overlapped = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=HOST_128, host_state="compact",
+                              config=SERIAL.replace(overlap_optimizer=True))
+    serial = planner.plan(LLAMA_3B, seq_len=4096, micro_batch=8, machine=HOST_128, host_state="compact",
+                          config=SERIAL)
+    assert "CPU optimizer (beyond the next forward)" in overlapped.time
+    assert overlapped.time["step total"] < serial.time["step total"]
+    assert overlapped.suggested_gpu_optimizer_groups is None and overlapped.assumptions["gpu_optimizer_groups"] == 0

@@ -25,6 +25,9 @@ CONFIGS = {
     "mixtral": dict(model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     output_router_logits=False, **_COMMON),
     "gemma2": dict(model_type="gemma2", intermediate_size=176, sliding_window=8, **_COMMON),
+    # attention sinks, sliding and full layers, biased experts with a clamped SwiGLU, a router that is no nn.Linear
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8, output_router_logits=False, **_COMMON),
 }
 LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
             "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
@@ -144,7 +147,12 @@ def _saved_bytes_of_one_layer(config, batch: int, seq: int, bf16: bool = True) -
 
 
 @pytest.mark.parametrize("name, attn, tolerance", [
-    ("llama_untied", "sdpa", 0.02), ("qwen3", "sdpa", 0.1), ("mixtral", "sdpa", 0.25), ("gemma2", "eager", 0.25)])
+    ("llama_untied", "sdpa", 0.02), ("qwen3", "sdpa", 0.1), ("mixtral", "sdpa", 0.25), ("gemma2", "eager", 0.25),
+    # gpt-oss: the formula is 7% low at this shape. Varying one width at a time here, gpt-oss saves per routed token
+    # about 4 B more per unit of expert width than the Mixtral-derived MoE term (the clamped SwiGLU keeps more
+    # intermediates) and about 1 B less per hidden unit, and 4 B less per expert (no fp32 router logits): about
+    # 34 KB/token more at the 120B shape, 2% of the 1.84 MB that eager attention saves per token at 4,096 positions
+    ("gpt_oss", "eager", 0.1)])
 def test_activation_formula_matches_saved_tensors(name, attn, tolerance):
     batch, seq = 2, 32
     d = CONFIGS[name] | {"num_hidden_layers": 1, "attn_implementation": attn}
