@@ -46,6 +46,7 @@ import re
 import shutil
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,13 +54,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
+from lightning_megatrain.mapped import register
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -86,6 +90,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.unlink(tmp)
             raise
         fsync_dir(target.parent)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Callable | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        # a local checkpoint file loads mapped, nothing read until used ([Note: mapped checkpoint tensors])
+        on_host = lambda storage, location: storage  # noqa: E731  (Lightning's default: every tensor on the host)
+        if map_location is not None or not isinstance(get_filesystem(path), LocalFileSystem) or not (
+                os.path.isfile(path) and zipfile.is_zipfile(path)):
+            return super().load_checkpoint(path, map_location=map_location or on_host, weights_only=weights_only)
+        checkpoint = torch.load(path, map_location=on_host, weights_only=weights_only, mmap=True)
+        return mapped_checkpoint(checkpoint)
+
+
+def mapped_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint loaded with ``torch.load(mmap=True)``, its tensors viewing the mapped file: those of
+    ``state_dict`` and of the optimizers' ``state`` registered for the strategy to read into place
+    ([Note: mapped checkpoint tensors]); every other tensor (callbacks' scores, schedulers) copied into memory of its
+    own, so that nothing kept after the restore keeps the file mapped (and its disk space in use once replaced)."""
+    big = ("state_dict", "optimizer_states")
+    out = {k: v if k in big else apply_to_collection(v, Tensor, torch.clone) for k, v in checkpoint.items()}
+    for t in out.get("state_dict", {}).values():
+        if isinstance(t, Tensor):
+            register(t)
+    for optimizer in out.get("optimizer_states", []):
+        for key, value in (optimizer.items() if isinstance(optimizer, dict) else ()):
+            if key == "state" and isinstance(value, dict):
+                for t in (t for entries in value.values() for t in entries.values() if isinstance(t, Tensor)):
+                    register(t)
+            else:
+                optimizer[key] = apply_to_collection(value, Tensor, torch.clone)
+    return out
 
 
 def remove_stale_temporaries(target: Path) -> None:
