@@ -21,10 +21,26 @@ not local (``s3://`` ...) take Lightning's own path.
 
 Host RAM during a save: the checkpoint dict references the host masters and Adam states (no copy), and
 ``torch.save`` writes each CPU storage from where it lies, so the save adds only its pickled metadata (the peak RSS
-rose 0.3 MiB for a 78 MiB checkpoint, 78 MiB with ``TorchCheckpointIO``: tests/test_checkpoint_io.py). The exception
-is ``gpu_optimizer_groups``: their Adam states live on the GPU and are copied to host memory for the save
-(``MegaTrainStrategy.optimizer_state``), 8 bytes per parameter of those groups until the save ends. The file holds
-12 bytes per parameter (masters and both moments) in one ``torch.save`` archive: no per-layer shards yet.
+rose 2.0 MiB for a 78 MiB checkpoint, 78 MiB with ``TorchCheckpointIO``: tests/test_checkpoint_io.py).
+``gpu_optimizer_groups``' Adam states stay on the GPU too: the checkpoint references the device moments
+(``MegaTrainStrategy.optimizer_state``), and ``torch.save`` copies a storage that is not on the CPU to the host as it
+writes it, one storage at a time (torch/serialization.py, ``_save``: ``storage = storage.cpu()`` inside the loop over
+the storages, each copy released when the next replaces it). A device group's moments are two flat storages, so a
+save adds at most 4 bytes times the largest device group's parameters: 1.2 GiB for Llama-2-13B (its residents,
+328M parameters, or a layer, 317M), where copying every device state first took 8 bytes per parameter of those
+groups (52 GiB with 22 groups, 7.0B parameters, on the GPU). The file holds 12 bytes per parameter (masters and both
+moments); the device groups' states carry the GPU's location, as plain Lightning's GPU checkpoints do: Lightning's
+own loader (``TorchCheckpointIO``: its ``map_location`` keeps each storage where ``torch.load`` reads it, the host)
+and this strategy load them on the host, a bare ``torch.load`` onto the GPU (``map_location="cpu"`` without one).
+
+Host RAM during a load: a local checkpoint file loads with ``torch.load(mmap=True)`` (:meth:`AtomicCheckpointIO.
+load_checkpoint`), its masters and optimizer states viewing the mapped file, read into place a chunk at a time
+([Note: mapped checkpoint tensors] in mapped.py): the masters into the host masters, the host groups' states into
+the optimizer's own memory (8 bytes per parameter with AdamW, kept), the device groups' straight into their GPU
+moments. The peak rises by the kept states and 1.2 MiB for the 78 MiB checkpoint (26 MiB more, the masters, through
+``TorchCheckpointIO``: tests/test_sharded_checkpoints.py). Every other tensor of the checkpoint (callbacks' scores)
+is copied, so that nothing kept after the restore holds the file mapped. A file saved without the zip format, a
+remote path or an explicit ``map_location`` loads as Lightning loads it.
 
 [Note: resuming from a readable checkpoint]
 A checkpoint can still be unreadable: written by another checkpoint IO, copied in part, truncated by a full disk.

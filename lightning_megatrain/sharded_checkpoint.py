@@ -16,9 +16,12 @@ unchanged. It holds:
 
 Host RAM during a save: each tensor is written from the memory it lives in (the host masters and optimizer states;
 safetensors' own writer would first build the file's bytes); the save adds the index, the split dicts and
-``meta.pt``'s pickle, a few hundred bytes per tensor and nothing per parameter: 0.3 MiB of peak RSS for the 78 MiB
+``meta.pt``'s pickle, a few hundred bytes per tensor and nothing per parameter: 2.0 MiB of peak RSS for the 78 MiB
 checkpoint of a 6.8M-parameter model (tests/test_sharded_checkpoints.py). A non-contiguous tensor is copied, one at
-a time (the masters are contiguous). The pages written go to the page cache, which is not the process's memory.
+a time (the masters are contiguous). ``gpu_optimizer_groups``' Adam states are written from the GPU through one host
+staging buffer of :data:`STAGING_BYTES` (16 MiB) per shard, a piece at a time, so they add that buffer, not the 8
+bytes per parameter of those groups a copy to the host took. The pages written go to the page cache, which is not
+the process's memory.
 
 Atomicity: the checkpoint is written into ``.<name>.pid<writer>.<random>.tmp`` beside the target; every file is
 fsynced, the index last, then the directory. The new directory then replaces the target in one step:
@@ -35,11 +38,11 @@ checkpoints] in checkpoint_io.py).
 Loading: ``load_sharded`` checks each shard's size against the index (a truncated shard fails, so ``"last"`` falls
 back as for a file: [Note: resuming from a readable checkpoint]) and fills the checkpoint with tensors that view the
 shards mapped copy-on-write, so that any hook can read them and nothing is read until used. The strategy then reads
-the masters from the files straight into the host masters (:func:`read_into`; ``load_state_dict`` finds each entry
-already in place) and each optimizer state into a tensor of its own, which the optimizer keeps (:func:`owned`).
-Peak host RAM of a load: the optimizer states (8 bytes per parameter with AdamW) plus 0.1 MiB for the test model,
-against 4 bytes per parameter more from a file (its masters are held until the restore ends). Reading through the
-mapping instead would count the masters' pages in the RSS until the load ends (page cache, reclaimable).
+them into place a chunk at a time, each chunk's pages released ([Note: mapped checkpoint tensors] in mapped.py): the
+masters into the host masters (``load_state_dict`` finds each entry already in place), the host groups' optimizer
+states into tensors of their own, which the optimizer keeps, and ``gpu_optimizer_groups``' straight into their GPU
+moments. Peak host RAM of a load: the kept optimizer states (8 bytes per parameter with AdamW, none for a device
+group) plus 1.5 MiB for the test model (a 1 MiB chunk and the pages the kernel maps around it), as from a file.
 """
 
 from __future__ import annotations

@@ -192,13 +192,13 @@ def _save_and_resume(root, fmt, results, loader_io=None) -> None:
 
 @pytest.mark.skipif(not MEASURABLE, reason="needs Linux's /proc/self/clear_refs and glibc")
 def test_a_save_and_load_hold_no_second_copy_in_host_ram(tmp_path):
-    """The 78 MiB checkpoint of a 6.8M-parameter model: a sharded save raises the peak RSS by under 4 MiB (0.3 MiB
+    """The 78 MiB checkpoint of a 6.8M-parameter model: a sharded save raises the peak RSS by under 4 MiB (2.0 MiB
     measured: the index, the split dicts and meta.pt's pickle). A resume from it, or from the file format (loaded
     mapped), raises the peak by the optimizer states it loads (8 bytes/param, which the optimizer keeps) and under
-    4 MiB more (0.1 MiB measured): the masters are read from the mapped file straight into the host masters, a chunk
-    at a time ([Note: mapped checkpoint tensors]). Lightning's own ``TorchCheckpointIO`` reads the whole file, the
-    masters held twice until the restore ends (77.9 MiB measured against 52.2). Each runs in a child process whose
-    large allocations the RSS sees exactly."""
+    4 MiB more (1.2 MiB from the file, 1.5 from the shards, measured): the masters are read from the mapped file
+    straight into the host masters, a chunk at a time ([Note: mapped checkpoint tensors]). Lightning's own
+    ``TorchCheckpointIO`` reads the whole file, the masters held twice until the restore ends (78.1 MiB measured
+    against 52.1). Each runs in a child process whose large allocations the RSS sees exactly."""
     extra = {}
     fork = multiprocessing.get_context("fork")
     for fmt, loader_io in (("sharded", None), ("file", None), ("file", TorchCheckpointIO())):

@@ -20,8 +20,10 @@ Likewise the layer's fp32 grad reaches the host grads only when code may read ``
 manual optimization: the engine's ``set_grads_read``); otherwise the device step and clipping read the device sum
 and the host ``p.grad`` of these parameters stays ``None``. With hooks, ``state_dict()``, checkpoints, clipping and
 hooks read the same tensors as without device groups. The optimizer's state entries for
-these parameters are the device moments (``optimizer.state[p]`` holds views of them); the strategy saves them as
-CPU tensors, and states loaded from a checkpoint are copied in at the next step (:meth:`DeviceGroup.bind_states`).
+these parameters are the device moments (``optimizer.state[p]`` holds views of them); checkpoints write them from
+the GPU a piece at a time, and a resume reads them from the mapped checkpoint straight into the device moments once
+the groups are placed (:func:`settle_states`; [Note: mapped checkpoint tensors] in mapped.py); states a host
+optimizer wrote are copied in at the next step (:meth:`DeviceGroup.bind_states`).
 Parameters written directly on the host between steps (not through ``load_state_dict``) are not seen by the mirror.
 
 Streams and events (all of a device group's own kernels run on the compute stream, so they are ordered among
