@@ -21,10 +21,26 @@ not local (``s3://`` ...) take Lightning's own path.
 
 Host RAM during a save: the checkpoint dict references the host masters and Adam states (no copy), and
 ``torch.save`` writes each CPU storage from where it lies, so the save adds only its pickled metadata (the peak RSS
-rose 0.3 MiB for a 78 MiB checkpoint, 78 MiB with ``TorchCheckpointIO``: tests/test_checkpoint_io.py). The exception
-is ``gpu_optimizer_groups``: their Adam states live on the GPU and are copied to host memory for the save
-(``MegaTrainStrategy.optimizer_state``), 8 bytes per parameter of those groups until the save ends. The file holds
-12 bytes per parameter (masters and both moments) in one ``torch.save`` archive: no per-layer shards yet.
+rose 2.0 MiB for a 78 MiB checkpoint, 78 MiB with ``TorchCheckpointIO``: tests/test_checkpoint_io.py).
+``gpu_optimizer_groups``' Adam states stay on the GPU too: the checkpoint references the device moments
+(``MegaTrainStrategy.optimizer_state``), and ``torch.save`` copies a storage that is not on the CPU to the host as it
+writes it, one storage at a time (torch/serialization.py, ``_save``: ``storage = storage.cpu()`` inside the loop over
+the storages, each copy released when the next replaces it). A device group's moments are two flat storages, so a
+save adds at most 4 bytes times the largest device group's parameters: 1.2 GiB for Llama-2-13B (its residents,
+328M parameters, or a layer, 317M), where copying every device state first took 8 bytes per parameter of those
+groups (52 GiB with 22 groups, 7.0B parameters, on the GPU). The file holds 12 bytes per parameter (masters and both
+moments); the device groups' states carry the GPU's location, as plain Lightning's GPU checkpoints do: Lightning's
+own loader (``TorchCheckpointIO``: its ``map_location`` keeps each storage where ``torch.load`` reads it, the host)
+and this strategy load them on the host, a bare ``torch.load`` onto the GPU (``map_location="cpu"`` without one).
+
+Host RAM during a load: a local checkpoint file loads with ``torch.load(mmap=True)`` (:meth:`AtomicCheckpointIO.
+load_checkpoint`), its masters and optimizer states viewing the mapped file, read into place a chunk at a time
+([Note: mapped checkpoint tensors] in mapped.py): the masters into the host masters, the host groups' states into
+the optimizer's own memory (8 bytes per parameter with AdamW, kept), the device groups' straight into their GPU
+moments. The peak rises by the kept states and 1.2 MiB for the 78 MiB checkpoint (26 MiB more, the masters, through
+``TorchCheckpointIO``: tests/test_sharded_checkpoints.py). Every other tensor of the checkpoint (callbacks' scores)
+is copied, so that nothing kept after the restore holds the file mapped. A file saved without the zip format, a
+remote path or an explicit ``map_location`` loads as Lightning loads it.
 
 [Note: resuming from a readable checkpoint]
 A checkpoint can still be unreadable: written by another checkpoint IO, copied in part, truncated by a full disk.
@@ -46,6 +62,7 @@ import re
 import shutil
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,13 +70,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
+from lightning_megatrain.mapped import register
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -86,6 +106,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.unlink(tmp)
             raise
         fsync_dir(target.parent)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Callable | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        # a local checkpoint file loads mapped, nothing read until used ([Note: mapped checkpoint tensors])
+        on_host = lambda storage, location: storage  # noqa: E731  (Lightning's default: every tensor on the host)
+        if map_location is not None or not isinstance(get_filesystem(path), LocalFileSystem) or not (
+                os.path.isfile(path) and zipfile.is_zipfile(path)):
+            return super().load_checkpoint(path, map_location=map_location or on_host, weights_only=weights_only)
+        checkpoint = torch.load(path, map_location=on_host, weights_only=weights_only, mmap=True)
+        return mapped_checkpoint(checkpoint)
+
+
+def mapped_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint loaded with ``torch.load(mmap=True)``, its tensors viewing the mapped file: those of
+    ``state_dict`` and of the optimizers' ``state`` registered for the strategy to read into place
+    ([Note: mapped checkpoint tensors]); every other tensor (callbacks' scores, schedulers) copied into memory of its
+    own, so that nothing kept after the restore keeps the file mapped (and its disk space in use once replaced)."""
+    big = ("state_dict", "optimizer_states")
+    out = {k: v if k in big else apply_to_collection(v, Tensor, torch.clone) for k, v in checkpoint.items()}
+    for t in out.get("state_dict", {}).values():
+        if isinstance(t, Tensor):
+            register(t)
+    for optimizer in out.get("optimizer_states", []):
+        for key, value in (optimizer.items() if isinstance(optimizer, dict) else ()):
+            if key == "state" and isinstance(value, dict):
+                for t in (t for entries in value.values() for t in entries.values() if isinstance(t, Tensor)):
+                    register(t)
+            else:
+                optimizer[key] = apply_to_collection(value, Tensor, torch.clone)
+    return out
 
 
 def remove_stale_temporaries(target: Path) -> None:

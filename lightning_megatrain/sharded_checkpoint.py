@@ -16,9 +16,12 @@ unchanged. It holds:
 
 Host RAM during a save: each tensor is written from the memory it lives in (the host masters and optimizer states;
 safetensors' own writer would first build the file's bytes); the save adds the index, the split dicts and
-``meta.pt``'s pickle, a few hundred bytes per tensor and nothing per parameter: 0.3 MiB of peak RSS for the 78 MiB
+``meta.pt``'s pickle, a few hundred bytes per tensor and nothing per parameter: 2.0 MiB of peak RSS for the 78 MiB
 checkpoint of a 6.8M-parameter model (tests/test_sharded_checkpoints.py). A non-contiguous tensor is copied, one at
-a time (the masters are contiguous). The pages written go to the page cache, which is not the process's memory.
+a time (the masters are contiguous). ``gpu_optimizer_groups``' Adam states are written from the GPU through one host
+staging buffer of :data:`STAGING_BYTES` (16 MiB) per shard, a piece at a time, so they add that buffer, not the 8
+bytes per parameter of those groups a copy to the host took. The pages written go to the page cache, which is not
+the process's memory.
 
 Atomicity: the checkpoint is written into ``.<name>.pid<writer>.<random>.tmp`` beside the target; every file is
 fsynced, the index last, then the directory. The new directory then replaces the target in one step:
@@ -35,11 +38,11 @@ checkpoints] in checkpoint_io.py).
 Loading: ``load_sharded`` checks each shard's size against the index (a truncated shard fails, so ``"last"`` falls
 back as for a file: [Note: resuming from a readable checkpoint]) and fills the checkpoint with tensors that view the
 shards mapped copy-on-write, so that any hook can read them and nothing is read until used. The strategy then reads
-the masters from the files straight into the host masters (:func:`read_into`; ``load_state_dict`` finds each entry
-already in place) and each optimizer state into a tensor of its own, which the optimizer keeps (:func:`owned`).
-Peak host RAM of a load: the optimizer states (8 bytes per parameter with AdamW) plus 0.1 MiB for the test model,
-against 4 bytes per parameter more from a file (its masters are held until the restore ends). Reading through the
-mapping instead would count the masters' pages in the RSS until the load ends (page cache, reclaimable).
+them into place a chunk at a time, each chunk's pages released ([Note: mapped checkpoint tensors] in mapped.py): the
+masters into the host masters (``load_state_dict`` finds each entry already in place), the host groups' optimizer
+states into tensors of their own, which the optimizer keeps, and ``gpu_optimizer_groups``' straight into their GPU
+moments. Peak host RAM of a load: the kept optimizer states (8 bytes per parameter with AdamW, none for a device
+group) plus 1.5 MiB for the test model (a 1 MiB chunk and the pages the kernel maps around it), as from a file.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ import os
 import re
 import shutil
 import tempfile
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -68,6 +70,7 @@ from typing_extensions import override
 from lightning_megatrain._hardware import umask
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, fsync_dir, remove_stale_temporaries
 from lightning_megatrain.engine.discovery import find_layer_stack
+from lightning_megatrain.mapped import register
 
 FORMAT, VERSION = "megatrain-sharded", 1
 INDEX, META, RESIDENTS = "index.json", "meta.pt", "residents"
@@ -82,11 +85,6 @@ _SAFETENSORS_DTYPES = {
 }
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
-# tensors that view a mapped shard, by id, with their file and offset (see owned()); not a WeakSet: its membership
-# test compares tensors with ==
-_MAPPED: dict[int, tuple[weakref.ref[Tensor], Path, int]] = {}
-
-
 def is_sharded(path: _PATH) -> bool:
     """Whether ``path`` is a local directory (a sharded checkpoint, or nothing loadable)."""
     return isinstance(get_filesystem(path), LocalFileSystem) and Path(path).is_dir()
@@ -96,7 +94,8 @@ def is_sharded(path: _PATH) -> bool:
 
 
 def _shardable(value: Any) -> bool:
-    return (type(value) in (Tensor, nn.Parameter) and value.device.type == "cpu" and value.layout == torch.strided
+    """A dense tensor with bytes (host or GPU: ``gpu_optimizer_groups``' Adam states) of a dtype safetensors has."""
+    return (type(value) in (Tensor, nn.Parameter) and value.device.type != "meta" and value.layout == torch.strided
             and value.dtype in _SAFETENSORS_DTYPES)
 
 
@@ -166,9 +165,18 @@ def layer_layout(checkpoint: Mapping[str, Any], module: nn.Module, layers: str |
 # - writing
 
 
+STAGING_BYTES = 16 << 20  # host bytes a device tensor is written through, one such piece at a time
+
+
+def in_host_memory(t: Tensor) -> bool:
+    """Whether ``t``'s bytes can be written from where they lie (else through a staging buffer)."""
+    return t.device.type == "cpu"
+
+
 def write_safetensors(path: Path, tensors: Sequence[tuple[str, Tensor]]) -> int:
-    """Write ``tensors`` as one safetensors file, each straight from its own memory, flush it to disk and return its
-    size. Widest dtypes first: with the header padded to 8 bytes every tensor starts aligned to its element size."""
+    """Write ``tensors`` as one safetensors file, each straight from its own memory (a GPU tensor through one host
+    staging buffer of :data:`STAGING_BYTES`), flush it to disk and return its size. Widest dtypes first: with the
+    header padded to 8 bytes every tensor starts aligned to its element size."""
     tensors = sorted(tensors, key=lambda nt: -nt[1].element_size())
     header, offset = {}, 0
     for name, t in tensors:
@@ -180,10 +188,20 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, Tensor]]) -> int:
     with open(path, "wb") as f:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
+        staging = None
         for _, t in tensors:
-            if t.numel():
-                # a view of the tensor's bytes (a copy of this one tensor only when it is not contiguous)
-                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            if not t.numel():
+                continue
+            # the tensor's bytes (a copy of this one tensor only when it is not contiguous)
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            if in_host_memory(t):
+                f.write(data.numpy())
+                continue
+            staging = torch.empty(STAGING_BYTES, dtype=torch.uint8) if staging is None else staging
+            for i in range(0, data.numel(), STAGING_BYTES):  # a device tensor: through the staging buffer
+                n = min(STAGING_BYTES, data.numel() - i)
+                staging[:n].copy_(data[i : i + n])  # to pageable memory: returns once the bytes are there
+                f.write(staging[:n].numpy())
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(encoded) + offset
@@ -204,7 +222,7 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
         seen: dict[tuple, tuple[str, str]] = {}  # one entry per tensor, however many places it fills (tied weights)
         for place, t in found:
             shard = f"{shard_of(place)}.safetensors"
-            key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.numel() > 0)
+            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.numel() > 0)
             if key in seen and t.numel():
                 shard, name = seen[key]
             else:
@@ -330,8 +348,7 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
             out[name] = torch.empty(entry["shape"], dtype=dtype)
             continue
         t = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + n + begin)
-        out[name] = t = t.reshape(entry["shape"])
-        _MAPPED[id(t)] = (weakref.ref(t, lambda _, key=id(t): _MAPPED.pop(key, None)), path, 8 + n + begin)
+        out[name] = register(t.reshape(entry["shape"]))
     return out
 
 
@@ -368,47 +385,6 @@ def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[
     """The checkpoint at ``path``: a sharded directory through :func:`load_sharded` (its ``meta.pt`` read with
     ``load_file``), anything else through ``load_file``, whichever format the strategy saves."""
     return load_sharded(path, load_file) if is_sharded(path) else load_file(path)
-
-
-def _read_mapped(t: Tensor, into: Tensor) -> bool:
-    """Read the bytes of ``t``, a tensor viewing a mapped shard, from its file straight into ``into`` (contiguous,
-    same dtype and size) without touching the mapping; False when ``t`` views no mapped shard."""
-    mapped = _MAPPED.get(id(t))
-    if mapped is None or mapped[0]() is not t:
-        return False
-    with open(mapped[1], "rb") as f:
-        f.seek(mapped[2])
-        read = f.readinto(into.reshape(-1).view(torch.uint8).numpy())
-    if read != into.nbytes:
-        raise ValueError(f"{mapped[1]}: {read} bytes of a tensor at byte {mapped[2]}, expected {into.nbytes}")
-    return True
-
-
-def read_into(state_dict: dict[str, Any], targets: Mapping[str, Tensor]) -> None:
-    """Read each tensor of ``state_dict`` (a loaded checkpoint's) that views a mapped shard straight into the
-    tensor of the same name, shape and dtype in ``targets`` (the module's: its host masters), and point the entry
-    at that tensor, whose copy onto itself ``load_state_dict`` then skips. The masters' bytes go from the file into
-    the masters once, not through the mapping (whose pages would count in the RSS until the load ends)."""
-    for name, value in state_dict.items():
-        target = targets.get(name)
-        if (isinstance(value, Tensor) and isinstance(target, Tensor) and target.shape == value.shape
-                and target.dtype == value.dtype and target.device.type == "cpu" and target.is_contiguous()
-                and _read_mapped(value, target)):
-            state_dict[name] = target
-
-
-def owned(state: Any) -> Any:
-    """``state`` (an optimizer state dict) with every tensor that views a mapped shard replaced by a tensor of its
-    own, read from the file into it one at a time (not through the mapping): the optimizer keeps what it loads, and
-    must not keep the files mapped."""
-    if isinstance(state, Tensor):
-        own = torch.empty(state.shape, dtype=state.dtype)
-        return own if state.is_contiguous() and _read_mapped(state, own) else state
-    if isinstance(state, Mapping):
-        return {k: owned(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [owned(v) for v in state]
-    return state
 
 
 def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:

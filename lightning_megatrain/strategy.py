@@ -13,7 +13,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -35,16 +34,11 @@ from lightning_megatrain.config import (
 )
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
+from lightning_megatrain.mapped import read_into
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
-from lightning_megatrain.sharded_checkpoint import (
-    ShardedCheckpointIO,
-    layer_layout,
-    load_any,
-    owned,
-    read_into,
-)
+from lightning_megatrain.sharded_checkpoint import ShardedCheckpointIO, layer_layout, load_any
 
 log = logging.getLogger(__name__)
 
@@ -350,8 +344,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         self.wait_for_optimizer()
-        # gpu_optimizer_groups keep some states on the GPU: checkpoints hold CPU tensors, as without them
-        return apply_to_collection(super().optimizer_state(optimizer), torch.Tensor, lambda t: t.cpu())
+        # gpu_optimizer_groups' states stay on the GPU: the save writes them a piece at a time ([Note: atomic
+        # checkpoints], [Note: sharded checkpoints])
+        return super().optimizer_state(optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -368,7 +363,7 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.wait_for_optimizer()
-        read_into(checkpoint["state_dict"], self.lightning_module.state_dict())  # a sharded checkpoint's, in place
+        read_into(checkpoint["state_dict"], self.lightning_module.state_dict())  # a mapped checkpoint's, in place
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.engine is not None:
             self.engine.reload_masters()
@@ -386,9 +381,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # The base class would move the states to root_device; they belong with the host masters.
         self.wait_for_optimizer()
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            # also from a checkpoint of another host Adam or plain Lightning; states mapped from a sharded checkpoint
-            # become the optimizer's own memory
-            load_host_state(optimizer, owned(state))
+            load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning
+        if self.engine is not None:  # mapped states into place once the device groups are known ([Note: mapped
+            self.engine.settle_loaded_states(self.optimizers)  # checkpoint tensors] in mapped.py)
 
     @property
     @override

@@ -20,8 +20,10 @@ Likewise the layer's fp32 grad reaches the host grads only when code may read ``
 manual optimization: the engine's ``set_grads_read``); otherwise the device step and clipping read the device sum
 and the host ``p.grad`` of these parameters stays ``None``. With hooks, ``state_dict()``, checkpoints, clipping and
 hooks read the same tensors as without device groups. The optimizer's state entries for
-these parameters are the device moments (``optimizer.state[p]`` holds views of them); the strategy saves them as
-CPU tensors, and states loaded from a checkpoint are copied in at the next step (:meth:`DeviceGroup.bind_states`).
+these parameters are the device moments (``optimizer.state[p]`` holds views of them); checkpoints write them from
+the GPU a piece at a time, and a resume reads them from the mapped checkpoint straight into the device moments once
+the groups are placed (:func:`settle_states`; [Note: mapped checkpoint tensors] in mapped.py); states a host
+optimizer wrote are copied in at the next step (:meth:`DeviceGroup.bind_states`).
 Parameters written directly on the host between steps (not through ``load_state_dict``) are not seen by the mirror.
 
 Streams and events (all of a device group's own kernels run on the compute stream, so they are ordered among
@@ -48,6 +50,7 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.mapped import copy_released, owned
 
 
 def gpu_bytes_per_param(compute_itemsize: int, resident: bool) -> int:
@@ -132,9 +135,9 @@ class DeviceGroup:
             bound = state.get("exp_avg")
             if bound is not None and bound.device == m.device and bound.data_ptr() == m.data_ptr():
                 continue
-            if state:  # loaded from a checkpoint (CPU tensors) or written by a host optimizer
-                m.copy_(state["exp_avg"])
-                v.copy_(state["exp_avg_sq"])
+            if state:  # loaded from a checkpoint (mapped: read straight in) or written by a host optimizer
+                copy_released(state["exp_avg"], m)
+                copy_released(state["exp_avg_sq"], v)
                 step.fill_(float(state["step"]))
             state.update(step=step, exp_avg=m, exp_avg_sq=v)
 
@@ -164,3 +167,16 @@ class DeviceGroup:
         """Bring the host master up to date with the last update and block until it is."""
         self.flush(d2h_stream)
         self.written_back.synchronize()
+
+
+def settle_states(optimizer: torch.optim.Optimizer, device_groups: list[DeviceGroup]) -> None:
+    """Put the optimizer states loaded from a checkpoint where they live: a device group's straight into its GPU
+    moments (:meth:`DeviceGroup.bind_states`), every other parameter's mapped tensors into host memory of their own
+    (``mapped.owned``); see [Note: mapped checkpoint tensors] in mapped.py."""
+    on_device = set()
+    for device_group in device_groups:
+        device_group.bind_states(optimizer, [bool(optimizer.state.get(p)) for p in device_group.group.params])
+        on_device.update(id(p) for p in device_group.group.params)
+    for p, state in list(optimizer.state.items()):
+        if id(p) not in on_device:
+            optimizer.state[p] = owned(state)

@@ -131,3 +131,31 @@ def check_layers_independent(stack: nn.ModuleList | nn.Sequential, resident_slot
                 f"'{owner[id(slot.get())]}'. MegaTrainStrategy cannot stream a weight that is also used outside "
                 "its layer; untie it or choose a different `layers` path."
             )
+
+
+def check_on_host(module: nn.Module) -> None:
+    """Refuse a parameter or buffer that is not in host memory (never materialized, or placed by the user): the
+    engine packs each into host flats."""
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"MegaTrainStrategy packs every parameter into host RAM, but '{name}' is on the meta device, never "
+                "materialized. HINT: load or initialize its weights before fit (from_pretrained, to_empty() and "
+                "an init, or load_state_dict(..., assign=True) in configure_model)."
+            )
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"MegaTrainStrategy keeps all parameters in host RAM, but '{name}' is on {tensor.device}. "
+                "HINT: remove manual placement (`.to(device)`, `.cuda()`, `device_map=`) from the model; the "
+                "strategy moves each layer to the GPU only while it computes."
+            )
+
+
+def disable_kv_cache(module: nn.Module) -> None:
+    """A recompute would append keys twice to a KV cache: streamed training runs with ``use_cache=False``."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+        if getattr(sub, "gradient_checkpointing", False):
+            sub.gradient_checkpointing = False  # the engine already recomputes each layer in backward

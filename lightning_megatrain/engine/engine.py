@@ -14,8 +14,14 @@ from torch import nn
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.compiled import check_compilable
-from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
-from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
+from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param, settle_states
+from lightning_megatrain.engine.discovery import (
+    check_layers_independent,
+    check_on_host,
+    disable_kv_cache,
+    find_layer_stack,
+    tensor_slots,
+)
 from lightning_megatrain.engine.host_store import (
     FlatGroup,
     check_host_bytes_to_come,
@@ -85,6 +91,7 @@ class MegaTrainEngine:
         self._policy: RecomputePolicy | None = None  # keep or recompute, per layer (engine/recompute.py)
         # gpu_optimizer_groups="auto" and fitting: place_for_batch decides before the first training micro-batch
         self.placement_pending = False
+        self._unsettled: list[torch.optim.Optimizer] = []  # their loaded states wait for the device groups
 
     @property
     def on_cuda(self) -> bool:
@@ -121,7 +128,7 @@ class MegaTrainEngine:
         path, stack = find_layer_stack(module, self.config.layers)
         resident_slots = tensor_slots(module, skip=stack)
         check_layers_independent(stack, resident_slots)
-        self._check_placement()
+        check_on_host(module)
         if self.config.compile_layers:
             check_compilable(self.device)
 
@@ -173,7 +180,7 @@ class MegaTrainEngine:
             self.transfer = HostTransfer(self.groups, self.compute_dtype, gate)
             buffers = [[] for _ in layer_buffers]
         self._step = OptimizerStep(self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents)
-        self._disable_kv_cache()
+        disable_kv_cache(module)
         layer_bytes = max_layer * self.compute_dtype.itemsize
         self._policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes)
         self.streamed = StreamedLayers(
@@ -230,6 +237,7 @@ class MegaTrainEngine:
         self.placement_pending = False
         if self.config.gpu_optimizer_groups == "auto":
             self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read)
+            self.settle_loaded_states(self._unsettled)
         if self.on_cuda:
             self.place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
 
@@ -261,6 +269,14 @@ class MegaTrainEngine:
             self._grads_deferred = False
             for group in forward[n:]:
                 group.grad  # noqa: B018  (allocates the buffer: FlatGroup.grad)
+
+    def settle_loaded_states(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Optimizer states just loaded from a checkpoint into their places (engine/device_state.py
+        ``settle_states``): now, or, while ``gpu_optimizer_groups="auto"`` is undecided, once :meth:`place_for_batch`
+        has placed the device groups, so that the host never holds theirs ([Note: mapped checkpoint tensors])."""
+        self._unsettled = list(optimizers) if self.config.gpu_optimizer_groups == "auto" else []
+        for optimizer in () if self._unsettled else optimizers:
+            settle_states(optimizer, self.device_groups)
 
     def check_host_state(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Refuse before the first step when host RAM cannot hold the host groups' grads and the optimizers' states
@@ -339,21 +355,6 @@ class MegaTrainEngine:
             self.device,
         )
 
-    def _check_placement(self) -> None:
-        for name, tensor in list(self.module.named_parameters()) + list(self.module.named_buffers()):
-            if tensor.device.type == "meta":
-                raise ValueError(
-                    f"MegaTrainStrategy packs every parameter into host RAM, but '{name}' is on the meta device, never "
-                    "materialized. HINT: load or initialize its weights before fit (from_pretrained, to_empty() and "
-                    "an init, or load_state_dict(..., assign=True) in configure_model)."
-                )
-            if tensor.device.type != "cpu":
-                raise ValueError(
-                    f"MegaTrainStrategy keeps all parameters in host RAM, but '{name}' is on {tensor.device}. "
-                    "HINT: remove manual placement (`.to(device)`, `.cuda()`, `device_map=`) from the model; the "
-                    "strategy moves each layer to the GPU only while it computes."
-                )
-
     def _check_gpu_optimizer_groups(self, n_layers: int) -> int:
         """Validate ``gpu_optimizer_groups`` against the device and the model; returns it (0 for ``"auto"``, which
         :meth:`place_for_batch` decides)."""
@@ -391,15 +392,6 @@ class MegaTrainEngine:
                 "layer must fit on the GPU; use precision='bf16-mixed', fewer slots (num_slots=2), fewer "
                 "gpu_optimizer_groups or a smaller model."
             )
-
-    def _disable_kv_cache(self) -> None:
-        """A recompute would append keys twice to a KV cache: streamed training runs with ``use_cache=False``."""
-        for sub in self.module.modules():
-            config = getattr(sub, "config", None)
-            if getattr(config, "use_cache", False):
-                config.use_cache = False
-            if getattr(sub, "gradient_checkpointing", False):
-                sub.gradient_checkpointing = False  # the engine already recomputes each layer in backward
 
     @contextlib.contextmanager
     def step_context(self) -> Iterator[None]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_megatrain.mapped import any_mapped
 from lightning_megatrain.optim.compact_adam import CompactAdamW, HostStateLayout
 from lightning_megatrain.optim.compact_update import CompactUpdate
 from lightning_megatrain.optim.host_optimizer import HostUpdate, Hyper, overlappable
@@ -60,11 +61,13 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer, group: dict) -> floa
 
 def host_state_bytes(optimizers: Sequence[torch.optim.Optimizer], held: frozenset[int]) -> int:
     """Host bytes ``optimizers`` will add in state for the parameters in ``held`` (ids) that have none yet
-    (:func:`state_bytes_per_param`)."""
+    (:func:`state_bytes_per_param`), or only one loaded from a checkpoint and still mapped, not yet read into
+    memory of its own ([Note: mapped checkpoint tensors] in mapped.py)."""
     total = 0.0
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             per_param = state_bytes_per_param(optimizer, group)
             total += sum(per_param * p.numel() for p in group["params"]
-                         if p.requires_grad and id(p) in held and not optimizer.state.get(p))
+                         if p.requires_grad and id(p) in held
+                         and (not optimizer.state.get(p) or any_mapped(optimizer.state[p])))
     return int(total)

@@ -6,11 +6,15 @@ Skipped without CUDA (CI); run on the GPU machine with ``python -m pytest -m gpu
 
 from __future__ import annotations
 
+import multiprocessing
+
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from helpers.gpu import fit_cuda, gpu_strategy
+from helpers.host_ram import MEASURABLE, Wide, save_and_resume_on_gpu
 from helpers.parity import ParityLM, assert_records_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -78,9 +82,11 @@ def test_gpu_optimizer_groups_parity(family, groups, accumulate, clip, overlap):
 
 
 def test_gpu_optimizer_groups_resume_exactly(tmp_path):
-    """Save after 2 steps with states on the GPU, resume to 4: the checkpoint holds CPU tensors, the restored masters,
-    device mirrors and Adam states equal it bit for bit, and the resumed run matches the same resume with every
-    state on the host (gpu_optimizer_groups=0; the dataloader restarts its epoch in both)."""
+    """Save after 2 steps with states on the GPU, resume to 4: Lightning's own checkpoint IO loads the checkpoint
+    onto the host (its map_location keeps every storage where torch.load restores it: on the CPU), the restored
+    masters, device mirrors and Adam states (on the GPU from the restore on) equal it bit for bit, and the resumed
+    run matches the same resume with every state on the host (gpu_optimizer_groups=0; the dataloader restarts its
+    epoch in both)."""
 
     def fit(groups, steps, root, ckpt_path=None, callbacks=()):
         L.seed_everything(0)
@@ -104,12 +110,12 @@ def test_gpu_optimizer_groups_resume_exactly(tmp_path):
                 assert torch.equal(d.master.cpu(), d.group.master)
             saved = self.saved["optimizer_states"][0]["state"]
             for k, state in trainer.optimizers[0].state_dict()["state"].items():
-                torch.testing.assert_close(state["exp_avg_sq"], saved[k]["exp_avg_sq"], rtol=0, atol=0)
+                torch.testing.assert_close(state["exp_avg_sq"].cpu(), saved[k]["exp_avg_sq"], rtol=0, atol=0)
             self.checked = True
 
     torch.backends.cuda.matmul.allow_tf32 = False
     fit(2, 2, tmp_path, callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)])
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    saved = TorchCheckpointIO().load_checkpoint(tmp_path / "last.ckpt", weights_only=False)
     tensors = [t for s in saved["optimizer_states"][0]["state"].values() for t in s.values()]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
     check = CheckRestored(saved)
@@ -118,6 +124,30 @@ def test_gpu_optimizer_groups_resume_exactly(tmp_path):
     on_host = fit(0, 4, tmp_path / "on_host", ckpt_path=str(tmp_path / "last.ckpt"))
     for (name, a), b in zip(resumed.named_parameters(), on_host.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.skipif(not MEASURABLE, reason="needs Linux's /proc/self/clear_refs and glibc")
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_gpu_optimizer_groups_checkpoints_hold_no_host_copy_of_their_states(tmp_path, fmt):
+    """Every group's Adam states on the GPU (``Wide(2048, 8)``: 34.6M parameters, 264 MiB of moments, the largest
+    group's moment 16 MiB): the save adds one storage's host copy at a time (file: torch.save copies each device
+    storage to the host as it writes it) or one 16 MiB staging buffer (sharded), not the 264 MiB the copy of every
+    state took; the resume reads them from the mapped checkpoint straight into the GPU moments, a chunk at a time,
+    and the host keeps none of them ([Note: mapped checkpoint tensors]). The restored moments equal the saved ones
+    bit for bit. In a spawned child whose large allocations the RSS sees exactly."""
+    spawn = multiprocessing.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    child = spawn.Process(target=save_and_resume_on_gpu, args=(str(tmp_path), fmt, send))
+    child.start()
+    saved, loaded, kept, same, on_device = receive.recv()
+    child.join()
+    assert child.exitcode == 0
+    moments = 8 * sum(p.numel() for p in Wide(2048, 8).parameters())
+    print(f"{fmt}: save +{saved / 2**20:.1f} MiB, load +{loaded / 2**20:.1f} MiB (kept {kept / 2**20:.1f}), "
+          f"moments {moments / 2**20:.0f} MiB")
+    assert same and on_device
+    assert saved < 40 * 2**20 < moments / 6, (saved, moments)  # one 16 MiB storage or staging buffer at a time
+    assert loaded < 40 * 2**20, (loaded, kept)  # a chunk and the driver's staging, no state on the host
 
 
 def test_gpu_optimizer_groups_refuse_other_optimizers():

@@ -37,16 +37,17 @@ def reset_peak() -> int:
 
 
 class Wide(L.LightningModule):
-    """6.8M parameters, 6.3M of them in 6 streamed layers: a 78 MiB checkpoint (fp32 masters and both Adam moments)."""
+    """6.8M parameters, 6.3M of them in 6 streamed layers: a 78 MiB checkpoint (fp32 masters and both Adam moments).
+    ``width`` and ``depth`` make it larger."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 1024, depth: int = 6) -> None:
         super().__init__()
-        self.embed = nn.Embedding(256, 1024)
-        self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(6))
-        self.head = nn.Linear(1024, 256)
+        self.embed = nn.Embedding(256, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 256)
 
     def training_step(self, batch, batch_idx):
-        x = self.embed(batch)  # [B, T, 1024]
+        x = self.embed(batch)  # [B, T, width]
         for block in self.blocks:
             x = x + torch.tanh(block(x))
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch.flatten())
@@ -86,3 +87,49 @@ class LoadAndMeasure(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.extra = status_bytes("VmHWM") - self.before
         self.kept = status_bytes("RssAnon") - self.anon
+
+
+def save_and_resume_on_gpu(root, fmt: str, send) -> None:
+    """A spawned child (CUDA): train ``Wide(2048, 8)`` with every group's Adam states on the GPU
+    (``gpu_optimizer_groups=9``), save a ``fmt`` checkpoint, resume from it; sends the peak host RSS the save and the
+    load added, the anonymous memory the load left, and whether the saved and restored moments equal the live ones."""
+    from pathlib import Path
+
+    from lightning_megatrain import MegaTrainStrategy
+
+    exact_rss()
+
+    def strategy() -> MegaTrainStrategy:
+        return MegaTrainStrategy(layers="blocks", compile_layers=False, overlap_optimizer=False,
+                                 gpu_optimizer_groups=9, checkpoint_format=fmt)
+
+    def trainer(steps: int, callbacks: list) -> L.Trainer:
+        return L.Trainer(accelerator="cuda", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         strategy=strategy())
+
+    class Moments(L.Callback):
+        """The optimizer's moments on the host, at the save and after the restore."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.strategy.wait_for_optimizer()
+            self.saved = _moments(trainer)
+
+        def on_train_start(self, trainer, pl_module):
+            self.restored = _moments(trainer)
+
+    save, before = SaveAndMeasure(Path(root) / fmt / "last.ckpt"), Moments()
+    trainer(2, [before, save]).fit(Wide(2048, 8))  # Moments first: it reads the state the save writes
+    load, after = LoadAndMeasure(), Moments()
+    trainer(3, [load, after]).fit(Wide(2048, 8), ckpt_path=save.path)
+    on_device = all(t.device.type == "cuda" for s in after.restored.values() for t in s[1:])
+    same = before.saved.keys() == after.restored.keys() and all(
+        torch.equal(a, b) for k in before.saved for a, b in zip(before.saved[k][0], after.restored[k][0]))
+    send.send((save.extra, load.extra, load.kept, same, on_device))
+
+
+def _moments(trainer) -> dict:
+    """Per state index: (the host copies of step, exp_avg and exp_avg_sq), then their devices' tensors."""
+    state = trainer.optimizers[0].state_dict()["state"]
+    return {k: ([torch.as_tensor(s[n]).cpu() for n in ("step", "exp_avg", "exp_avg_sq")], s["exp_avg"], s["exp_avg_sq"])
+            for k, s in state.items()}
