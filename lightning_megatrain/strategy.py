@@ -17,7 +17,6 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
@@ -26,15 +25,17 @@ from lightning_megatrain._hardware import GIB, host_rss_gib
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
 from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers, NonFiniteMode
 from lightning_megatrain.engine import MegaTrainEngine
+from lightning_megatrain.engine.shard_states import load_optimizer_state, load_shard_files, shard_path, split_checkpoint
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
+from lightning_megatrain.ranks import RankStrategy
 
 log = logging.getLogger(__name__)
 
 
-class MegaTrainStrategy(SingleDeviceStrategy):
+class MegaTrainStrategy(RankStrategy):
     """Train a causal LM larger than GPU memory on one GPU: all state in host RAM, decoder layers streamed.
 
     One optimizer step:
@@ -185,7 +186,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         )
         # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints])
         checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
+        # one process per device; several share the host state ([Note: sharded host state] in engine/sharding.py)
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
         self.parallel_devices: list[torch.device] | None = None
         self.engine: MegaTrainEngine | None = None
@@ -194,13 +196,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         self._skipped: list[int] = []  # the engine's list of steps skipped as non-finite, kept past teardown
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            return torch.device("cpu")
-        return torch.device(self.parallel_devices[0])
 
     @property
     @override
@@ -237,11 +232,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError(
-                f"MegaTrainStrategy trains on one device, got devices={[str(d) for d in self.parallel_devices]}. "
-                "HINT: pass Trainer(devices=1) (select the GPU with CUDA_VISIBLE_DEVICES)."
-            )
         self.accelerator.setup(trainer)
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
@@ -256,7 +246,9 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # gpu_optimizer_groups hold optimizer states: none without an optimizer step
         config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)
         self._hf_loss = install_chunked_hf_loss(self.lightning_module, enabled=config.chunked_hf_loss)
-        self.engine = MegaTrainEngine(self.lightning_module, self.root_device, precision.compute_dtype, config)
+        self.engine = MegaTrainEngine(
+            self.lightning_module, self.root_device, precision.compute_dtype, config, ranks=self.ranks
+        )
         self.engine.setup(fitting=fitting)
         self.model_to_device()
         precision.engine = self.engine
@@ -308,6 +300,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         self.wait_for_optimizer()
+        if self.engine is not None and self.engine.sharding is not None:  # this rank's slices and the manifest
+            return self.engine.sharding.optimizer_state(optimizer)
         # gpu_optimizer_groups keep some states on the GPU: checkpoints hold CPU tensors, as without them
         return apply_to_collection(super().optimizer_state(optimizer), torch.Tensor, lambda t: t.cpu())
 
@@ -320,7 +314,27 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
             trainer = None
         load = super().load_checkpoint
-        return load_readable(lambda path: load(path, weights_only=weights_only), checkpoint_path, trainer)
+        # a checkpoint of several ranks brings its shard files' optimizer slices ([Note: sharded checkpoints])
+        return load_readable(
+            lambda path: load_shard_files(load(path, weights_only=weights_only), path), checkpoint_path, trainer
+        )
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        # several ranks: rank 0 writes the checkpoint with manifests, every rank its shard file
+        main, shard = split_checkpoint(checkpoint, filepath)
+        if shard:
+            self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank, self.world_size))
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.distributed:
+            self.checkpoint_io.remove_checkpoint(shard_path(filepath, self.global_rank, self.world_size))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -341,8 +355,18 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The base class would move the states to root_device; they belong with the host masters.
         self.wait_for_optimizer()
+        sharding = self.engine.sharding if self.engine is not None else None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            # any number of ranks from any number of ranks ([Note: sharded checkpoints])
+            state = sharding.load_state(optimizer, state) if sharding is not None else load_optimizer_state(
+                optimizer, state, None, {}, self._whole_parameter_key()
+            )
             load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning
+
+    def _whole_parameter_key(self) -> Any:
+        """One rank's optimizer parameters are the module's: each the whole element range of its name."""
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        return lambda p: (names[id(p)], 0, p.numel(), p.shape)
 
     @property
     @override
