@@ -87,6 +87,7 @@ class Run:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step, the global grads before clipping
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after training
     start_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # optimizer state at train start
+    end_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # and at train end
 
 
 def full_grads(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
@@ -100,7 +101,7 @@ def full_grads(trainer: Trainer, module: LightningModule) -> dict[str, torch.Ten
         buf = torch.zeros_like(shard.padded)
         if shard.owned.grad_nbytes:
             buf.view(sharding.ranks.world, -1)[sharding.ranks.rank] = shard.owned.grad
-        dist.all_reduce(buf)
+        sharding.ranks.all_reduce_(buf)  # host tensors: the host group (gloo) also under NCCL
         for p, offset in zip(shard.group.params, shard.group.offsets):
             out[sharding.names[id(p)]] = buf[offset : offset + p.numel()].view(p.shape).clone()
     return out
@@ -112,7 +113,8 @@ def full_optimizer_state(trainer: Trainer, module: LightningModule) -> dict[str,
     sharding = getattr(getattr(trainer.strategy, "engine", None), "sharding", None)
     names = {id(p): n for n, p in module.named_parameters()}
     if sharding is None:
-        return {names[id(p)]: {k: v.detach().clone().float() for k, v in s.items()} for p, s in optimizer.state.items()}
+        return {names[id(p)]: {k: torch.as_tensor(v).detach().cpu().clone().float() for k, v in s.items()}
+                for p, s in optimizer.state.items()}
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in module.named_parameters():
         out[name] = {"exp_avg": torch.zeros(p.numel()), "exp_avg_sq": torch.zeros(p.numel()), "step": torch.zeros(())}
@@ -124,12 +126,11 @@ def full_optimizer_state(trainer: Trainer, module: LightningModule) -> dict[str,
                 if key in state:
                     out[name][key][start:end] = state[key]
             if "step" in state:
-                out[name]["step"] = torch.as_tensor(state["step"], dtype=torch.float32) / 1  # same on every piece
+                out[name]["step"] = torch.as_tensor(state["step"], dtype=torch.float32).cpu()  # one per parameter
     for name, state in out.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            dist.all_reduce(state[key])
-        step = state["step"].reshape(1).clone()
-        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+            sharding.ranks.all_reduce_(state[key])
+        step = sharding.ranks.all_reduce_(state["step"].reshape(1).clone(), op=dist.ReduceOp.MAX)
         shape = dict(module.named_parameters())[name].shape
         out[name] = {"exp_avg": state["exp_avg"].view(shape), "exp_avg_sq": state["exp_avg_sq"].view(shape),
                      "step": step[0]}
@@ -154,10 +155,12 @@ class RankRecorder(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.run.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.run.end_state = full_optimizer_state(trainer, pl_module)
 
 
 def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: int = 1, clip: float | None = None,
-        grads: bool = True, ckpt_in: str | None = None, ckpt_out: str | None = None, **strategy_args: Any) -> Run:
+        grads: bool = True, ckpt_in: str | None = None, ckpt_out: str | None = None, accelerator: str = "cpu",
+        **strategy_args: Any) -> Run:
     """Train :class:`RankLM` on ``world`` ranks (this process is one of them, or the only one) with
     ``GLOBAL_BATCH`` samples per micro-batch over all ranks; resume from ``ckpt_in``, save ``ckpt_out`` at the end."""
     from lightning_megatrain import MegaTrainStrategy
@@ -168,7 +171,7 @@ def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: 
         strategy = MegaTrainStrategy(cpu_adam="torch", **strategy_args)
     recorder = RankRecorder(grads)
     trainer = Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+        accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
         gradient_clip_val=clip, callbacks=[recorder], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
@@ -192,15 +195,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, out: Path, timeout: float = 120.0, **kwargs: Any) -> list[Run]:
-    """Run :func:`fit` on ``world`` CPU ranks (one forked process each) and return each rank's :class:`Run`.
+def launch(world: int, out: Path, timeout: float = 120.0, start_method: str = "fork", **kwargs: Any) -> list[Run]:
+    """Run :func:`fit` on ``world`` ranks (one process each, forked unless ``start_method``: CUDA needs "spawn")
+    and return each rank's :class:`Run`.
 
     Raises:
         TimeoutError: a rank still runs after ``timeout`` seconds (a collective one rank missed); all are killed.
     """
     out.mkdir(parents=True, exist_ok=True)
     context = mp.start_processes(_rank_main, args=(world, free_port(), str(out), kwargs), nprocs=world, join=False,
-                                 start_method="fork")
+                                 start_method=start_method)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
