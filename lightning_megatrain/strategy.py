@@ -26,6 +26,7 @@ from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
 from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers, NonFiniteMode
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.engine.shard_states import load_optimizer_state, load_shard_files, shard_path, split_checkpoint
+from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
@@ -194,6 +195,8 @@ class MegaTrainStrategy(RankStrategy):
         self._hf_loss: ChunkedHFLoss | None = None  # what install_chunked_hf_loss changed, undone at teardown
         self._unguard_zero_grad: Callable[[], None] | None = None  # undoes the module's waiting zero_grad
         self._skipped: list[int] = []  # the engine's list of steps skipped as non-finite, kept past teardown
+        # this rank's shares with several ranks, kept past teardown: the optimizers step their pieces
+        self._sharding: ShardedState | None = None
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
 
@@ -253,6 +256,7 @@ class MegaTrainStrategy(RankStrategy):
         self.model_to_device()
         precision.engine = self.engine
         self._skipped = self.engine.step.guard.skipped
+        self._sharding = self.engine.sharding
         self.model = self._setup_model(self.model)
         if fitting:
             self.setup_optimizers(trainer)
@@ -300,8 +304,8 @@ class MegaTrainStrategy(RankStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         self.wait_for_optimizer()
-        if self.engine is not None and self.engine.sharding is not None:  # this rank's slices and the manifest
-            return self.engine.sharding.optimizer_state(optimizer)
+        if self._sharding is not None:  # this rank's slices and the manifest ([Note: sharded checkpoints])
+            return self._sharding.optimizer_state(optimizer)
         # gpu_optimizer_groups keep some states on the GPU: checkpoints hold CPU tensors, as without them
         return apply_to_collection(super().optimizer_state(optimizer), torch.Tensor, lambda t: t.cpu())
 
@@ -355,7 +359,7 @@ class MegaTrainStrategy(RankStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The base class would move the states to root_device; they belong with the host masters.
         self.wait_for_optimizer()
-        sharding = self.engine.sharding if self.engine is not None else None
+        sharding = self._sharding
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             # any number of ranks from any number of ranks ([Note: sharded checkpoints])
             state = sharding.load_state(optimizer, state) if sharding is not None else load_optimizer_state(

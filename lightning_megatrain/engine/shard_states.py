@@ -7,7 +7,7 @@ A checkpoint saved by N > 1 ranks is N + 1 files (``MegaTrainStrategy.save_check
   engine/sharding.py, [Note: sharded host state]), the loops, callbacks and LR schedulers, and for each optimizer a
   *manifest* in place of torch's state dict: ``{"format": FORMAT, "world_size": N, "param_groups": [each group's
   hyperparameters, with "params" the parameters' qualified names], "shards": [the N shard file names]}``.
-- ``<path>.shard<r>-of-<N>`` (rank r): ``{"optimizer_states": [per optimizer {name: [[start, end, state]]}]}``: for
+- ``<path>-shard<r>-of-<N>`` (rank r): ``{"optimizer_states": [per optimizer {name: [[start, end, state]]}]}``: for
   each parameter rank r owns part of, the flat element range ``[start, end)`` of the parameter and that range's
   optimizer state (per-element tensors 1D over the range, ``step`` and other scalars as they are).
 
@@ -90,7 +90,7 @@ def _cpu(v: Any) -> Any:
 
 def shard_path(path: str | os.PathLike, rank: int, world: int) -> str:
     """The file rank ``rank`` of ``world`` writes beside the checkpoint ``path``."""
-    return f"{os.fspath(path)}.shard{rank}-of-{world}"
+    return f"{os.fspath(path)}-shard{rank}-of-{world}"
 
 
 def split_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -129,7 +129,7 @@ def load_shard_files(checkpoint: dict[str, Any], path: str | os.PathLike) -> dic
                 if not file.is_file():
                     raise FileNotFoundError(
                         f"The checkpoint {path} was saved by {s['world_size']} ranks and needs its shard file {file}, "
-                        "which is missing. HINT: copy every '<checkpoint>.shard<r>-of-<N>' file along with it."
+                        "which is missing. HINT: copy every '<checkpoint>-shard<r>-of-<N>' file along with it."
                     )
                 files[name] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
             for param, ranges in files[name]["optimizer_states"][i].items():

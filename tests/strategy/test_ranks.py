@@ -52,8 +52,8 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     more steps give the same weights on every number of ranks; a checkpoint of one rank loads on 2."""
     ckpt = tmp_path / "two.ckpt"
     saved = launch(2, tmp_path / "save", steps=2, grads=False, ckpt_out=str(ckpt))
-    assert sorted(p.name for p in tmp_path.glob("two.ckpt*")) == ["two.ckpt", "two.ckpt.shard0-of-2",
-                                                                    "two.ckpt.shard1-of-2"]
+    assert sorted(p.name for p in tmp_path.glob("two.ckpt*")) == ["two.ckpt", "two.ckpt-shard0-of-2",
+                                                                    "two.ckpt-shard1-of-2"]
     manifest = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
     assert manifest["world_size"] == 2 and "slices" not in manifest
 
@@ -67,6 +67,6 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
 
     single = tmp_path / "one.ckpt"
     first = fit(1, steps=2, grads=False, ckpt_out=str(single))
-    resumed = launch(2, tmp_path / "from-one", steps=2, grads=False, ckpt_in=str(single))
+    resumed = launch(2, tmp_path / "from-one", steps=3, grads=False, ckpt_in=str(single))
     for run in resumed:
         _assert_states_close(run.start_state, first.end_state)
