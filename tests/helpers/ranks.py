@@ -31,6 +31,28 @@ N_SAMPLES = 32
 VOCAB, SEQ, WIDTH = 32, 6, 16
 
 
+def ordered_loader(trainer: Trainer, data: torch.Tensor, micro_batch: int) -> DataLoader:
+    """``data`` in order, split over the ranks: Lightning's own sampler shuffles training data over ranks; in order,
+    rank r's micro-batch k is samples r, r + N, ... of the single-process run's micro-batch k."""
+    world = trainer.world_size
+    sampler = DistributedSampler(data, world, trainer.global_rank, shuffle=False) if world > 1 else None
+    return DataLoader(data, batch_size=micro_batch, shuffle=False, sampler=sampler)
+
+
+def make_module(model: str, world: int) -> LightningModule:
+    """:class:`RankLM` (``model="stack"``) or an HF causal LM of a tests/helpers/families.py family, with
+    ``GLOBAL_BATCH // world`` samples per micro-batch, in order."""
+    if model == "stack":
+        return RankLM(GLOBAL_BATCH // world)
+    from helpers.parity import ParityLM, make_data
+
+    class RankParityLM(ParityLM):
+        def train_dataloader(self) -> DataLoader:
+            return ordered_loader(self.trainer, make_data(), GLOBAL_BATCH // world)
+
+    return RankParityLM(model)
+
+
 class Block(nn.Module):
     """A residual block with a matrix, a norm and a 1-element gate: 305 parameters, so shards cut through
     parameters and every world size pads."""
@@ -66,11 +88,7 @@ class RankLM(LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         data = torch.randint(0, VOCAB, (N_SAMPLES, SEQ), generator=torch.Generator().manual_seed(1234))
-        world = self.trainer.world_size
-        # Lightning's own sampler shuffles training data over ranks; in order, rank r's micro-batch k is samples
-        # r, r + N, ... of the single-process run's micro-batch k
-        sampler = DistributedSampler(data, world, self.trainer.global_rank, shuffle=False) if world > 1 else None
-        return DataLoader(data, batch_size=self.micro_batch, shuffle=False, sampler=sampler)
+        return ordered_loader(self.trainer, data, self.micro_batch)
 
     def configure_optimizers(self):
         decay = [p for n, p in self.named_parameters() if n.endswith("weight") and p.dim() == 2]
@@ -160,13 +178,13 @@ class RankRecorder(Callback):
 
 def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: int = 1, clip: float | None = None,
         grads: bool = True, ckpt_in: str | None = None, ckpt_out: str | None = None, accelerator: str = "cpu",
-        **strategy_args: Any) -> Run:
-    """Train :class:`RankLM` on ``world`` ranks (this process is one of them, or the only one) with
+        model: str = "stack", **strategy_args: Any) -> Run:
+    """Train ``model`` (:func:`make_module`) on ``world`` ranks (this process is one of them, or the only one) with
     ``GLOBAL_BATCH`` samples per micro-batch over all ranks; resume from ``ckpt_in``, save ``ckpt_out`` at the end."""
     from lightning_megatrain import MegaTrainStrategy
 
     seed_everything(0, verbose=False)
-    module = RankLM(GLOBAL_BATCH // world)
+    module = make_module(model, world)
     if strategy == "megatrain":
         strategy = MegaTrainStrategy(cpu_adam="torch", **strategy_args)
     recorder = RankRecorder(grads)
