@@ -62,6 +62,13 @@ class MegaTrainStrategy(RankStrategy):
     in 90-95% of the GPU). Host memory is 16 bytes per parameter with Adam (master, grad, two moments), page-locked at
     its exact size; :meth:`host_memory` reports it by kind, and it is logged at train end.
 
+    Several devices (``devices=N``, ``num_nodes=M``): one process per device, started by Lightning's launcher
+    (ranks.py); each rank owns 1/N of every layer's fp32 grads and optimizer states and updates 1/N of its masters,
+    the layers' grads are reduce-scattered in backward and the updated masters all-gathered after the step
+    (engine/sharding.py, [Note: sharded host state]); checkpoints are sharded and resume on any number of ranks
+    (engine/shard_states.py, [Note: sharded checkpoints]). ``overlap_optimizer`` and ``gpu_optimizer_groups`` are
+    off there (refused when given), and the optimizer must be elementwise (not Muon or CompactAdamW).
+
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with
             the same engine).

@@ -268,8 +268,15 @@ class MegaTrainEngine:
         Raises:
             RuntimeError: with the numbers (engine/host_store.py ``check_host_bytes_to_come``).
         """
-        host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
+        host_groups = self._host_groups()
         check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
+
+    def _host_groups(self) -> list[FlatGroup]:
+        """The groups whose grads and optimizer states live in host memory: every flat group but the device groups;
+        with several ranks, this rank's shares of them ([Note: sharded host state])."""
+        if self.sharding is not None:
+            return self.sharding.owned_groups
+        return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
 
     def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
         """``segment_layers`` and ``device_checkpoints`` for the training micro-batch ``batch``: decided where "auto",
@@ -284,7 +291,7 @@ class MegaTrainEngine:
                     0 if "device_checkpoints" in auto else given["device_checkpoints"])
             why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
         else:
-            host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
+            host_groups = self._host_groups()
             if self._placed_tokens:
                 log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
                          "were placed for: placing them again", *shape, self._placed_tokens)
