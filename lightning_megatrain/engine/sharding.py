@@ -74,8 +74,8 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     """
     problems = []
     if config.overlap_optimizer is True:
-        problems.append("overlap_optimizer=True: the sharded step runs between the steps (overlapping it with the "
-                        "next forward would interleave its all-gathers with the forward's); use 'auto' or False")
+        problems.append("overlap_optimizer=True: the updated masters are all-gathered once the whole step is "
+                        "done, before the next forward reads them, so nothing overlaps yet; use 'auto' or False")
     groups = config.gpu_optimizer_groups
     if groups != "auto" and groups > 0:
         problems.append(f"gpu_optimizer_groups={groups}: device groups are not sharded yet; use 'auto' or 0")

@@ -64,6 +64,19 @@ def test_ranks_train_as_one_process(tmp_path, world, accumulate, clip):
     _assert_train_as_reference(runs, reference)
 
 
+def test_without_reduce_scatter(tmp_path, monkeypatch):
+    """A backend without reduce_scatter (older gloo): the all_reduce fallback trains the same (the forked ranks
+    inherit the patch)."""
+    from lightning_megatrain.engine import sharding
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("no reduce_scatter in this backend")
+
+    monkeypatch.setattr(sharding, "_reduce_scatter", missing)
+    runs = launch(2, tmp_path, steps=2, accumulate=2, clip=0.05)
+    _assert_train_as_reference(runs, fit(1, strategy="auto", steps=2, accumulate=2, clip=0.05))
+
+
 @pytest.mark.parametrize("family", ["llama_tied", "qwen3_moe"])
 def test_hf_models_on_two_ranks(tmp_path, family):
     """An HF Llama with tied embeddings (one parameter, two names) and an MoE (routed experts, router logits), with
