@@ -181,6 +181,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{time.strftime('%Y-%m-%d')}-dpo-{args.model}-{device}.json"
+
+    def write(rows: list[dict]) -> None:
+        path.write_text(json.dumps({"commit": args.commit, "device": device, "dry_run": args.dry_run,
+                                    "results": rows}, indent=1))
+
     rows = []
     for task in args.tasks.split(","):
         spec = {"task": task, "model": args.model, "pairs": args.pairs, "seq": args.seq, "prompt": args.prompt,
@@ -195,11 +203,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     else {**spec, "error": (proc.stderr or proc.stdout)[-2000:]})
         print(f"{task}: " + (f"{rows[-1]['tokens_per_s']:,.0f} tokens/s" if not rows[-1]["error"] else "error"),
               flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{time.strftime('%Y-%m-%d')}-dpo-{args.model}-{device}.json"
-    path.write_text(json.dumps({"commit": args.commit, "device": device, "dry_run": args.dry_run,
-                                "results": rows}, indent=1))
+        write(rows)  # after each task: a command cut short keeps the tasks that finished
+    write(rows)
     for row in rows:
         if row["error"]:
             print(f"| {row['task']} | error: {row['error'][-300:]} |")

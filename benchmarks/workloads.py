@@ -80,6 +80,12 @@ MODELS = {
                                      tie_word_embeddings=True, max_position_embeddings=8192,
                                      rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}),
                          micro_batch_cap={"hf": 32, "chunked": 64}),
+    # Llama-3.2-1B shape (16 layers, hidden 2048, ffn 8192, heads 32/8, vocab 128256 tied: 1.24B): the soak's model.
+    "llama-3.2-1b": dict(config=dict(_LLAMA, vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                     tie_word_embeddings=True, max_position_embeddings=8192,
+                                     rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}),
+                         micro_batch_cap={"hf": 32, "chunked": 64}),
     "llama-2-7b": dict(config=dict(_LLAMA, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                                    tie_word_embeddings=False, max_position_embeddings=4096,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -71,7 +72,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(target)
+        remove_stale_temporaries(target)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -84,20 +85,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
 
-def _remove_stale_temporaries(target: Path) -> None:
+def remove_stale_temporaries(target: Path) -> None:
     """Remove the temporary files of killed saves beside ``target``: those of its name, and those whose writer's
-    process is gone (see [Note: atomic checkpoints])."""
-    for stale in target.parent.glob(".*.tmp"):
+    process is gone (see [Note: atomic checkpoints]); also the temporary and previous directories of sharded saves
+    ([Note: sharded checkpoints] in sharded_checkpoint.py)."""
+    for stale in [p for suffix in ("tmp", "old", "del") for p in target.parent.glob(f".*.{suffix}")]:
         writer = _TEMP_WRITER.fullmatch(stale.name)
         if stale.name.startswith(f".{target.name}.") or (writer is not None and not _alive(int(writer[1]))):
-            with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
 
 
-_TEMP_WRITER = re.compile(r"\..+\.pid(\d+)\.[^.]+\.tmp")  # .<name>.pid<writer>.<random>.tmp
+_TEMP_WRITER = re.compile(r"\..+\.pid(\d+)\.[^.]+\.(?:tmp|old|del)")  # .<name>.pid<writer>.<random>.<suffix>
 
 
 def _alive(pid: int) -> bool:
@@ -111,7 +116,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the rename durable: flush the directory entry (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -177,5 +182,5 @@ def _resume_candidates(trainer: pl.Trainer, path: _PATH) -> list[Path]:
     directories = {Path(os.path.normpath(c.dirpath)) for c in trainer.checkpoint_callbacks
                    if isinstance(c, ModelCheckpoint) and c.dirpath is not None} | {p.parent for p in local}
     files = {f for d in directories if d.is_dir() for f in d.glob("*.ckpt")} | local
-    files = {f for f in files if f != failed and f.is_file()}
+    files = {f for f in files if f != failed and (f.is_file() or f.is_dir())}  # a directory: a sharded checkpoint
     return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)

@@ -10,6 +10,7 @@ Usage::
     megatrain fit --trainer.strategy.help MegaTrainStrategy   # the strategy's options (num_slots, cpu_adam, ...)
     megatrain fit --config X.yaml --print_config              # the full resolved config
     megatrain export CKPT OUT_DIR [--max-shard-size 5GB] [--overwrite]   # Lightning checkpoint -> HF model folder
+    megatrain convert SHARDED_DIR OUT.ckpt [--overwrite]   # sharded checkpoint -> one file plain Lightning loads
     megatrain plan ...                          # memory / batch planner (see `megatrain plan --help`)
 
 ``python -m lightning_megatrain`` runs the same program.
@@ -64,6 +65,7 @@ from lightning_megatrain.callbacks import FitSummary, ParamSummary, StepProgress
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, PreferenceDataModule, SFTDataModule
 from lightning_megatrain.models import CausalLMModule, DPOModule, export_checkpoint
 from lightning_megatrain.planner.command import plan_main
+from lightning_megatrain.sharded_checkpoint import convert_to_file
 
 PROG = "megatrain"
 
@@ -85,6 +87,7 @@ Commands:
   fit|validate|test|predict --config X.yaml   LightningCLI (CausalLMModule + SFTDataModule); `megatrain fit --help`
   dpo fit|validate|test|predict ...           the same for preference pairs (DPOModule + PreferenceDataModule)
   export CKPT OUT_DIR                         Lightning checkpoint -> HuggingFace model folder
+  convert SHARDED_DIR OUT.ckpt                sharded checkpoint directory -> one Lightning .ckpt file
   plan ...                                    memory / batch planner
 
 Defaults beyond Lightning's: trainer.strategy=megatrain, trainer.devices=1, trainer.precision=null meaning
@@ -316,6 +319,27 @@ def export_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def convert_main(argv: Sequence[str]) -> int:
+    """``megatrain convert SHARDED_DIR OUT.ckpt [--overwrite]`` (sharded_checkpoint.py, [Note: sharded
+    checkpoints])."""
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} convert",
+        description="Write a sharded checkpoint (a directory saved with MegaTrainStrategy(checkpoint_format="
+        "'sharded')) as one Lightning .ckpt file, which plain Lightning (any strategy) loads. The tensors are "
+        "streamed from the shards: no copy of the checkpoint in host RAM.",
+    )
+    parser.add_argument("src", help="sharded checkpoint directory, e.g. checkpoints/run/last.ckpt")
+    parser.add_argument("out", help="the .ckpt file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    ns = parser.parse_args(list(argv))
+    try:
+        out = convert_to_file(ns.src, ns.out, overwrite=ns.overwrite)
+    except (FileExistsError, ValueError) as err:
+        parser.error(str(err))
+    print(f"Converted {ns.src} to {out}")
+    return 0
+
+
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of the ``megatrain`` console script and of ``python -m lightning_megatrain``.
 
@@ -335,6 +359,8 @@ def main(args: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] == "export":
             return export_main(argv[1:])
+        if argv and argv[0] == "convert":
+            return convert_main(argv[1:])
         if argv and argv[0] == "plan":
             return plan_main(argv[1:], prog=f"{PROG} plan")
         if argv and argv[0] == "dpo":  # preference optimisation: the same CLI over other classes

@@ -16,6 +16,10 @@ CpuAdamMode = Literal["auto", "deepspeed", "torch"]
 CPU_ADAM_MODES = ("auto", "deepspeed", "torch")
 NonFiniteMode = Literal["skip", "raise"]
 NONFINITE_MODES = ("skip", "raise")
+HostState = Literal["fp32", "int8_moments", "compact_kahan", "compact"]
+HOST_STATES = ("fp32", "int8_moments", "compact_kahan", "compact")  # optim/compact_adam.py HOST_STATE_LAYOUTS
+CheckpointFormat = Literal["file", "sharded"]
+CHECKPOINT_FORMATS = ("file", "sharded")
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ class EngineConfig:
     """How many groups, in the order the forward reads them (the residents, then layers 0, 1, ...), keep fp32
     master, grad and Adam states on the GPU and step there (engine/device_state.py). 18 bytes of GPU memory per
     layer parameter; CUDA and Adam/AdamW only. ``"auto"``: the fewest that hide the overlapped host Adam behind the
-    forward, planned for the first training micro-batch (engine/placement.py)."""
+    forward, planned for the first training micro-batch, and at least the fewest with which the host holds the other
+    groups' state (planner/pool.py, [Note: memory pool]) (engine/placement.py)."""
 
     compile_layers: bool | Auto = "auto"
     """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).
@@ -84,6 +89,18 @@ class EngineConfig:
     ``"raise"`` stops training with an error, nothing updated (engine/optimizer_step.py, [Note: all-or-nothing
     steps]). The learning-rate schedule and ``global_step`` advance either way, as under AMP's skipped steps."""
 
+    host_state: HostState = "fp32"
+    """How each parameter's host state is stored (optim/compact_adam.py, [Note: compact host state]; bytes per
+    parameter in docs/compact-state.md): ``"fp32"`` (fp32 master, grad and Adam moments: 16 B), ``"int8_moments"``
+    (fp32 master and grad, 8-bit moments: 10.03 B), ``"compact_kahan"`` (bf16 master with a bf16 Kahan compensation,
+    bf16 grad, 8-bit moments: 8.03 B) or ``"compact"`` (bf16 master rounded stochastically, bf16 grad, 8-bit
+    moments: 6.03 B). Other than ``"fp32"``: Adam/AdamW run as ``CompactAdamW`` on the host
+    (optim/compact_update.py), no ``gpu_optimizer_groups``; the bf16 layouts need ``precision="bf16-mixed"``."""
+    checkpoint_format: CheckpointFormat = "file"
+    """How local checkpoints are saved: ``"file"``, one ``torch.save`` archive (checkpoint_io.py, [Note: atomic
+    checkpoints]); ``"sharded"``, a directory of one safetensors file per decoder layer plus the residents', for
+    models whose checkpoint is large (sharded_checkpoint.py, [Note: sharded checkpoints]). Both load either."""
+
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
@@ -119,6 +136,14 @@ class EngineConfig:
             out.append(f"cpu_adam={self.cpu_adam!r}: choose one of {CPU_ADAM_MODES}")
         if self.nonfinite not in NONFINITE_MODES:
             out.append(f"nonfinite={self.nonfinite!r}: choose one of {NONFINITE_MODES}")
+        if self.host_state not in HOST_STATES:
+            out.append(f"host_state={self.host_state!r}: choose one of {HOST_STATES}")
+        elif self.host_state != "fp32" and type(groups) is int and groups > 0:
+            out.append(f"host_state={self.host_state!r} with gpu_optimizer_groups={groups}: the device groups step "
+                       "fp32 masters and fp32 Adam moments on the GPU; use gpu_optimizer_groups=0 (or 'auto', which "
+                       "places none with a compact host_state), or host_state='fp32'")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            out.append(f"checkpoint_format={self.checkpoint_format!r}: choose one of {CHECKPOINT_FORMATS}")
         return out
 
     def replace(self, **changes: object) -> EngineConfig:

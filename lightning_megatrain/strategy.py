@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import warnings
@@ -23,15 +24,31 @@ from typing_extensions import override
 
 from lightning_megatrain._hardware import GIB, host_rss_gib
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
-from lightning_megatrain.config import Auto, CpuAdamMode, EngineConfig, KeepLayers, NonFiniteMode
+from lightning_megatrain.config import (
+    Auto,
+    CheckpointFormat,
+    CpuAdamMode,
+    EngineConfig,
+    HostState,
+    KeepLayers,
+    NonFiniteMode,
+)
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.engine.shard_states import load_optimizer_state, load_shard_files, shard_path, split_checkpoint
 from lightning_megatrain.engine.sharding import ShardedState
-from lightning_megatrain.hooks import OptimizerBarrier
+from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
+from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
 from lightning_megatrain.ranks import RankStrategy
+from lightning_megatrain.sharded_checkpoint import (
+    ShardedCheckpointIO,
+    layer_layout,
+    load_any,
+    owned,
+    read_into,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +82,10 @@ class MegaTrainStrategy(RankStrategy):
     Several devices (``devices=N``, ``num_nodes=M``): one process per device, started by Lightning's launcher
     (ranks.py); each rank owns 1/N of every layer's fp32 grads and optimizer states and updates 1/N of its masters,
     the layers' grads are reduce-scattered in backward and the updated masters all-gathered after the step
-    (engine/sharding.py, [Note: sharded host state]); checkpoints are sharded and resume on any number of ranks
-    (engine/shard_states.py, [Note: sharded checkpoints]). ``overlap_optimizer`` and ``gpu_optimizer_groups`` are
-    off there (refused when given), and the optimizer must be elementwise (not Muon or CompactAdamW).
+    (engine/sharding.py, [Note: sharded host state]); each rank saves its optimizer states' share beside the
+    checkpoint, which resumes on any number of ranks (engine/shard_states.py, [Note: checkpoints of several ranks]).
+    ``overlap_optimizer`` and ``gpu_optimizer_groups`` are off there (refused when given), ``host_state`` must be
+    ``"fp32"``, ``checkpoint_format`` ``"file"``, and the optimizer elementwise (not Muon or CompactAdamW).
 
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with
@@ -142,10 +160,25 @@ class MegaTrainStrategy(RankStrategy):
             (engine/optimizer_step.py, [Note: all-or-nothing steps]). An update that fails (host RAM for the first
             step's Adam states, a gradient or state the kernel cannot take) fails before it writes anything:
             ``StepFailed`` says that masters and optimizer states are as they were.
-        checkpoint_io: Lightning checkpoint IO plugin. Default: local saves are written to a temporary file beside
-            the target and renamed over it, never buffered whole in host RAM (checkpoint_io.py, [Note: atomic
-            checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads
-            when the last one does not, with a warning ([Note: resuming from a readable checkpoint]).
+        host_state: how each parameter's host state is stored (docs/compact-state.md): ``"fp32"`` (default: fp32
+            master, grad and Adam moments, 16 bytes/param), ``"int8_moments"`` (8-bit block-quantized moments, 10.03),
+            ``"compact_kahan"`` (bf16 master with a bf16 Kahan compensation, bf16 grad, 8-bit moments, 8.03) or
+            ``"compact"`` (bf16 master rounded stochastically, bf16 grad, 8-bit moments, 6.03). Other than
+            ``"fp32"``, Adam/AdamW from ``configure_optimizers`` runs as ``CompactAdamW`` with the layout's formats
+            (overlapped, all or nothing, clipping inside its kernel; optim/compact_update.py, [Note: compact state in
+            the engine]); another optimizer is refused, and so is ``gpu_optimizer_groups`` > 0 (``"auto"`` places
+            none). The bf16 layouts make the parameters bf16 (checkpoints hold bf16 weights) and need
+            ``precision="bf16-mixed"``.
+        checkpoint_format: ``"file"`` (default): a checkpoint is one file. ``"sharded"``: a directory of the same name
+            holding one safetensors file per decoder layer (its masters and optimizer states) and one for the
+            residents, swapped in atomically, loadable by ``ckpt_path`` and ``"last"`` like a file; ``megatrain
+            convert`` makes it one file for plain Lightning (sharded_checkpoint.py, [Note: sharded checkpoints]).
+            Loading reads either format.
+        checkpoint_io: Lightning checkpoint IO plugin (not with ``checkpoint_format="sharded"``). Default: local saves
+            are written to a temporary file beside the target and renamed over it, never buffered whole in host RAM
+            (checkpoint_io.py, [Note: atomic checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from
+            the newest checkpoint that loads when the last one does not, with a warning ([Note: resuming from a
+            readable checkpoint]).
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
             ``"bf16-true"`` is mapped to ``"bf16-mixed"`` with a warning: masters are never kept in bf16.
@@ -174,6 +207,8 @@ class MegaTrainStrategy(RankStrategy):
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
         nonfinite: NonFiniteMode = "skip",
+        host_state: HostState = "fp32",
+        checkpoint_format: CheckpointFormat = "file",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -191,8 +226,18 @@ class MegaTrainStrategy(RankStrategy):
             chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,
             nonfinite=nonfinite,
+            host_state=host_state,
+            checkpoint_format=checkpoint_format,
         )
-        # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints])
+        if checkpoint_format == "sharded" and checkpoint_io is not None:
+            raise ValueError(f"MegaTrainStrategy(checkpoint_format='sharded') saves through its own checkpoint IO, got "
+                             f"checkpoint_io={type(checkpoint_io).__name__}. HINT: pass one of the two.")
+        # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints]), or per layer
+        # ([Note: sharded checkpoints])
+        if checkpoint_io is None and checkpoint_format == "sharded":
+            checkpoint_io = ShardedCheckpointIO(
+                lambda checkpoint: layer_layout(checkpoint, self.lightning_module, self.config.layers, self.optimizers)
+            )
         checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
         # one process per device; several share the host state ([Note: sharded host state] in engine/sharding.py)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
@@ -311,7 +356,7 @@ class MegaTrainStrategy(RankStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         self.wait_for_optimizer()
-        if self._sharding is not None:  # this rank's slices and the manifest ([Note: sharded checkpoints])
+        if self._sharding is not None:  # this rank's slices and the manifest ([Note: checkpoints of several ranks])
             return self._sharding.optimizer_state(optimizer)
         # gpu_optimizer_groups keep some states on the GPU: checkpoints hold CPU tensors, as without them
         return apply_to_collection(super().optimizer_state(optimizer), torch.Tensor, lambda t: t.cpu())
@@ -324,10 +369,12 @@ class MegaTrainStrategy(RankStrategy):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
             trainer = None
-        load = super().load_checkpoint
-        # a checkpoint of several ranks brings its shard files' optimizer slices ([Note: sharded checkpoints])
+        load = super().load_checkpoint  # a sharded directory's meta.pt through it ([Note: sharded checkpoints]); a
+        # checkpoint of several ranks brings its shard files' optimizer slices ([Note: checkpoints of several ranks])
         return load_readable(
-            lambda path: load_shard_files(load(path, weights_only=weights_only), path), checkpoint_path, trainer
+            lambda path: load_shard_files(load_any(path, lambda file: load(file, weights_only=weights_only)), path),
+            checkpoint_path,
+            trainer,
         )
 
     @override
@@ -350,6 +397,7 @@ class MegaTrainStrategy(RankStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.wait_for_optimizer()
+        read_into(checkpoint["state_dict"], self.lightning_module.state_dict())  # a sharded checkpoint's, in place
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.engine is not None:
             self.engine.reload_masters()
@@ -368,11 +416,13 @@ class MegaTrainStrategy(RankStrategy):
         self.wait_for_optimizer()
         sharding = self._sharding
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            # any number of ranks from any number of ranks ([Note: sharded checkpoints])
+            # any number of ranks from any number of ranks ([Note: checkpoints of several ranks])
             state = sharding.load_state(optimizer, state) if sharding is not None else load_optimizer_state(
                 optimizer, state, None, {}, self._whole_parameter_key()
             )
-            load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning
+            # also from a checkpoint of another host Adam or plain Lightning; states mapped from a sharded checkpoint
+            # become the optimizer's own memory
+            load_host_state(optimizer, owned(state))
 
     def _whole_parameter_key(self) -> Any:
         """One rank's optimizer parameters are the module's: each the whole element range of its name."""
@@ -386,10 +436,19 @@ class MegaTrainStrategy(RankStrategy):
         return True
 
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        transfer = functools.partial(super().batch_to_device, device=device, dataloader_idx=dataloader_idx)
+        if self.lightning_module is None or is_overridden("transfer_batch_to_device", self.lightning_module):
+            return transfer(batch)  # a module that moves its own batches binds their documents itself, or not at all
+        # packed rows' documents read on the host ([Note: host document spans] in models/document_spans.py)
+        return transfer_binding_spans(batch, transfer)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         if self.engine is not None and self.engine.placement_pending:  # the first micro-batch ([Note: auto placement])
-            trainer = self.lightning_module.trainer
+            module = self.lightning_module
+            trainer = module.trainer
             self.engine.place_for_batch(
                 batch,
                 grad_accum=trainer.accumulate_grad_batches,
@@ -397,6 +456,7 @@ class MegaTrainStrategy(RankStrategy):
                 custom_clipping=(trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
                 or is_overridden("configure_gradient_clipping", self.lightning_module),
                 chunked_loss=self._chunked_loss,
+                grads_read=grads_read_by_hooks(module) or not module.automatic_optimization,
             )
         elif self.engine is not None and self.engine.checkpoints_outgrown(batch):  # longer than the first
             trainer = self.lightning_module.trainer

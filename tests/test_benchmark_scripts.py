@@ -334,3 +334,37 @@ def test_compact_adam_dry_run_rows(tmp_path):
         assert r["params"] == 2 * 2**16 and r["gparam_per_s"] > 0 and r["compiled"] is False
         assert f"| {r['system']} | {r['state_bytes_per_param']:.2f} | False |" in stdout
     assert [r["state_bytes_per_param"] for r in rows] == [16.0, 6.03125, 8.03125, 10.03125]
+
+
+def test_soak_summary_measures_growth_and_loss_gap():
+    """benchmarks/soak.py's summary: growth after warm-up and the loss gap between the two systems' curves."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_soak", Path(__file__).parents[1] / "benchmarks" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    assert soak.growth([5.0, 10.0, 10.0, 10.1], warmup=1) == pytest.approx(0.01)
+    assert soak.growth([1.0], warmup=1) is None
+
+    def run(losses, rss):
+        recs = [{"step": i + 1, "time_s": float(i), "host_rss_gib": r, "gpu_alloc_gib": 2.0, "loss": x}
+                for i, (x, r) in enumerate(zip(losses, rss))]
+        return {"records": recs, "peak_host_gib": max(rss), "peak_gpu_gib": 2.0}
+
+    summary = soak.summarize({"megatrain": run([3.0, 2.0, 1.1], [1.0, 2.0, 2.0]),
+                              "plain": run([3.0, 2.0, 1.0], [1.0, 1.0, 1.0])}, warmup=1)
+    assert summary["megatrain"]["host_rss_growth"] == 0.0 and summary["megatrain"]["gpu_alloc_growth"] == 0.0
+    assert summary["megatrain"]["step_s"] == pytest.approx(1.0)
+    assert summary["loss"]["max_abs_diff"] == pytest.approx(0.1)
+    assert summary["loss"]["steps_before_floor"] == 3
+    assert summary["loss"]["max_rel_diff_before_floor"] == pytest.approx(0.1)
+
+
+def test_memory_pool_benchmark_dry_run():
+    """benchmarks/memory_pool.py --dry-run: a tiny Llama trains on the CPU, the row has the measured and planned
+    numbers side by side (the split itself needs CUDA: benchmarks/memory_pool.py on the H200)."""
+    out = _run("benchmarks/memory_pool.py", "--dry-run", timeout=300)
+    row = json.loads(out[out.index("\n{") + 1:])
+    assert row["model"] == "tiny-llama" and row["measured"]["gpu_optimizer_groups"] == 0
+    assert row["measured"]["tokens_per_s"] > 0 and row["measured"]["peak_host_rss_gib"] > 0
+    assert row["planned"]["fits"] and {"host_gib", "gpu_peak_gib", "tokens_per_s"} <= set(row["planned"])

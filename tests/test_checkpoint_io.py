@@ -20,12 +20,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
 
+from helpers.host_ram import MEASURABLE, SaveAndMeasure, Wide
 from helpers.parity import ParityLM
 from helpers.trainers import cpu_trainer
 
@@ -110,52 +109,7 @@ def test_strategy_saves_atomically_by_default_and_takes_a_given_plugin():
 # - host RAM during a save
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
-
-
-class _Wide(L.LightningModule):
-    """6.8M parameters, 6.3M of them in 6 streamed layers: a 78 MiB checkpoint (fp32 masters and both Adam moments)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, 1024)
-        self.blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(6))
-        self.head = nn.Linear(1024, 256)
-
-    def training_step(self, batch, batch_idx):
-        x = self.embed(batch)  # [B, T, 1024]
-        for block in self.blocks:
-            x = x + torch.tanh(block(x))
-        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch.flatten())
-
-    def train_dataloader(self):
-        return DataLoader(torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0)), batch_size=2)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class _SaveAndMeasure(L.Callback):
-    """Saves at the last step and measures the process's peak RSS above its RSS before the save (the peak reset
-    through ``/proc/self/clear_refs`` first)."""
-
-    def __init__(self, path) -> None:
-        self.path = path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step < trainer.max_steps:
-            return
-        trainer.strategy.wait_for_optimizer()
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # VmHWM := VmRSS
-        before = _status_bytes("VmRSS")
-        trainer.save_checkpoint(self.path)
-        self.extra = _status_bytes("VmHWM") - before
-
-
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.skipif(not MEASURABLE, reason="needs Linux's /proc/self/clear_refs")
 def test_a_save_holds_no_second_copy_of_the_checkpoint_in_host_ram(tmp_path):
     """[Note: atomic checkpoints]: a 78 MiB checkpoint saved through the strategy raises the peak RSS by under 4 MiB
     (0.3 MiB measured), where Lightning's TorchCheckpointIO holds the whole checkpoint in a buffer first. The file
@@ -164,9 +118,9 @@ def test_a_save_holds_no_second_copy_of_the_checkpoint_in_host_ram(tmp_path):
 
     extra = {}
     for plugin in (AtomicCheckpointIO(), TorchCheckpointIO()):
-        measure = _SaveAndMeasure(tmp_path / f"{type(plugin).__name__}.ckpt")
+        measure = SaveAndMeasure(tmp_path / f"{type(plugin).__name__}.ckpt")
         strategy = MegaTrainStrategy(layers="blocks", cpu_adam="torch", checkpoint_io=plugin)
-        module = _Wide()
+        module = Wide()
         cpu_trainer(strategy=strategy, max_steps=2, callbacks=[measure]).fit(module)
         extra[type(plugin).__name__] = measure.extra
     size = (tmp_path / "AtomicCheckpointIO.ckpt").stat().st_size

@@ -36,7 +36,10 @@ themselves and with the layer's forward and backward):
   and skip it).
 
 GPU memory: 18 bytes per layer parameter (mirror, grad, two moments and a compute-dtype copy under bf16), 16 per
-resident parameter (their fp32 compute copies are the mirror). Host memory saves the 8 bytes/param of moments.
+resident parameter (their fp32 compute copies are the mirror). Host memory saves the 8 bytes/param of moments and,
+where no code reads ``p.grad`` before the step, the 4 of the grad: the host keeps the 4-byte master only, which is
+what lets ``gpu_optimizer_groups="auto"`` split a model's state between both memories (planner/pool.py, [Note:
+memory pool]).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain.engine.device_state import DeviceGroup
+from lightning_megatrain.engine.grad_norm import norm_sq
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.pinned import HostRegistry
 
@@ -121,8 +122,8 @@ class GradDrain:
         with torch.profiler.record_function("megatrain::d2h"):
             packed = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] on the compute stream
             if first:
-                packed = packed.float()
-                group.device_norm_sq = torch.dot(packed, packed)  # the per-layer partial norm clipping will read
+                packed = packed.to(group.grad_dtype)  # fp32, or bf16 as computed (a compact host_state)
+                group.device_norm_sq = norm_sq(packed)  # the per-layer partial norm clipping will read
             packed_ready = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
             packed_ready.record(compute)
             if accumulate:
@@ -142,22 +143,26 @@ class GradDrain:
     def _drain_accumulating(
         self, index: int, packed: Tensor, packed_ready: torch.cuda.Event, done: torch.cuda.Event
     ) -> None:
-        """Add ``packed`` to layer ``index``'s complete host grads on the device and write the fp32 sum back."""
+        """Add ``packed`` to layer ``index``'s complete host grads on the device and write the sum back: computed in
+        fp32, rounded once to bf16 for bf16 host grads (a compact ``host_state``)."""
         group = self.groups[index]
         with torch.cuda.stream(self.h2d_stream):
-            total = torch.empty(group.numel, dtype=torch.float32, device=self.device)  # [numel] fp32
-            total.copy_(group.grad, non_blocking=True)  # behind the weight prefetches already queued
+            uploaded_grads = torch.empty(group.numel, dtype=group.grad_dtype, device=self.device)  # [numel]
+            uploaded_grads.copy_(group.grad, non_blocking=True)  # behind the weight prefetches already queued
+            total = uploaded_grads.float()  # [numel] fp32 (the same tensor for fp32 grads)
             uploaded = torch.cuda.Event()  # recorded by the H2D stream; waited on by the D2H stream
             uploaded.record(self.h2d_stream)
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(uploaded)
             self.d2h_stream.wait_event(packed_ready)
             total.add_(packed)  # fp32 += compute dtype, the same sum the slab path's host add makes
+            summed = total.to(group.grad_dtype)  # [numel] as the host holds it (``total`` itself for fp32)
             # Read by clip_grad_norm_ on the compute stream only after wait_drained() synchronized on ``done``.
-            group.device_norm_sq = torch.dot(total, total)
-            group.grad.copy_(total, non_blocking=True)
+            group.device_norm_sq = norm_sq(summed)
+            group.grad.copy_(summed, non_blocking=True)
             done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, [True] * len(group.params), (packed, total), None, done))
+        self._pending.put(_Drain(index, [True] * len(group.params), (packed, uploaded_grads, total, summed), None,
+                                 done))
 
     def _count_in_flight(self, index: int) -> bool:
         """Count one more drain of layer ``index`` for the worker; True when none was in flight (the worker is done

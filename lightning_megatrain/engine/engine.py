@@ -20,6 +20,7 @@ from lightning_megatrain.engine.host_store import (
     FlatGroup,
     check_host_bytes_to_come,
     check_host_memory,
+    check_layout_compute,
     check_packed,
     pack_group,
 )
@@ -27,10 +28,13 @@ from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.placement import (
+    check_split_possible,
     checkpoint_host_budget,
     choose_checkpoints,
     choose_gpu_optimizer_groups,
     host_bytes_to_come,
+    host_bytes_to_come_split,
+    host_free_checked,
     module_hf_config,
     resolve,
     token_shape,
@@ -48,6 +52,7 @@ from lightning_megatrain.engine.sharding import (
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.optim.host_optimizer import overlappable
 
 log = logging.getLogger(__name__)
@@ -58,7 +63,8 @@ class MegaTrainEngine:
     also builds the optimizer step over them (:attr:`step`).
 
     Args:
-        module: the LightningModule (or any ``nn.Module``) whose parameters become host fp32 masters.
+        module: the LightningModule (or any ``nn.Module``) whose parameters become host masters (fp32, or bf16 for a
+            compact ``host_state``).
         device: the compute device (``cuda:N`` or ``cpu``).
         compute_dtype: dtype layers are streamed and computed in (``bfloat16`` or ``float32``).
         config: the options (lightning_megatrain/config.py, one documented field each).
@@ -127,6 +133,8 @@ class MegaTrainEngine:
         module = self.module
         if self.ranks is not None:  # what several ranks do not support yet is refused here, "auto" settled
             self.config = sharded_config(self.config, self.ranks.world)
+        layout = HOST_STATE_LAYOUTS[self.config.host_state]
+        check_layout_compute(self.config.host_state, self.compute_dtype)
         self.config = resolve(self.config, self.device)  # the "auto" options ([Note: auto placement])
         path, stack = find_layer_stack(module, self.config.layers)
         resident_slots = tensor_slots(module, skip=stack)
@@ -142,19 +150,29 @@ class MegaTrainEngine:
         n_resident = sum(p.numel() for p in {id(s.get()): s.get() for s in resident_slots if s.is_param}.values())
         n_device = self._check_gpu_optimizer_groups(len(stack))
         device_numel = ([n_resident] + layer_numels)[:n_device]
+        # host grads (forward order: the residents, then the layers) are allocated now, except the device groups'
+        # (only if code reads them) and, while "auto" is undecided, every group's: the split of the state between
+        # host and GPU is decided at the first training micro-batch, before the host allocations it saves
+        # ([Note: memory pool] in planner/pool.py; _choose_device_groups allocates the host groups' then)
+        self._grads_deferred = fitting and self.config.gpu_optimizer_groups == "auto"
+        lazy = [self._grads_deferred or k < n_device for k in range(len(stack) + 1)]
         check_host_memory(  # the optimizer states: check_host_state, once the optimizers exist
             layer_numels + [n_resident],
             pinned=self.on_cuda,
             slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
+            master_bytes=layout.weight_dtype.itemsize,
+            grad_bytes=layout.grad_dtype.itemsize,
+            grad_numels=[0 if off else n for n, off in zip(layer_numels + [n_resident], lazy[1:] + lazy[:1])],
         )
         if self.on_cuda:
             self._check_gpu_memory(max_layer, n_resident, device_numel)
 
         pin = self.on_cuda
         registry = self.registry = HostRegistry() if pin else None
-        # device groups (the residents, then the first layers) allocate host grads only if code reads them
-        self.groups = [pack_group(slots, registry, lazy_grad=i + 1 < n_device) for i, slots in enumerate(layer_slots)]
-        resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=n_device > 0)
+        dtypes = dict(master_dtype=layout.weight_dtype, grad_dtype=layout.grad_dtype)  # the host_state's
+        self.groups = [pack_group(slots, registry, lazy_grad=lazy[i + 1], **dtypes)
+                       for i, slots in enumerate(layer_slots)]
+        resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=lazy[0], **dtypes)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
         overlap = self._overlap = (
             OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
@@ -208,13 +226,14 @@ class MegaTrainEngine:
         self._place_device_groups(n_device)
         log.info(
             "MegaTrain: streaming %d layers of '%s' (%.2fM params each, largest), %.2fM resident params, "
-            "%.2fB params in host RAM (%s), compute %s on %s with %d slots%s",
+            "%.2fB params in host RAM (%s, host_state %s), compute %s on %s with %d slots%s",
             len(stack),
             path,
             max_layer / 1e6,
             n_resident / 1e6,
             n_params / 1e9,
             "pinned" if pin else "pageable",
+            self.config.host_state,
             str(self.compute_dtype).replace("torch.", ""),
             self.device,
             self.config.num_slots,
@@ -229,14 +248,16 @@ class MegaTrainEngine:
         optimizers: Sequence[torch.optim.Optimizer],
         custom_clipping: bool,
         chunked_loss: bool,
+        grads_read: bool = False,
     ) -> None:
         """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them, then place (or
         check) the layer-input checkpoints (engine/placement.py, [Note: auto placement]); logs each choice. Called
-        once, before that micro-batch's forward. Raises before any allocation of the micro-batch when no placement of
-        its checkpoints fits, with the numbers."""
+        once, before that micro-batch's forward. ``grads_read``: code reads ``p.grad`` before the step (the device
+        groups' grads then reach the host too). Raises before any allocation of the micro-batch when no split of the
+        state between host and GPU, or no placement of its checkpoints, fits, with the numbers."""
         self.placement_pending = False
         if self.config.gpu_optimizer_groups == "auto":
-            self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss)
+            self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read)
         if self.on_cuda:
             self.place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
 
@@ -245,7 +266,9 @@ class MegaTrainEngine:
         shape = token_shape(batch) if self._placed_tokens else None
         return shape is not None and shape[0] * shape[1] > self._placed_tokens
 
-    def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss) -> None:
+    def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read) -> None:
+        forward = [self.resident_group, *self.groups]
+        free = host_free_checked()
         n, why = choose_gpu_optimizer_groups(
             self.module,
             batch,
@@ -256,10 +279,16 @@ class MegaTrainEngine:
             adam_only=len(optimizers) == 1 and overlappable(optimizers[0]),
             custom_clipping=custom_clipping,
             chunked_loss=chunked_loss,
+            host_free=free,
+            to_come=lambda k: host_bytes_to_come_split(forward, optimizers, k, grads_read),
         )
         log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
         self.config = self.config.replace(gpu_optimizer_groups=n)
         self._place_device_groups(n)
+        if self._grads_deferred:  # the host groups' grads, deferred at setup, now that the split is decided
+            self._grads_deferred = False
+            for group in forward[n:]:
+                group.grad  # noqa: B018  (allocates the buffer: FlatGroup.grad)
 
     def check_host_state(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Refuse before the first step when host RAM cannot hold the host groups' grads and the optimizers' states
@@ -268,6 +297,9 @@ class MegaTrainEngine:
         Raises:
             RuntimeError: with the numbers (engine/host_store.py ``check_host_bytes_to_come``).
         """
+        if self.placement_pending and self.config.gpu_optimizer_groups == "auto":  # split at the first micro-batch
+            check_split_possible([self.resident_group, *self.groups], optimizers, self.device, self.compute_dtype)
+            return
         host_groups = self._host_groups()
         check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
 
@@ -377,10 +409,11 @@ class MegaTrainEngine:
 
     def _check_gpu_memory(self, max_layer: int, n_resident: int, device_numel: list[int]) -> None:
         free, _ = torch.cuda.mem_get_info(self.device)
-        per_slot = max_layer * (4 + (self.compute_dtype.itemsize if self.compute_dtype != torch.float32 else 0))
-        # slots + resident compute copies and their grads (fp32) + a packed grad buffer for one layer
+        master = HOST_STATE_LAYOUTS[self.config.host_state].weight_dtype  # what a slot's upload reads
+        per_slot = max_layer * (master.itemsize + (self.compute_dtype.itemsize if self.compute_dtype != master else 0))
+        # slots + resident compute copies and their grads (the masters' dtype) + a packed grad buffer for one layer
         slots = self.config.num_slots
-        need = slots * per_slot + n_resident * 8 + max_layer * self.compute_dtype.itemsize
+        need = slots * per_slot + n_resident * 2 * master.itemsize + max_layer * self.compute_dtype.itemsize
         # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
         itemsize = self.compute_dtype.itemsize
         device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
@@ -455,7 +488,8 @@ class MegaTrainEngine:
             self.residents.invalidate()
 
     def host_bytes(self) -> dict[str, int]:
-        """Host memory the engine holds, by kind: the fp32 masters, the fp32 grad buffers allocated so far, the
+        """Host memory the engine holds, by kind: the masters, the grad buffers allocated so far (fp32, or bf16 for a
+        compact ``host_state``), the
         drain's pinned slabs and, on CUDA, the stash pool's page-locked buffers of offloaded layer inputs. Sizes only:
         no sync, callable any time after :meth:`setup`."""
         groups = self.flat_groups

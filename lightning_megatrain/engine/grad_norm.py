@@ -35,6 +35,14 @@ def device_norm_sq(groups: list[FlatGroup], device: torch.device) -> Tensor:
     return total_sq + float(torch.stack(host_sq).sum()) if host_sq else total_sq
 
 
+def norm_sq(x: Tensor) -> Tensor:
+    """Squared L2 norm of a 1D grad buffer (fp32 0-dim, on its device): a dot product in fp32, accumulated in fp32
+    from a bf16 buffer (compact ``host_state``) without an fp32 copy of it."""
+    if x.dtype == torch.float32:
+        return torch.dot(x, x)
+    return torch.linalg.vector_norm(x, dtype=torch.float32).square()
+
+
 def clip_coef(norm_sq: Tensor, max_norm: float) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s factor, ``max_norm / (norm + 1e-6)`` clamped to 1, where ``norm_sq`` is."""
     return torch.clamp(max_norm / (norm_sq.sqrt() + 1e-6), max=1.0)

@@ -1,9 +1,11 @@
-"""Host-resident state: each layer's fp32 *masters* and fp32 *grads* packed into one flat host buffer.
+"""Host-resident state: each layer's *masters* and *grads* packed into one flat host buffer each.
 
 After :func:`pack_group`, every parameter of the group is a view into ``FlatGroup.master`` (pinned when the compute
 device is CUDA, so the H2D stream reads it at full PCIe speed), so optimizers, ``state_dict()`` and checkpoints see
-ordinary fp32 CPU parameters. ``p.grad`` is a view into ``FlatGroup.grad`` once a gradient has arrived; Lightning's
-``zero_grad(set_to_none=True)`` drops the views, and the next :meth:`FlatGroup.accumulate` re-attaches them.
+ordinary CPU parameters: fp32, or bf16 where ``host_state`` stores bf16 masters and grads (optim/compact_adam.py,
+[Note: compact host state]). Norms of the grads are accumulated in fp32 whatever their dtype. ``p.grad`` is a view
+into ``FlatGroup.grad`` once a gradient has arrived; Lightning's ``zero_grad(set_to_none=True)`` drops the views,
+and the next :meth:`FlatGroup.accumulate` re-attaches them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor, nn
 from lightning_megatrain._hardware import GIB, available_host_bytes
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.pinned import PAGE, HostRegistry, round_up
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 
 
 @dataclass
@@ -26,9 +29,10 @@ class FlatGroup:
 
     params: list[nn.Parameter]  # unique parameters in layout order
     offsets: list[int]  # start of each parameter in the flat buffers
-    master: Tensor  # 1D fp32 host, [numel]; the parameters' storage
+    master: Tensor  # 1D host, [numel], fp32 or bf16 (the layout's); the parameters' storage
     new_grad: Callable[[], Tensor]  # allocates ``grad`` on first use
     slot_index: list[tuple[TensorSlot, int]] = field(default_factory=list)  # parameter slot -> index into params
+    grad_dtype: torch.dtype = torch.float32  # the dtype ``new_grad`` allocates (the layout's)
     # Squared norm of ``self.grad`` as the device last wrote it whole (0-dim device tensor: one arrival, or the
     # device-side sum of all arrivals); it spares clipping a pass over host memory. Set and cleared by the gradient
     # drains (engine/drain.py, engine/residents.py), None whenever a host-side add changed ``self.grad`` afterwards.
@@ -37,8 +41,8 @@ class FlatGroup:
 
     @property
     def grad(self) -> Tensor:
-        """1D fp32 host, [numel]; storage of ``p.grad`` views. Allocated on first use: a device group whose grads no
-        code reads never needs it (engine/device_state.py)."""
+        """1D host, [numel], in ``grad_dtype``; storage of ``p.grad`` views. Allocated on first use: a device group
+        whose grads no code reads never needs it (engine/device_state.py)."""
         if self._grad is None:
             self._grad = self.new_grad()
         return self._grad
@@ -66,7 +70,8 @@ class FlatGroup:
         return [flat[o : o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
 
     def accumulate(self, grads: list[Tensor | None], packed: Tensor | None = None) -> None:
-        """Add ``grads`` (one per parameter, ``None`` = no gradient this pass) into the fp32 host grads.
+        """Add ``grads`` (one per parameter, ``None`` = no gradient this pass) into the host grads (a bf16 add is
+        computed in fp32 and rounded once, as torch adds bf16 tensors on the CPU).
 
         A parameter with ``p.grad is None`` gets a view of ``self.grad`` filled by copy (no zeroing pass), one with a
         gradient gets an in-place add, and a ``None`` entry leaves ``p.grad`` untouched, exactly as autograd would
@@ -116,7 +121,8 @@ class FlatGroup:
             if self.device_norm_sq is not None:
                 return self.device_norm_sq
             return _flat_norm_sq(self.grad)
-        norms = [torch.linalg.vector_norm(p.grad).square() for p in self.params if p.grad is not None]
+        norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square() for p in self.params
+                 if p.grad is not None]
         return torch.stack(norms).sum() if norms else torch.zeros(())
 
     def unpacked(self) -> list[TensorSlot]:
@@ -140,7 +146,7 @@ class FlatGroup:
 
 
 def check_packed(groups: list[FlatGroup], module: nn.Module) -> None:
-    """Before a step: every parameter still holds its packed fp32 master.
+    """Before a step: every parameter still holds its packed host master.
 
     Raises:
         RuntimeError: a parameter was cast, moved or replaced after setup (``.double()``, ``.half()``, ``.to(...)``,
@@ -155,7 +161,7 @@ def check_packed(groups: list[FlatGroup], module: nn.Module) -> None:
              for s in moved]
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
     raise RuntimeError(
-        f"MegaTrainStrategy packed every parameter into an fp32 master in host RAM at setup, but {', '.join(found[:3])}"
+        f"MegaTrainStrategy packed every parameter into a master in host RAM at setup, but {', '.join(found[:3])}"
         f"{more}: a parameter cast, moved or replaced after setup (`.double()`, `.half()`, `.to(...)`, `.cuda()`, a "
         "new nn.Parameter) is not what the engine streams and updates. HINT: build the module in its final form "
         "before fit (in __init__ or configure_model); choose the compute dtype with Trainer(precision=...) and leave "
@@ -164,22 +170,31 @@ def check_packed(groups: list[FlatGroup], module: nn.Module) -> None:
 
 
 def _flat_norm_sq(x: Tensor) -> Tensor:
-    """Squared norm of a 1D host tensor, reduced over rows of a 2D view so the reduction parallelizes over threads."""
+    """Squared norm (fp32) of a 1D host tensor (fp32 or bf16, widened as it is read), reduced over rows of a 2D view
+    so the reduction parallelizes over threads."""
     rows = 1024
     if x.numel() < rows:
-        return x.square().sum()
+        return x.float().square().sum()
     cut = x.numel() - x.numel() % rows
-    head = torch.linalg.vector_norm(x[:cut].view(rows, -1), dim=1).square().sum()  # [rows] partial norms, in parallel
-    return head + x[cut:].square().sum()
+    # [rows] partial norms, in parallel
+    head = torch.linalg.vector_norm(x[:cut].view(rows, -1), dim=1, dtype=torch.float32).square().sum()
+    return head + x[cut:].float().square().sum()
 
 
-def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None, lazy_grad: bool = False) -> FlatGroup:
-    """Move the parameters named by ``slots`` into one flat fp32 host buffer (their ``.data`` become views).
+def pack_group(
+    slots: list[TensorSlot],
+    registry: HostRegistry | None = None,
+    lazy_grad: bool = False,
+    master_dtype: torch.dtype = torch.float32,
+    grad_dtype: torch.dtype = torch.float32,
+) -> FlatGroup:
+    """Move the parameters named by ``slots`` into one flat host buffer of ``master_dtype`` (their ``.data`` become
+    views; a bf16 master is each value rounded to nearest, as ``module.to(torch.bfloat16)`` rounds it).
 
     With a ``registry`` (CUDA compute) both flat buffers are page-locked at their exact size (engine/pinned.py), so the
     H2D stream reads the masters and the D2H stream writes the grads at full PCIe speed. Parameters are copied one
     at a time so host memory peaks at the model plus one group, never twice the model. ``lazy_grad``: the grad
-    buffer is allocated when first used (a device group's), else now.
+    buffer is allocated when first used (a device group's), else now; it holds ``grad_dtype``.
     """
     params: list[nn.Parameter] = []
     index_of: dict[int, int] = {}
@@ -202,21 +217,22 @@ def pack_group(slots: list[TensorSlot], registry: HostRegistry | None = None, la
             flat[offset : offset + p.numel()].view(p.shape).copy_(p.detach())
 
     if registry is None:
-        master = torch.empty(total, dtype=torch.float32)
+        master = torch.empty(total, dtype=master_dtype)
         copy_params(master)
     else:
-        master = registry.empty(total, torch.float32, init=copy_params)
+        master = registry.empty(total, master_dtype, init=copy_params)
 
     def new_grad() -> Tensor:
-        return torch.empty(total, dtype=torch.float32) if registry is None else registry.empty(total, torch.float32)
+        return torch.empty(total, dtype=grad_dtype) if registry is None else registry.empty(total, grad_dtype)
 
     for p, view in zip(params, [master[o : o + p.numel()].view(p.shape) for p, o in zip(params, offsets)]):
         p.data = view  # the original storage is freed here unless the user holds another reference
     return FlatGroup(params=params, offsets=offsets, master=master, new_grad=new_grad, slot_index=slot_index,
-                     _grad=None if lazy_grad else new_grad())
+                     grad_dtype=grad_dtype, _grad=None if lazy_grad else new_grad())
 
 
-def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0) -> None:
+def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0, master_bytes: int = 4,
+                      grad_bytes: int = 4, grad_numels: list[int] | None = None) -> None:
     """Refuse to start when host RAM cannot hold the masters, grads and grad slabs (the optimizer states are checked
     once the optimizers exist, :func:`check_host_bytes_to_come`).
 
@@ -224,6 +240,11 @@ def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0
         group_numels: parameters per flat group (each layer, and the residents).
         pinned: the flat buffers are page-locked (CUDA): exact sizes rounded to pages (engine/pinned.py).
         slab_bytes: bytes of each of the 3 pinned grad slabs (CUDA).
+        master_bytes, grad_bytes: bytes per parameter of a master and a grad (the ``host_state`` layout's: 4 for
+            fp32, 2 for bf16).
+        grad_numels: parameters per group whose grad buffer setup allocates (default ``group_numels``); the others
+            are allocated later or never (device groups, and every group while ``gpu_optimizer_groups="auto"`` is
+            undecided: engine/placement.py) and are checked then.
 
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
@@ -233,20 +254,38 @@ def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0
     """
     n_params = sum(group_numels)
     block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
-    flats = sum(2 * block(4 * n) for n in group_numels)  # fp32 master + fp32 grad per group
+    grad_numels = group_numels if grad_numels is None else grad_numels
+    flats = (sum(block(master_bytes * n) for n in group_numels)
+             + sum(block(grad_bytes * n) for n in grad_numels if n))  # masters, grads
     need = flats + 3 * block(slab_bytes) - 4 * n_params
-    _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters (fp32 master and grad: {_size(flats)}"
+    what = "masters and grads" if grad_numels is group_numels else f"masters and {sum(grad_numels) / 1e9:.2f}B grads"
+    _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters ({what}: {_size(flats)}"
                         f"{' pinned' if pinned else ''}, minus the model already loaded)")
 
 
+def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
+    """Bf16 masters need bf16 compute: under fp32 compute the layers would run on fp32 copies of bf16 values and
+    their fp32 grads be rounded to bf16 on their way to the host, neither fp32 training nor the layout's.
+
+    Raises:
+        ValueError: a bf16 ``host_state`` with ``precision="32-true"``.
+    """
+    if HOST_STATE_LAYOUTS[host_state].weight_dtype != torch.float32 and compute_dtype == torch.float32:
+        raise ValueError(
+            f"MegaTrainStrategy(host_state={host_state!r}) keeps bf16 masters and grads, which compute in bf16; got "
+            "precision='32-true' (fp32 compute). HINT: use Trainer(precision='bf16-mixed'), or "
+            "host_state='int8_moments' (fp32 masters, 10.03 host bytes/param) or 'fp32' to compute in fp32."
+        )
+
+
 def check_host_bytes_to_come(to_come: int) -> None:
-    """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' fp32 grads
+    """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' grads
     not yet allocated and the optimizers' states (engine/placement.py ``host_bytes_to_come``).
 
     Raises:
         RuntimeError: as :func:`check_host_memory`.
     """
-    _refuse_short(to_come, "for the fp32 grads and optimizer states of the first step (Adam/AdamW: 8 bytes per "
+    _refuse_short(to_come, "for the grads and optimizer states of the first step (Adam/AdamW: 8 bytes per "
                            "parameter, Muon's matrices 4, CompactAdamW's 8-bit moments about 2)")
 
 

@@ -3,7 +3,8 @@
 One optimizer step, as :class:`OptimizerStep` runs it (the precision plugin calls each part from its Lightning hook):
 
 - **setup**: :meth:`~OptimizerStep.to_host_optimizers` swaps Adam/AdamW for the host implementation
-  (optim/host_optimizer.py; Muon stays itself, optim/muon.py) and has ``zero_grad`` wait for the step in flight.
+  (optim/host_optimizer.py; ``CompactAdamW`` under a compact ``host_state``, optim/compact_update.py; Muon stays
+  itself, optim/muon.py) and has ``zero_grad`` wait for the step in flight.
 - **end of backward**: :meth:`~OptimizerStep.finalize_gradients` drains the residents and waits for every layer's
   drain, or leaves the last copies landing ([Note: late grads]).
 - **clipping**: :meth:`~OptimizerStep.clip_grad_norm_` takes the global norm from the per-layer norms measured on the
@@ -59,6 +60,7 @@ from torch import Tensor
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
 from lightning_megatrain.engine.step_guard import StepGuard
+from lightning_megatrain.optim.compact_update import to_compact_adamw
 from lightning_megatrain.optim.host_optimizer import (
     Hyper,
     allocate_states,
@@ -139,19 +141,25 @@ class OptimizerStep:
     def to_host_optimizers(
         self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]
     ) -> list[torch.optim.Optimizer]:
-        """``optimizers`` with Adam/AdamW replaced by the host implementation (``cpu_adam``), ``schedulers`` rebound
-        to the replacements, and ``zero_grad`` waiting for the step in flight where :attr:`steps_after_return`.
+        """``optimizers`` with Adam/AdamW replaced by the host implementation (``cpu_adam``; ``CompactAdamW`` under a
+        compact ``host_state``), ``schedulers`` rebound to the replacements, and ``zero_grad`` waiting for the step in
+        flight where :attr:`steps_after_return`.
 
         Raises:
-            ValueError: device groups with an optimizer other than the host Adam/AdamW (their step is Adam's).
+            ValueError: device groups with an optimizer other than the host Adam/AdamW (their step is Adam's); a
+                compact ``host_state`` with an optimizer other than Adam/AdamW (optim/compact_update.py).
         """
         replaced = {}
         host_optimizers = []
         # DeepSpeedCPUAdam holds the GIL for each parameter's update, stalling the forward it overlaps with.
         cpu_adam = self.config.cpu_adam
         mode = "torch" if self.overlap is not None and cpu_adam == "auto" else cpu_adam
+        host_state = self.config.host_state
         for optimizer in optimizers:
-            host = to_host_optimizer(optimizer, mode)
+            if host_state == "fp32":
+                host = to_host_optimizer(optimizer, mode)
+            else:
+                host = to_compact_adamw(optimizer, host_state)
             replaced[id(optimizer)] = host
             host_optimizers.append(host)
         if self.device_groups:
@@ -261,7 +269,9 @@ class OptimizerStep:
         self._norm_sq = self._host_norm_sq()
         coef = clip_coef(self._norm_sq, max_norm)
         if coef.item() != 1.0:  # host tensors: no device sync
-            if defer:
+            # bf16 grads are never scaled in place (a second rounding): the update takes the factor ([Note: compact
+            # state in the engine])
+            if defer or any(g.grad_dtype != torch.float32 for g in groups):
                 self._deferred_grad_scale = coef
             else:
                 for g in groups:

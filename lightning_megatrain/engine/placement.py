@@ -17,12 +17,16 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 
 - ``gpu_optimizer_groups``: decided before the first training micro-batch, whose shape the choice needs
   (:func:`choose_gpu_optimizer_groups`): the fewest groups with which the overlapped host Adam no longer outlasts
-  the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device and
-  host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU memory
-  before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, without the overlapped step (the
-  groups pay by hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
-  ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot
-  describe the model (no HF config, or one it cannot build).
+  the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device
+  and host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU
+  memory before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, with a ``host_state`` other
+  than ``"fp32"`` (decided at setup: the groups hold fp32 state), without the overlapped step (the groups pay by
+  hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
+  ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot describe
+  the model (no HF config, or one it cannot build). Where the host cannot hold every group's grads and optimizer
+  states, at least the fewest groups with which it holds the rest, measured against the host memory free then
+  (planner/pool.py, [Note: memory pool]); the host grads wait for that decision (setup allocates none while it is
+  pending), and where no split fits, or device groups cannot run, it is refused with both memories' numbers.
 
 - ``segment_layers`` and ``device_checkpoints``: where the layer-input checkpoints go (config.py), decided at the first
   training micro-batch, whose ``B x T`` sizes them (:func:`choose_checkpoints`), after ``gpu_optimizer_groups`` and
@@ -48,7 +52,8 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,8 +62,12 @@ from transformers import PretrainedConfig
 
 from lightning_megatrain._hardware import GIB, available_host_bytes
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.device_state import gpu_bytes_per_param
+from lightning_megatrain.engine.host_store import check_host_bytes_to_come
+from lightning_megatrain.optim.host_optimizer import overlappable
 from lightning_megatrain.optim.updates import host_state_bytes
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
+from lightning_megatrain.planner.pool import split_first_batch, split_options
 
 if TYPE_CHECKING:
     from lightning_megatrain.engine.host_store import FlatGroup
@@ -98,6 +107,10 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
     if config.gpu_optimizer_groups == "auto" and not on_cuda:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")
+    elif config.gpu_optimizer_groups == "auto" and config.host_state != "fp32":
+        changes["gpu_optimizer_groups"] = 0
+        log.info("MegaTrain: gpu_optimizer_groups=0 (auto: host_state=%r steps CompactAdamW on the host; the device "
+                 "groups hold fp32 state)", config.host_state)
     for name, value in (("segment_layers", 1), ("device_checkpoints", 0)):
         if getattr(config, name) == "auto" and not on_cuda:
             changes[name] = value
@@ -124,11 +137,12 @@ def module_hf_config(module: nn.Module) -> PretrainedConfig | None:
 
 
 def host_bytes_to_come(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Host bytes the host groups still allocate before their first step ends: their fp32 grads not yet allocated
+    """Host bytes the host groups still allocate before their first step ends: their grads not yet allocated
     and the optimizer states their parameters have none of yet (optim/updates.py ``host_state_bytes``: Adam 8 B per
     parameter, Muon's matrices 4, 8-bit moments about 2)."""
     held = frozenset(id(p) for g in host_groups for p in g.params)
-    return sum(4 * g.numel - g.grad_nbytes for g in host_groups) + host_state_bytes(optimizers, held)
+    return sum(g.grad_dtype.itemsize * g.numel - g.grad_nbytes for g in host_groups) + host_state_bytes(
+        optimizers, held)
 
 
 def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
@@ -138,6 +152,16 @@ def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequenc
     if free is None:
         return 1 << 62  # nothing to check against
     return free[0] - host_bytes_to_come(host_groups, optimizers)
+
+
+def host_bytes_to_come_split(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
+                             n: int, grads_read: bool) -> int:
+    """:func:`host_bytes_to_come` with the first ``n`` of ``forward_groups`` (the residents, then the layers) as
+    device groups: the host groups' grads and states, and the device groups' grads where code reads ``p.grad``
+    ([Note: memory pool] in planner/pool.py)."""
+    device = forward_groups[:n]
+    read = sum(4 * g.numel - g.grad_nbytes for g in device) if grads_read else 0
+    return host_bytes_to_come(forward_groups[n:], optimizers) + read
 
 
 def choose_gpu_optimizer_groups(
@@ -151,34 +175,129 @@ def choose_gpu_optimizer_groups(
     adam_only: bool,
     custom_clipping: bool,
     chunked_loss: bool,
+    host_free: int | None = None,
+    to_come: Callable[[int], int] | None = None,
 ) -> tuple[int, str]:
     """``gpu_optimizer_groups="auto"`` for the first training micro-batch ``batch``: the count and why (see
     [Note: auto placement]). ``adam_only``: one optimizer, Adam/AdamW; ``custom_clipping``: clipping by value or by
     the module's own ``configure_gradient_clipping``; ``chunked_loss``: the module's HF loss runs chunked
-    (models/hf_loss.py), else the plan counts full logits."""
-    if not config.overlap_optimizer:
-        return 0, "the host step is not overlapped (overlap_optimizer=False): nothing for device groups to hide"
-    if not adam_only:
-        return 0, "not one Adam/AdamW optimizer (device groups step one Adam/AdamW only)"
-    if custom_clipping:
-        return 0, "clipping by value or by the module's configure_gradient_clipping (device groups clip by norm)"
+    (models/hf_loss.py), else the plan counts full logits. ``host_free``: host bytes the process may still allocate
+    (None: unknown, not checked); ``to_come(n)``: host bytes its groups and optimizers still allocate with ``n``
+    device groups (:func:`host_bytes_to_come_split`). Where the host cannot hold them all, the fewest groups that
+    let it (planner/pool.py, [Note: memory pool]).
+
+    Raises:
+        RuntimeError: the host cannot hold every group's state and no split fits (or device groups cannot run here):
+            the message has both memories' numbers and the options that would fit.
+    """
+    short = host_free is not None and to_come is not None and to_come(0) > host_free
     shape = token_shape(batch)
     hf_config = module_hf_config(module)
-    if shape is None or hf_config is None:
-        return 0, "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
+    cannot = ("not one Adam/AdamW optimizer (device groups step one Adam/AdamW only)" if not adam_only else
+              "clipping by value or by the module's configure_gradient_clipping (device groups clip by norm)"
+              if custom_clipping else "no [B, T] token ids in the batch" if shape is None else
+              "no HF config in the module to plan the GPU's working set with" if hf_config is None else None)
+    if cannot is not None:
+        if short:
+            raise RuntimeError(
+                f"MegaTrainStrategy: {_host_short(to_come, host_free)}, and gpu_optimizer_groups='auto' cannot move "
+                f"any to the GPU: {cannot}. HINT: an explicit gpu_optimizer_groups="
+                f"{fewest_host_groups(to_come, host_free)} or more (Adam/AdamW, norm clipping), an optimizer with less "
+                "state (CompactAdamW, Muon), or more host RAM.")
+        return 0, cannot
+    if not short and not config.overlap_optimizer:
+        return 0, "the host step is not overlapped (overlap_optimizer=False) and the host holds every group's state"
     micro_batch, seq_len = shape
+    tokens = f"{micro_batch} x {seq_len} tokens x {grad_accum} micro-batches"
     _, total = torch.cuda.mem_get_info(device)
     try:
         p = _plan_first_batch(hf_config, micro_batch, seq_len, grad_accum, config, compute_dtype, chunked_loss, total)
+        pooled = None if not short else split_first_batch(
+            hf_config, micro_batch, seq_len, config=config, gpu_limit=total, host_free=host_free, to_come=to_come,
+            **_run_options(hf_config, compute_dtype, chunked_loss))
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
+        if short:
+            raise RuntimeError(
+                f"MegaTrainStrategy: {_host_short(to_come, host_free)}, and the planner cannot describe this model "
+                f"to split them with the GPU ({type(e).__name__}: {e}). HINT: an explicit gpu_optimizer_groups="
+                f"{fewest_host_groups(to_come, host_free)} or more, an optimizer with less state (CompactAdamW, "
+                "Muon), or more host RAM.") from e
         return 0, f"the planner cannot describe this model ({type(e).__name__}: {e})"
-    n = p.suggested_gpu_optimizer_groups
-    tokens = f"{micro_batch} x {seq_len} tokens x {grad_accum} micro-batches"
-    if n is None:
+    hide = p.suggested_gpu_optimizer_groups if config.overlap_optimizer else None
+    if pooled is not None and not pooled.fits:
+        options = split_options(hf_config, micro_batch, seq_len, config=config, gpu_limit=total, host_free=host_free,
+                                to_come=to_come, **_run_options(hf_config, compute_dtype, chunked_loss))
+        raise RuntimeError(
+            f"MegaTrainStrategy cannot split the state of the first training micro-batch ({tokens}) between host and "
+            f"GPU: {pooled.why}. HINT: {options}; or set gpu_optimizer_groups explicitly, use more host RAM or a "
+            "larger GPU.")
+    if pooled is not None:
+        extra = (f"; {hide} hide the host Adam behind the forward" if hide is not None and hide > pooled.groups
+                 else "")
+        return max(pooled.groups, hide or 0), f"both memories at {tokens}: {pooled.why}{extra} (planned)"
+    if hide is None:
         return 0, f"at {tokens} no count both hides the host Adam behind the forward and fits the GPU"
-    if n == 0:
+    if hide == 0:
         return 0, f"at {tokens} the host Adam already hides behind the forward"
-    return n, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"
+    return hide, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+def _host_short(to_come: Callable[[int], int], host_free: int) -> str:
+    return (f"the host cannot hold every group's grads and optimizer states ({_gib(to_come(0))} more, "
+            f"{_gib(host_free)} free)")
+
+
+def host_free_checked() -> int | None:
+    """Host bytes the process may still allocate (``_hardware.available_host_bytes``), None where unknown or where
+    ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` turns the host checks off (engine/host_store.py)."""
+    free = available_host_bytes()
+    return None if free is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1" else free[0]
+
+
+def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
+                         device: torch.device, compute_dtype: torch.dtype) -> None:
+    """The setup's host check while ``gpu_optimizer_groups="auto"`` is undecided (the engine's ``check_host_state``):
+    where the host cannot hold every group's state, refuse now, not at the first micro-batch, when device groups
+    cannot take enough of it: a CPU compute device, an optimizer other than one Adam/AdamW, or less GPU memory free
+    than the fewest groups the host needs take before any working set. The split itself is decided at the first
+    micro-batch (:func:`choose_gpu_optimizer_groups`).
+
+    Raises:
+        RuntimeError: with both memories' numbers (engine/host_store.py ``check_host_bytes_to_come``'s message where
+            device groups cannot run).
+    """
+    to_come = lambda n: host_bytes_to_come_split(forward_groups, optimizers, n, False)  # noqa: E731
+    free = host_free_checked()
+    if free is None or to_come(0) <= free:
+        return
+    if device.type != "cuda" or len(optimizers) != 1 or not overlappable(optimizers[0]):
+        check_host_bytes_to_come(to_come(0))  # refuses, with the numbers
+        return
+    n = fewest_host_groups(to_come, free)
+    groups = forward_groups[:n]
+    need = sum(gpu_bytes_per_param(compute_dtype.itemsize, resident=k == 0) * g.numel for k, g in enumerate(groups))
+    gpu_free, _ = torch.cuda.mem_get_info(device)
+    if to_come(n) > free or need > gpu_free:
+        raise RuntimeError(
+            f"MegaTrainStrategy: {_host_short(to_come, free)}; it would with {n} groups "
+            f"({sum(g.numel for g in groups) / 1e9:.2f}B params) keeping theirs on {device} (gpu_optimizer_groups), "
+            f"which need {_gib(need)} there before any activations, but {_gib(gpu_free)} is free. HINT: an "
+            "optimizer with less state (CompactAdamW(weights='fp32'): 8-bit moments), a smaller model, more host RAM "
+            "or a larger GPU."
+        )
+
+
+def fewest_host_groups(to_come: Callable[[int], int], host_free: int) -> int:
+    """The fewest device groups with which the host holds ``to_come(n)`` (the GPU is not checked): a lower bound of
+    the split, for hints and the setup's check; the count of every group where even that is too many."""
+    n = 0
+    while to_come(n) > host_free and n < 1 << 16 and to_come(n + 1) < to_come(n):
+        n += 1
+    return n
 
 
 def _run_options(hf_config: PretrainedConfig, compute_dtype: torch.dtype, chunked_loss: bool) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_megatrain.engine.device_state import DeviceGroup
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.drain import add_packed
+from lightning_megatrain.engine.grad_norm import norm_sq
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.streamed import bind
@@ -45,7 +46,9 @@ class Residents:
         self.device_group: DeviceGroup | None = None  # set_device_group: the residents step on the device
         self.buffer_slots = buffer_slots
         self.device = device
-        self._copies: list[Tensor] | None = None  # one fp32 device leaf per unique parameter, or None when stale
+        # one device leaf per unique parameter in the masters' dtype (fp32, or bf16 for a compact host_state), or None
+        # when stale
+        self._copies: list[Tensor] | None = None
         self._buffers = [(slot, slot.get().to(device)) for slot in buffer_slots]
         self._registry = registry
         # pinned landing buffer for grads that must be *added* to host grads; allocated on first need (rare)
@@ -67,7 +70,7 @@ class Residents:
         else:
             if self.gate is not None:
                 self.gate(self.group)  # an overlapped optimizer step may still be updating these masters
-            flat = self.group.master.to(self.device, non_blocking=True)  # [numel] fp32, from pinned host memory
+            flat = self.group.master.to(self.device, non_blocking=True)  # [numel] as the masters, from pinned memory
         return [v.detach().requires_grad_(p.requires_grad) for v, p in zip(self.group.views(flat), self.group.params)]
 
     @contextlib.contextmanager
@@ -97,10 +100,10 @@ class Residents:
             self.group.device_norm_sq = torch.stack([torch.dot(g, g) for g in flats]).sum()
             return
         compute = torch.cuda.current_stream(self.device)
-        present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] fp32 on device
+        present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] as the masters, on device
         # host grads will equal the device grads exactly when they start empty and all are present
         exact = all(g is not None for g in grads) and all(p.grad is None for p in self.group.params)
-        self.group.device_norm_sq = torch.dot(present, present) if exact else None
+        self.group.device_norm_sq = norm_sq(present) if exact else None
         if exact:  # one D2H straight into the pinned host grads: no staging buffer, no host pass
             packed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
             packed.record(compute)
@@ -115,7 +118,7 @@ class Residents:
                 self.wait_landed()
             return
         if self._grad_staging is None:
-            self._grad_staging = self._registry.empty(self.group.numel, torch.float32)
+            self._grad_staging = self._registry.empty(self.group.numel, self.group.grad_dtype)
         host = self._grad_staging[: present.numel()]
         host.copy_(present, non_blocking=True)
         compute.synchronize()

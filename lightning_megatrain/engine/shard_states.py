@@ -1,6 +1,6 @@
 """Optimizer state over ranks: the optimizer stepping this rank's pieces, and the sharded checkpoint format.
 
-[Note: sharded checkpoints]
+[Note: checkpoints of several ranks]
 A checkpoint saved by N > 1 ranks is N + 1 files (``MegaTrainStrategy.save_checkpoint``):
 
 - ``<path>`` (rank 0, as Lightning writes it): the whole model's ``state_dict`` (every rank holds every master,
@@ -95,7 +95,7 @@ def shard_path(path: str | os.PathLike, rank: int, world: int) -> str:
 
 def split_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what rank 0 writes at ``path``, what this rank writes at its shard path): the optimizer states' slices move to
-    the shard file, their manifests stay (see [Note: sharded checkpoints])."""
+    the shard file, their manifests stay (see [Note: checkpoints of several ranks])."""
     states = checkpoint.get("optimizer_states", [])
     if not any(isinstance(s, dict) and s.get("format") == FORMAT for s in states):
         return checkpoint, {}

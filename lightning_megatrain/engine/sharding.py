@@ -70,7 +70,8 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     """``config`` for ``world`` > 1 ranks: the options they do not support yet refused when given, off when "auto".
 
     Raises:
-        ValueError: ``overlap_optimizer=True`` or ``gpu_optimizer_groups`` > 0 (every problem in one message).
+        ValueError: ``overlap_optimizer=True``, ``gpu_optimizer_groups`` > 0, a compact ``host_state`` or
+            ``checkpoint_format="sharded"`` (every problem in one message).
     """
     problems = []
     if config.overlap_optimizer is True:
@@ -79,6 +80,12 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     groups = config.gpu_optimizer_groups
     if groups != "auto" and groups > 0:
         problems.append(f"gpu_optimizer_groups={groups}: device groups are not sharded yet; use 'auto' or 0")
+    if config.checkpoint_format != "file":
+        problems.append(f"checkpoint_format={config.checkpoint_format!r}: several ranks write their own files "
+                        "([Note: checkpoints of several ranks]); use checkpoint_format='file'")
+    if config.host_state != "fp32":
+        problems.append(f"host_state={config.host_state!r}: the shards are fp32 masters, grads and Adam moments; "
+                        "use host_state='fp32'")
     if problems:
         raise ValueError(f"MegaTrainStrategy with {world} ranks does not support:\n- " + "\n- ".join(problems))
     return config.replace(overlap_optimizer=False, gpu_optimizer_groups=0)
@@ -258,7 +265,7 @@ class ShardedState:
 
     def load_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
         """The torch state dict of this rank's pieces from a checkpoint's optimizer state, saved by any number of
-        ranks ([Note: sharded checkpoints])."""
+        ranks ([Note: checkpoints of several ranks])."""
         shapes = {self.names[id(p)]: p.shape for s in self.shards for p in s.group.params}
         return load_optimizer_state(
             optimizer, saved, self.layouts[id(optimizer)], shapes, lambda piece: self.piece_keys[id(piece)]

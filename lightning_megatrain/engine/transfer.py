@@ -12,10 +12,11 @@ the streams to the activation offload (engine/offload.py, [Note: activation offl
 A slot is a device buffer that holds one layer's weights at a time. ``prefetch(i)`` picks the least recently used
 slot not in use, makes the H2D stream wait for that slot's ``free`` event (recorded on the compute stream after the
 last kernel that read the previous layer), copies layer i's fp32 master into the slot (casting to the compute dtype
-on the H2D stream) and records the slot's ``ready`` event. ``acquire(i)`` makes the compute stream wait for
-``ready``; ``release(i)`` records ``free``. Slot reuse is therefore ordered by events only: no host synchronization.
-Because backward starts with the layers forward ended with, the last S layers of forward are reused by backward
-without a second upload.
+on the H2D stream; a bf16 master of a compact ``host_state`` under bf16 compute is copied straight into the compute
+buffer, no fp32 staging and half the PCIe bytes) and records the slot's ``ready`` event. ``acquire(i)`` makes the
+compute stream wait for ``ready``; ``release(i)`` records ``free``. Slot reuse is therefore ordered by events only:
+no host synchronization. Because backward starts with the layers forward ended with, the last S layers of forward
+are reused by backward without a second upload.
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ class HostTransfer:
 class _Slot:
     """One device buffer for one layer's weights, with the two events that order its reuse."""
 
-    staging: Tensor  # 1D fp32 on device, [max layer numel]: H2D target
-    compute: Tensor  # 1D compute dtype on device, [max layer numel]; the same tensor as ``staging`` under fp32
+    staging: Tensor  # 1D on device in the masters' dtype, [max layer numel]: H2D target
+    compute: Tensor  # 1D compute dtype on device, [max layer numel]; ``staging`` itself when the dtypes are equal
     # - CUDA events for stream synchronization (see [Note: slot lifecycle])
     ready: torch.cuda.Event  # recorded by the H2D stream after the copy (and cast); waited on by the compute stream
     free: torch.cuda.Event  # recorded by the compute stream after the layer's last kernel; waited on by the H2D stream
@@ -198,6 +199,7 @@ class CudaTransfer:
         self.device = device
         self.compute_dtype = compute_dtype
         max_numel = max(g.numel for g in groups)
+        master_dtype = groups[0].master.dtype  # fp32, or bf16 for a compact host_state: the upload's dtype
         # H2D stream: uploads layer i+1 (forward) or i-1 (backward) while the compute stream runs layer i; also
         # restores offloaded inputs and uploads host grads for the device-side sum (engine/offload.py, drain.py).
         self.h2d_stream = torch.cuda.Stream(device)
@@ -206,8 +208,8 @@ class CudaTransfer:
         self.d2h_stream = torch.cuda.Stream(device)
         self.slots: list[_Slot] = []
         for _ in range(num_slots):
-            staging = torch.empty(max_numel, dtype=torch.float32, device=device)
-            compute = staging if compute_dtype == torch.float32 else torch.empty_like(staging, dtype=compute_dtype)
+            staging = torch.empty(max_numel, dtype=master_dtype, device=device)
+            compute = staging if compute_dtype == master_dtype else torch.empty_like(staging, dtype=compute_dtype)
             self.slots.append(_Slot(staging, compute, torch.cuda.Event(), torch.cuda.Event()))
         self._in_use: set[int] = set()  # layer indices acquired and not yet released
         self.offload = ActivationOffload(device, self.h2d_stream, self.d2h_stream, registry)  # engine/offload.py

@@ -86,21 +86,25 @@ HOST_STATE_LAYOUTS = {
 }
 
 
-def new_state(p: Tensor, weights: str, moments: str) -> dict[str, Tensor]:
-    """The state of ``p`` before its first update (zeros; the step count a 0-dim fp32 tensor, as torch's AdamW)."""
-    n = p.numel()
-    state = {"step": torch.zeros((), dtype=torch.float32)}
+def state_spec(numel: int, weights: str, moments: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each state entry of a parameter of ``numel`` elements: its dtype and shape (the step count 0-dim fp32, as in
+    torch's AdamW; 1D moments, block scales and compensation)."""
+    spec = {"step": (torch.float32, ())}
     if moments == "fp32":
-        state["exp_avg"] = torch.zeros(n, dtype=torch.float32, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+        spec.update(exp_avg=(torch.float32, (numel,)), exp_avg_sq=(torch.float32, (numel,)))
     else:
-        state["exp_avg"] = torch.zeros(n, dtype=torch.int8, device=p.device)
-        state["exp_avg_scale"] = torch.zeros(n_blocks(n), dtype=torch.float32, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
-        state["exp_avg_sq_scale"] = torch.zeros(n_blocks(n), dtype=torch.float32, device=p.device)
+        blocks = (n_blocks(numel),)
+        spec.update(exp_avg=(torch.int8, (numel,)), exp_avg_scale=(torch.float32, blocks),
+                    exp_avg_sq=(torch.uint8, (numel,)), exp_avg_sq_scale=(torch.float32, blocks))
     if weights == "bf16_kahan":
-        state["compensation"] = torch.zeros(n, dtype=torch.bfloat16, device=p.device)
-    return state
+        spec["compensation"] = (torch.bfloat16, (numel,))
+    return spec
+
+
+def new_state(p: Tensor, weights: str, moments: str) -> dict[str, Tensor]:
+    """The state of ``p`` before its first update: :func:`state_spec`'s entries, zeros (the step count on the CPU)."""
+    return {key: torch.zeros(shape, dtype=dtype, device="cpu" if key == "step" else p.device)
+            for key, (dtype, shape) in state_spec(p.numel(), weights, moments).items()}
 
 
 def _chunk_update(
@@ -296,13 +300,22 @@ class CompactAdamW(Optimizer):
                 if not state:
                     self._check_param(p, group["weights"])
                     state.update(new_state(p, group["weights"], group["moments"]))
-                adamw_update(
-                    p.view(-1), p.grad.reshape(-1), state, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
-                    weights=group["weights"], moments=group["moments"],
-                    seed=mix_seed(group["seed"], int(state["step"]) + 1, index - 1), compile=self.compile,
-                )
+                self.update_param(p, p.grad, group, index - 1)
         return loss
+
+    @torch.no_grad()  # also on the overlapped step's worker thread, where grad mode is on by default
+    def update_param(self, p: Tensor, grad: Tensor, hyper: dict[str, Any], index: int, grad_scale: float = 1.0) -> None:
+        """One update of ``p`` (its state already created) with ``grad`` multiplied by ``grad_scale`` and the
+        hyperparameters ``hyper`` (its param group's, or a snapshot of them); ``index``: ``p``'s position over all
+        param groups, which with the step count and ``seed`` picks its stochastic rounding bits. What :meth:`step`
+        runs per parameter and the engine's update runs per flat group (optim/compact_update.py)."""
+        state = self.state[p]
+        adamw_update(
+            p.view(-1), grad.reshape(-1), state, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+            weight_decay=hyper["weight_decay"], decoupled=hyper["decoupled_weight_decay"], weights=hyper["weights"],
+            moments=hyper["moments"], seed=mix_seed(hyper["seed"], int(state["step"]) + 1, index),
+            grad_scale=grad_scale, compile=self.compile,
+        )
 
 
 def state_nbytes(optimizer: Optimizer) -> int:

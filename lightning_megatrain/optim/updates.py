@@ -2,8 +2,10 @@
 
 The host Adam/AdamW that :func:`~lightning_megatrain.optim.host_optimizer.to_host_optimizer` produces runs
 :class:`~lightning_megatrain.optim.host_optimizer.HostUpdate`; :class:`~lightning_megatrain.optim.muon.Muon` runs
-:class:`~lightning_megatrain.optim.muon.MuonUpdate`. Both are all or nothing, overlappable and take clipping's factor
-([Note: all-or-nothing steps], [Note: overlapped optimizer step]); any other optimizer steps as given.
+:class:`~lightning_megatrain.optim.muon.MuonUpdate`; ``CompactAdamW`` (yours, or Adam/AdamW under a compact
+``host_state``) runs :class:`~lightning_megatrain.optim.compact_update.CompactUpdate`. All are all or nothing,
+overlappable and take clipping's factor ([Note: all-or-nothing steps], [Note: overlapped optimizer step]); any other
+optimizer steps as given.
 """
 
 from __future__ import annotations
@@ -14,15 +16,16 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain.optim.compact_adam import CompactAdamW, HostStateLayout
+from lightning_megatrain.optim.compact_update import CompactUpdate
 from lightning_megatrain.optim.host_optimizer import HostUpdate, Hyper, overlappable
 from lightning_megatrain.optim.muon import Muon, MuonUpdate
 
-Update = HostUpdate | MuonUpdate
+Update = HostUpdate | MuonUpdate | CompactUpdate
 
 
 def engine_steps(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the engine runs ``optimizer``'s update itself (:func:`host_update` has one for it)."""
-    return overlappable(optimizer) or isinstance(optimizer, Muon)
+    return overlappable(optimizer) or isinstance(optimizer, (Muon, CompactAdamW))
 
 
 def host_update(
@@ -36,6 +39,8 @@ def host_update(
     engine's compute device, where Muon's Newton-Schulz iteration runs by default."""
     if isinstance(optimizer, Muon):
         return MuonUpdate(optimizer, grad_scale, skip=skip, snapshot=snapshot, device=device)
+    if isinstance(optimizer, CompactAdamW):
+        return CompactUpdate(optimizer, grad_scale, skip=skip, snapshot=snapshot)
     return HostUpdate(optimizer, grad_scale, skip=skip, snapshot=snapshot)
 
 

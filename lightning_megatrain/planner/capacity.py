@@ -3,16 +3,18 @@
 "Family shape" is the model's width (hidden size, heads, MLP, vocabulary) with the depth varied: each candidate is
 the config with ``num_hidden_layers`` (and a ``layer_types`` pattern, repeated) changed, planned with :func:`plan`
 exactly as ``megatrain plan`` plans it. Host RAM grows by the same bytes per added layer (its state and its offloaded
-layer input), so two plans give the depth where host RAM runs out; plans at that depth and the next confirm it (a
-step down while the estimate does not fit, up while the next does).
+layer input), so two plans give the depth where host RAM runs out; from there plans in doubling steps and a
+bisection find the deepest that fits (the GPU bounds it too where device groups take state, [Note: memory pool]).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES
 from lightning_megatrain.planner.planning import Plan, plan
 from lightning_megatrain.planner.shape import load_config
@@ -28,6 +30,9 @@ class Capacity:
     host_total: int  # bytes, of that model's plan
     host_usable: int
     state_bytes_per_param: float
+    gpu_groups: int = 0  # device groups of that plan: > 0 where both memories hold the state ([Note: memory pool])
+    both_memories: bool = False  # planned with gpu_optimizer_groups="auto" where the row's config had an int
+    gpu_total: int = 0  # bytes, that plan's GPU peak
 
 
 def _with_layers(config: Any, layers: int) -> Any:
@@ -39,10 +44,42 @@ def _with_layers(config: Any, layers: int) -> Any:
     return out
 
 
+def _deepest(at: Callable[[int], Plan], start: int) -> tuple[int, Plan]:
+    """The deepest depth whose plan fits (fitting falls with depth), searched from ``start`` by doubling steps up or
+    down, then bisection; ``(0, the plan at 1)`` where not even 1 layer fits."""
+    plans: dict[int, Plan] = {}
+
+    def fits(layers: int) -> bool:
+        if layers not in plans:
+            plans[layers] = at(layers)
+        return plans[layers].fits
+
+    step = 1
+    if fits(start):  # lo fits, hi does not
+        lo = start
+        while fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+    else:
+        hi, lo = start, 0
+        while hi > 1:
+            below = max(1, hi - step)
+            if fits(below):
+                lo = below
+                break
+            hi, step = below, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, plans[lo] if lo else plans.get(1) or at(1)
+
+
 def largest_models(model: Any, *, host_states: tuple[str, ...] = tuple(HOST_STATE_BYTES), **plan_kwargs: Any
                    ) -> list[Capacity]:
     """For each of ``host_states``, the deepest model of ``model``'s shape whose :func:`plan` (with ``plan_kwargs``:
-    ``seq_len``, ``micro_batch``, ``machine``, ``config``, ...) fits the machine.
+    ``seq_len``, ``micro_batch``, ``machine``, ``config``, ...) fits the machine; then, for ``"fp32"`` with Adam/AdamW
+    where ``config.gpu_optimizer_groups`` is an int, the deepest with both memories (``gpu_optimizer_groups="auto"``,
+    planner/pool.py, [Note: memory pool]).
 
     Raises:
         ValueError: as :func:`plan`; a config without ``num_hidden_layers``.
@@ -51,20 +88,22 @@ def largest_models(model: Any, *, host_states: tuple[str, ...] = tuple(HOST_STAT
     if not hasattr(base, "num_hidden_layers"):
         raise ValueError(f"largest_models needs a config with num_hidden_layers (the depth it varies); got "
                          f"{type(base).__name__}")
+    config = plan_kwargs.pop("config", EngineConfig())
+    rows = [(state, config, False) for state in host_states]
+    if ("fp32" in host_states and config.gpu_optimizer_groups != "auto"
+            and plan_kwargs.get("optimizer", "adamw") in ("adamw", "adam")):
+        rows.append(("fp32", config.replace(gpu_optimizer_groups="auto"), True))
     out = []
-    for state in host_states:
-        at = lambda layers: plan(_with_layers(base, layers), host_state=state, **plan_kwargs)  # noqa: E731
+    for state, row_config, both in rows:
+        at = lambda layers: plan(_with_layers(base, layers), host_state=state, config=row_config,  # noqa: E731
+                                 **plan_kwargs)
         one, two = at(1), at(2)
         per_layer = two.host_total - one.host_total
-        layers = max(1, 1 + (one.host_usable - one.host_total) // per_layer) if per_layer > 0 else 1
-        best: Plan = at(layers)
-        while not best.fits and layers > 1:
-            layers -= 1
-            best = at(layers)
-        while best.fits and (deeper := at(layers + 1)).fits:
-            layers, best = layers + 1, deeper
-        out.append(Capacity(state, layers if best.fits else 0, best.n_params if best.fits else 0, best.host_total,
-                            best.host_usable, best.host_state_bytes_per_param))
+        start = max(1, 1 + (one.host_usable - one.host_total) // per_layer) if per_layer > 0 else 1
+        layers, best = _deepest(at, start)
+        out.append(Capacity(state, layers, best.n_params if layers else 0, best.host_total, best.host_usable,
+                            best.host_state_bytes_per_param, best.assumptions["gpu_optimizer_groups"], both,
+                            best.gpu_total))
     return out
 
 
@@ -72,11 +111,16 @@ def render_capacities(model_name: str, capacities: list[Capacity]) -> str:
     """``megatrain plan --largest``'s table."""
     gib = 2**30
     lines = [f"Largest model of {model_name}'s shape (its width, num_hidden_layers varied) that fits, by host_state:",
-             f"  {'host_state':<16}{'state B/param':>14}{'layers':>8}{'params':>10}{'host RAM GiB':>14}"]
+             f"  {'host_state':<22}{'state B/param':>14}{'layers':>8}{'params':>10}{'host RAM GiB':>16}"
+             f"{'GPU groups':>12}{'GPU peak GiB':>14}"]
     for c in capacities:
         params = f"{c.n_params / 1e9:.2f}B" if c.layers else "none"
-        lines.append(f"  {c.host_state:<16}{c.state_bytes_per_param:>14.2f}{c.layers:>8}{params:>10}"
-                     f"{c.host_total / gib:>8.1f} of {c.host_usable / gib:.1f}")
-    lines.append("  (fp32 and int8_moments run today, int8_moments as CompactAdamW(weights='fp32') in "
-                 "configure_optimizers; compact and compact_kahan need the engine integration: docs/compact-state.md)")
+        name = c.host_state + (" + GPU (auto)" if c.both_memories else "")
+        lines.append(f"  {name:<22}{c.state_bytes_per_param:>14.2f}{c.layers:>8}{params:>10}"
+                     f"{c.host_total / gib:>8.1f} of {c.host_usable / gib:<5.1f}{c.gpu_groups:>12}"
+                     f"{c.gpu_total / gib:>14.1f}")
+    lines.append("  (state B/param: host bytes; GPU groups keep their grads and Adam states on the GPU and their "
+                 "masters on both, planner/pool.py; fp32 and int8_moments run today, int8_moments as "
+                 "CompactAdamW(weights='fp32') in configure_optimizers; compact and compact_kahan need the engine "
+                 "integration: docs/compact-state.md)")
     return "\n".join(lines)

@@ -65,8 +65,9 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     add("--num-slots", type=int, default=2)
     add("--overlap-optimizer", action="store_true",
         help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
-    add("--gpu-optimizer-groups", type=int, default=0,
-        help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU")
+    add("--gpu-optimizer-groups", type=_auto_int(), default=0, metavar="auto|N",
+        help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU; auto: as "
+        "the strategy decides it, with the state split between host and GPU where the host cannot hold it all")
     add("--compile-layers", action="store_true",
         help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
     add("--loss-chunk-size", type=int, default=4096)
@@ -82,7 +83,8 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
         help="host state layout: fp32 (16 B/param), int8_moments (10.03), compact (6.03), compact_kahan (8.03); "
         "docs/compact-state.md")
     add("--largest", action="store_true",
-        help="instead of one plan: the deepest model of this shape that fits, for each host state")
+        help="instead of one plan: the deepest model of this shape that fits, for each host state, and with fp32 "
+        "state in both memories (gpu_optimizer_groups=auto)")
     add("--json", action="store_true", help="print the plan as JSON")
     ns = parser.parse_args(list(argv))
     try:

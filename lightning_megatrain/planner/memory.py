@@ -1,9 +1,10 @@
 """Memory model: host RAM and GPU memory in bytes for one micro-batch shape (the items ``megatrain plan`` lists).
 
 - host RAM: fp32 masters 4 + fp32 grads 4 (both page-locked at their exact size) + optimizer states (AdamW 8,
-  SGD 0, SGD+momentum 4; none for ``gpu_optimizer_groups``) per parameter, or the bytes of a compact ``host_state``
-  (:data:`HOST_STATE_BYTES`), 3 grad slabs, offloaded layer inputs (page-locked at their exact size too) and the
-  process itself;
+  SGD 0, SGD+momentum 4) per parameter, the grads and states only of groups not in ``gpu_optimizer_groups``
+  (planner/pool.py, [Note: memory pool]; code reading ``p.grad`` before the step would add their grads), or the
+  bytes of a compact ``host_state`` (:data:`HOST_STATE_BYTES`), 3 grad slabs, offloaded layer inputs (page-locked
+  at their exact size too) and the process itself;
 - GPU memory: slots, residents, ``gpu_optimizer_groups`` state, saved layer inputs, the runtime reserve, plus the
   larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and the
   loss. Every layer is recomputed (``keep_layers=0``): the floor that must fit.
@@ -244,11 +245,12 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     pow2 = lambda b: 1 << (int(b) - 1).bit_length() if b > 0 else 0
     state = HOST_STATE_BYTES[host_state]
     moments = OPTIMIZERS[optimizer][0] if host_state == "fp32" else state["optimizer states"]
+    resident_on_gpu, layers_on_gpu = _device_numels(s, gpu_groups)
+    on_host = n - resident_on_gpu - sum(layers_on_gpu)  # device groups keep only masters here ([Note: memory pool])
     return {
         "masters": round(state["masters"] * n),
-        "grads": round(state["grads"] * n),
-        "optimizer states": round(moments * (n - _device_numels(s, gpu_groups)[0]
-                                             - sum(_device_numels(s, gpu_groups)[1]))),
+        "grads": round(state["grads"] * on_host),
+        "optimizer states": round(moments * on_host),
         "grad slabs": 3 * max_layer * c,
         # the residents' grads go straight into their host grads; a staging buffer exists only in the old engine
         "resident grad staging": 4 * s.resident_params if pinned_pow2 else 0,

@@ -33,6 +33,7 @@ from lightning_megatrain.planner.constants import (
 from lightning_megatrain.planner.long_context import SEQ_STEP, Placement, longest_placeable, place
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, checkpoints, gpu_bytes, host_bytes
+from lightning_megatrain.planner.pool import auto_split
 from lightning_megatrain.planner.report import render, verdict
 from lightning_megatrain.planner.shape import _Shape, describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
@@ -83,6 +84,9 @@ class Plan:
     # the host state layout planned (planner/memory.py HOST_STATE_BYTES); absent from to_dict and the report's
     # header when "fp32"
     host_state: str = "fp32"
+    # gpu_optimizer_groups="auto" where the host cannot hold every group's state (planner/pool.py, [Note: memory
+    # pool]): the groups planned, the fewest the split needs, their parameters, whether it fits, why; None otherwise
+    memory_pool: dict[str, Any] | None = None
 
     @property
     def host_total(self) -> int:
@@ -115,8 +119,9 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d["long_context"] is None:
-            del d["long_context"]
+        for optional in ("long_context", "memory_pool"):
+            if d[optional] is None:
+                del d[optional]
         if d["host_state"] == "fp32":
             del d["host_state"]
         d.update(host_total=self.host_total, gpu_total=self.gpu_total, host_bytes_per_param=self.host_bytes_per_param,
@@ -213,8 +218,20 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                       optimizer=optimizer, loss=loss, loss_chunk_size=loss_chunk_size,
                       attn_implementation=attn_implementation, offload_activations=offload_activations, machine=m,
                       host_state=host_state)
-        suggested = plan(model, config=config.replace(gpu_optimizer_groups=0), **kwargs).suggested_gpu_optimizer_groups
-        return plan(model, config=config.replace(gpu_optimizer_groups=suggested or 0), **kwargs)
+        alone = plan(model, config=config.replace(gpu_optimizer_groups=0), **kwargs)
+        groups, pooled = alone.suggested_gpu_optimizer_groups or 0, None
+        if alone.host_total > alone.host_usable and optimizer in ("adamw", "adam") and host_state == "fp32":
+            pooled = auto_split(  # both memories as one pool ([Note: memory pool])
+                model, alone.host, alone.host_usable, alone.gpu_limit, micro_batch=micro_batch, seq_len=seq_len,
+                optimizer_state_bytes=OPTIMIZERS[optimizer][0], attn_implementation=attn_implementation, config=config,
+                gkw={"c": PRECISIONS[precision], "offload": offload_activations, "loss": loss,
+                     "loss_chunk": loss_chunk_size, "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib})
+            groups = max(groups, pooled.groups) if pooled.fits else pooled.groups
+        p = plan(model, config=config.replace(gpu_optimizer_groups=groups), **kwargs)
+        if pooled is not None:
+            p.memory_pool = {"groups": groups, "fewest": pooled.groups, "device_params": sum(pooled.numels[:groups]),
+                             "fits": pooled.fits, "why": pooled.why}
+        return p
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
                          f"['chunked', 'naive']; got {precision!r}, {optimizer!r}, {loss!r}")

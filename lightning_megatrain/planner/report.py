@@ -45,8 +45,15 @@ def render(p: Plan) -> str:
     ]
     if p.long_context is not None:
         lines += _long_context_lines(p)
+    pool = p.memory_pool
+    if pool is not None:  # planner/pool.py, [Note: memory pool]
+        lines.append(f"  Both memories: gpu_optimizer_groups={pool['groups']} (auto; "
+                     f"{pool['device_params'] / 1e9:.2f}B params keep their grads and Adam states on the GPU"
+                     + (f", {pool['fewest']} needed for the host" if pool["fewest"] != pool["groups"] else "")
+                     + f"): {pool['why'] if pool['fits'] else 'NO SPLIT FITS: ' + pool['why']}")
     suggested = p.suggested_gpu_optimizer_groups
-    if suggested is not None and suggested != p.assumptions.get("gpu_optimizer_groups"):
+    planned = p.assumptions.get("gpu_optimizer_groups")
+    if suggested is not None and suggested != planned and not (pool is not None and suggested < planned):
         lines.append(f"  gpu_optimizer_groups={suggested} is the fewest with which the host Adam no longer "
                      "outlasts the next forward")
     lines += [f"  WARNING: {w}" for w in p.warnings]

@@ -23,6 +23,24 @@ def test_pack_keeps_values_and_makes_views():
         assert p.untyped_storage().data_ptr() == group.master.untyped_storage().data_ptr()
 
 
+def test_bf16_layout_packs_bf16_views_and_takes_norms_in_fp32():
+    """A compact host_state's group: the parameters become bf16 views of the master (each value rounded to nearest),
+    the grads are bf16, a bf16 add rounds once, and the squared norm is accumulated in fp32 (a bf16 sum of 2,000
+    squares of 1.0 would stop at 256)."""
+    module = nn.ParameterList([nn.Parameter(torch.randn(2000)), nn.Parameter(torch.randn(3))])
+    values = [p.detach().to(torch.bfloat16) for p in module]
+    group = pack_group(tensor_slots(module), master_dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    assert group.master.dtype == group.grad.dtype == torch.bfloat16 and group.grad_dtype == torch.bfloat16
+    for p, v in zip(group.params, values):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, v) and p.data_ptr() >= group.master.data_ptr()
+    ones = [torch.ones(2000, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)]
+    group.accumulate(ones)
+    assert group.grad_norm_sq().dtype == torch.float32 and float(group.grad_norm_sq()) == 2003.0
+    group.accumulate([torch.full((2000,), 2**-9, dtype=torch.bfloat16), None])  # 1 + 2**-9: a tie, to even
+    assert torch.equal(group.params[0].grad, ones[0]) and torch.equal(group.params[1].grad, ones[1])
+    assert float(group.params[0].grad.float().norm(dtype=torch.float32).square()) == 2000.0
+
+
 def test_accumulate_copy_then_add_and_none_untouched():
     group, _ = _group((3, 4), (5,))
     a, b = torch.ones(3, 4), torch.full((5,), 2.0)
@@ -95,9 +113,11 @@ def test_host_check_counts_page_locked_buffers_at_their_size(monkeypatch):
     monkeypatch.setattr(host_store, "available_host_bytes", lambda: (4 * gib, "MemAvailable"))
     host_store.check_host_memory(numels, pinned=True)  # 3 GiB + a few pages: no power-of-two blocks
     monkeypatch.setattr(host_store, "available_host_bytes", lambda: (2 * gib, "MemAvailable"))
-    with pytest.raises(RuntimeError, match=r"needs about 3.0 GiB more host RAM for 0.81B parameters \(fp32 master and "
-                       r"grad: 6.0 GiB pinned(.|\n)*only 2.0 GiB is available \(MemAvailable\)"):
+    with pytest.raises(RuntimeError, match=r"needs about 3.0 GiB more host RAM for 0.81B parameters \(masters and "
+                       r"grads: 6.0 GiB pinned(.|\n)*only 2.0 GiB is available \(MemAvailable\)"):
         host_store.check_host_memory(numels, pinned=True)
+    # bf16 masters and grads (host_state="compact"): 3 GiB of flats, no more than the fp32 model already loaded
+    host_store.check_host_memory(numels, pinned=True, master_bytes=2, grad_bytes=2)
 
 
 def test_host_state_check_counts_each_optimizers_state(monkeypatch):
@@ -120,7 +140,7 @@ def test_host_state_check_counts_each_optimizers_state(monkeypatch):
     assert host_bytes_to_come([group], [adamw]) == grads + 8 * 32
     monkeypatch.setattr(host_store, "available_host_bytes", lambda: (grads + 4 * n_matrix + 8 * 32, "MemAvailable"))
     host_store.check_host_bytes_to_come(host_bytes_to_come([group], [muon]))  # Muon's states fit
-    with pytest.raises(RuntimeError, match=r"needs about [0-9.]+ MiB more host RAM for the fp32 grads and optimizer "
+    with pytest.raises(RuntimeError, match=r"needs about [0-9.]+ MiB more host RAM for the grads and optimizer "
                                            r"states(.|\n)*Muon(.|\n)*\(MemAvailable\)"):
         host_store.check_host_bytes_to_come(host_bytes_to_come([group], [torch.optim.AdamW(params)]))
 

@@ -56,6 +56,10 @@ def test_pieces_cover_every_parameter_once(world):
 def test_options_several_ranks_refuse():
     with pytest.raises(ValueError, match=r"with 2 ranks(.|\n)*overlap_optimizer=True(.|\n)*gpu_optimizer_groups=1"):
         sharded_config(EngineConfig(overlap_optimizer=True, gpu_optimizer_groups=1), 2)
+    with pytest.raises(ValueError, match=r"with 4 ranks(.|\n)*host_state='int8_moments'(.|\n)*host_state='fp32'"):
+        sharded_config(EngineConfig(host_state="int8_moments"), 4)
+    with pytest.raises(ValueError, match=r"checkpoint_format='sharded'(.|\n)*checkpoint_format='file'"):
+        sharded_config(EngineConfig(checkpoint_format="sharded"), 2)
     settled = sharded_config(EngineConfig(), 2)
     assert settled.overlap_optimizer is False and settled.gpu_optimizer_groups == 0
 

@@ -1,7 +1,7 @@
 """Plans whose long-context options resolve to the engine before them (untiled, one segment per layer, every layer
 input offloaded) print what was pinned: ``report()`` and the JSON of ``to_dict()``, byte for byte, for the ready
-configs and the shapes the other planner tests use. Last regenerated for the verdict line, the largest micro-batch in
-words, the OS reserve of host RAM and the overlap_optimizer advice given only where it is faster.
+configs and the shapes the other planner tests use. Last regenerated for the host grads of ``gpu_optimizer_groups``,
+no longer counted (the engine allocates them only where code reads ``p.grad``, planner/pool.py [Note: memory pool]).
 
 The expected outputs are in ``plan_outputs.json`` beside this file. Regenerate them only for a change that is meant
 to change these plans: ``PYTHONPATH=. python tests/planner/test_plan_outputs.py`` from the repository root, and say

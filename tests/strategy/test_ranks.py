@@ -1,6 +1,6 @@
 """Several ranks on the CPU (gloo): ``MegaTrainStrategy`` with ``devices=N`` trains as single-process training of
 the same global batch, and its sharded checkpoints resume on another number of ranks
-(engine/sharding.py, [Note: sharded host state]; engine/shard_states.py, [Note: sharded checkpoints]).
+(engine/sharding.py, [Note: sharded host state]; engine/shard_states.py, [Note: checkpoints of several ranks]).
 
 Each test forks its ranks (tests/helpers/ranks.py). Tolerance: fp32, the parity tests' rule (helpers/parity.py
 ``assert_records_close``): per tensor ``||a - b|| <= 1e-5 ||b||`` (+1e-8 for zero references). The ranks sum the same

@@ -1,0 +1,78 @@
+"""CUDA: compact host state through the GPU paths: bf16 masters uploaded straight into the compute slots, bf16 grads
+drained (first arrival, the device-side fp32 sum of accumulated micro-batches rounded once, the residents' copy),
+late grads with the overlapped step, clipping inside the kernel.
+
+References (tests/helpers/compact.py): ``bf16_loop`` on the GPU (the same model, same device kernels, bf16 masters
+updated on the host as ``CompactAdamW.step`` updates them), and the engine's own CPU run (bitwise the CPU loop,
+tests/strategy/test_strategy_compact_state.py), which differs by the CPU's and GPU's bf16 matmuls only.
+
+Skipped without CUDA (CI); on the GPU machine: ``python -m pytest -m gpu tests/engine/test_gpu_compact_state.py``.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_megatrain.optim import compact_adam
+
+from helpers.compact import bf16_loop, fit_engine, max_relative_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+OPTIONS = dict(cpu_adam="torch", compile_layers=False, gpu_optimizer_groups="auto")
+
+
+@pytest.fixture(autouse=True)
+def eager_kernel(monkeypatch):
+    """The CPU reference and the engine run the same eager kernel (the compiled one is tested against it in
+    tests/optim/test_compact_adam.py)."""
+    monkeypatch.setattr(compact_adam, "_compile_failure", "eager in tests")
+
+
+class Layout(L.Callback):
+    """What the engine allocated, read before teardown."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = trainer.strategy.engine
+        slot = engine.transfer.slots[0]
+        self.slot = (slot.staging is slot.compute, slot.compute.dtype)
+        self.grads = {(g.grad.dtype, g.grad.is_pinned()) for g in engine.flat_groups}
+        self.device_groups = len(engine.device_groups)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("host_state", ["compact", "compact_kahan"])
+def test_cuda_compact_state_matches_the_gpu_loop_and_the_cpu_run(host_state, overlap):
+    """3 steps, 2 accumulated micro-batches, clipping at 0.05: no fp32 staging slot, pinned bf16 grads, no device
+    groups ("auto" places none); the losses equal the GPU loop's to 1e-3 and the weights to about a bf16 unit (a
+    last-bit difference of the clipping norm flips a few stochastic roundings, as on the CPU); against the CPU run
+    the matmuls differ too, so 2% per tensor."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layout = Layout()
+    model, _, losses = fit_engine(host_state, accumulate=2, clip=0.05, overlap=overlap, accelerator="cuda",
+                                  callbacks=[layout], **OPTIONS)
+    assert layout.slot == (True, torch.bfloat16) and layout.grads == {(torch.bfloat16, True)}
+    assert layout.device_groups == 0
+    masters, ref_losses, _ = bf16_loop(host_state, accumulate=2, clip=0.05, device="cuda")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
+    error, name = max_relative_error(model, masters)
+    assert error < 2**-7, (name, error)
+
+    cpu_model, _, cpu_losses = fit_engine(host_state, accumulate=2, clip=0.05, overlap=overlap)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-2, atol=0)
+    error, name = max_relative_error(model, [p.detach() for p in cpu_model.parameters()])
+    assert error < 2e-2, (name, error)
+
+
+def test_cuda_int8_moments_match_the_cpu_run():
+    """``int8_moments`` keeps fp32 masters and grads: the GPU paths are the fp32 ones, the step CompactAdamW's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, optimizer, losses = fit_engine("int8_moments", accumulate=2, clip=0.05, overlap=True, accelerator="cuda",
+                                          **OPTIONS)
+    cpu_model, _, cpu_losses = fit_engine("int8_moments", accumulate=2, clip=0.05, overlap=True)
+    assert optimizer.state[next(model.parameters())]["exp_avg"].dtype == torch.int8
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-2, atol=0)
+    error, name = max_relative_error(model, [p.detach() for p in cpu_model.parameters()])
+    assert error < 2e-2, (name, error)
