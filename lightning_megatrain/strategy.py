@@ -16,7 +16,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
@@ -33,17 +32,20 @@ from lightning_megatrain.config import (
     NonFiniteMode,
 )
 from lightning_megatrain.engine import MegaTrainEngine
+from lightning_megatrain.engine.shard_states import load_optimizer_state, load_shard_files, shard_path, split_checkpoint
+from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
 from lightning_megatrain.mapped import read_into
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
+from lightning_megatrain.ranks import RankStrategy
 from lightning_megatrain.sharded_checkpoint import ShardedCheckpointIO, layer_layout, load_any
 
 log = logging.getLogger(__name__)
 
 
-class MegaTrainStrategy(SingleDeviceStrategy):
+class MegaTrainStrategy(RankStrategy):
     """Train a causal LM larger than GPU memory on one GPU: all state in host RAM, decoder layers streamed.
 
     One optimizer step:
@@ -68,6 +70,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     copy (none for ``gpu_optimizer_groups`` layers) of each layer ``keep_layers`` keeps (by default as many as fit
     in 90-95% of the GPU). Host memory is 16 bytes per parameter with Adam (master, grad, two moments), page-locked at
     its exact size; :meth:`host_memory` reports it by kind, and it is logged at train end.
+
+    Several devices (``devices=N``, ``num_nodes=M``): one process per device, started by Lightning's launcher
+    (ranks.py); each rank owns 1/N of every layer's fp32 grads and optimizer states and updates 1/N of its masters,
+    the layers' grads are reduce-scattered in backward and the updated masters all-gathered after the step
+    (engine/sharding.py, [Note: sharded host state]); each rank saves its optimizer states' share beside the
+    checkpoint, which resumes on any number of ranks (engine/shard_states.py, [Note: checkpoints of several ranks]).
+    ``overlap_optimizer`` and ``gpu_optimizer_groups`` are off there (refused when given), ``host_state`` must be
+    ``"fp32"``, ``checkpoint_format`` ``"file"``, and the optimizer elementwise (not Muon or CompactAdamW).
 
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with
@@ -221,22 +231,18 @@ class MegaTrainStrategy(SingleDeviceStrategy):
                 lambda checkpoint: layer_layout(checkpoint, self.lightning_module, self.config.layers, self.optimizers)
             )
         checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
+        # one process per device; several share the host state ([Note: sharded host state] in engine/sharding.py)
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
         self.parallel_devices: list[torch.device] | None = None
         self.engine: MegaTrainEngine | None = None
         self._hf_loss: ChunkedHFLoss | None = None  # what install_chunked_hf_loss changed, undone at teardown
         self._unguard_zero_grad: Callable[[], None] | None = None  # undoes the module's waiting zero_grad
         self._skipped: list[int] = []  # the engine's list of steps skipped as non-finite, kept past teardown
+        # this rank's shares with several ranks, kept past teardown: the optimizers step their pieces
+        self._sharding: ShardedState | None = None
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            return torch.device("cpu")
-        return torch.device(self.parallel_devices[0])
 
     @property
     @override
@@ -273,11 +279,6 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError(
-                f"MegaTrainStrategy trains on one device, got devices={[str(d) for d in self.parallel_devices]}. "
-                "HINT: pass Trainer(devices=1) (select the GPU with CUDA_VISIBLE_DEVICES)."
-            )
         self.accelerator.setup(trainer)
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
@@ -292,11 +293,14 @@ class MegaTrainStrategy(SingleDeviceStrategy):
         # gpu_optimizer_groups hold optimizer states: none without an optimizer step
         config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)
         self._hf_loss = install_chunked_hf_loss(self.lightning_module, enabled=config.chunked_hf_loss)
-        self.engine = MegaTrainEngine(self.lightning_module, self.root_device, precision.compute_dtype, config)
+        self.engine = MegaTrainEngine(
+            self.lightning_module, self.root_device, precision.compute_dtype, config, ranks=self.ranks
+        )
         self.engine.setup(fitting=fitting)
         self.model_to_device()
         precision.engine = self.engine
         self._skipped = self.engine.step.guard.skipped
+        self._sharding = self.engine.sharding
         self.model = self._setup_model(self.model)
         if fitting:
             self.setup_optimizers(trainer)
@@ -344,6 +348,8 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         self.wait_for_optimizer()
+        if self._sharding is not None:  # this rank's slices and the manifest ([Note: checkpoints of several ranks])
+            return self._sharding.optimizer_state(optimizer)
         # gpu_optimizer_groups' states stay on the GPU: the save writes them a piece at a time ([Note: atomic
         # checkpoints], [Note: sharded checkpoints])
         return super().optimizer_state(optimizer)
@@ -356,9 +362,30 @@ class MegaTrainStrategy(SingleDeviceStrategy):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
             trainer = None
-        load = super().load_checkpoint  # a sharded directory's meta.pt through it ([Note: sharded checkpoints])
-        return load_readable(lambda path: load_any(path, lambda file: load(file, weights_only=weights_only)),
-                             checkpoint_path, trainer)
+        load = super().load_checkpoint  # a sharded directory's meta.pt through it ([Note: sharded checkpoints]); a
+        # checkpoint of several ranks brings its shard files' optimizer slices ([Note: checkpoints of several ranks])
+        return load_readable(
+            lambda path: load_shard_files(load_any(path, lambda file: load(file, weights_only=weights_only)), path),
+            checkpoint_path,
+            trainer,
+        )
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        # several ranks: rank 0 writes the checkpoint with manifests, every rank its shard file
+        main, shard = split_checkpoint(checkpoint, filepath)
+        if shard:
+            self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank, self.world_size))
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.distributed:
+            self.checkpoint_io.remove_checkpoint(shard_path(filepath, self.global_rank, self.world_size))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -380,10 +407,20 @@ class MegaTrainStrategy(SingleDeviceStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The base class would move the states to root_device; they belong with the host masters.
         self.wait_for_optimizer()
+        sharding = self._sharding
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            # any number of ranks from any number of ranks ([Note: checkpoints of several ranks])
+            state = sharding.load_state(optimizer, state) if sharding is not None else load_optimizer_state(
+                optimizer, state, None, {}, self._whole_parameter_key()
+            )
             load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning
         if self.engine is not None:  # mapped states into place once the device groups are known ([Note: mapped
             self.engine.settle_loaded_states(self.optimizers)  # checkpoint tensors] in mapped.py)
+
+    def _whole_parameter_key(self) -> Any:
+        """One rank's optimizer parameters are the module's: each the whole element range of its name."""
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        return lambda p: (names[id(p)], 0, p.numel(), p.shape)
 
     @property
     @override

@@ -48,6 +48,13 @@ from lightning_megatrain.engine.placement import (
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
+from lightning_megatrain.engine.sharding import (
+    Ranks,
+    ShardedDrain,
+    ShardedOptimizerStep,
+    ShardedState,
+    sharded_config,
+)
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
@@ -67,15 +74,24 @@ class MegaTrainEngine:
         device: the compute device (``cuda:N`` or ``cpu``).
         compute_dtype: dtype layers are streamed and computed in (``bfloat16`` or ``float32``).
         config: the options (lightning_megatrain/config.py, one documented field each).
+        ranks: the process group when several ranks train together (engine/sharding.py, [Note: sharded host
+            state]); ``None``: one rank, nothing sharded.
     """
 
     def __init__(
-        self, module: nn.Module, device: torch.device, compute_dtype: torch.dtype, config: EngineConfig = EngineConfig()
+        self,
+        module: nn.Module,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        config: EngineConfig = EngineConfig(),
+        ranks: Ranks | None = None,
     ) -> None:
         self.module = module
         self.device = device
         self.compute_dtype = compute_dtype
         self.config = config
+        self.ranks = ranks
+        self.sharding: ShardedState | None = None  # this rank's shares of the flat groups, when ranks
         self._step: OptimizerStep | None = None  # built by setup
         # the overlapped host step's per-group wait, for every reader of host masters (engine/overlap.py)
         self._gate: Callable[[FlatGroup], None] | None = None
@@ -122,6 +138,8 @@ class MegaTrainEngine:
                 ``torch.compile`` (before any large allocation).
         """
         module = self.module
+        if self.ranks is not None:  # what several ranks do not support yet is refused here, "auto" settled
+            self.config = sharded_config(self.config, self.ranks.world)
         layout = HOST_STATE_LAYOUTS[self.config.host_state]
         check_layout_compute(self.config.host_state, self.compute_dtype)
         self.config = resolve(self.config, self.device)  # the "auto" options ([Note: auto placement])
@@ -179,7 +197,17 @@ class MegaTrainEngine:
         else:
             self.transfer = HostTransfer(self.groups, self.compute_dtype, gate)
             buffers = [[] for _ in layer_buffers]
-        self._step = OptimizerStep(self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents)
+        if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
+            names = {id(p): name for name, p in module.named_parameters()}
+            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names)
+            self.transfer = ShardedDrain(self.transfer, self.sharding, self.groups)
+            self._step = ShardedOptimizerStep(
+                self.sharding, resident_group, self.config, self.device, self.transfer, self.residents
+            )
+        else:
+            self._step = OptimizerStep(
+                self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents
+            )
         disable_kv_cache(module)
         layer_bytes = max_layer * self.compute_dtype.itemsize
         self._policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes)
@@ -288,8 +316,15 @@ class MegaTrainEngine:
         if self.placement_pending and self.config.gpu_optimizer_groups == "auto":  # split at the first micro-batch
             check_split_possible([self.resident_group, *self.groups], optimizers, self.device, self.compute_dtype)
             return
-        host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
+        host_groups = self._host_groups()
         check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
+
+    def _host_groups(self) -> list[FlatGroup]:
+        """The groups whose grads and optimizer states live in host memory: every flat group but the device groups;
+        with several ranks, this rank's shares of them ([Note: sharded host state])."""
+        if self.sharding is not None:
+            return self.sharding.owned_groups
+        return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
 
     def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
         """``segment_layers`` and ``device_checkpoints`` for the training micro-batch ``batch``: decided where "auto",
@@ -304,7 +339,7 @@ class MegaTrainEngine:
                     0 if "device_checkpoints" in auto else given["device_checkpoints"])
             why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
         else:
-            host_groups = [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
+            host_groups = self._host_groups()
             if self._placed_tokens:
                 log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
                          "were placed for: placing them again", *shape, self._placed_tokens)
@@ -433,7 +468,10 @@ class MegaTrainEngine:
 
     def masters_updated(self) -> None:
         """The optimizer stepped the host masters: slots and resident compute copies are stale, and so are the
-        grads' device norms (the next step measures its own)."""
+        grads' device norms (the next step measures its own). With several ranks, every rank's updated shares are
+        gathered first ([Note: sharded host state])."""
+        if self.sharding is not None:
+            self.sharding.gather()
         for group in self.flat_groups:
             group.device_norm_sq = None
         if self.transfer is not None:
@@ -453,6 +491,8 @@ class MegaTrainEngine:
         }
         if self.transfer is not None:
             sizes.update(self.transfer.host_bytes())
+        if self.sharding is not None:
+            sizes.update(self.sharding.host_bytes())
         return sizes
 
     def teardown(self) -> None:

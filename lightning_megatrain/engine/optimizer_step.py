@@ -266,7 +266,7 @@ class OptimizerStep:
             self._norm_sq = device_norm_sq(groups, self.device)
             self._deferred_grad_scale = clip_coef(self._norm_sq, max_norm)  # the device step reads it there
             return True
-        self._norm_sq = host_norm_sq(groups)
+        self._norm_sq = self._host_norm_sq()
         coef = clip_coef(self._norm_sq, max_norm)
         if coef.item() != 1.0:  # host tensors: no device sync
             # bf16 grads are never scaled in place (a second rounding): the update takes the factor ([Note: compact
@@ -295,7 +295,7 @@ class OptimizerStep:
         if self._late_grads:
             self._flag_on_device(loss)
             return True
-        norm_sq = self._norm_sq if self._norm_sq is not None else host_norm_sq(self.groups)
+        norm_sq = self._norm_sq if self._norm_sq is not None else self._host_norm_sq()
         host_loss = None if loss is None else loss.cpu()  # the compute stream is idle here: drains were waited for
         if bool(torch.isfinite(torch.stack([norm_sq] + ([host_loss] if host_loss is not None else []))).all()):
             return True
@@ -303,6 +303,10 @@ class OptimizerStep:
         if self.residents is not None:  # the device step that would have consumed a resident device group's grads
             self.residents.clear_grads()
         return False
+
+    def _host_norm_sq(self) -> Tensor:
+        """The squared global grad norm on the host (grad_norm.py); the sharded step sums it over ranks."""
+        return host_norm_sq(self.groups)
 
     def _flag_on_device(self, loss: Tensor | None) -> None:
         """The step's non-finite flag on the device for the device step, and the stats it is made of on their way to

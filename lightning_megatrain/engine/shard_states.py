@@ -1,0 +1,224 @@
+"""Optimizer state over ranks: the optimizer stepping this rank's pieces, and the sharded checkpoint format.
+
+[Note: checkpoints of several ranks]
+A checkpoint saved by N > 1 ranks is N + 1 files (``MegaTrainStrategy.save_checkpoint``):
+
+- ``<path>`` (rank 0, as Lightning writes it): the whole model's ``state_dict`` (every rank holds every master,
+  engine/sharding.py, [Note: sharded host state]), the loops, callbacks and LR schedulers, and for each optimizer a
+  *manifest* in place of torch's state dict: ``{"format": FORMAT, "world_size": N, "param_groups": [each group's
+  hyperparameters, with "params" the parameters' qualified names], "shards": [the N shard file names]}``.
+- ``<path>-shard<r>-of-<N>`` (rank r): ``{"optimizer_states": [per optimizer {name: [[start, end, state]]}]}``: for
+  each parameter rank r owns part of, the flat element range ``[start, end)`` of the parameter and that range's
+  optimizer state (per-element tensors 1D over the range, ``step`` and other scalars as they are).
+
+Loading (:func:`load_shard_files`, then :func:`state_for`) maps either format onto the optimizer as it is now: every
+rank reads the manifest and all shard files (memory-mapped: only the ranges it needs are read) and assembles, for
+each of its own pieces (or whole parameters, with one rank), the state of exactly that range; an ordinary checkpoint
+(one rank, or plain Lightning) is the same with one range per parameter. So a checkpoint of N ranks resumes on M
+ranks for any M, and on one. Assumes per-element optimizer states (Adam, AdamW, SGD): every state tensor of a
+parameter's shape, except ``step``, is per element.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_megatrain.optim.compact_adam import CompactAdamW
+from lightning_megatrain.optim.muon import Muon
+
+if TYPE_CHECKING:
+    from lightning_megatrain.engine.sharding import ShardedState
+
+FORMAT = "megatrain-sharded-1"
+
+Slices = dict[str, list[list[Any]]]  # parameter name -> [[start, end, state of that element range]]
+KeyOf = Callable[[Tensor], tuple[str, int, int, torch.Size]]  # optimizer param -> (name, start, end, state shape)
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, state: ShardedState) -> None:
+    """Make ``optimizer`` step this rank's pieces: each param group's parameters replaced by their pieces (same
+    group, same hyperparameters; engine/sharding.py, [Note: sharded host state]).
+
+    Raises:
+        ValueError: an optimizer whose update is not elementwise (Muon's orthogonalised matrices, CompactAdamW's
+            blocks), or one that has stepped already.
+    """
+    if isinstance(optimizer, (Muon, CompactAdamW)):
+        raise ValueError(
+            f"MegaTrainStrategy with {state.ranks.world} ranks steps each rank's shard of the flat parameters, which "
+            f"cuts matrices into 1D pieces; {type(optimizer).__name__} needs whole matrices or blocks. HINT: use "
+            "torch.optim.AdamW (or another elementwise optimizer), or devices=1."
+        )
+    if any(optimizer.state.values()):
+        raise ValueError(f"{type(optimizer).__name__} has optimizer state before setup: shard it before it steps.")
+    pieces: dict[int, list[Tensor]] = {}
+    for shard in state.shards:
+        for piece, k, start in zip(shard.owned.params, shard.piece_param, shard.piece_start):
+            p = shard.group.params[k]
+            pieces.setdefault(id(p), []).append(piece)
+            state.piece_keys[id(piece)] = (state.names[id(p)], start, start + piece.numel(), piece.shape)
+    layout = []
+    for group in optimizer.param_groups:
+        layout.append([state.names[id(p)] for p in group["params"]])
+        group["params"] = [piece for p in group["params"] for piece in pieces.get(id(p), [])]
+    state.layouts[id(optimizer)] = layout
+
+
+def sharded_state(optimizer: torch.optim.Optimizer, state: ShardedState) -> dict[str, Any]:
+    """This rank's part of ``optimizer``'s state in the sharded format: the manifest's fields and the slices."""
+    slices: Slices = {}
+    for group in optimizer.param_groups:
+        for piece in group["params"]:
+            entry = optimizer.state.get(piece)
+            if entry:
+                name, start, end, _ = state.piece_keys[id(piece)]
+                slices.setdefault(name, []).append([start, end, {k: _cpu(v) for k, v in entry.items()}])
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": names}
+              for g, names in zip(optimizer.param_groups, state.layouts[id(optimizer)])]
+    return {"format": FORMAT, "world_size": state.ranks.world, "param_groups": groups, "slices": slices}
+
+
+def _cpu(v: Any) -> Any:
+    return v.detach().cpu() if isinstance(v, Tensor) else v
+
+
+def shard_path(path: str | os.PathLike, rank: int, world: int) -> str:
+    """The file rank ``rank`` of ``world`` writes beside the checkpoint ``path``."""
+    return f"{os.fspath(path)}-shard{rank}-of-{world}"
+
+
+def split_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what rank 0 writes at ``path``, what this rank writes at its shard path): the optimizer states' slices move to
+    the shard file, their manifests stay (see [Note: checkpoints of several ranks])."""
+    states = checkpoint.get("optimizer_states", [])
+    if not any(isinstance(s, dict) and s.get("format") == FORMAT for s in states):
+        return checkpoint, {}
+    manifests, slices = [], []
+    for s in states:
+        world = s["world_size"]
+        names = [Path(shard_path(path, r, world)).name for r in range(world)]
+        manifests.append({"format": FORMAT, "world_size": world, "param_groups": s["param_groups"], "shards": names})
+        slices.append(s["slices"])
+    return {**checkpoint, "optimizer_states": manifests}, {"optimizer_states": slices}
+
+
+def load_shard_files(checkpoint: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """``checkpoint`` with each sharded optimizer manifest given the slices of every shard file beside ``path``
+    (memory-mapped).
+
+    Raises:
+        FileNotFoundError: a shard file is missing, named with the fix.
+    """
+    states = checkpoint.get("optimizer_states", [])
+    if not any(isinstance(s, dict) and s.get("format") == FORMAT for s in states):
+        return checkpoint
+    directory = Path(os.fspath(path)).parent
+    files: dict[str, dict] = {}
+    merged = []
+    for i, s in enumerate(states):
+        slices: Slices = {}
+        for name in s["shards"]:
+            if name not in files:
+                file = directory / name
+                if not file.is_file():
+                    raise FileNotFoundError(
+                        f"The checkpoint {path} was saved by {s['world_size']} ranks and needs its shard file {file}, "
+                        "which is missing. HINT: copy every '<checkpoint>-shard<r>-of-<N>' file along with it."
+                    )
+                files[name] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            for param, ranges in files[name]["optimizer_states"][i].items():
+                slices.setdefault(param, []).extend(ranges)
+        merged.append({**s, "slices": slices})
+    return {**checkpoint, "optimizer_states": merged}
+
+
+def standard_slices(state_dict: dict[str, Any], layout: list[list[str]], shapes: dict[str, torch.Size]) -> Slices:
+    """A torch optimizer state dict (one rank, plain Lightning) as slices: one range per parameter, by name."""
+    slices: Slices = {}
+    for group, names in zip(state_dict["param_groups"], layout):
+        for index, name in zip(group["params"], names):
+            entry = state_dict["state"].get(index)
+            if entry:
+                shape = shapes[name]
+                flat = {k: v.reshape(-1) if _per_element(k, v, shape) else v for k, v in entry.items()}
+                slices[name] = [[0, shape.numel(), flat]]
+    return slices
+
+
+def _per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    return isinstance(value, Tensor) and key != "step" and value.shape == shape
+
+
+def state_for(optimizer: torch.optim.Optimizer, saved: dict[str, Any], slices: Slices, key_of: KeyOf) -> dict:
+    """A torch state dict for ``optimizer`` as it is now: for each of its parameters (``key_of``: name, element range
+    and shape), the state of that range assembled from ``slices``; the hyperparameters of ``saved`` (a manifest or a
+    torch state dict).
+
+    Raises:
+        ValueError: the checkpoint's optimizer has other param groups, or its ranges do not cover a parameter.
+    """
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The checkpoint's {type(optimizer).__name__} has {len(saved['param_groups'])} param groups, this run's "
+            f"has {len(optimizer.param_groups)}. HINT: configure_optimizers must build the same groups."
+        )
+    groups, states, index = [], {}, 0
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        indices = []
+        for p in group["params"]:
+            name, start, end, shape = key_of(p)
+            assembled = _assemble(slices.get(name, []), name, start, end, shape)
+            if assembled:
+                states[index] = assembled
+            indices.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+    return {"state": states, "param_groups": groups}
+
+
+def _assemble(ranges: list[list[Any]], name: str, start: int, end: int, shape: torch.Size) -> dict[str, Any]:
+    """The state of elements ``[start, end)`` of parameter ``name`` from its saved ranges ({} when it has none)."""
+    parts = sorted((r for r in ranges if r[0] < end and r[1] > start), key=lambda r: r[0])
+    if not parts:
+        return {}
+    covered = start
+    for s, e, _ in parts:
+        if s > covered:
+            break
+        covered = max(covered, e)
+    if parts[0][0] > start or covered < end:
+        raise ValueError(
+            f"The checkpoint's optimizer state of '{name}' covers {[(s, e) for s, e, _ in parts]}, not the elements "
+            f"[{start}, {end}) this rank owns. HINT: a shard file is from another save; save again."
+        )
+    out: dict[str, Any] = {}
+    for key, first in parts[0][2].items():
+        if isinstance(first, Tensor) and key != "step" and first.dim() == 1:
+            chunks, at = [], start
+            for s, e, st in parts:
+                if e <= at:
+                    continue
+                chunks.append(st[key][at - s : min(e, end) - s])
+                at = min(e, end)
+            out[key] = torch.cat(chunks).reshape(shape).clone()
+        else:
+            out[key] = first.clone() if isinstance(first, Tensor) else first
+    return out
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any], layout: list[list[str]] | None,
+                         shapes: dict[str, torch.Size], key_of: KeyOf) -> dict[str, Any]:
+    """The torch state dict that loads ``saved`` (a manifest with its slices, or a torch state dict) into ``optimizer``
+    as it is now; ``layout``: the parameter names of each of its groups before sharding (None: no sharding, then a
+    torch state dict loads as it is)."""
+    if saved.get("format") == FORMAT:
+        return state_for(optimizer, saved, saved["slices"], key_of)
+    if layout is None:
+        return saved
+    return state_for(optimizer, saved, standard_slices(saved, layout, shapes), key_of)

@@ -1,0 +1,344 @@
+"""Sharded host state over several ranks: each rank owns 1/N of every flat group's master, grad and optimizer state.
+
+[Note: sharded host state]
+With ``world_size = N > 1`` (``Trainer(devices=N, num_nodes=M)``, one process per device, engine/../ranks.py) every
+:class:`FlatGroup` (one per decoder layer, one for the residents) is padded with zeros to ``N * S`` elements and
+cut into N contiguous *shards* of ``S``: rank ``r`` owns elements ``[r*S, (r+1)*S)``. Who holds what:
+
+- *owned master*: ``padded[r*S:(r+1)*S]`` on rank r is the authoritative fp32 value of those elements; only rank r's
+  optimizer updates it. The rest of ``padded`` is the *gathered copy*: the other ranks' owned masters, refreshed by
+  an all-gather after every optimizer step (:meth:`ShardedState.gather`). Parameters stay views of ``padded``, so
+  ``state_dict()``, validation and user hooks see the whole model on every rank (4 bytes/param per rank).
+- *pieces*: the part of each parameter that falls inside rank r's shard, one 1D ``nn.Parameter`` per parameter it
+  overlaps, a view of the owned master. The optimizer's param groups hold the pieces instead of the parameters
+  (:func:`shard_optimizer` in engine/shard_states.py), so every host optimizer (the fused Adam/AdamW host update,
+  elementwise torch optimizers) steps exactly its shard, with each piece's hyperparameters those of its parameter.
+- *owned grad*: a fp32 ``[S]`` buffer per group; each piece's ``.grad`` is its view. The parameters' own ``.grad``
+  stay ``None`` during training: the gradient of the whole model exists on no rank (4/N bytes/param instead of 4).
+- *optimizer state*: per piece, so 1/N of the Adam moments (8/N bytes/param).
+
+Per rank: 4 + 12/N host bytes per parameter, plus the shards of a layer in flight.
+
+Collectives, in the same order on every rank (no rank ever decides alone whether to call one):
+
+- *backward, per layer* (:class:`ShardedDrain`): the layer's weight grads, packed into one padded fp32 buffer where
+  they were computed (host on the CPU, the device on CUDA; absent grads as zeros), are reduce-scattered (sum) over
+  the default group, divided by N (DDP's mean over ranks: with equal micro-batches per rank, the gradient of the
+  global batch's mean loss) and added into the owned grad on the host. A parameter absent on every rank keeps
+  ``grad=None`` on its pieces (one small all-reduce of presence flags per layer). Micro-batches of an accumulation
+  each reduce-scatter (as DDP without ``no_sync``): the sum is linear, so the owned grads end as one reduction of the
+  accumulated grads would leave them.
+- *end of backward, residents* (:meth:`ShardedOptimizerStep.finalize_gradients`): the residents' grads (the
+  parameters' ``.grad`` on the CPU backend, the host grads the CUDA residents' drain writes) accumulate locally
+  over the micro-batches and are reduce-scattered once, on the host group.
+- *clipping and the finite check*: the squared norm of the owned grads is all-reduced (sum) into the global one;
+  the loss is all-reduced too, so every rank takes the same skip decision.
+- *after the update*: each group's owned master is all-gathered in place into ``padded`` (host group).
+
+Process groups: the default group carries the device tensors (NCCL on CUDA, gloo on the CPU); the host tensors go
+over a gloo group made at setup when the default is NCCL (:class:`Ranks`). On the CPU both are the same gloo group.
+The CUDA path is the same code: the layer grads are reduce-scattered on the device over NCCL and the owned shard
+copied to the host; the weights are gathered on the host and uploaded whole by the transfer's H2D stream (uploading
+only the owned shard and all-gathering on the device, over NVLink, is not built yet; docs/multi-gpu.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.grad_norm import host_norm_sq
+from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.engine.optimizer_step import OptimizerStep
+from lightning_megatrain.engine.pinned import HostRegistry
+from lightning_megatrain.engine.shard_states import load_optimizer_state, shard_optimizer, sharded_state
+
+log = logging.getLogger(__name__)
+
+# torch >= 2.10 names them *_single; the older names still work (with a deprecation warning) before that
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
+    """``config`` for ``world`` > 1 ranks: the options they do not support yet refused when given, off when "auto".
+
+    Raises:
+        ValueError: ``overlap_optimizer=True``, ``gpu_optimizer_groups`` > 0, a compact ``host_state`` or
+            ``checkpoint_format="sharded"`` (every problem in one message).
+    """
+    problems = []
+    if config.overlap_optimizer is True:
+        problems.append("overlap_optimizer=True: the updated masters are all-gathered once the whole step is "
+                        "done, before the next forward reads them, so nothing overlaps yet; use 'auto' or False")
+    groups = config.gpu_optimizer_groups
+    if groups != "auto" and groups > 0:
+        problems.append(f"gpu_optimizer_groups={groups}: device groups are not sharded yet; use 'auto' or 0")
+    if config.checkpoint_format != "file":
+        problems.append(f"checkpoint_format={config.checkpoint_format!r}: several ranks write their own files "
+                        "([Note: checkpoints of several ranks]); use checkpoint_format='file'")
+    if config.host_state != "fp32":
+        problems.append(f"host_state={config.host_state!r}: the shards are fp32 masters, grads and Adam moments; "
+                        "use host_state='fp32'")
+    if problems:
+        raise ValueError(f"MegaTrainStrategy with {world} ranks does not support:\n- " + "\n- ".join(problems))
+    return config.replace(overlap_optimizer=False, gpu_optimizer_groups=0)
+
+
+class Ranks:
+    """The process group as the engine uses it: this rank, the world size, and the group for each kind of tensor.
+
+    Args:
+        rank, world: this process's global rank and the number of processes.
+        host_group: a gloo group for host tensors when the default group cannot carry them (NCCL); ``None``: the
+            default group.
+    """
+
+    def __init__(self, rank: int, world: int, host_group: Any | None = None) -> None:
+        self.rank = rank
+        self.world = world
+        self.host_group = host_group
+        self._reduce_scatter_ok: dict[str, bool] = {}  # per device type: the backend has reduce_scatter
+
+    @classmethod
+    def from_default_group(cls) -> Ranks:
+        """This process's ranks in the initialized default group; makes the host gloo group (a collective call:
+        every rank runs it, at setup)."""
+        host_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), host_group)
+
+    def _group(self, t: Tensor) -> Any | None:
+        return self.host_group if t.device.type == "cpu" else None
+
+    def all_reduce_(self, t: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
+        """``t`` reduced over the ranks, in place."""
+        dist.all_reduce(t, op=op, group=self._group(t))
+        return t
+
+    def all_gather_(self, padded: Tensor) -> None:
+        """Fill ``padded`` (1D, ``world * S``) with every rank's shard; this rank's is read from its own slice."""
+        own = padded.view(self.world, -1)[self.rank]
+        _all_gather(padded, own, group=self._group(padded))
+
+    def reduce_scatter(self, padded: Tensor) -> Tensor:
+        """This rank's shard (``[S]``) of the sum over ranks of ``padded`` (1D, ``world * S``)."""
+        kind = padded.device.type
+        if self._reduce_scatter_ok.get(kind, True):
+            out = torch.empty(padded.numel() // self.world, dtype=padded.dtype, device=padded.device)
+            try:
+                _reduce_scatter(out, padded, group=self._group(padded))
+                self._reduce_scatter_ok[kind] = True
+                return out
+            except (RuntimeError, NotImplementedError) as error:
+                # Older gloo builds have no reduce_scatter: the same sum through all_reduce, keeping our slice
+                # (N times the traffic). Every rank fails alike, before any data moves, so they all switch.
+                if kind in self._reduce_scatter_ok:
+                    raise
+                log.info("MegaTrain: reduce_scatter unavailable on %s (%s): using all_reduce", kind, error)
+                self._reduce_scatter_ok[kind] = False
+        summed = self.all_reduce_(padded.clone())
+        return summed.view(self.world, -1)[self.rank].clone()
+
+
+@dataclass
+class GroupShard:
+    """One flat group on one rank: the whole padded master and the share this rank owns (see the module note)."""
+
+    group: FlatGroup  # every parameter's storage: master = padded[:numel]
+    owned: FlatGroup  # the pieces; master = padded[lo:hi]; grad [S] fp32 host
+    padded: Tensor  # 1D fp32 host, [world * S]: the owned master and the gathered copy of the others'
+    piece_param: list[int]  # per piece: the index of its parameter in group.params
+    piece_start: list[int]  # per piece: its first element within its parameter (flattened)
+
+
+def shard_group(group: FlatGroup, ranks: Ranks, registry: HostRegistry | None) -> GroupShard:
+    """Pad ``group``'s master to ``world * S``, re-point its parameters into the padded buffer and cut this rank's
+    pieces out of it (see the module note). The old master is freed (unregistered first where pinned)."""
+    world, rank = ranks.world, ranks.rank
+    shard = -(-group.numel // world)
+    old = group.master
+
+    def fill(flat: Tensor) -> None:
+        flat[: group.numel].copy_(old)
+        flat[group.numel :].zero_()
+
+    if registry is None:
+        padded = torch.empty(world * shard, dtype=torch.float32)
+        fill(padded)
+    else:
+        padded = registry.empty(world * shard, torch.float32, init=fill)
+    for p, offset in zip(group.params, group.offsets):
+        p.data = padded[offset : offset + p.numel()].view(p.shape)
+    group.master = padded[: group.numel]
+    if registry is not None and old.numel():
+        registry.free(old)
+    group.release_grad(registry.free if registry is not None else None)  # no p.grad views it: grads are owned
+    lo, hi = rank * shard, (rank + 1) * shard
+    pieces, offsets, piece_param, piece_start = [], [], [], []
+    for k, (p, offset) in enumerate(zip(group.params, group.offsets)):
+        a, b = max(offset, lo), min(offset + p.numel(), hi)
+        if a < b:
+            pieces.append(nn.Parameter(padded[a:b], requires_grad=p.requires_grad))  # a view: shares the storage
+            offsets.append(a - lo)
+            piece_param.append(k)
+            piece_start.append(a - offset)
+
+    def new_grad() -> Tensor:
+        return torch.zeros(shard, dtype=torch.float32) if registry is None else registry.empty(shard, torch.float32)
+
+    owned = FlatGroup(params=pieces, offsets=offsets, master=padded[lo:hi], new_grad=new_grad)
+    return GroupShard(group, owned, padded, piece_param, piece_start)
+
+
+class ShardedState:
+    """Every flat group's :class:`GroupShard` on this rank, and the collectives over them (see the module note).
+
+    Args:
+        groups: the layers' flat groups, then the residents' (``engine.flat_groups``).
+        ranks: the process group.
+        registry: page-locked allocations (CUDA), or ``None``.
+        names: ``id(parameter) -> name`` for every parameter of the module.
+    """
+
+    def __init__(
+        self, groups: list[FlatGroup], ranks: Ranks, registry: HostRegistry | None, names: dict[int, str]
+    ) -> None:
+        self.ranks = ranks
+        self.names = names  # id(parameter) -> its qualified name in the module, for checkpoints
+        self.shards = [shard_group(g, ranks, registry) for g in groups]
+        self._by_group = {id(s.group): s for s in self.shards}
+        # filled by engine/shard_states.py shard_optimizer: id(piece) -> (parameter name, start, end, piece shape),
+        # and id(optimizer) -> each param group's parameter names before sharding
+        self.piece_keys: dict[int, tuple[str, int, int, torch.Size]] = {}
+        self.layouts: dict[int, list[list[str]]] = {}
+
+    def shard_of(self, group: FlatGroup) -> GroupShard:
+        return self._by_group[id(group)]
+
+    @property
+    def owned_groups(self) -> list[FlatGroup]:
+        """The owned shares, in the order of ``groups``: what the optimizer step clips and steps."""
+        return [s.owned for s in self.shards]
+
+    def reduce_grads(self, shard: GroupShard, grads: list[Tensor | None]) -> None:
+        """Reduce-scatter one group's grads (one per parameter, ``None`` = none on this rank) over the ranks and add
+        the mean into the owned grads (see the module note). A collective: every rank calls it for the same group."""
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        group = shard.group
+        padded = torch.zeros(shard.padded.numel(), dtype=torch.float32, device=device)
+        present = torch.zeros(len(group.params), dtype=torch.float32, device=device)
+        for k, (p, offset, g) in enumerate(zip(group.params, group.offsets, grads)):
+            if g is not None:
+                padded[offset : offset + p.numel()].copy_(g.reshape(-1))
+                present[k] = 1.0
+        self.ranks.all_reduce_(present)
+        mine = self.ranks.reduce_scatter(padded).div_(self.ranks.world).cpu()  # [S] fp32 host
+        flags = present.cpu().tolist()
+        owned = shard.owned
+        views = [mine[o : o + p.numel()] if flags[k] else None
+                 for p, o, k in zip(owned.params, owned.offsets, shard.piece_param)]
+        owned.accumulate(views, packed=mine)
+
+    def reduce_local_grads(self, shard: GroupShard) -> None:
+        """Reduce the grads the parameters of ``shard.group`` hold (the residents': accumulated locally over the
+        micro-batches) into the owned grads, then drop them."""
+        params = shard.group.params
+        self.reduce_grads(shard, [p.grad for p in params])
+        for p in params:
+            p.grad = None
+
+    def gather(self) -> None:
+        """Refresh every group's gathered copy from the owners (after an optimizer step or a load)."""
+        for shard in self.shards:
+            self.ranks.all_gather_(shard.padded)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state for a checkpoint (engine/shard_states.py, [Note: sharded
+        checkpoints])."""
+        return sharded_state(optimizer, self)
+
+    def load_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+        """The torch state dict of this rank's pieces from a checkpoint's optimizer state, saved by any number of
+        ranks ([Note: checkpoints of several ranks])."""
+        shapes = {self.names[id(p)]: p.shape for s in self.shards for p in s.group.params}
+        return load_optimizer_state(
+            optimizer, saved, self.layouts[id(optimizer)], shapes, lambda piece: self.piece_keys[id(piece)]
+        )
+
+    def host_bytes(self) -> dict[str, int]:
+        """The owned grads allocated so far (the masters are counted by the engine, padded)."""
+        return {"owned_grads": sum(s.owned.grad_nbytes for s in self.shards)}
+
+
+class ShardedDrain:
+    """A transfer backend whose ``drain`` reduce-scatters each layer's grads into the owned grads instead of adding
+    them into host grads of the whole layer; everything else is the wrapped backend's (engine/transfer.py)."""
+
+    def __init__(self, inner: Any, state: ShardedState, layer_groups: list[FlatGroup]) -> None:
+        self._inner = inner
+        self._state = state
+        self._shards = [state.shard_of(g) for g in layer_groups]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def drain(self, index: int, grads: list[Tensor | None]) -> None:
+        self._state.reduce_grads(self._shards[index], grads)
+
+    def take_host_added(self) -> bool:
+        """The owned grads are host adds: clipping takes their norm on the host."""
+        return True
+
+
+class ShardedOptimizerStep(OptimizerStep):
+    """:class:`OptimizerStep` over the owned shares (engine/optimizer_step.py), with the residents' reduction, the
+    global norm and a skip decision every rank shares (see the module note).
+
+    Args:
+        state: the shards; the base class gets ``state.owned_groups`` as its groups.
+        resident_group: the residents' full group, whose grads are reduced at the end of backward (None: none).
+        others: the base class's remaining arguments (config, device, overlap=None, transfer, residents).
+    """
+
+    def __init__(self, state: ShardedState, resident_group: FlatGroup | None, config: EngineConfig,
+                 device: torch.device, transfer: Any, residents: Any) -> None:
+        super().__init__(config, device, state.owned_groups, None, transfer, residents)
+        self.state = state
+        self._resident = state.shard_of(resident_group) if resident_group is not None else None
+
+    def to_host_optimizers(self, optimizers, schedulers):
+        host = super().to_host_optimizers(optimizers, schedulers)
+        for optimizer in host:
+            shard_optimizer(optimizer, self.state)
+        return host
+
+    def finalize_gradients(self, grads_read: bool = True) -> None:
+        super().finalize_gradients(grads_read)
+        if self._resident is not None:
+            self.state.reduce_local_grads(self._resident)
+
+    def _host_norm_sq(self) -> Tensor:
+        """The squared global grad norm: the owned grads' squared norms summed over the ranks."""
+        return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
+
+    def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
+        if not super().clip_grad_norm_(params, max_norm, defer):
+            raise RuntimeError(
+                "MegaTrainStrategy with several ranks clips the global norm of the optimizer's whole shard only, but "
+                "the optimizer being clipped holds part of the model's parameters. HINT: one optimizer over "
+                "self.parameters(), or devices=1."
+            )
+        return True
+
+    def check_finite(self, loss: Tensor | None, index: int) -> bool:
+        # the same decision on every rank: the global norm (clipping's, or _host_norm_sq's) and the mean loss
+        if isinstance(loss, Tensor):
+            ranks = self.state.ranks
+            loss = ranks.all_reduce_(loss.detach().float().sum().reshape(1).cpu())[0] / ranks.world
+        return super().check_finite(loss, index)

@@ -1,0 +1,183 @@
+"""The Lightning contract for one or several ranks: launcher, process group, sampler, barrier, broadcast, reduce.
+
+:class:`RankStrategy` is the base of ``MegaTrainStrategy``. With one device (``world_size == 1``) it behaves as
+Lightning's ``SingleDeviceStrategy``: no launcher, no process group, and ``barrier``/``broadcast``/``reduce`` are the
+identity. With ``devices=N`` (and ``num_nodes=M``) it does what ``DDPStrategy`` does for the processes: Lightning's
+``_SubprocessScriptLauncher`` starts them (or ``torchrun``/SLURM did, which the cluster environment detects),
+``setup_environment`` joins the process group (NCCL for CUDA devices, gloo on the CPU), the Trainer adds a
+``DistributedSampler`` (``distributed_sampler_kwargs``), and barrier, broadcast and reduce go through
+``torch.distributed``. No model wrapper: the engine does the gradient reduction itself, per layer, on the shards it
+owns (engine/sharding.py, [Note: sharded host state]).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_megatrain.engine.sharding import Ranks
+
+log = logging.getLogger(__name__)
+
+
+class RankStrategy(ParallelStrategy):
+    """One process per device, single-device behaviour when there is one (see the module docstring).
+
+    Args:
+        accelerator, checkpoint_io, precision_plugin: as for any Lightning strategy.
+        cluster_environment: set by the Trainer (``LightningEnvironment``, ``TorchElasticEnvironment``, SLURM ...).
+        process_group_backend: ``None`` (default): ``"nccl"`` for CUDA devices, ``"gloo"`` for the CPU.
+        timeout: of the process group's collectives (Lightning's default: 30 minutes).
+    """
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=None,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.ranks: Ranks | None = None  # the engine's view of the process group, when world_size > 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            return torch.device("cpu")
+        return torch.device(self.parallel_devices[self.local_rank if self.distributed else 0])
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this run has more than one process (``devices * num_nodes > 1``)."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's accelerator connector: a ``DistributedSampler`` is added when True."""
+        return self.distributed
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        """Global rank and world size from the node rank, the local rank and the devices (as ``DDPStrategy``)."""
+        if not self.distributed:
+            return
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        # one process per device, started by Lightning unless the cluster environment started them (torchrun, SLURM)
+        if self.distributed:
+            assert self.cluster_environment is not None
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if not self.distributed:
+            return
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self.ranks = Ranks.from_default_group()
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self.distributed or not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not self.distributed or not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not self.distributed or not isinstance(tensor, Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if not self.distributed:
+            return tensor
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @override
+    def teardown(self) -> None:
+        if self.distributed and self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        # ParallelStrategy.teardown asserts a cluster environment, which a one-device run may lack
+        super(ParallelStrategy, self).teardown()

@@ -1,0 +1,151 @@
+"""The sharding mechanism without processes: shards and pieces, the options and optimizers several ranks refuse, and
+the sharded checkpoint format's assembly and errors (engine/sharding.py, engine/shard_states.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.discovery import tensor_slots
+from lightning_megatrain.engine.host_store import pack_group
+from lightning_megatrain.engine.shard_states import (
+    FORMAT,
+    load_optimizer_state,
+    load_shard_files,
+    shard_optimizer,
+    state_for,
+)
+from lightning_megatrain.engine.sharding import Ranks, ShardedOptimizerStep, ShardedState, sharded_config
+from lightning_megatrain.engine.transfer import HostTransfer
+from lightning_megatrain.optim import Muon
+
+
+def _state(rank: int, world: int, module: nn.Module) -> ShardedState:
+    group = pack_group(tensor_slots(module))
+    names = {id(p): n for n, p in module.named_parameters()}
+    return ShardedState([group], Ranks(rank, world), None, names)
+
+
+def _layer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))  # 12 + 3 + 3 + 3 = 21 parameters
+
+
+@pytest.mark.parametrize("world", [2, 4, 5])
+def test_pieces_cover_every_parameter_once(world):
+    """Over the ranks, the pieces tile every parameter exactly, as views of the padded master; the padding is zero."""
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for rank in range(world):
+        module = _layer()
+        state = _state(rank, world, module)
+        shard = state.shards[0]
+        assert shard.padded.numel() == world * -(-21 // world) and not shard.padded[21:].any()
+        for piece, k, start in zip(shard.owned.params, shard.piece_param, shard.piece_start):
+            p = shard.group.params[k]
+            assert piece.data_ptr() == p.data_ptr() + start * 4  # the piece is the parameter's elements
+            torch.testing.assert_close(piece.detach(), p.detach().reshape(-1)[start : start + piece.numel()])
+            seen.setdefault(state.names[id(p)], []).append((start, start + piece.numel()))
+    for name, p in _layer().named_parameters():
+        ranges = sorted(seen[name])
+        assert ranges[0][0] == 0 and ranges[-1][1] == p.numel()
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_options_several_ranks_refuse():
+    with pytest.raises(ValueError, match=r"with 2 ranks(.|\n)*overlap_optimizer=True(.|\n)*gpu_optimizer_groups=1"):
+        sharded_config(EngineConfig(overlap_optimizer=True, gpu_optimizer_groups=1), 2)
+    with pytest.raises(ValueError, match=r"with 4 ranks(.|\n)*host_state='int8_moments'(.|\n)*host_state='fp32'"):
+        sharded_config(EngineConfig(host_state="int8_moments"), 4)
+    with pytest.raises(ValueError, match=r"checkpoint_format='sharded'(.|\n)*checkpoint_format='file'"):
+        sharded_config(EngineConfig(checkpoint_format="sharded"), 2)
+    settled = sharded_config(EngineConfig(), 2)
+    assert settled.overlap_optimizer is False and settled.gpu_optimizer_groups == 0
+
+
+def test_non_elementwise_optimizer_refused():
+    module = _layer()
+    state = _state(0, 2, module)
+    with pytest.raises(ValueError, match=r"2 ranks(.|\n)*Muon needs whole matrices(.|\n)*AdamW"):
+        shard_optimizer(Muon([{"params": [module[0].weight], "use_muon": True}]), state)
+
+
+def test_partial_clipping_refused():
+    module = _layer()
+    state = _state(0, 2, module)
+    step = ShardedOptimizerStep(state, None, EngineConfig(), torch.device("cpu"),
+                                HostTransfer([state.shards[0].group], torch.float32), None)
+    with pytest.raises(RuntimeError, match=r"several ranks clips(.|\n)*one optimizer over self.parameters"):
+        step.clip_grad_norm_([torch.zeros(3, requires_grad=True)], 1.0)
+
+
+def _saved_adam(module: nn.Module, world: int) -> dict:
+    """What ``world`` ranks would save for AdamW over ``module`` after one step with grads = 1: manifest and slices."""
+    slices: dict = {}
+    for rank in range(world):
+        copy = _layer()
+        state = _state(rank, world, copy)
+        optimizer = torch.optim.AdamW(copy.parameters(), lr=0.1)
+        shard_optimizer(optimizer, state)
+        for piece in optimizer.param_groups[0]["params"]:
+            piece.grad = torch.arange(piece.numel(), dtype=torch.float32) + 1
+        optimizer.step()
+        own = state.optimizer_state(optimizer)
+        for name, ranges in own["slices"].items():
+            slices.setdefault(name, []).extend(ranges)
+    return {**own, "slices": slices}
+
+
+def test_state_of_four_ranks_assembles_for_one_and_three():
+    """A parameter's state assembled from 4 ranks' slices equals, element by element, the slices; reassembled for
+    3 ranks' pieces it equals the same elements."""
+    saved = _saved_adam(_layer(), 4)
+    assert saved["format"] == FORMAT and saved["world_size"] == 4
+    module = _layer()
+    names = {id(p): n for n, p in module.named_parameters()}
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    whole = state_for(optimizer, saved, saved["slices"], lambda p: (names[id(p)], 0, p.numel(), p.shape))
+    weight = whole["state"][0]["exp_avg"]
+    assert weight.shape == (3, 4)
+    for start, end, piece_state in saved["slices"]["0.weight"]:
+        torch.testing.assert_close(weight.reshape(-1)[start:end], piece_state["exp_avg"], rtol=0, atol=0)
+    for rank in range(3):
+        copy = _layer()
+        state = _state(rank, 3, copy)
+        three = torch.optim.AdamW(copy.parameters(), lr=0.1)
+        shard_optimizer(three, state)
+        loaded = state.load_state(three, saved)
+        for index, piece in enumerate(three.param_groups[0]["params"]):
+            name, start, end, _ = state.piece_keys[id(piece)]
+            want = whole["state"][[n for n in names.values()].index(name)]["exp_avg"].reshape(-1)[start:end]
+            torch.testing.assert_close(loaded["state"][index]["exp_avg"], want, rtol=0, atol=0)
+            assert float(loaded["state"][index]["step"]) == 1.0
+    # an ordinary torch state dict (one rank) maps onto pieces the same way
+    plain = {"state": whole["state"], "param_groups": [{**saved["param_groups"][0], "params": [0, 1, 2, 3]}]}
+    copy = _layer()
+    state = _state(1, 3, copy)
+    three = torch.optim.AdamW(copy.parameters(), lr=0.1)
+    shard_optimizer(three, state)
+    from_plain = state.load_state(three, plain)
+    from_sharded = state.load_state(three, saved)
+    for index in from_sharded["state"]:
+        torch.testing.assert_close(from_plain["state"][index], from_sharded["state"][index], rtol=0, atol=0)
+
+
+def test_checkpoint_errors(tmp_path):
+    saved = _saved_adam(_layer(), 2)
+    module = _layer()
+    names = {id(p): n for n, p in module.named_parameters()}
+    key = lambda p: (names[id(p)], 0, p.numel(), p.shape)  # noqa: E731
+    two_groups = torch.optim.AdamW([{"params": [module[0].weight]}, {"params": [module[0].bias]}])
+    with pytest.raises(ValueError, match=r"has 1 param groups, this run's has 2"):
+        load_optimizer_state(two_groups, saved, None, {}, key)
+    optimizer = torch.optim.AdamW(module.parameters())
+    gap = {**saved, "slices": {**saved["slices"], "0.weight": saved["slices"]["0.weight"][1:]}}
+    with pytest.raises(ValueError, match=r"'0.weight' covers \[\(11, 12\)\], not the elements \[0, 12\)"):
+        load_optimizer_state(optimizer, gap, None, {}, key)
+    manifest = {"format": FORMAT, "world_size": 2, "param_groups": saved["param_groups"],
+                "shards": ["x.ckpt-shard0-of-2", "x.ckpt-shard1-of-2"]}
+    with pytest.raises(FileNotFoundError, match=r"saved by 2 ranks(.|\n)*x.ckpt-shard0-of-2(.|\n)*copy every"):
+        load_shard_files({"optimizer_states": [manifest]}, tmp_path / "x.ckpt")

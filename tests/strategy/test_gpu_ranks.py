@@ -1,0 +1,43 @@
+"""Several CUDA ranks (NCCL for the layers' grads, gloo for host tensors): ``MegaTrainStrategy`` with ``devices=2``
+trains as plain single-GPU Lightning on the same global batch, and a 2-rank checkpoint resumes on one GPU.
+
+Skipped without two CUDA GPUs (CI); on the x2 machine: ``python -m pytest -m gpu tests/strategy/test_gpu_ranks.py``.
+Tolerance 1e-4 relative, as the other fp32 GPU parity tests (cuBLAS sums in another order than the CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.ranks import fit, launch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.mark.parametrize("options", [{}, {"keep_layers": 0, "compile_layers": False}])
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, 0.05)])
+def test_two_gpus_train_as_one(tmp_path, options, accumulate, clip):
+    runs = launch(2, tmp_path, timeout=600, start_method="spawn", accelerator="cuda", steps=3,
+                  accumulate=accumulate, clip=clip, **options)
+    reference = fit(1, strategy="auto", accelerator="cuda", steps=3, accumulate=accumulate, clip=clip)
+    losses = torch.tensor([r.losses for r in runs]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(reference.losses), **TOL)
+    for run in runs:
+        for step, want in enumerate(reference.grads):
+            torch.testing.assert_close(run.grads[step], {k: v.cpu() for k, v in want.items()}, **TOL)
+        torch.testing.assert_close(run.params, {k: v.cpu() for k, v in reference.params.items()}, **TOL)
+
+
+def test_two_gpu_checkpoint_resumes_on_one(tmp_path):
+    ckpt = tmp_path / "two.ckpt"
+    saved = launch(2, tmp_path / "save", timeout=600, start_method="spawn", accelerator="cuda", steps=2,
+                   grads=False, ckpt_out=str(ckpt))
+    one = fit(1, accelerator="cuda", steps=3, grads=False, ckpt_in=str(ckpt))
+    for name, state in saved[0].end_state.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(one.start_state[name][key].float(), state[key].float(), rtol=0, atol=0)

@@ -1,0 +1,111 @@
+"""Several ranks on the CPU (gloo): ``MegaTrainStrategy`` with ``devices=N`` trains as single-process training of
+the same global batch, and its sharded checkpoints resume on another number of ranks
+(engine/sharding.py, [Note: sharded host state]; engine/shard_states.py, [Note: checkpoints of several ranks]).
+
+Each test forks its ranks (tests/helpers/ranks.py). Tolerance: fp32, the parity tests' rule (helpers/parity.py
+``assert_records_close``): per tensor ``||a - b|| <= 1e-5 ||b||`` (+1e-8 for zero references). The ranks sum the same
+gradients in another order (a reduce-scatter of per-rank means instead of one mean over the global batch), so
+results differ by fp32 rounding only: at most 1.2e-7 on the stack's weights of order 1, 6e-6 on one element of a
+tied embedding's gradient (sums with cancellation), which an elementwise rule would need a loose atol for. Optimizer
+states are compared elementwise at ``rtol=1e-5, atol=1e-6``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.ranks import GLOBAL_BATCH, fit, launch
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+RTOL = 1e-5
+
+
+def _assert_close(got: dict, want: dict, what: str) -> None:
+    """Norm-wise per tensor (see the module docstring); every mismatch listed."""
+    assert got.keys() == want.keys(), f"{what}: {sorted(set(got) ^ set(want))}"
+    bad = [f"{name}: |a-b|={float((got[name] - w).norm()):.2e} |b|={float(w.norm()):.2e}"
+           for name, w in want.items() if float((got[name] - w).norm()) > RTOL * float(w.norm()) + 1e-8]
+    assert not bad, f"{what}:\n" + "\n".join(bad)
+
+
+def _assert_train_as_reference(runs: list, reference) -> None:
+    losses = torch.tensor([r.losses for r in runs]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(reference.losses), **TOL)
+    for rank, run in enumerate(runs):
+        assert len(run.grads) == len(reference.grads)
+        for step, want in enumerate(reference.grads):
+            _assert_close(run.grads[step], want, f"rank {rank}, grads of step {step}")
+        _assert_close(run.params, reference.params, f"rank {rank}, weights")
+        torch.testing.assert_close(run.params, runs[0].params, rtol=0, atol=0)  # gathered, not recomputed
+
+
+def _assert_states_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(got[name][key].float(), want[name][key].float(), **TOL, msg=f"{name}.{key}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, 0.05)])
+def test_ranks_train_as_one_process(tmp_path, world, accumulate, clip):
+    """Losses (mean over ranks), global gradients before clipping and weights after every step equal plain
+    single-process Lightning on the same global batch; every rank ends with the same weights. ``clip=0.05`` bites
+    at every step (the gradient norm is above 0.2)."""
+    runs = launch(world, tmp_path, steps=3, accumulate=accumulate, clip=clip)
+    reference = fit(1, strategy="auto", steps=3, accumulate=accumulate, clip=clip)
+    assert GLOBAL_BATCH % world == 0
+    assert len(reference.grads) == 3
+    for step, want in enumerate(reference.grads):
+        if clip is not None:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()]))
+            assert norm > 4 * clip, f"step {step}: clipping must bite, the norm is {norm:.3f}"
+    _assert_train_as_reference(runs, reference)
+
+
+def test_without_reduce_scatter(tmp_path, monkeypatch):
+    """A backend without reduce_scatter (older gloo): the all_reduce fallback trains the same (the forked ranks
+    inherit the patch)."""
+    from lightning_megatrain.engine import sharding
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("no reduce_scatter in this backend")
+
+    monkeypatch.setattr(sharding, "_reduce_scatter", missing)
+    runs = launch(2, tmp_path, steps=2, accumulate=2, clip=0.05)
+    _assert_train_as_reference(runs, fit(1, strategy="auto", steps=2, accumulate=2, clip=0.05))
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3_moe"])
+def test_hf_models_on_two_ranks(tmp_path, family):
+    """An HF Llama with tied embeddings (one parameter, two names) and an MoE (routed experts, router logits), with
+    accumulation and clipping."""
+    runs = launch(2, tmp_path, model=family, steps=2, accumulate=2, clip=0.05)
+    reference = fit(1, strategy="auto", model=family, steps=2, accumulate=2, clip=0.05)
+    _assert_train_as_reference(runs, reference)
+
+
+def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
+    """Saved by 2 ranks after 2 steps: loaded on 1, 2 and 4 ranks, the optimizer state is the saving run's, and two
+    more steps give the same weights on every number of ranks; a checkpoint of one rank loads on 2."""
+    ckpt = tmp_path / "two.ckpt"
+    saved = launch(2, tmp_path / "save", steps=2, grads=False, ckpt_out=str(ckpt))
+    assert sorted(p.name for p in tmp_path.glob("two.ckpt*")) == ["two.ckpt", "two.ckpt-shard0-of-2",
+                                                                    "two.ckpt-shard1-of-2"]
+    manifest = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    assert manifest["world_size"] == 2 and "slices" not in manifest
+
+    one = fit(1, steps=4, grads=False, ckpt_in=str(ckpt))
+    four = launch(4, tmp_path / "four", steps=4, grads=False, ckpt_in=str(ckpt))
+    two = launch(2, tmp_path / "two", steps=4, grads=False, ckpt_in=str(ckpt))
+    for run in (one, *four, *two):
+        _assert_states_close(run.start_state, saved[0].end_state)
+        _assert_close(run.params, one.params, "weights after resuming")
+    assert not torch.equal(one.params["head.weight"], saved[0].params["head.weight"])  # it trained on
+
+    single = tmp_path / "one.ckpt"
+    first = fit(1, steps=2, grads=False, ckpt_out=str(single))
+    resumed = launch(2, tmp_path / "from-one", steps=3, grads=False, ckpt_in=str(single))
+    for run in resumed:
+        _assert_states_close(run.start_state, first.end_state)
