@@ -62,14 +62,16 @@ from typing import Any
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
-from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, fsync_dir, remove_stale_temporaries
+from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, fsync_dir, load_readable, remove_stale_temporaries
 from lightning_megatrain.engine.discovery import find_layer_stack
+from lightning_megatrain.engine.shard_states import load_shard_files
 from lightning_megatrain.mapped import register
 
 FORMAT, VERSION = "megatrain-sharded", 1
@@ -387,6 +389,19 @@ def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[
     return load_sharded(path, load_file) if is_sharded(path) else load_file(path)
 
 
+def load_either_format(load_file: Callable[[_PATH], dict[str, Any]], path: _PATH,
+                       module: nn.Module | None) -> dict[str, Any]:
+    """``MegaTrainStrategy.load_checkpoint``: a file or a sharded directory (:func:`load_any`, its ``meta.pt`` and
+    every file through ``load_file``); a checkpoint of several ranks brings its shard files' optimizer slices
+    (engine/shard_states.py, [Note: checkpoints of several ranks]); ``ckpt_path="last"`` skips a checkpoint that does
+    not load (checkpoint_io.py, [Note: resuming from a readable checkpoint])."""
+    try:
+        trainer = module.trainer if module is not None else None
+    except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
+        trainer = None
+    return load_readable(lambda p: load_shard_files(load_any(p, load_file), p), path, trainer)
+
+
 def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:
     """Write the sharded checkpoint ``src`` as one Lightning ``.ckpt`` file ``out`` that plain Lightning loads
     (``torch.save`` streams each tensor from the mapped shards: no copy of the checkpoint in host RAM).
@@ -428,3 +443,19 @@ class ShardedCheckpointIO(AtomicCheckpointIO):
             remove_sharded(Path(path))
         else:
             super().remove_checkpoint(path)
+
+
+def strategy_checkpoint_io(checkpoint_io: CheckpointIO | None, checkpoint_format: str,
+                           layout: Callable[[Mapping[str, Any]], ShardOf]) -> CheckpointIO:
+    """``MegaTrainStrategy``'s checkpoint IO: ``checkpoint_io`` when given, else :class:`AtomicCheckpointIO`
+    (``checkpoint_format="file"``) or a :class:`ShardedCheckpointIO` with ``layout`` (``"sharded"``).
+
+    Raises:
+        ValueError: ``checkpoint_io`` given with ``checkpoint_format="sharded"``.
+    """
+    if checkpoint_format == "sharded" and checkpoint_io is not None:
+        raise ValueError(f"MegaTrainStrategy(checkpoint_format='sharded') saves through its own checkpoint IO, got "
+                         f"checkpoint_io={type(checkpoint_io).__name__}. HINT: pass one of the two.")
+    if checkpoint_io is None and checkpoint_format == "sharded":
+        checkpoint_io = ShardedCheckpointIO(layout)
+    return checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
