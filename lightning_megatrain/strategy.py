@@ -16,7 +16,6 @@ from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_megatrain.config import (
@@ -31,7 +30,7 @@ from lightning_megatrain.config import (
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.engine.shard_states import load_optimizer_states
 from lightning_megatrain.engine.sharding import ShardedState
-from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
+from lightning_megatrain.hooks import OptimizerBarrier, placement_hooks
 from lightning_megatrain.host_memory import host_memory_by_kind, log_host_memory
 from lightning_megatrain.mapped import read_into
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
@@ -363,17 +362,9 @@ class MegaTrainStrategy(RankStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         if self.engine is not None and self.engine.placement_pending:  # the first micro-batch ([Note: auto placement])
-            module = self.lightning_module
-            trainer = module.trainer
-            self.engine.place_for_batch(
-                batch,
-                grad_accum=trainer.accumulate_grad_batches,
-                optimizers=self.optimizers,
-                custom_clipping=(trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
-                or is_overridden("configure_gradient_clipping", self.lightning_module),
-                chunked_loss=self._chunked_loss,
-                grads_read=grads_read_by_hooks(module) or not module.automatic_optimization,
-            )
+            trainer = self.lightning_module.trainer
+            self.engine.place_for_batch(batch, grad_accum=trainer.accumulate_grad_batches, optimizers=self.optimizers,
+                                        chunked_loss=self._chunked_loss, **placement_hooks(self.lightning_module))
         elif self.engine is not None and self.engine.checkpoints_outgrown(batch):  # longer than the first
             trainer = self.lightning_module.trainer
             self.engine.place_checkpoints(batch, trainer.accumulate_grad_batches, self.optimizers, self._chunked_loss)
