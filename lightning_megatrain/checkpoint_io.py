@@ -57,6 +57,7 @@ would in Lightning. When none loads, the error lists every file tried with its e
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -180,6 +181,56 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# - swapping a directory in atomically (sharded_checkpoint.py, [Note: sharded checkpoints])
+
+
+def temporary_name(target: Path, suffix: str) -> Path:
+    """A name beside ``target`` for a temporary of this process (``.<name>.pid<pid>.<random><suffix>``)."""
+    return Path(tempfile.mktemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=suffix, dir=target.parent))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where refused."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    errno = ctypes.get_errno()
+    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem or kernel cannot exchange
+        return False
+    raise OSError(errno, os.strerror(errno), str(a), None, str(b))
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Put the complete directory ``tmp`` in ``target``'s place, then remove the previous checkpoint."""
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        return
+    old = temporary_name(target, ".old")
+    if _exchange(tmp, target):
+        os.rename(tmp, old)  # tmp now holds the previous checkpoint
+    else:  # see [Note: sharded checkpoints] in sharded_checkpoint.py for the window between these two renames
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # an error, not a kill: the previous checkpoint goes back
+            raise
+    fsync_dir(target.parent)
+    remove_path(old)
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def load_readable(load: Callable[[_PATH], dict[str, Any]], path: _PATH, trainer: pl.Trainer | None) -> dict[str, Any]:

@@ -146,6 +146,23 @@ class EngineConfig:
             out.append(f"checkpoint_format={self.checkpoint_format!r}: choose one of {CHECKPOINT_FORMATS}")
         return out
 
+    def for_stage(self, fitting: bool, gradient_clip_algorithm: object) -> EngineConfig:
+        """The options a Trainer stage runs with (``MegaTrainStrategy.setup``): ``gpu_optimizer_groups`` hold
+        optimizer states, so none without an optimizer step (``fitting=False``).
+
+        Raises:
+            ValueError: ``gpu_optimizer_groups`` > 0 with the Trainer's ``gradient_clip_algorithm="value"``.
+        """
+        groups = self.gpu_optimizer_groups
+        if groups != "auto" and groups > 0 and fitting and gradient_clip_algorithm == "value":
+            raise ValueError(
+                "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
+                "got gradient_clip_algorithm='value'. "
+                "HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
+            )
+        # gpu_optimizer_groups hold optimizer states: none without an optimizer step
+        return self if fitting else self.replace(gpu_optimizer_groups=0)
+
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)

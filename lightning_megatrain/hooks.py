@@ -68,6 +68,19 @@ def grads_read_by_hooks(model: pl.LightningModule) -> bool:
     return any(is_overridden("on_before_optimizer_step", callback) for callback in callbacks)
 
 
+def placement_hooks(model: pl.LightningModule) -> dict[str, bool]:
+    """What the first micro-batch's placement asks of the user's code (the engine's ``place_for_batch``):
+    ``custom_clipping``, the Trainer clips by value or the module overrides ``configure_gradient_clipping``;
+    ``grads_read``, a hook reads grads before the step (:func:`grads_read_by_hooks`) or the module optimizes
+    manually."""
+    trainer = model.trainer
+    return {
+        "custom_clipping": (trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
+        or is_overridden("configure_gradient_clipping", model),
+        "grads_read": grads_read_by_hooks(model) or not model.automatic_optimization,
+    }
+
+
 def parameter_readers(model: pl.LightningModule) -> dict[str, list[str]]:
     """For each of :data:`PARAMETER_HOOKS` that user code overrides, who does (the module's or callbacks' class
     names): the hooks before which :class:`OptimizerBarrier` waits."""

@@ -7,7 +7,8 @@ identity. With ``devices=N`` (and ``num_nodes=M``) it does what ``DDPStrategy`` 
 ``setup_environment`` joins the process group (NCCL for CUDA devices, gloo on the CPU), the Trainer adds a
 ``DistributedSampler`` (``distributed_sampler_kwargs``), and barrier, broadcast and reduce go through
 ``torch.distributed``. No model wrapper: the engine does the gradient reduction itself, per layer, on the shards it
-owns (engine/sharding.py, [Note: sharded host state]).
+owns (engine/sharding.py, [Note: sharded host state]). A checkpoint is written by rank 0, with each rank's optimizer
+slices in a shard file of its own beside it (engine/shard_states.py, [Note: checkpoints of several ranks]).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -37,6 +39,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_megatrain.engine.shard_states import shard_path, split_checkpoint
 from lightning_megatrain.engine.sharding import Ranks
 
 log = logging.getLogger(__name__)
@@ -174,6 +177,23 @@ class RankStrategy(ParallelStrategy):
     @override
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        # several ranks: rank 0 writes the checkpoint with manifests, every rank its shard file
+        main, shard = split_checkpoint(checkpoint, filepath)
+        if shard:
+            self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank, self.world_size))
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.distributed:
+            self.checkpoint_io.remove_checkpoint(shard_path(filepath, self.global_rank, self.world_size))
 
     @override
     def teardown(self) -> None:

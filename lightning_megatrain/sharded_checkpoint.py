@@ -24,7 +24,8 @@ bytes per parameter of those groups a copy to the host took. The pages written g
 the process's memory.
 
 Atomicity: the checkpoint is written into ``.<name>.pid<writer>.<random>.tmp`` beside the target; every file is
-fsynced, the index last, then the directory. The new directory then replaces the target in one step:
+fsynced, the index last, then the directory. The new directory then replaces the target in one step
+(checkpoint_io.py's ``swap_in``):
 ``renameat2(RENAME_EXCHANGE)`` swaps the two names atomically (Linux: ext4, xfs, btrfs, tmpfs), and the previous
 checkpoint, now under the temporary name, is renamed ``.old`` and removed. A kill at any point leaves the target
 whole, old or new. Where the exchange is refused (other systems and filesystems) the target is renamed ``.old`` and
@@ -48,7 +49,6 @@ group) plus 1.5 MiB for the test model (a 1 MiB chunk and the pages the kernel m
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import mmap
 import os
@@ -62,14 +62,24 @@ from typing import Any
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
-from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, fsync_dir, remove_stale_temporaries
+from lightning_megatrain.checkpoint_io import (
+    AtomicCheckpointIO,
+    fsync_dir,
+    load_readable,
+    remove_path,
+    remove_stale_temporaries,
+    swap_in,
+    temporary_name,
+)
 from lightning_megatrain.engine.discovery import find_layer_stack
+from lightning_megatrain.engine.shard_states import load_shard_files
 from lightning_megatrain.mapped import register
 
 FORMAT, VERSION = "megatrain-sharded", 1
@@ -243,56 +253,10 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
             os.fsync(f.fileno())
         os.chmod(tmp, 0o777 & ~umask())  # as mkdir would have made it (mkdtemp makes it private)
         fsync_dir(tmp)
-        _swap_in(tmp, target)
+        swap_in(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _temporary_name(target: Path, suffix: str) -> Path:
-    return Path(tempfile.mktemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=suffix, dir=target.parent))
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the names ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where refused."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    errno = ctypes.get_errno()
-    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem or kernel cannot exchange
-        return False
-    raise OSError(errno, os.strerror(errno), str(a), None, str(b))
-
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Put the complete directory ``tmp`` in ``target``'s place, then remove the previous checkpoint."""
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-        fsync_dir(target.parent)
-        return
-    old = _temporary_name(target, ".old")
-    if _exchange(tmp, target):
-        os.rename(tmp, old)  # tmp now holds the previous checkpoint
-    else:  # see [Note: sharded checkpoints] for the window between these two renames
-        os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            os.rename(old, target)  # an error, not a kill: the previous checkpoint goes back
-            raise
-    fsync_dir(target.parent)
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 def recover(directory: Path) -> None:
@@ -320,10 +284,10 @@ _LEFTOVER = re.compile(r"\.(.+)\.pid\d+\.[^.]+\.(?:tmp|old)")  # .<name>.pid<wri
 def remove_sharded(path: Path) -> None:
     """Remove a checkpoint directory: renamed away (``.del``) first, so that no half-removed checkpoint keeps its
     name, nor gets it back from :func:`recover`."""
-    gone = _temporary_name(path, ".del")
+    gone = temporary_name(path, ".del")
     os.rename(path, gone)
     fsync_dir(path.parent)
-    _remove(gone)
+    remove_path(gone)
 
 
 # - reading
@@ -387,6 +351,19 @@ def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[
     return load_sharded(path, load_file) if is_sharded(path) else load_file(path)
 
 
+def load_either_format(load_file: Callable[[_PATH], dict[str, Any]], path: _PATH,
+                       module: nn.Module | None) -> dict[str, Any]:
+    """``MegaTrainStrategy.load_checkpoint``: a file or a sharded directory (:func:`load_any`, its ``meta.pt`` and
+    every file through ``load_file``); a checkpoint of several ranks brings its shard files' optimizer slices
+    (engine/shard_states.py, [Note: checkpoints of several ranks]); ``ckpt_path="last"`` skips a checkpoint that does
+    not load (checkpoint_io.py, [Note: resuming from a readable checkpoint])."""
+    try:
+        trainer = module.trainer if module is not None else None
+    except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
+        trainer = None
+    return load_readable(lambda p: load_shard_files(load_any(p, load_file), p), path, trainer)
+
+
 def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:
     """Write the sharded checkpoint ``src`` as one Lightning ``.ckpt`` file ``out`` that plain Lightning loads
     (``torch.save`` streams each tensor from the mapped shards: no copy of the checkpoint in host RAM).
@@ -428,3 +405,19 @@ class ShardedCheckpointIO(AtomicCheckpointIO):
             remove_sharded(Path(path))
         else:
             super().remove_checkpoint(path)
+
+
+def strategy_checkpoint_io(checkpoint_io: CheckpointIO | None, checkpoint_format: str,
+                           layout: Callable[[Mapping[str, Any]], ShardOf]) -> CheckpointIO:
+    """``MegaTrainStrategy``'s checkpoint IO: ``checkpoint_io`` when given, else :class:`AtomicCheckpointIO`
+    (``checkpoint_format="file"``) or a :class:`ShardedCheckpointIO` with ``layout`` (``"sharded"``).
+
+    Raises:
+        ValueError: ``checkpoint_io`` given with ``checkpoint_format="sharded"``.
+    """
+    if checkpoint_format == "sharded" and checkpoint_io is not None:
+        raise ValueError(f"MegaTrainStrategy(checkpoint_format='sharded') saves through its own checkpoint IO, got "
+                         f"checkpoint_io={type(checkpoint_io).__name__}. HINT: pass one of the two.")
+    if checkpoint_io is None and checkpoint_format == "sharded":
+        checkpoint_io = ShardedCheckpointIO(layout)
+    return checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()

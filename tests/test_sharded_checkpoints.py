@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from safetensors.torch import load_file
 
-from lightning_megatrain import MegaTrainStrategy, sharded_checkpoint
+from lightning_megatrain import MegaTrainStrategy, checkpoint_io, sharded_checkpoint
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
 from lightning_megatrain.cli import main as megatrain_main
 from lightning_megatrain.data import SFTDataModule
@@ -237,7 +237,7 @@ def _save(target, value):
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_a_save_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path, monkeypatch, exchange):
     if not exchange:
-        monkeypatch.setattr(sharded_checkpoint, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(checkpoint_io, "_exchange", lambda a, b: False)
     target = tmp_path / "last.ckpt"
     for value in (1.0, 2.0):
         _save(target, value)

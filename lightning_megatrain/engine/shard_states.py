@@ -22,14 +22,15 @@ parameter's shape, except ``step``, is per element.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_megatrain.optim.compact_adam import CompactAdamW
+from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.optim.muon import Muon
 
 if TYPE_CHECKING:
@@ -222,3 +223,21 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
     if layout is None:
         return saved
     return state_for(optimizer, saved, standard_slices(saved, layout, shapes), key_of)
+
+
+def whole_parameter_key(module: nn.Module) -> KeyOf:
+    """One rank's optimizer parameters are the module's: each the whole element range of its name."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return lambda p: (names[id(p)], 0, p.numel(), p.shape)
+
+
+def load_optimizer_states(optimizers: Sequence[torch.optim.Optimizer], states: Sequence[dict[str, Any]],
+                          sharding: ShardedState | None, module: nn.Module) -> None:
+    """Load a checkpoint's ``states`` into the host ``optimizers`` (the strategy's ``load_optimizer_state_dict``):
+    this rank's pieces with several ranks (``sharding``), the whole parameters of ``module`` with one; saved by any
+    number of ranks, and also by another host Adam or plain Lightning (``load_host_state``)."""
+    for optimizer, state in zip(optimizers, states):
+        state = sharding.load_state(optimizer, state) if sharding is not None else load_optimizer_state(
+            optimizer, state, None, {}, whole_parameter_key(module)
+        )
+        load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine import engine as engine_module
-from lightning_megatrain.engine import host_store, placement
+from lightning_megatrain.engine import first_batch, host_store, placement
 from lightning_megatrain.engine.engine import MegaTrainEngine
 from lightning_megatrain.optim.host_optimizer import overlappable
 from lightning_megatrain.planner import describe
@@ -135,7 +135,7 @@ def test_host_grads_wait_for_the_split_and_only_host_groups_allocate_them(monkey
         seen.update(none=kwargs["to_come"](0), every=kwargs["to_come"](len(forward)))
         return 3, "mocked"
 
-    monkeypatch.setattr(engine_module, "choose_gpu_optimizer_groups", choose)
+    monkeypatch.setattr(first_batch, "choose_gpu_optimizer_groups", choose)
     optimizer = torch.optim.AdamW(engine.module.parameters())
     with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
         engine.place_for_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, grad_accum=1,

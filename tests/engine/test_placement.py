@@ -191,6 +191,7 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
 
     from lightning_megatrain import MegaTrainStrategy
     from lightning_megatrain.engine import engine as engine_module
+    from lightning_megatrain.engine import first_batch
 
     from helpers.parity import ParityLM, make_data
     from helpers.trainers import cpu_trainer
@@ -201,7 +202,7 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
         calls.append((micro_batch, seq_len, config.segment_layers, config.device_checkpoints))
         return 2, 1, "stub"
 
-    monkeypatch.setattr(engine_module, "choose_checkpoints", choose)
+    monkeypatch.setattr(first_batch, "choose_checkpoints", choose)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))
     resolve = engine_module.resolve  # as on a GPU: a CPU compute device resolves them to 1 and 0
     monkeypatch.setattr(engine_module, "resolve", lambda config, device: resolve(config, device).replace(
