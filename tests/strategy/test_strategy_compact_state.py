@@ -186,6 +186,26 @@ def test_a_resume_adds_only_the_states_it_keeps_to_host_ram(tmp_path, host_state
     assert loaded < kept + 4 * 2**20, (loaded, kept)
 
 
+@pytest.mark.parametrize(("saved", "resumed"), [("compact", "fp32"), ("int8_moments", "fp32"), ("fp32", "compact"),
+                                               ("compact", "compact_kahan")])
+def test_a_checkpoint_of_another_layout_is_refused_when_it_loads(tmp_path, saved, resumed):
+    """A checkpoint's optimizer state in another ``host_state`` layout is refused while it loads, naming both layouts
+    (the 8-bit codes loaded into fp32 AdamW used to fail only at the first step, as a kernel error on a [4096]
+    state, after the weights had been restored)."""
+    def fit(host_state, steps, ckpt_path=None):
+        L.seed_everything(0, verbose=False)
+        checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+        precision = "bf16-mixed" if host_state.startswith("compact") else "32-true"
+        cpu_trainer(strategy=MegaTrainStrategy(host_state=host_state, cpu_adam="torch"), max_steps=steps,
+                    limit_train_batches=1, precision=precision, enable_checkpointing=True,
+                    callbacks=[checkpoints]).fit(ParityLM("qwen3"), ckpt_path=ckpt_path)
+
+    fit(saved, 1)
+    with pytest.raises(ValueError, match=rf"saved with MegaTrainStrategy\(host_state='{saved}'\), this run stores "
+                                         rf"host_state='{resumed}'.* HINT: resume with host_state='{saved}'"):
+        fit(resumed, 2, ckpt_path=str(tmp_path / "last.ckpt"))
+
+
 def test_refusals():
     with pytest.raises(ValueError, match=r"host_state='compact' with gpu_optimizer_groups=2: the device groups step "
                                          r"fp32 masters .* use gpu_optimizer_groups=0"):
