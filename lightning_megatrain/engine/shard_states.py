@@ -11,6 +11,11 @@ A checkpoint saved by N > 1 ranks is N + 1 files (``MegaTrainStrategy.save_check
   each parameter rank r owns part of, the flat element range ``[start, end)`` of the parameter and that range's
   optimizer state (per-element tensors 1D over the range, ``step`` and other scalars as they are).
 
+Each file is swapped in atomically on its own, and no barrier orders them: rank 0 may write ``<path>`` before another
+rank has replaced its shard file of the previous save of that name. The manifests and every shard file record the
+(epoch, global step) saved at, and a load refuses a shard file of another save (``"last"`` then falls back to an
+older checkpoint whose files agree: checkpoint_io.py, [Note: resuming from a readable checkpoint]).
+
 Loading (:func:`load_shard_files`, then :func:`state_for`) maps either format onto the optimizer as it is now: every
 rank reads the manifest and all shard files (memory-mapped: only the ranges it needs are read) and assembles, for
 each of its own pieces (or whole parameters, with one rank), the state of exactly that range; an ordinary checkpoint
@@ -101,12 +106,20 @@ def split_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> tup
     if not any(isinstance(s, dict) and s.get("format") == FORMAT for s in states):
         return checkpoint, {}
     manifests, slices = [], []
+    saved_at = _saved_at(checkpoint)
     for s in states:
         world = s["world_size"]
         names = [Path(shard_path(path, r, world)).name for r in range(world)]
-        manifests.append({"format": FORMAT, "world_size": world, "param_groups": s["param_groups"], "shards": names})
+        manifests.append({"format": FORMAT, "world_size": world, "param_groups": s["param_groups"], "shards": names,
+                          "saved_at": saved_at})
         slices.append(s["slices"])
-    return {**checkpoint, "optimizer_states": manifests}, {"optimizer_states": slices}
+    return {**checkpoint, "optimizer_states": manifests}, {"optimizer_states": slices, "saved_at": saved_at}
+
+
+def _saved_at(checkpoint: dict[str, Any]) -> list[Any]:
+    """The training position a checkpoint was saved at, written into its manifests and every shard file: a shard
+    file of another save (a save interrupted between the ranks' files, which no barrier orders) is refused."""
+    return [checkpoint.get("epoch"), checkpoint.get("global_step")]
 
 
 def load_shard_files(checkpoint: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
@@ -133,6 +146,14 @@ def load_shard_files(checkpoint: dict[str, Any], path: str | os.PathLike) -> dic
                         "which is missing. HINT: copy every '<checkpoint>-shard<r>-of-<N>' file along with it."
                     )
                 files[name] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                at = files[name].get("saved_at")
+                if "saved_at" in s and at != s["saved_at"]:  # checkpoints saved before the field have neither
+                    raise ValueError(
+                        f"The checkpoint {path} was saved at (epoch, global_step) {tuple(s['saved_at'])}, its shard "
+                        f"file {file} at {tuple(at) if at else 'an unknown step'}: it is from another save (one "
+                        "interrupted between the ranks' files, or a file copied from elsewhere). HINT: resume from "
+                        "another checkpoint; ckpt_path='last' falls back to the newest one whose files agree."
+                    )
             for param, ranges in files[name]["optimizer_states"][i].items():
                 slices.setdefault(param, []).extend(ranges)
         merged.append({**s, "slices": slices})

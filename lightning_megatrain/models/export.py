@@ -54,6 +54,11 @@ def export_checkpoint(
         ``out_dir`` as a ``Path``.
     """
     ckpt_path, out_dir = Path(ckpt_path), Path(out_dir)
+    if ckpt_path.is_dir():  # checkpoint_format="sharded" (sharded_checkpoint.py)
+        raise FileNotFoundError(
+            f"ckpt_path={str(ckpt_path)!r} is not a file but a directory (a sharded checkpoint). HINT: `megatrain "
+            f"convert {ckpt_path} <file>.ckpt` makes it one file, then export that file."
+        )
     if not ckpt_path.is_file():
         raise FileNotFoundError(
             f"ckpt_path={str(ckpt_path)!r} is not a file; pass a single-file Lightning checkpoint."

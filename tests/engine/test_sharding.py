@@ -15,6 +15,8 @@ from lightning_megatrain.engine.shard_states import (
     load_optimizer_state,
     load_shard_files,
     shard_optimizer,
+    shard_path,
+    split_checkpoint,
     state_for,
 )
 from lightning_megatrain.engine.sharding import Ranks, ShardedOptimizerStep, ShardedState, sharded_config
@@ -149,3 +151,24 @@ def test_checkpoint_errors(tmp_path):
                 "shards": ["x.ckpt-shard0-of-2", "x.ckpt-shard1-of-2"]}
     with pytest.raises(FileNotFoundError, match=r"saved by 2 ranks(.|\n)*x.ckpt-shard0-of-2(.|\n)*copy every"):
         load_shard_files({"optimizer_states": [manifest]}, tmp_path / "x.ckpt")
+
+
+def test_a_shard_file_of_another_save_is_refused(tmp_path):
+    """Rank 0 writes the checkpoint after its own shard file, with no barrier before: a save interrupted there leaves
+    the new checkpoint beside another rank's shard file of the previous save of that name. Loading it is refused
+    (its Adam moments and step counts would be a step behind the weights), not assembled silently."""
+    saved = _saved_adam(_layer(), 2)
+    path = tmp_path / "last.ckpt"
+    for step in (4, 5):
+        for rank in range(2):  # (both ranks write every slice here: only the files' agreement matters)
+            main, shard = split_checkpoint({"global_step": step, "epoch": 0, "optimizer_states": [saved]}, path)
+            if not (step == 5 and rank == 1):  # the kill: rank 1's shard file of step 5 never replaced step 4's
+                torch.save(shard, shard_path(path, rank, 2))
+        torch.save(main, path)
+    main = torch.load(path, weights_only=True)
+    with pytest.raises(ValueError, match=r"saved at \(epoch, global_step\) \(0, 5\), its shard file "
+                                         r".*last\.ckpt-shard1-of-2 at \(0, 4\): it is from another save"):
+        load_shard_files(main, path)
+    torch.save(split_checkpoint({"global_step": 5, "epoch": 0, "optimizer_states": [saved]}, path)[1],
+               shard_path(path, 1, 2))
+    assert load_shard_files(main, path)["optimizer_states"][0]["slices"]
