@@ -171,7 +171,8 @@ def _save_and_resume(root, host_state, fmt, send) -> None:
 def test_a_resume_adds_only_the_states_it_keeps_to_host_ram(tmp_path, host_state, fmt):
     """A resume of the compact layouts reads each 8-bit code, scale and compensation from the mapped checkpoint into
     memory of its own in its own dtype, a chunk at a time ([Note: mapped checkpoint tensors]): the peak RSS rises
-    by the states the optimizer keeps and under 4 MiB more, as for fp32 states. Torch's ``load_state_dict`` cast the
+    by the states the optimizer keeps and a few MiB more, as for fp32 states (the bound: 12 MiB, for the allocator's
+    noise after the tests before it in the same process). Torch's ``load_state_dict`` cast the
     codes to the parameters' dtype first, all at once: 53 MiB more with ``int8_moments`` (fp32: 4 bytes per code),
     26 MiB with ``compact`` (bf16), for 13 MiB kept."""
     fork = multiprocessing.get_context("fork")
@@ -183,7 +184,7 @@ def test_a_resume_adds_only_the_states_it_keeps_to_host_ram(tmp_path, host_state
     assert child.exitcode == 0
     n_params = sum(p.numel() for p in Wide().parameters())
     assert kept >= 0.9 * 2 * n_params, (loaded, kept)  # the 8-bit moments (and scales) the optimizer keeps
-    assert loaded < kept + 4 * 2**20, (loaded, kept)
+    assert loaded < kept + 12 * 2**20, (loaded, kept)
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [("compact", "fp32"), ("int8_moments", "fp32"), ("fp32", "compact"),
