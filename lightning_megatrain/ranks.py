@@ -7,8 +7,9 @@ identity. With ``devices=N`` (and ``num_nodes=M``) it does what ``DDPStrategy`` 
 ``setup_environment`` joins the process group (NCCL for CUDA devices, gloo on the CPU), the Trainer adds a
 ``DistributedSampler`` (``distributed_sampler_kwargs``), and barrier, broadcast and reduce go through
 ``torch.distributed``. No model wrapper: the engine does the gradient reduction itself, per layer, on the shards it
-owns (engine/sharding.py, [Note: sharded host state]). A checkpoint is written by rank 0, with each rank's optimizer
-slices in a shard file of its own beside it (engine/shard_states.py, [Note: checkpoints of several ranks]).
+owns (engine/sharding.py, [Note: sharded host state]). A checkpoint is written by rank 0, with each rank's layer
+masters and optimizer slices in a shard file of its own beside it (engine/shard_states.py, [Note: checkpoints of
+several ranks]).
 """
 
 from __future__ import annotations
@@ -183,11 +184,16 @@ class RankStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         # several ranks: rank 0 writes the checkpoint with manifests, every rank its shard file
-        main, shard = split_checkpoint(checkpoint, filepath)
+        main, shard = split_checkpoint(checkpoint, filepath, self.sharded_params())
         if shard:
             self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank, self.world_size))
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
+
+    def sharded_params(self) -> dict[str, Any] | None:
+        """This rank's share of the parameters for its shard file (engine/shard_states.py ``sharded_params``); None:
+        the parameters are whole in the checkpoint's ``state_dict``."""
+        return None
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -28,7 +28,13 @@ from lightning_megatrain.config import (
     NonFiniteMode,
 )
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.engine.shard_states import load_optimizer_states
+from lightning_megatrain.engine.shard_states import (
+    PARAMS,
+    load_module_state,
+    load_optimizer_states,
+    sharded_names,
+    sharded_params,
+)
 from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier, placement_hooks
 from lightning_megatrain.host_memory import host_memory_by_kind, log_host_memory
@@ -68,10 +74,12 @@ class MegaTrainStrategy(RankStrategy):
     its exact size; :meth:`host_memory` reports it by kind, and it is logged at train end.
 
     Several devices (``devices=N``, ``num_nodes=M``): one process per device, started by Lightning's launcher
-    (ranks.py); each rank owns 1/N of every layer's fp32 grads and optimizer states and updates 1/N of its masters,
-    the layers' grads are reduce-scattered in backward and the updated masters all-gathered after the step
-    (engine/sharding.py, [Note: sharded host state]); each rank saves its optimizer states' share beside the
-    checkpoint, which resumes on any number of ranks (engine/shard_states.py, [Note: checkpoints of several ranks]).
+    (ranks.py); each rank holds 1/N of every layer's fp32 masters, grads and optimizer states (the residents' masters
+    whole), each layer is all-gathered right before it runs and its grads reduce-scattered in backward
+    (engine/sharding.py, [Note: sharded host state]; engine/sharded_layers.py, [Note: sharded layer masters]: a
+    layer's parameters are NaN placeholders outside its compute); each rank saves its masters' and optimizer states'
+    share beside the checkpoint, which resumes on any number of ranks (engine/shard_states.py, [Note: checkpoints of
+    several ranks]).
     ``overlap_optimizer`` and ``gpu_optimizer_groups`` are off there (refused when given), ``host_state`` must be
     ``"fp32"``, ``checkpoint_format`` ``"file"``, and the optimizer elementwise (not Muon or CompactAdamW).
 
@@ -308,7 +316,15 @@ class MegaTrainStrategy(RankStrategy):
         self.wait_for_optimizer()
         if self.engine is not None:
             self.engine.refuse_torn("save the parameters")  # a failed step left part of its update applied
-        return super().lightning_module_state_dict()
+        state = super().lightning_module_state_dict()
+        if self._sharding is not None:  # the layers' owned masters go to each rank's shard file (sharded_params)
+            names = sharded_names(self.lightning_module, self._sharding)
+            state = {k: v for k, v in state.items() if k not in names}
+        return state
+
+    @override
+    def sharded_params(self) -> dict[str, Any] | None:
+        return sharded_params(self._sharding) if self._sharding is not None else None
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -330,6 +346,10 @@ class MegaTrainStrategy(RankStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.wait_for_optimizer()
+        if self._sharding is not None or PARAMS in checkpoint:  # several ranks save or load the layers' masters
+            # sharded ([Note: sharded layer masters]); with several ranks the rest loads non-strict, checked there
+            checkpoint = load_module_state(self.lightning_module, checkpoint, self._sharding, strict)
+            strict = strict and self._sharding is None
         read_into(checkpoint["state_dict"], self.lightning_module.state_dict())  # a mapped checkpoint's, in place
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.engine is not None:

@@ -36,13 +36,8 @@ from lightning_megatrain.engine.placement import resolve
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
-from lightning_megatrain.engine.sharding import (
-    Ranks,
-    ShardedDrain,
-    ShardedOptimizerStep,
-    ShardedState,
-    sharded_config,
-)
+from lightning_megatrain.engine.sharded_layers import ShardedTransfer
+from lightning_megatrain.engine.sharding import Ranks, ShardedOptimizerStep, ShardedState, sharded_config
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
@@ -188,8 +183,8 @@ class MegaTrainEngine(FirstBatchPlacement):
             buffers = [[] for _ in layer_buffers]
         if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
             names = {id(p): name for name, p in module.named_parameters()}
-            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names)
-            self.transfer = ShardedDrain(self.transfer, self.sharding, self.groups)
+            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group])
+            self.transfer = ShardedTransfer(self.transfer, self.sharding, self.groups)
             self._step = ShardedOptimizerStep(
                 self.sharding, resident_group, self.config, self.device, self.transfer, self.residents
             )

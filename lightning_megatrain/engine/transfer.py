@@ -212,6 +212,9 @@ class CudaTransfer:
             compute = staging if compute_dtype == master_dtype else torch.empty_like(staging, dtype=compute_dtype)
             self.slots.append(_Slot(staging, compute, torch.cuda.Event(), torch.cuda.Event()))
         self._in_use: set[int] = set()  # layer indices acquired and not yet released
+        # fills a slot's staging with layer i whole on the H2D stream instead of copying its master (several ranks:
+        # engine/sharded_layers.py, [Note: sharded layer masters]); None: the master is whole on the host
+        self.upload: Callable[[int, Tensor], None] | None = None
         self.offload = ActivationOffload(device, self.h2d_stream, self.d2h_stream, registry)  # engine/offload.py
         self._clock = 0
         self.grad_drain = GradDrain(  # engine/drain.py
@@ -239,7 +242,10 @@ class CudaTransfer:
         n = group.numel
         with torch.cuda.stream(self.h2d_stream), torch.profiler.record_function("megatrain::h2d"):
             self.h2d_stream.wait_event(slot.free)
-            slot.staging[:n].copy_(group.master, non_blocking=True)
+            if self.upload is None:
+                slot.staging[:n].copy_(group.master, non_blocking=True)
+            else:
+                self.upload(index, slot.staging)
             if slot.compute is not slot.staging:
                 slot.compute[:n].copy_(slot.staging[:n])
             slot.ready.record(self.h2d_stream)

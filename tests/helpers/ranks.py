@@ -106,6 +106,7 @@ class Run:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after training
     start_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # optimizer state at train start
     end_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # and at train end
+    host_bytes: dict[str, int] = field(default_factory=dict)  # the engine's host memory by kind, at train end
 
 
 def full_grads(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
@@ -116,7 +117,7 @@ def full_grads(trainer: Trainer, module: LightningModule) -> dict[str, torch.Ten
         return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     out = {}
     for shard in sharding.shards:
-        buf = torch.zeros_like(shard.padded)
+        buf = torch.zeros(sharding.ranks.world * shard.size)
         if shard.owned.grad_nbytes:
             buf.view(sharding.ranks.world, -1)[sharding.ranks.rank] = shard.owned.grad
         sharding.ranks.all_reduce_(buf)  # host tensors: the host group (gloo) also under NCCL
@@ -155,6 +156,15 @@ def full_optimizer_state(trainer: Trainer, module: LightningModule) -> dict[str,
     return out
 
 
+def whole_params(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
+    """Every parameter whole by name: the module's own on one rank, gathered on several (a collective: a sharded
+    layer's parameters are placeholders outside its compute)."""
+    sharding = getattr(getattr(trainer.strategy, "engine", None), "sharding", None)
+    if sharding is None:
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+    return sharding.gathered_params()
+
+
 class RankRecorder(Callback):
     def __init__(self, grads: bool) -> None:
         self.run = Run()
@@ -172,8 +182,10 @@ class RankRecorder(Callback):
             self.run.grads.append(full_grads(trainer, pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.run.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.run.params = whole_params(trainer, pl_module)
         self.run.end_state = full_optimizer_state(trainer, pl_module)
+        engine = getattr(trainer.strategy, "engine", None)
+        self.run.host_bytes = engine.host_bytes() if engine is not None else {}
 
 
 def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: int = 1, clip: float | None = None,

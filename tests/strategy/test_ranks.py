@@ -93,8 +93,11 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     saved = launch(2, tmp_path / "save", steps=2, grads=False, ckpt_out=str(ckpt))
     assert sorted(p.name for p in tmp_path.glob("two.ckpt*")) == ["two.ckpt", "two.ckpt-shard0-of-2",
                                                                     "two.ckpt-shard1-of-2"]
-    manifest = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    main = torch.load(ckpt, weights_only=False)
+    manifest = main["optimizer_states"][0]
     assert manifest["world_size"] == 2 and "slices" not in manifest
+    # the layers' masters are in the shard files only; the residents whole in the state_dict
+    assert not any(k.startswith("blocks.") for k in main["state_dict"]) and "head.weight" in main["state_dict"]
 
     one = fit(1, steps=4, grads=False, ckpt_in=str(ckpt))
     four = launch(4, tmp_path / "four", steps=4, grads=False, ckpt_in=str(ckpt))
@@ -109,3 +112,17 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     resumed = launch(2, tmp_path / "from-one", steps=3, grads=False, ckpt_in=str(single))
     for run in resumed:
         _assert_states_close(run.start_state, first.end_state)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_holds_its_share_of_the_layer_masters(tmp_path, world):
+    """Host masters per rank: the owned master of each layer (``ceil(305 / N)`` fp32 elements of each Block) and the
+    residents whole, padded (embed 512 + norm 32 + head 544 = 1088 parameters); owned grads likewise 1/N of every
+    group. One process holds 3 * 305 + 1088 = 2003 masters."""
+    runs = launch(world, tmp_path, steps=1, grads=False)
+    size = -(-305 // world)
+    resident = world * -(-1088 // world)
+    for run in runs:
+        assert run.host_bytes["masters"] == 4 * (3 * size + resident)
+        assert run.host_bytes["owned_grads"] == 4 * (3 * size + resident // world)
+    assert fit(1, steps=1, grads=False).host_bytes["masters"] == 4 * (3 * 305 + 1088)
