@@ -11,10 +11,17 @@ move is a copy, so a process killed during it leaves a truncated ``last.ckpt`` t
 disk (``fsync``), gives it the mode an ordinary save would have (``0o666`` less the umask; ``tempfile`` makes it
 private), renames it over the target (``os.replace``: atomic within one filesystem) and flushes the directory entry.
 A kill at any point leaves the previous checkpoint whole. The temporary file a kill leaves behind
-(``.<name>.pid<writer>.*.tmp``) is removed by the next save into that directory once its writer's process is gone
-(and by the next save of the same name in any case), so a checkpoint name that is never saved again (a top-k
-``step5.ckpt`` saved again as ``step5-v1.ckpt`` after a resume) leaves none behind either; a process on another host
-writing into the same directory cannot be told from a dead one, so give runs their own directories. A real
+(``.<name>.pid<writer>@<host>.*.tmp``) is removed by the next save of the same name in any case (one rank writes a
+given name), and by the next save of any name into that directory once it is a killed save's (:func:`killed_save`),
+so a checkpoint name that is never saved again (a top-k ``step5.ckpt`` saved again as ``step5-v1.ckpt`` after a
+resume) leaves none behind either. A save judges the writer's process only for a temporary of its own host: with
+``num_nodes > 1`` every rank writes into one shared directory, and a pid of another host names no process here, so
+that a live writer there would look dead (its rename would then fail). Another host's temporary is left to the next
+save on that host, or removed by any host once unmodified for :data:`FOREIGN_STALE_S` (24 hours: a live writer
+modifies its file as it writes, a sharded save its directory at each shard; a later job may run on other hosts).
+A name of an earlier version (``.<name>.pid<writer>.*.tmp``, no host) is judged by its pid on any host, as then: it
+is a leftover of the host that wrote it (a run of another version writing into the same directory is not
+supported). A real
 subprocess killed with SIGKILL during saves, ``$TMPDIR`` on another filesystem, is tested in
 ``tests/test_checkpoint_io.py`` (Lightning's own checkpoint IO leaves a truncated checkpoint there). Paths that are
 not local (``s3://`` ...) take Lightning's own path.
@@ -58,10 +65,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -94,7 +104,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(target)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".tmp", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
@@ -142,20 +152,54 @@ def mapped_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def remove_stale_temporaries(target: Path) -> None:
-    """Remove the temporary files of killed saves beside ``target``: those of its name, and those whose writer's
-    process is gone (see [Note: atomic checkpoints]); also the temporary and previous directories of sharded saves
-    ([Note: sharded checkpoints] in sharded_checkpoint.py)."""
+    """Remove the temporary files of killed saves beside ``target``: those of its name, and those whose writer is
+    gone (:func:`killed_save`; see [Note: atomic checkpoints]); also the temporary and previous directories of sharded
+    saves ([Note: sharded checkpoints] in sharded_checkpoint.py)."""
     for stale in [p for suffix in ("tmp", "old", "del") for p in target.parent.glob(f".*.{suffix}")]:
-        writer = _TEMP_WRITER.fullmatch(stale.name)
-        if stale.name.startswith(f".{target.name}.") or (writer is not None and not _alive(int(writer[1]))):
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    stale.unlink()
+        if stale.name.startswith(f".{target.name}.") or killed_save(stale):
+            remove_path(stale)
 
 
-_TEMP_WRITER = re.compile(r"\..+\.pid(\d+)\.[^.]+\.(?:tmp|old|del)")  # .<name>.pid<writer>.<random>.<suffix>
+# - who wrote a temporary: .<name>.pid<writer>@<host>.<random>.<suffix> (earlier versions: .<name>.pid<writer>.<...>)
+
+_TEMP_WRITER = re.compile(r"\.(.+)\.pid(\d+)@(.+)\.[^.]+\.(?:tmp|old|del)")
+_OLD_TEMP_WRITER = re.compile(r"\.(.+)\.pid(\d+)\.[^.]+\.(?:tmp|old|del)")  # no host: judged on any host
+FOREIGN_STALE_S = 24 * 3600  # another host's temporary unmodified this long is a killed save's
+
+
+def this_host() -> str:
+    """This host's name as temporary names carry it: ``socket.gethostname()`` with any character but letters,
+    digits, ``.``, ``_`` and ``-`` replaced by ``_``; one longer than 40 characters cut to 31 and a hash of the whole
+    (a file name has at most 255 bytes; two hosts still get two names)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "_"
+    return host if len(host) <= 40 else f"{host[:31]}-{hashlib.sha1(host.encode()).hexdigest()[:8]}"
+
+
+def temporary_prefix(target: Path) -> str:
+    """The start of the name of a temporary of this process beside ``target``: ``.<name>.pid<pid>@<host>.``."""
+    return f".{target.name}.pid{os.getpid()}@{this_host()}."
+
+
+def temporary_of(name: str) -> str | None:
+    """The checkpoint name a temporary's file name ``name`` is of (either format), or None: not a temporary."""
+    found = _TEMP_WRITER.fullmatch(name) or _OLD_TEMP_WRITER.fullmatch(name)
+    return found[1] if found is not None else None
+
+
+def killed_save(path: Path) -> bool:
+    """Whether the temporary ``path`` is a killed save's (see [Note: atomic checkpoints]): written on this host by a
+    process that is gone; written on another host (a pid means nothing here) and unmodified for
+    :data:`FOREIGN_STALE_S`; or of an earlier version's name, without a host, by a process gone from this host."""
+    found = _TEMP_WRITER.fullmatch(path.name)
+    if found is None:
+        old = _OLD_TEMP_WRITER.fullmatch(path.name)
+        return old is not None and not _alive(int(old[2]))
+    if found[3] == this_host():
+        return not _alive(int(found[2]))
+    try:
+        return time.time() - path.lstat().st_mtime > FOREIGN_STALE_S
+    except FileNotFoundError:  # its writer renamed or removed it meanwhile
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -187,8 +231,8 @@ def fsync_dir(directory: Path) -> None:
 
 
 def temporary_name(target: Path, suffix: str) -> Path:
-    """A name beside ``target`` for a temporary of this process (``.<name>.pid<pid>.<random><suffix>``)."""
-    return Path(tempfile.mktemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=suffix, dir=target.parent))
+    """A name beside ``target`` for a temporary of this process (``.<name>.pid<pid>@<host>.<random><suffix>``)."""
+    return Path(tempfile.mktemp(prefix=temporary_prefix(target), suffix=suffix, dir=target.parent))
 
 
 def _exchange(a: Path, b: Path) -> bool:
