@@ -59,6 +59,14 @@ files) and the ``OnExceptionCheckpoint`` file, newest first by modification time
 files it skipped and the one it used, and records that one as the trainer's ``ckpt_path``. Only the candidates of
 ``"last"`` fall back (also when such a file is named directly): a checkpoint named by any other path fails as it
 would in Lightning. When none loads, the error lists every file tried with its error.
+
+With several ranks each resolves ``"last"`` on its own (Lightning's connector, each rank's view of the files), so
+:func:`load_readable` makes them agree (an :class:`Agreement`, ``RankStrategy.resume_agreement``: collectives over
+the host group): every rank tries rank 0's path, then rank 0's list of candidates, in the same order, and takes the
+first that loads on every rank; a file that loads on some ranks only is dropped where it loaded and named with each
+failing rank's error (``rank 1: FileNotFoundError: ...``). A checkpoint named by path that does not load on some
+rank fails on every rank (there, with its own error; elsewhere a ``RuntimeError`` naming that rank), rather than
+leaving the others to wait in the first collective of training. Tested in tests/strategy/test_ranks.py.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -277,41 +286,87 @@ def remove_path(path: Path) -> None:
             path.unlink()
 
 
-def load_readable(load: Callable[[_PATH], dict[str, Any]], path: _PATH, trainer: pl.Trainer | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Agreement:
+    """How the ranks of a run agree on the checkpoint they resume from (see [Note: resuming from a readable
+    checkpoint]). Both are collectives: every rank calls them, in the same order. The default: one rank.
+
+    Args:
+        world: the number of ranks.
+        decide: rank 0's value of the argument, on every rank (a broadcast).
+        gather: every rank's value of the argument, in rank order (an all-gather).
+    """
+
+    world: int = 1
+    decide: Callable[[Any], Any] = lambda obj: obj
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj]
+
+
+def load_readable(load: Callable[[_PATH], dict[str, Any]], path: _PATH, trainer: pl.Trainer | None,
+                  agree: Agreement | None = None) -> dict[str, Any]:
     """``load(path)``, or, when that fails and ``path`` is one of the files ``ckpt_path="last"`` chooses among, the
-    newest checkpoint beside it that loads (see [Note: resuming from a readable checkpoint]).
+    newest checkpoint beside it that loads (see [Note: resuming from a readable checkpoint]). With several ranks
+    (``agree``): rank 0's ``path`` and candidates, and the first that loads on every rank.
 
     Raises:
-        RuntimeError: no candidate loads (every file tried is named, with its error).
+        RuntimeError: no candidate loads (every file tried is named, with its error); with several ranks, also the
+            named checkpoint loading here but not on another rank (the rank and its error named).
     """
-    try:
-        return load(path)
-    except Exception as error:
-        fallbacks = _resume_candidates(trainer, path) if trainer is not None else []
-        if not fallbacks:
-            raise
-        failures = [(str(path), error)]
+    agree = agree if agree is not None else Agreement()
+    first = agree.decide(str(path))
+    checkpoint, failed = _load_everywhere(load, first, agree)
+    if failed is None:
+        _record_choice(trainer, path, first)
+        return checkpoint
+    failures = [failed]
+    fallbacks = agree.decide([str(c) for c in _resume_candidates(trainer, first)] if trainer is not None else [])
+    if not fallbacks:
+        _, described, error = failed
+        if error is not None:
+            raise error
+        raise RuntimeError(f"MegaTrainStrategy could not load the checkpoint {first} on every rank: {described}. "
+                           "HINT: every rank must see the same checkpoint files (one shared directory).")
     for candidate in fallbacks:
-        try:
-            checkpoint = load(candidate)
-        except Exception as error:
-            failures.append((str(candidate), error))
+        checkpoint, failed = _load_everywhere(load, candidate, agree)
+        if failed is not None:
+            failures.append(failed)
             continue
-        skipped = "; ".join(f"{name} ({type(e).__name__}: {e})" for name, e in failures)
+        skipped = "; ".join(f"{name} ({described})" for name, described, _ in failures)
+        where = " on every rank" if agree.world > 1 else ""
         warnings.warn(
-            f"MegaTrainStrategy: resuming from {candidate}, the newest checkpoint that loads: ckpt_path='last' chose "
-            f"{path}, which does not load. Skipped: {skipped}.",
+            f"MegaTrainStrategy: resuming from {candidate}, the newest checkpoint that loads{where}: ckpt_path='last' "
+            f"chose {first}, which does not load{where}. Skipped: {skipped}.",
             stacklevel=2,
         )
-        connector = getattr(trainer, "_checkpoint_connector", None)
-        if connector is not None and hasattr(connector, "_ckpt_path"):
-            connector._ckpt_path = str(candidate)  # trainer.ckpt_path and Lightning's "Restored ..." name it
+        _record_choice(trainer, path, candidate)
         return checkpoint
-    tried = "\n- ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures)
+    tried = "\n- ".join(f"{name}: {described}" for name, described, _ in failures)
     raise RuntimeError(
         f"MegaTrainStrategy could not load any checkpoint for ckpt_path='last' (newest first):\n- {tried}\nHINT: "
         "move the unreadable files away to start from scratch, or pass ckpt_path=<a checkpoint that loads>."
-    ) from failures[0][1]
+    ) from next((error for _, _, error in failures if error is not None), None)
+
+
+def _load_everywhere(load: Callable[[_PATH], dict[str, Any]], path: str, agree: Agreement
+                     ) -> tuple[dict[str, Any] | None, tuple[str, str, Exception | None] | None]:
+    """``(the checkpoint, None)`` when ``path`` loads on every rank, else ``(None, (path, every rank's error,
+    this rank's error or None))``: a checkpoint that loads here but not on another rank is dropped."""
+    try:
+        checkpoint, error = load(path), None
+    except Exception as e:
+        checkpoint, error = None, e
+    errors = agree.gather(None if error is None else f"{type(error).__name__}: {error}")
+    if not any(errors):
+        return checkpoint, None
+    described = errors[0] if len(errors) == 1 else "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+    return None, (path, described, error)
+
+
+def _record_choice(trainer: pl.Trainer | None, path: _PATH, chosen: str) -> None:
+    """Make ``chosen`` the trainer's ``ckpt_path`` (Lightning's "Restored ..." names it) when it is not ``path``."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if chosen != str(path) and connector is not None and hasattr(connector, "_ckpt_path"):
+        connector._ckpt_path = chosen
 
 
 def _resume_candidates(trainer: pl.Trainer, path: _PATH) -> list[Path]:

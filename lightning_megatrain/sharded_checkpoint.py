@@ -70,6 +70,7 @@ from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
 from lightning_megatrain.checkpoint_io import (
+    Agreement,
     AtomicCheckpointIO,
     fsync_dir,
     killed_save,
@@ -356,16 +357,17 @@ def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[
 
 
 def load_either_format(load_file: Callable[[_PATH], dict[str, Any]], path: _PATH,
-                       module: nn.Module | None) -> dict[str, Any]:
+                       module: nn.Module | None, agree: Agreement | None = None) -> dict[str, Any]:
     """``MegaTrainStrategy.load_checkpoint``: a file or a sharded directory (:func:`load_any`, its ``meta.pt`` and
     every file through ``load_file``); a checkpoint of several ranks brings its shard files' optimizer slices
     (engine/shard_states.py, [Note: checkpoints of several ranks]); ``ckpt_path="last"`` skips a checkpoint that does
-    not load (checkpoint_io.py, [Note: resuming from a readable checkpoint])."""
+    not load, the ranks choosing alike through ``agree`` (checkpoint_io.py, [Note: resuming from a readable
+    checkpoint])."""
     try:
         trainer = module.trainer if module is not None else None
     except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
         trainer = None
-    return load_readable(lambda p: load_shard_files(load_any(p, load_file), p), path, trainer)
+    return load_readable(lambda p: load_shard_files(load_any(p, load_file), p), path, trainer, agree)
 
 
 def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:
