@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -197,10 +197,11 @@ def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: 
     recorder = RankRecorder(grads)
     saving = [] if ckpt_dir is None else [ModelCheckpoint(ckpt_dir, every_n_train_steps=2, save_top_k=-1,
                                                           save_last=True)]
+    checkpointing = any(isinstance(c, Checkpoint) for c in [*saving, *callbacks])  # else Lightning refuses them
     trainer = Trainer(
         accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
         gradient_clip_val=clip, callbacks=[recorder, *saving, *callbacks], logger=False,
-        enable_checkpointing=bool(saving), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(module, ckpt_path=ckpt_in)

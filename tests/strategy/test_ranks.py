@@ -189,3 +189,10 @@ def test_no_checkpoint_is_saved_after_an_exception_on_several_ranks(tmp_path):
         assert unsaved.startswith(f"MegaTrainStrategy with 2 ranks did not save {ckpts / 'on_exception.ckpt'} after "
                                   "an exception"), unsaved
         assert f"The last complete checkpoint of this run is {ckpts / 'last.ckpt'}." in unsaved
+
+
+def test_one_rank_still_saves_after_an_exception(tmp_path):
+    """With one rank the exception-time checkpoint is whole: OnExceptionCheckpoint saves as in Lightning."""
+    with pytest.raises(ValueError, match="a failure on rank 0 only"):
+        fit(1, steps=4, grads=False, callbacks=[OnExceptionCheckpoint(str(tmp_path)), FailOnRank(0, 2)])
+    assert torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["global_step"] == 2
