@@ -23,7 +23,7 @@ staging buffer of :data:`STAGING_BYTES` (16 MiB) per shard, a piece at a time, s
 bytes per parameter of those groups a copy to the host took. The pages written go to the page cache, which is not
 the process's memory.
 
-Atomicity: the checkpoint is written into ``.<name>.pid<writer>.<random>.tmp`` beside the target; every file is
+Atomicity: the checkpoint is written into ``.<name>.pid<writer>@<host>.<random>.tmp`` beside the target; every file is
 fsynced, the index last, then the directory. The new directory then replaces the target in one step
 (checkpoint_io.py's ``swap_in``):
 ``renameat2(RENAME_EXCHANGE)`` swaps the two names atomically (Linux: ext4, xfs, btrfs, tmpfs), and the previous
@@ -31,7 +31,8 @@ checkpoint, now under the temporary name, is renamed ``.old`` and removed. A kil
 whole, old or new. Where the exchange is refused (other systems and filesystems) the target is renamed ``.old`` and
 the new one renamed in, two renames back to back: a kill between them leaves no target, the old checkpoint whole as
 ``.old`` and the new whole as ``.tmp`` (its index present); the next save into that directory, of any name, renames
-the new one back first (:func:`recover`), but a resume from ``"last"`` before it does not see it. A removed
+the new one back first (:func:`recover`) once it is a killed save's as checkpoint_io.py judges it (on the writer's
+own host at once, on another after 24 hours), but a resume from ``"last"`` before it does not see it. A removed
 checkpoint (top-k) is renamed ``.del`` before it is deleted, so a kill never leaves half of one under its name.
 Leftover ``.tmp``, ``.old`` and ``.del`` directories go as the file path's temporary files do ([Note: atomic
 checkpoints] in checkpoint_io.py).
@@ -52,7 +53,6 @@ import contextlib
 import json
 import mmap
 import os
-import re
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -70,13 +70,17 @@ from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
 from lightning_megatrain.checkpoint_io import (
+    Agreement,
     AtomicCheckpointIO,
     fsync_dir,
+    killed_save,
     load_readable,
     remove_path,
     remove_stale_temporaries,
     swap_in,
     temporary_name,
+    temporary_of,
+    temporary_prefix,
 )
 from lightning_megatrain.engine.discovery import find_layer_stack
 from lightning_megatrain.engine.shard_states import load_shard_files
@@ -224,7 +228,7 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
     target.parent.mkdir(parents=True, exist_ok=True)
     recover(target.parent)
     remove_stale_temporaries(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".tmp", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent))
     try:
         meta, found = split(checkpoint)
         shards: dict[str, dict[str, Any]] = {}
@@ -262,12 +266,15 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
 def recover(directory: Path) -> None:
     """After a kill between the two renames of the fallback swap (a checkpoint's name gone, its ``.tmp`` and
     ``.old`` left): rename the complete new directory (a ``.tmp`` with its index), else the previous one (``.old``),
-    back to the name. Run before a save removes leftovers; a removal's leftovers (``.del``) never come back."""
+    back to the name. Only a killed save's (checkpoint_io.py's ``killed_save``: a live writer, here or on another
+    host, may be between its renames). Run before a save removes leftovers; a removal's leftovers (``.del``) never
+    come back."""
     leftovers: dict[str, list[Path]] = {}
     for p in directory.glob(".*.pid*.*"):
-        name = _LEFTOVER.fullmatch(p.name)
-        if name is not None and p.is_dir() and not os.path.lexists(directory / name[1]):
-            leftovers.setdefault(name[1], []).append(p)
+        name = temporary_of(p.name)
+        if (name is not None and p.suffix in (".tmp", ".old") and p.is_dir() and not os.path.lexists(directory / name)
+                and killed_save(p)):
+            leftovers.setdefault(name, []).append(p)
     for name, found in leftovers.items():
         new = [p for p in found if p.suffix == ".tmp" and (p / INDEX).is_file()]
         old = [p for p in found if p.suffix == ".old"]
@@ -277,8 +284,6 @@ def recover(directory: Path) -> None:
                 fsync_dir(directory)
                 break
 
-
-_LEFTOVER = re.compile(r"\.(.+)\.pid\d+\.[^.]+\.(?:tmp|old)")  # .<name>.pid<writer>.<random>.tmp or .old
 
 
 def remove_sharded(path: Path) -> None:
@@ -352,16 +357,17 @@ def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[
 
 
 def load_either_format(load_file: Callable[[_PATH], dict[str, Any]], path: _PATH,
-                       module: nn.Module | None) -> dict[str, Any]:
+                       module: nn.Module | None, agree: Agreement | None = None) -> dict[str, Any]:
     """``MegaTrainStrategy.load_checkpoint``: a file or a sharded directory (:func:`load_any`, its ``meta.pt`` and
     every file through ``load_file``); a checkpoint of several ranks brings its shard files' optimizer slices
     (engine/shard_states.py, [Note: checkpoints of several ranks]); ``ckpt_path="last"`` skips a checkpoint that does
-    not load (checkpoint_io.py, [Note: resuming from a readable checkpoint])."""
+    not load, the ranks choosing alike through ``agree`` (checkpoint_io.py, [Note: resuming from a readable
+    checkpoint])."""
     try:
         trainer = module.trainer if module is not None else None
     except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
         trainer = None
-    return load_readable(lambda p: load_shard_files(load_any(p, load_file), p), path, trainer)
+    return load_readable(lambda p: load_shard_files(load_any(p, load_file), p), path, trainer, agree)
 
 
 def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:

@@ -341,7 +341,8 @@ class MegaTrainStrategy(RankStrategy):
         # checkpoint]); a sharded directory's meta.pt through the base class ([Note: sharded checkpoints])
         load = super().load_checkpoint
         module = self.lightning_module
-        return load_either_format(lambda file: load(file, weights_only=weights_only), checkpoint_path, module)
+        return load_either_format(lambda file: load(file, weights_only=weights_only), checkpoint_path, module,
+                                  self.resume_agreement())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -10,6 +10,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain import MegaTrainStrategy, checkpoint_io
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
 
 from helpers.host_ram import MEASURABLE, SaveAndMeasure, Wide
@@ -79,6 +80,72 @@ def test_a_temp_file_left_by_a_killed_save_is_removed_by_the_next(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"step": 3}, target)
     assert not stale.exists() and not killed.exists() and torch.load(target) == {"step": 3}
     assert writing.exists() and unknown.exists()
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True).stdout)
+
+
+def test_a_save_leaves_another_hosts_temporaries_to_that_host(tmp_path, monkeypatch):
+    """Two hosts (the host name patched) save into one directory, as ranks of ``num_nodes=2`` do: a save on host
+    alpha during host beta's leaves beta's temporary alone, although beta's pid is no process on alpha, and beta's
+    rename succeeds. A killed save's leftovers: this host's and an earlier version's (no host) go with the next save
+    here; another host's go with a save on that host, or here once unmodified for ``FOREIGN_STALE_S``."""
+    host = ["beta"]
+    monkeypatch.setattr(socket, "gethostname", lambda: host[0])
+    getpid, save, dead = os.getpid, torch.save, _dead_pid()
+
+    def beta_writes_while_alpha_saves(obj, f, *args, **kwargs):
+        save(obj, f, *args, **kwargs)
+        if obj.get("rank") == 1:  # beta's temporary is written, not yet renamed: alpha's rank 0 saves now
+            host[0] = "alpha"
+            monkeypatch.setattr(os, "getpid", getpid)
+            AtomicCheckpointIO().save_checkpoint({"rank": 0}, tmp_path / "last.ckpt-shard0-of-2")
+            host[0] = "beta"
+
+    monkeypatch.setattr(torch, "save", beta_writes_while_alpha_saves)
+    monkeypatch.setattr(os, "getpid", lambda: dead)  # beta's pid: no process on alpha
+    AtomicCheckpointIO().save_checkpoint({"rank": 1}, tmp_path / "last.ckpt-shard1-of-2")
+    monkeypatch.setattr(os, "getpid", getpid)
+    monkeypatch.setattr(torch, "save", save)
+    assert torch.load(tmp_path / "last.ckpt-shard0-of-2") == {"rank": 0}
+    assert torch.load(tmp_path / "last.ckpt-shard1-of-2") == {"rank": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt-shard0-of-2", "last.ckpt-shard1-of-2"]
+
+    ours = tmp_path / f".step5.ckpt.pid{dead}@alpha.abcdefgh.tmp"
+    earlier = tmp_path / f".step6.ckpt.pid{dead}.abcdefgh.tmp"  # an earlier version's name: no host
+    beta_file = tmp_path / f".step7.ckpt.pid{dead}@beta.abcdefgh.tmp"
+    beta_old = tmp_path / f".step8.ckpt.pid{dead}@beta.ijklmnop.tmp"
+    beta_dir = tmp_path / f".step9.ckpt.pid{dead}@beta.qrstuvwx.old"  # a sharded save's previous directory
+    for path in (ours, earlier, beta_file, beta_old):
+        path.write_bytes(b"x")
+    beta_dir.mkdir()
+    (beta_dir / "index.json").write_text("{}")
+    long_ago = time.time() - checkpoint_io.FOREIGN_STALE_S - 60
+    os.utime(beta_old, (long_ago, long_ago))
+    host[0] = "alpha"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    assert not ours.exists() and not earlier.exists() and not beta_old.exists()
+    assert beta_file.exists() and beta_dir.exists()
+    host[0] = "beta"
+    AtomicCheckpointIO().save_checkpoint({"step": 2}, tmp_path / "last.ckpt")
+    assert not beta_file.exists() and not beta_dir.exists()
+
+
+def test_a_temporary_name_carries_the_host_in_a_file_name_safe_form(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "node 1/a@b")
+    assert checkpoint_io.this_host() == "node_1_a_b"
+    assert checkpoint_io.temporary_prefix(Path("x/last.ckpt")) == f".last.ckpt.pid{os.getpid()}@node_1_a_b."
+    long = [f"n{i}." + "cluster" * 9 for i in (1, 2)]
+    shortened = []
+    for name in long:
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
+        shortened.append(checkpoint_io.this_host())
+    assert all(len(h) == 40 for h in shortened) and shortened[0] != shortened[1]
+    assert checkpoint_io.temporary_of(f".last.ckpt.pid5@{shortened[0]}.abcdefgh.tmp") == "last.ckpt"
+    assert checkpoint_io.temporary_of(".last.ckpt.pid5.abcdefgh.old") == "last.ckpt"  # an earlier version's
+    assert checkpoint_io.temporary_of("last.ckpt") is None
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o077], ids=["umask022", "umask077"])

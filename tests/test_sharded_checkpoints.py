@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -284,6 +285,28 @@ def test_a_kill_between_the_two_renames_is_recovered(tmp_path):
     assert _load(target)["global_step"] == 1
     _save(tmp_path / "step3.ckpt", 3.0)  # another name: recovers and cleans the directory too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step3.ckpt"]
+
+
+def test_only_the_writers_host_recovers_its_killed_swap(tmp_path, monkeypatch):
+    """A complete new directory left by a kill between the two renames on host beta (its pid means nothing on
+    alpha) is recovered by a save on beta, not by one on alpha, where a live writer between its renames could not be
+    told from it; nor is a live writer's of this host."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    host = ["alpha"]
+    monkeypatch.setattr(socket, "gethostname", lambda: host[0])
+    _save(tmp_path / "elsewhere" / "new", 2.0)
+    _save(tmp_path / "elsewhere" / "live", 3.0)
+    beta = tmp_path / f".last.ckpt.pid{dead}@beta.abcdefgh.tmp"
+    live = tmp_path / f".step3.ckpt.pid{os.getpid()}@alpha.abcdefgh.tmp"
+    (tmp_path / "elsewhere" / "new").rename(beta)
+    (tmp_path / "elsewhere" / "live").rename(live)
+    (tmp_path / "elsewhere").rmdir()
+    recover(tmp_path)
+    assert beta.is_dir() and live.is_dir() and not (tmp_path / "last.ckpt").exists()
+    host[0] = "beta"
+    recover(tmp_path)
+    assert _load(tmp_path / "last.ckpt")["global_step"] == 2 and live.is_dir() and not beta.exists()
 
 
 def _train_saving_every_step(root, max_steps) -> None:

@@ -18,7 +18,20 @@ A checkpoint saved by N > 1 ranks is N + 1 files (``MegaTrainStrategy.save_check
 Each file is swapped in atomically on its own, and no barrier orders them: rank 0 may write ``<path>`` before another
 rank has replaced its shard file of the previous save of that name. The manifests and every shard file record the
 (epoch, global step) saved at, and a load refuses a shard file of another save (``"last"`` then falls back to an
-older checkpoint whose files agree: checkpoint_io.py, [Note: resuming from a readable checkpoint]).
+older checkpoint whose files agree: checkpoint_io.py, [Note: resuming from a readable checkpoint]). A barrier after
+the files (``RankStrategy.save_checkpoint``) marks the save complete on every rank; the strategy keeps the last such
+path of the run.
+
+After an exception no checkpoint is saved (``RankStrategy.save_checkpoint`` warns instead, naming the run's last
+complete checkpoint, or the one it resumed from): Lightning's ``OnExceptionCheckpoint`` saves on the ranks that
+handle an exception, typically the one that raised, while the others are inside a collective or past the failed
+step; a checkpoint with some ranks' shard files, or files of two positions, never loads. A rank handling an exception
+cannot coordinate the others (any collective could wait for a rank that never gets there), so it skips the save and
+the barriers (``RankStrategy.barrier``) and ends; the others' collectives then fail and they end too. With one rank
+the exception-time save is as in Lightning.
+
+Resuming, every rank loads the same checkpoint: rank 0's choice among ``"last"``'s candidates, the newest that loads
+on every rank (checkpoint_io.py, [Note: resuming from a readable checkpoint]).
 
 Loading (:func:`load_shard_files`, then :func:`state_for`) maps either format onto the optimizer as it is now: every
 rank reads the manifest and all shard files (memory-mapped: only the ranges it needs are read) and assembles, for

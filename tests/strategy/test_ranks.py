@@ -1,6 +1,7 @@
 """Several ranks on the CPU (gloo): ``MegaTrainStrategy`` with ``devices=N`` trains as single-process training of
-the same global batch, and its sharded checkpoints resume on another number of ranks
-(engine/sharding.py, [Note: sharded host state]; engine/shard_states.py, [Note: checkpoints of several ranks]).
+the same global batch, and its sharded checkpoints resume on another number of ranks, every rank from the same one,
+none saved after an exception (engine/sharding.py, [Note: sharded host state]; engine/shard_states.py, [Note:
+checkpoints of several ranks]).
 
 Each test forks its ranks (tests/helpers/ranks.py). Tolerance: fp32, the parity tests' rule (helpers/parity.py
 ``assert_records_close``): per tensor ``||a - b|| <= 1e-5 ||b||`` (+1e-8 for zero references). The ranks sum the same
@@ -12,8 +13,13 @@ states are compared elementwise at ``rtol=1e-5, atol=1e-6``.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from helpers.ranks import GLOBAL_BATCH, fit, launch
 
@@ -126,3 +132,84 @@ def test_each_rank_holds_its_share_of_the_layer_masters(tmp_path, world):
         assert run.host_bytes["masters"] == 4 * (3 * size + resident)
         assert run.host_bytes["owned_grads"] == 4 * (3 * size + resident // world)
     assert fit(1, steps=1, grads=False).host_bytes["masters"] == 4 * (3 * 305 + 1088)
+
+
+# - which checkpoint several ranks resume from, and none saved after an exception
+
+
+def test_ranks_resume_from_the_newest_checkpoint_that_loads_on_every_rank(tmp_path, monkeypatch):
+    """ckpt_path="last" where rank 1 cannot load last.ckpt nor step 4's (as a rank whose view of a shared directory
+    lags) and rank 0 can: both ranks resume from step 2's, the newest that loads on every rank, and train on alike."""
+    from lightning_megatrain import sharded_checkpoint
+
+    ckpts = tmp_path / "ckpts"
+    launch(2, tmp_path / "save", steps=4, grads=False, ckpt_dir=str(ckpts))
+    assert {"last.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"} <= {p.name for p in ckpts.iterdir()}
+    load_any = sharded_checkpoint.load_any
+
+    def lagging(path, load_file):
+        if os.environ["LOCAL_RANK"] == "1" and Path(path).name != "epoch=0-step=2.ckpt":
+            raise FileNotFoundError(f"{path}: not visible on rank 1 yet")
+        return load_any(path, load_file)
+
+    monkeypatch.setattr(sharded_checkpoint, "load_any", lagging)  # the forked ranks inherit the patch
+    runs = launch(2, tmp_path / "resume", timeout=30, steps=5, grads=False, ckpt_dir=str(ckpts), ckpt_in="last")
+    for rank, run in enumerate(runs):
+        assert float(run.start_state["head.weight"]["step"]) == 2, f"rank {rank}"
+        chose, = [w for w in run.warnings if "the newest checkpoint that loads on every rank" in w]
+        assert f"resuming from {ckpts / 'epoch=0-step=2.ckpt'}" in chose and "rank 1: FileNotFoundError" in chose
+    torch.testing.assert_close(runs[0].params, runs[1].params, rtol=0, atol=0)
+
+
+def test_a_checkpoint_named_by_path_that_one_rank_cannot_load_fails_on_every_rank(tmp_path, monkeypatch):
+    from lightning_megatrain import sharded_checkpoint
+
+    ckpt = tmp_path / "two.ckpt"
+    launch(2, tmp_path / "save", steps=2, grads=False, ckpt_out=str(ckpt))
+    load_any = sharded_checkpoint.load_any
+
+    def unreadable_on_rank_1(path, load_file):
+        if os.environ["LOCAL_RANK"] == "1":
+            raise OSError("Input/output error")
+        return load_any(path, load_file)
+
+    monkeypatch.setattr(sharded_checkpoint, "load_any", unreadable_on_rank_1)
+    runs = launch(2, tmp_path / "resume", timeout=30, raises=True, steps=3, grads=False, ckpt_in=str(ckpt))
+    assert runs[1].error == "OSError: Input/output error"
+    assert runs[0].error.startswith(f"RuntimeError: MegaTrainStrategy could not load the checkpoint {ckpt} on every "
+                                    "rank: rank 1: OSError: Input/output error. HINT")
+
+
+class FailOnRank(Callback):
+    """Raise on one rank only, at the start of one step: the other rank goes on into that step's collectives."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise ValueError(f"a failure on rank {self.rank} only")
+
+
+def test_no_checkpoint_is_saved_after_an_exception_on_several_ranks(tmp_path):
+    """OnExceptionCheckpoint with 2 ranks, rank 1 raising at step 3 while rank 0 trains on: neither rank saves (a
+    checkpoint of one rank's shard file never loads), each warns naming the last complete checkpoint, and neither
+    waits for the other: both end, rank 0 with the error of its broken collective."""
+    ckpts = tmp_path / "ckpts"
+    runs = launch(2, tmp_path / "run", timeout=30, raises=True, steps=6, grads=False, ckpt_dir=str(ckpts),
+                  callbacks=[OnExceptionCheckpoint(str(ckpts)), FailOnRank(1, 3)])
+    assert runs[1].error == "ValueError: a failure on rank 1 only"
+    assert runs[0].error  # its collective lost rank 1
+    assert not list(ckpts.glob("on_exception*"))
+    for rank, run in enumerate(runs):
+        unsaved, = [w for w in run.warnings if "after an exception" in w]
+        assert unsaved.startswith(f"MegaTrainStrategy with 2 ranks did not save {ckpts / 'on_exception.ckpt'} after "
+                                  "an exception"), unsaved
+        assert f"The last complete checkpoint of this run is {ckpts / 'last.ckpt'}." in unsaved
+
+
+def test_one_rank_still_saves_after_an_exception(tmp_path):
+    """With one rank the exception-time checkpoint is whole: OnExceptionCheckpoint saves as in Lightning."""
+    with pytest.raises(ValueError, match="a failure on rank 0 only"):
+        fit(1, steps=4, grads=False, callbacks=[OnExceptionCheckpoint(str(tmp_path)), FailOnRank(0, 2)])
+    assert torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["global_step"] == 2
