@@ -193,10 +193,11 @@ def _save_and_resume(root, fmt, results, loader_io=None) -> None:
 
 @pytest.mark.skipif(not MEASURABLE, reason="needs Linux's /proc/self/clear_refs and glibc")
 def test_a_save_and_load_hold_no_second_copy_in_host_ram(tmp_path):
-    """The 78 MiB checkpoint of a 6.8M-parameter model: a sharded save raises the peak RSS by under 4 MiB (2.0 MiB
+    """The 78 MiB checkpoint of a 6.8M-parameter model: a sharded save raises the peak RSS by a few MiB (2.0 MiB
     measured: the index, the split dicts and meta.pt's pickle). A resume from it, or from the file format (loaded
-    mapped), raises the peak by the optimizer states it loads (8 bytes/param, which the optimizer keeps) and under
-    4 MiB more (1.2 MiB from the file, 1.5 from the shards, measured): the masters are read from the mapped file
+    mapped), raises the peak by the optimizer states it loads (8 bytes/param, which the optimizer keeps) and a few
+    MiB more (1.2 MiB from the file, 1.5 from the shards, measured; the bounds allow 12 MiB for the allocator under
+    load): the masters are read from the mapped file
     straight into the host masters, a chunk at a time ([Note: mapped checkpoint tensors]). Lightning's own
     ``TorchCheckpointIO`` reads the whole file, the masters held twice until the restore ends (78.1 MiB measured
     against 52.1). Each runs in a child process whose large allocations the RSS sees exactly."""
@@ -216,9 +217,9 @@ def test_a_save_and_load_hold_no_second_copy_in_host_ram(tmp_path):
     print({k: tuple(f"{v / 2**20:.2f} MiB" for v in vs) for k, vs in extra.items()})
     for fmt in ("sharded", "file"):
         saved, loaded, kept = extra[fmt]
-        assert saved < 4 * 2**20, extra
+        assert saved < 12 * 2**20, extra  # a copy of the state would be 78 MiB; allocator noise under load ~MiB
         assert kept >= 0.9 * 8 * n_params, extra  # the measurement sees the states it loaded
-        assert loaded < kept + 4 * 2**20, extra
+        assert loaded < kept + 12 * 2**20, extra  # a copy of the masters would be 26 MiB
     _, loaded, kept = extra["torch_io"]
     assert loaded > kept + 0.5 * 4 * n_params, extra  # ... and a copy of the masters where there is one
 
