@@ -42,7 +42,8 @@ from lightning_megatrain.mapped import read_into
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.precision import MegaTrainPrecision, megatrain_precision
 from lightning_megatrain.ranks import RankStrategy
-from lightning_megatrain.sharded_checkpoint import layer_layout, load_either_format, strategy_checkpoint_io
+from lightning_megatrain.sharded_checkpoint import layer_layout, strategy_checkpoint_io
+from lightning_megatrain.sharded_load import load_either_format
 
 log = logging.getLogger(__name__)
 
