@@ -1,7 +1,7 @@
-"""The checkpoint hooks of :class:`~lightning_megatrain.strategy.MegaTrainStrategy`: a save reads the host
-parameters and optimizer states once the step in flight has updated them, with several ranks each rank's share going
-to its shard file; a load reads either format (sharded_load.py, [Note: sharded checkpoints]) into the host masters
-and the host optimizers, a chunk at a time ([Note: mapped checkpoint tensors] in mapped.py)."""
+"""The checkpoint hooks of :class:`~lightning_megatrain.strategy.MegaTrainStrategy`: a save reads the host parameters
+and optimizer states once the step in flight has updated them, with several ranks each rank's share going to its
+shard file; a load reads either format (sharded_load.py; [Note: sharded checkpoints] in sharded_checkpoint.py) into
+the host masters and the host optimizers, a chunk at a time ([Note: mapped checkpoint tensors] in mapped.py)."""
 
 from __future__ import annotations
 

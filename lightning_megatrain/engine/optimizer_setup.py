@@ -97,16 +97,17 @@ class OptimizerSetup:
     def guard_module_zero_grad(self, module: torch.nn.Module) -> Callable[[], None]:
         """Make ``module.zero_grad()`` wait for the host step first, and return the undo.
 
-        Lightning zeroes the module's grads itself before validation (``on_validation_model_zero_grad``, before any
-        hook the barrier waits in) and user code may call ``self.zero_grad()``; with grads landing late the host
-        step's worker reads ``p.grad`` only once they have landed ([Note: late grads]), so grads set to ``None``
-        before that would silently skip those parameters' update.
+        Lightning zeroes the module's grads itself before validation (``on_validation_model_zero_grad``, before any hook
+        the barrier waits in) and user code may call ``self.zero_grad()``; with grads landing late the host step's
+        worker reads ``p.grad`` only once they have landed ([Note: late grads] in engine/optimizer_step.py), so grads
+        set to ``None`` before that would silently skip those parameters' update.
         """
         return _wait_in_zero_grad(module, self.wait_for_host_step)
 
     def takes_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`run` runs ``optimizer``'s step (the host Adam/AdamW and Muon: all-or-nothing, overlapped
-        and, for Adam/AdamW, split with the device); other optimizers step as given (``optimizer.step()``)."""
+        """Whether :meth:`OptimizerStep.run` runs ``optimizer``'s step (the host Adam/AdamW and Muon: all-or-nothing,
+        overlapped and, for Adam/AdamW, split with the device); other optimizers step as given
+        (``optimizer.step()``)."""
         return engine_steps(optimizer)
 
     def refuse_host_fallback(self, what: str) -> None:
