@@ -37,21 +37,21 @@ checkpoint (top-k) is renamed ``.del`` before it is deleted, so a kill never lea
 Leftover ``.tmp``, ``.old`` and ``.del`` directories go as the file path's temporary files do ([Note: atomic
 checkpoints] in checkpoint_io.py).
 
-Loading: ``load_sharded`` checks each shard's size against the index (a truncated shard fails, so ``"last"`` falls
-back as for a file: [Note: resuming from a readable checkpoint]) and fills the checkpoint with tensors that view the
-shards mapped copy-on-write, so that any hook can read them and nothing is read until used. The strategy then reads
-them into place a chunk at a time, each chunk's pages released ([Note: mapped checkpoint tensors] in mapped.py): the
-masters into the host masters (``load_state_dict`` finds each entry already in place), the host groups' optimizer
-states into tensors of their own, which the optimizer keeps, and ``gpu_optimizer_groups``' straight into their GPU
-moments. Peak host RAM of a load: the kept optimizer states (8 bytes per parameter with AdamW, none for a device
-group) plus 1.5 MiB for the test model (a 1 MiB chunk and the pages the kernel maps around it), as from a file.
+Loading (sharded_load.py): ``load_sharded`` checks each shard's size against the index (a truncated shard fails, so
+``"last"`` falls back as for a file: [Note: resuming from a readable checkpoint]) and fills the checkpoint with
+tensors that view the shards mapped copy-on-write, so that any hook can read them and nothing is read until used.
+The strategy then reads them into place a chunk at a time, each chunk's pages released ([Note: mapped checkpoint
+tensors] in mapped.py): the masters into the host masters (``load_state_dict`` finds each entry already in place),
+the host groups' optimizer states into tensors of their own, which the optimizer keeps, and
+``gpu_optimizer_groups``' straight into their GPU moments. Peak host RAM of a load: the kept optimizer states (8
+bytes per parameter with AdamW, none for a device group) plus 1.5 MiB for the test model (a 1 MiB chunk and the
+pages the kernel maps around it), as from a file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import shutil
 import tempfile
@@ -70,11 +70,9 @@ from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
 from lightning_megatrain.checkpoint_io import (
-    Agreement,
     AtomicCheckpointIO,
     fsync_dir,
     killed_save,
-    load_readable,
     remove_path,
     remove_stale_temporaries,
     swap_in,
@@ -83,25 +81,19 @@ from lightning_megatrain.checkpoint_io import (
     temporary_prefix,
 )
 from lightning_megatrain.engine.discovery import find_layer_stack
-from lightning_megatrain.engine.shard_states import load_shard_files
-from lightning_megatrain.mapped import register
+from lightning_megatrain.sharded_load import FORMAT, INDEX, SAFETENSORS_DTYPES, VERSION, is_sharded
 
-FORMAT, VERSION = "megatrain-sharded", 1
-INDEX, META, RESIDENTS = "index.json", "meta.pt", "residents"
+# the loading half, importable from here as before (sharded_load.py)
+from lightning_megatrain.sharded_load import convert_to_file as convert_to_file
+from lightning_megatrain.sharded_load import load_any as load_any
+from lightning_megatrain.sharded_load import load_either_format as load_either_format
+from lightning_megatrain.sharded_load import load_sharded as load_sharded
+from lightning_megatrain.sharded_load import read_safetensors as read_safetensors
+
+META, RESIDENTS = "meta.pt", "residents"
 
 Place = tuple[str | int, ...]  # keys from the checkpoint's root to one tensor
 ShardOf = Callable[[Place], str]  # a tensor's place -> the name of its shard file (no suffix)
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
-
-def is_sharded(path: _PATH) -> bool:
-    """Whether ``path`` is a local directory (a sharded checkpoint, or nothing loadable)."""
-    return isinstance(get_filesystem(path), LocalFileSystem) and Path(path).is_dir()
 
 
 # - which tensors go where
@@ -110,7 +102,7 @@ def is_sharded(path: _PATH) -> bool:
 def _shardable(value: Any) -> bool:
     """A dense tensor with bytes (host or GPU: ``gpu_optimizer_groups``' Adam states) of a dtype safetensors has."""
     return (type(value) in (Tensor, nn.Parameter) and value.device.type != "meta" and value.layout == torch.strided
-            and value.dtype in _SAFETENSORS_DTYPES)
+            and value.dtype in SAFETENSORS_DTYPES)
 
 
 def split(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Place, Tensor]]]:
@@ -194,7 +186,7 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, Tensor]]) -> int:
     tensors = sorted(tensors, key=lambda nt: -nt[1].element_size())
     header, offset = {}, 0
     for name, t in tensors:
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -285,7 +277,6 @@ def recover(directory: Path) -> None:
                 break
 
 
-
 def remove_sharded(path: Path) -> None:
     """Remove a checkpoint directory: renamed away (``.del``) first, so that no half-removed checkpoint keeps its
     name, nor gets it back from :func:`recover`."""
@@ -295,100 +286,12 @@ def remove_sharded(path: Path) -> None:
     remove_path(gone)
 
 
-# - reading
-
-
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    """The tensors of one safetensors file as views of the file mapped copy-on-write: nothing is read until used,
-    and writing to them never changes the file."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, (begin, end) = _TORCH_DTYPES[entry["dtype"]], entry["data_offsets"]
-        if end > size - 8 - n:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {8 + n + end}, the file has {size}")
-        if begin == end:
-            out[name] = torch.empty(entry["shape"], dtype=dtype)
-            continue
-        t = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + n + begin)
-        out[name] = register(t.reshape(entry["shape"]))
-    return out
-
-
-def load_sharded(path: _PATH, load_meta: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint saved as directory ``path``; tensors view the mapped shards (see [Note: sharded checkpoints]).
-
-    Raises:
-        ValueError: no index, another format, or a shard whose size is not the index's (truncated, replaced).
-    """
-    path = Path(path)
-    if not (path / INDEX).is_file():
-        raise ValueError(f"{path} is a directory without {INDEX}: not a complete sharded checkpoint.")
-    index = json.loads((path / INDEX).read_text())
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise ValueError(f"{path / INDEX}: format {index.get('format')!r} version {index.get('version')!r}, this "
-                         f"version of lightning_megatrain reads {FORMAT!r} version {VERSION}.")
-    for shard, entry in index["shards"].items():
-        size = (path / shard).stat().st_size if (path / shard).is_file() else None
-        if size != entry["bytes"]:
-            raise ValueError(f"{path / shard}: {size} bytes, the index says {entry['bytes']}: truncated or replaced.")
-    checkpoint = load_meta(path / index["meta"])
-    for shard, entry in index["shards"].items():
-        tensors = read_safetensors(path / shard)
-        for name, places in entry["tensors"].items():
-            for place in places:
-                container = checkpoint
-                for key in place[:-1]:
-                    container = container[key]
-                container[place[-1]] = tensors[name]
-    return checkpoint
-
-
-def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint at ``path``: a sharded directory through :func:`load_sharded` (its ``meta.pt`` read with
-    ``load_file``), anything else through ``load_file``, whichever format the strategy saves."""
-    return load_sharded(path, load_file) if is_sharded(path) else load_file(path)
-
-
-def load_either_format(load_file: Callable[[_PATH], dict[str, Any]], path: _PATH,
-                       module: nn.Module | None, agree: Agreement | None = None) -> dict[str, Any]:
-    """``MegaTrainStrategy.load_checkpoint``: a file or a sharded directory (:func:`load_any`, its ``meta.pt`` and
-    every file through ``load_file``); a checkpoint of several ranks brings its shard files' optimizer slices
-    (engine/shard_states.py, [Note: checkpoints of several ranks]); ``ckpt_path="last"`` skips a checkpoint that does
-    not load, the ranks choosing alike through ``agree`` (checkpoint_io.py, [Note: resuming from a readable
-    checkpoint])."""
-    try:
-        trainer = module.trainer if module is not None else None
-    except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
-        trainer = None
-    return load_readable(lambda p: load_shard_files(load_any(p, load_file), p), path, trainer, agree)
-
-
-def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:
-    """Write the sharded checkpoint ``src`` as one Lightning ``.ckpt`` file ``out`` that plain Lightning loads
-    (``torch.save`` streams each tensor from the mapped shards: no copy of the checkpoint in host RAM).
-
-    Raises:
-        ValueError: ``src`` is not a sharded checkpoint. FileExistsError: ``out`` exists and not ``overwrite``.
-    """
-    if not is_sharded(src):
-        raise ValueError(f"src={str(src)!r} is not a directory: pass a sharded checkpoint (a *.ckpt directory).")
-    if os.path.lexists(out) and not overwrite:
-        raise FileExistsError(f"out={str(out)!r} exists; pass overwrite=True (--overwrite) to replace it.")
-    checkpoint = load_sharded(src, lambda meta: torch.load(meta, map_location="cpu", weights_only=False))
-    AtomicCheckpointIO().save_checkpoint(checkpoint, out)
-    return Path(out)
+# - the strategy's checkpoint IO
 
 
 class ShardedCheckpointIO(AtomicCheckpointIO):
     """Saves local checkpoints as sharded directories and removes them atomically (see [Note: sharded checkpoints]);
-    the strategy loads either format (:func:`load_any`).
+    the strategy loads either format (sharded_load.py's ``load_any``).
 
     Args:
         layout: called with each checkpoint to save; returns each tensor's shard (:func:`layer_layout`).

@@ -15,15 +15,17 @@ from torch import nn
 
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, settle_states
-from lightning_megatrain.engine.host_store import FlatGroup, check_host_bytes_to_come
-from lightning_megatrain.engine.placement import (
+from lightning_megatrain.engine.host_budget import (
     check_split_possible,
     checkpoint_host_budget,
-    choose_checkpoints,
-    choose_gpu_optimizer_groups,
     host_bytes_to_come,
     host_bytes_to_come_split,
     host_free_checked,
+)
+from lightning_megatrain.engine.host_store import FlatGroup, check_host_bytes_to_come
+from lightning_megatrain.engine.placement import (
+    choose_checkpoints,
+    choose_gpu_optimizer_groups,
     module_hf_config,
     token_shape,
 )

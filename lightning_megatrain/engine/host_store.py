@@ -281,7 +281,7 @@ def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
 
 def check_host_bytes_to_come(to_come: int) -> None:
     """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' grads
-    not yet allocated and the optimizers' states (engine/placement.py ``host_bytes_to_come``).
+    not yet allocated and the optimizers' states (engine/host_budget.py ``host_bytes_to_come``).
 
     Raises:
         RuntimeError: as :func:`check_host_memory`.

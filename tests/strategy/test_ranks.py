@@ -140,19 +140,19 @@ def test_each_rank_holds_its_share_of_the_layer_masters(tmp_path, world):
 def test_ranks_resume_from_the_newest_checkpoint_that_loads_on_every_rank(tmp_path, monkeypatch):
     """ckpt_path="last" where rank 1 cannot load last.ckpt nor step 4's (as a rank whose view of a shared directory
     lags) and rank 0 can: both ranks resume from step 2's, the newest that loads on every rank, and train on alike."""
-    from lightning_megatrain import sharded_checkpoint
+    from lightning_megatrain import sharded_load
 
     ckpts = tmp_path / "ckpts"
     launch(2, tmp_path / "save", steps=4, grads=False, ckpt_dir=str(ckpts))
     assert {"last.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"} <= {p.name for p in ckpts.iterdir()}
-    load_any = sharded_checkpoint.load_any
+    load_any = sharded_load.load_any
 
     def lagging(path, load_file):
         if os.environ["LOCAL_RANK"] == "1" and Path(path).name != "epoch=0-step=2.ckpt":
             raise FileNotFoundError(f"{path}: not visible on rank 1 yet")
         return load_any(path, load_file)
 
-    monkeypatch.setattr(sharded_checkpoint, "load_any", lagging)  # the forked ranks inherit the patch
+    monkeypatch.setattr(sharded_load, "load_any", lagging)  # the forked ranks inherit the patch
     runs = launch(2, tmp_path / "resume", timeout=30, steps=5, grads=False, ckpt_dir=str(ckpts), ckpt_in="last")
     for rank, run in enumerate(runs):
         assert float(run.start_state["head.weight"]["step"]) == 2, f"rank {rank}"
@@ -162,18 +162,18 @@ def test_ranks_resume_from_the_newest_checkpoint_that_loads_on_every_rank(tmp_pa
 
 
 def test_a_checkpoint_named_by_path_that_one_rank_cannot_load_fails_on_every_rank(tmp_path, monkeypatch):
-    from lightning_megatrain import sharded_checkpoint
+    from lightning_megatrain import sharded_load
 
     ckpt = tmp_path / "two.ckpt"
     launch(2, tmp_path / "save", steps=2, grads=False, ckpt_out=str(ckpt))
-    load_any = sharded_checkpoint.load_any
+    load_any = sharded_load.load_any
 
     def unreadable_on_rank_1(path, load_file):
         if os.environ["LOCAL_RANK"] == "1":
             raise OSError("Input/output error")
         return load_any(path, load_file)
 
-    monkeypatch.setattr(sharded_checkpoint, "load_any", unreadable_on_rank_1)
+    monkeypatch.setattr(sharded_load, "load_any", unreadable_on_rank_1)
     runs = launch(2, tmp_path / "resume", timeout=30, raises=True, steps=3, grads=False, ckpt_in=str(ckpt))
     assert runs[1].error == "OSError: Input/output error"
     assert runs[0].error.startswith(f"RuntimeError: MegaTrainStrategy could not load the checkpoint {ckpt} on every "
