@@ -255,6 +255,18 @@ class ShardedState:
     def shard_of(self, group: FlatGroup) -> GroupShard:
         return self._by_group[id(group)]
 
+    def adopt(self, previous: ShardedState | None) -> None:
+        """Take the owned masters of ``previous`` (the last setup's shares of the same module: ``fit`` then
+        ``validate``/``test``/``fit`` on one Trainer) for every sharded group of the same parameters: the module's
+        layers are placeholders after the last teardown, so the masters packed from them at this setup are NaN."""
+        if previous is None or previous.ranks.world != self.ranks.world:
+            return
+        before = {tuple(id(p) for p in s.group.params): s for s in previous.shards if s.sharded}
+        for shard in self.shards:
+            old = before.get(tuple(id(p) for p in shard.group.params))
+            if shard.sharded and old is not None and old.size == shard.size:
+                shard.owned.master.copy_(old.owned.master)
+
     @property
     def owned_groups(self) -> list[FlatGroup]:
         """The owned shares, in the order of ``groups``: what the optimizer step clips and steps."""
