@@ -282,3 +282,13 @@ def test_validate_and_test_after_fit_use_the_trained_weights(tmp_path):
                     after=_validate_and_test)
     for run in runs:
         torch.testing.assert_close(torch.tensor(run.after), torch.tensor(reference.after), **TOL)
+
+
+def test_manual_optimization_clips_the_residents_too(tmp_path):
+    """Manual optimization calls ``clip_gradients`` before ``optimizer.step()``, where the residents' grads were
+    still local (reduced only when the step finalized them): the global norm missed them and they were not clipped.
+    The weights after two clipped steps equal one process's."""
+    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world, manual=True))
+    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH, manual=True))
+    for rank, run in enumerate(runs):
+        _assert_close(run.params, reference.params, f"rank {rank}, weights")
