@@ -292,3 +292,25 @@ def test_manual_optimization_clips_the_residents_too(tmp_path):
     reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH, manual=True))
     for rank, run in enumerate(runs):
         _assert_close(run.params, reference.params, f"rank {rank}, weights")
+
+
+def _predict(trainer, module) -> list[float]:
+    return [float(loss) for loss in trainer.predict(module)]
+
+
+def test_predict_on_two_ranks(tmp_path):
+    """Lightning splits predict data without padding: 8 samples give each rank 4 batches and predict as one process
+    does; 5 samples gave rank 0 a third batch whose layers waited for rank 1, gone (gloo: "Connection closed by
+    peer"; NCCL: a hang): refused on both ranks, before any layer runs, naming the counts."""
+    runs = launch(2, tmp_path / "even", steps=1, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world),
+                  after=_predict)
+    reference = fit(1, strategy="auto", steps=1, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH),
+                    after=_predict)
+    torch.testing.assert_close(torch.tensor(runs[0].after + runs[1].after).sort().values,
+                               torch.tensor(reference.after).sort().values, **TOL)
+    runs = launch(2, tmp_path / "uneven", timeout=30, raises=True, steps=1, grads=False,
+                  module=lambda world: EvalLM(GLOBAL_BATCH // world, n_predict=5), after=_predict)
+    for run in runs:
+        assert run.error.startswith("ValueError: MegaTrainStrategy with 2 ranks runs each layer on every rank "
+                                    "together"), run.error
+        assert "differ: [[3], [2]]" in run.error
