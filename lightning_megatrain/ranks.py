@@ -255,6 +255,24 @@ class RankStrategy(ParallelStrategy):
         )
 
     @override
+    def on_predict_start(self) -> None:
+        # Lightning splits predict data without padding (UnrepeatedDistributedSamplerWrapper): a rank with fewer
+        # batches would leave the others waiting in a layer's gather ([Note: sharded layer masters])
+        super().on_predict_start()
+        if not self.distributed or self.ranks is None:
+            return
+        counts: list[Any] = [None] * self.world_size
+        mine = list(self.lightning_module.trainer.num_predict_batches)  # per predict dataloader, after the limits
+        dist.all_gather_object(counts, mine, group=self.ranks.host_group)
+        if any(c != counts[0] for c in counts):
+            raise ValueError(
+                f"MegaTrainStrategy with {self.world_size} ranks runs each layer on every rank together (a layer is "
+                f"gathered from all ranks), but the predict batches per rank differ: {counts} (Lightning splits "
+                "predict data over the ranks without padding). HINT: use a number of predict samples divisible by "
+                "the number of ranks times the batch size, or predict with devices=1."
+            )
+
+    @override
     def teardown(self) -> None:
         if self.distributed and self.cluster_environment is not None:
             self.cluster_environment.teardown()

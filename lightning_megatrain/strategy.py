@@ -260,7 +260,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         self.engine = MegaTrainEngine(
             self.lightning_module, self.root_device, precision.compute_dtype, config, ranks=self.ranks
         )
-        self.engine.setup(fitting=fitting)
+        self.engine.setup(fitting=fitting, previous=self._sharding)  # after fit, validate/test go on from its shares
         self.model_to_device()
         precision.engine = self.engine
         self._skipped = self.engine.step.guard.skipped

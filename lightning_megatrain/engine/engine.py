@@ -112,8 +112,10 @@ class MegaTrainEngine(FirstBatchPlacement):
         """Every host flat group: the layers', then the residents' (if any)."""
         return self.groups + ([self.resident_group] if self.resident_group is not None else [])
 
-    def setup(self, fitting: bool) -> None:
+    def setup(self, fitting: bool, previous: ShardedState | None = None) -> None:
         """Discover the stack, move every parameter into host flats, allocate slots, install streamed forwards.
+        ``previous``: with several ranks, the last setup's shares of this module, whose owned masters the layers'
+        placeholders stand for (:meth:`ShardedState.adopt`).
 
         Raises:
             ValueError: no layer stack, shared layer weights, or parameters placed off the host by the user.
@@ -184,6 +186,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
             names = {id(p): name for name, p in module.named_parameters()}
             self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group])
+            self.sharding.adopt(previous)  # a layer packed from its placeholders is NaN ([Note: sharded layer masters])
             self.transfer = ShardedTransfer(self.transfer, self.sharding, self.groups)
             self._step = ShardedOptimizerStep(
                 self.sharding, resident_group, self.config, self.device, self.transfer, self.residents

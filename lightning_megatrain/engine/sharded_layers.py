@@ -16,7 +16,8 @@ layer (forward, the recompute in backward, a segment's replay, validation and pr
   **Not run yet on GPUs** (docs/multi-gpu.md).
 
 Every acquire is a collective, so every rank must run the same layers in the same order: training, validation and
-predict do (Lightning's distributed samplers give every rank as many batches); a layer called on one rank only
+test do (Lightning's ``DistributedSampler`` pads every rank to as many batches; predict's does not pad, so uneven
+predict batches are refused at predict start, ranks.py); a layer called on one rank only
 (inside ``rank_zero_only`` code) waits forever. Outside the layer's compute, each parameter of a sharded layer is a
 *placeholder*: a NaN of the parameter's shape and dtype with stride 0 (one element of storage), so reading it gives
 NaN and writing into it raises. ``module.state_dict()`` therefore shows NaN for the layers: checkpoints save each

@@ -255,6 +255,18 @@ class ShardedState:
     def shard_of(self, group: FlatGroup) -> GroupShard:
         return self._by_group[id(group)]
 
+    def adopt(self, previous: ShardedState | None) -> None:
+        """Take the owned masters of ``previous`` (the last setup's shares of the same module: ``fit`` then
+        ``validate``/``test``/``fit`` on one Trainer) for every sharded group of the same parameters: the module's
+        layers are placeholders after the last teardown, so the masters packed from them at this setup are NaN."""
+        if previous is None or previous.ranks.world != self.ranks.world:
+            return
+        before = {tuple(id(p) for p in s.group.params): s for s in previous.shards if s.sharded}
+        for shard in self.shards:
+            old = before.get(tuple(id(p) for p in shard.group.params))
+            if shard.sharded and old is not None and old.size == shard.size:
+                shard.owned.master.copy_(old.owned.master)
+
     @property
     def owned_groups(self) -> list[FlatGroup]:
         """The owned shares, in the order of ``groups``: what the optimizer step clips and steps."""
@@ -361,7 +373,17 @@ class ShardedOptimizerStep(OptimizerStep):
 
     def finalize_gradients(self, grads_read: bool = True) -> None:
         super().finalize_gradients(grads_read)
-        if self._resident is not None:
+        self._reduce_residents()
+
+    def _reduce_residents(self) -> None:
+        """Reduce the residents' local grads into the owned grads where some rank holds any: at the end of backward,
+        and before clipping, which manual optimization calls before ``optimizer.step()`` finalizes. Whether to is
+        one flag all-reduced (every rank takes the same branch); once reduced, no ``p.grad`` is left."""
+        if self._resident is None:
+            return
+        local = any(p.grad is not None for p in self._resident.group.params)
+        anywhere = self.state.ranks.all_reduce_(torch.tensor([float(local)]), op=dist.ReduceOp.MAX)
+        if anywhere[0]:
             self.state.reduce_local_grads(self._resident)
 
     def _host_norm_sq(self) -> Tensor:
@@ -369,6 +391,7 @@ class ShardedOptimizerStep(OptimizerStep):
         return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
 
     def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
+        self._reduce_residents()  # manual optimization clips before optimizer.step() finalizes the grads
         if not super().clip_grad_norm_(params, max_norm, defer):
             raise RuntimeError(
                 "MegaTrainStrategy with several ranks clips the global norm of the optimizer's whole shard only, but "

@@ -14,7 +14,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,7 @@ class Run:
     host_bytes: dict[str, int] = field(default_factory=dict)  # the engine's host memory by kind, at train end
     error: str = ""  # what fit raised (``launch(raises=True)``), as "Type: message"
     warnings: list[str] = field(default_factory=list)  # every warning's message
+    after: Any = None  # what ``fit(after=...)`` returned
 
 
 def full_grads(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
@@ -196,14 +197,18 @@ class RankRecorder(Callback):
 def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: int = 1, clip: float | None = None,
         grads: bool = True, ckpt_in: str | None = None, ckpt_out: str | None = None, accelerator: str = "cpu",
         model: str = "stack", ckpt_dir: str | None = None, callbacks: Sequence[Callback] = (),
+        module: Callable[[int], LightningModule] | None = None,
+        after: Callable[[Trainer, LightningModule], Any] | None = None,
         **strategy_args: Any) -> Run:
     """Train ``model`` (:func:`make_module`) on ``world`` ranks (this process is one of them, or the only one) with
     ``GLOBAL_BATCH`` samples per micro-batch over all ranks; resume from ``ckpt_in``, save ``ckpt_out`` at the end;
-    with ``ckpt_dir``, a ``ModelCheckpoint`` there saves every 2 steps (all kept) and ``last.ckpt``."""
+    with ``ckpt_dir``, a ``ModelCheckpoint`` there saves every 2 steps (all kept) and ``last.ckpt``; ``module(world)``
+    builds the module instead of ``model``'s; ``after(trainer, module)`` runs after ``fit`` (and the save), its result
+    in ``Run.after``."""
     from lightning_megatrain import MegaTrainStrategy
 
     seed_everything(0, verbose=False)
-    module = make_module(model, world)
+    module = make_module(model, world) if module is None else module(world)
     if strategy == "megatrain":
         strategy = MegaTrainStrategy(cpu_adam="torch", **strategy_args)
     recorder = RankRecorder(grads)
@@ -219,6 +224,8 @@ def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: 
     trainer.fit(module, ckpt_path=ckpt_in)
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
+    if after is not None:
+        recorder.run.after = after(trainer, module)
     return recorder.run
 
 

@@ -20,8 +20,9 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from torch.utils.data import DataLoader
 
-from helpers.ranks import GLOBAL_BATCH, fit, launch
+from helpers.ranks import GLOBAL_BATCH, SEQ, VOCAB, RankLM, fit, launch
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 RTOL = 1e-5
@@ -213,3 +214,103 @@ def test_one_rank_still_saves_after_an_exception(tmp_path):
     with pytest.raises(ValueError, match="a failure on rank 0 only"):
         fit(1, steps=4, grads=False, callbacks=[OnExceptionCheckpoint(str(tmp_path)), FailOnRank(0, 2)])
     assert torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["global_step"] == 2
+
+
+# - after fit, the placeholders; predict; manual optimization
+
+
+class EvalLM(RankLM):
+    """:class:`RankLM` with a validation and test loss over 8 fixed samples, a predict step (per-sample loss over
+    ``n_predict`` samples, one per batch) and, with ``manual``, manual optimization clipping its grads at 0.05."""
+
+    def __init__(self, micro_batch: int, n_predict: int = 8, manual: bool = False) -> None:
+        super().__init__(micro_batch)
+        self.n_predict = n_predict
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx)
+
+    def _eval_loader(self, n: int, batch_size: int) -> DataLoader:
+        data = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
+        return DataLoader(data, batch_size=batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(8, 2)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(8, 2)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.n_predict, 1)
+
+
+def _validate_and_test(trainer, module) -> tuple[float, float]:
+    val, = trainer.validate(module, verbose=False)
+    test, = trainer.test(module, verbose=False)
+    return val["val_loss"], test["test_loss"]
+
+
+def test_validate_and_test_after_fit_use_the_trained_weights(tmp_path):
+    """``trainer.fit(model)`` then ``trainer.validate(model)`` / ``trainer.test(model)`` on the same Trainer: the
+    layers are placeholders after fit's teardown, so the next setup packed NaN masters; it now takes the owned
+    masters fit left. The losses equal one process's."""
+    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world),
+                  after=_validate_and_test)
+    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH),
+                    after=_validate_and_test)
+    for run in runs:
+        torch.testing.assert_close(torch.tensor(run.after), torch.tensor(reference.after), **TOL)
+
+
+def test_manual_optimization_clips_the_residents_too(tmp_path):
+    """Manual optimization calls ``clip_gradients`` before ``optimizer.step()``, where the residents' grads were
+    still local (reduced only when the step finalized them): the global norm missed them and they were not clipped.
+    The weights after two clipped steps equal one process's."""
+    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world, manual=True))
+    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH, manual=True))
+    for rank, run in enumerate(runs):
+        _assert_close(run.params, reference.params, f"rank {rank}, weights")
+
+
+def _predict(trainer, module) -> list[float]:
+    return [float(loss) for loss in trainer.predict(module)]
+
+
+def test_predict_on_two_ranks(tmp_path):
+    """Lightning splits predict data without padding: 8 samples give each rank 4 batches and predict as one process
+    does; 5 samples gave rank 0 a third batch whose layers waited for rank 1, gone (gloo: "Connection closed by
+    peer"; NCCL: a hang): refused on both ranks, before any layer runs, naming the counts."""
+    runs = launch(2, tmp_path / "even", steps=1, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world),
+                  after=_predict)
+    reference = fit(1, strategy="auto", steps=1, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH),
+                    after=_predict)
+    torch.testing.assert_close(torch.tensor(runs[0].after + runs[1].after).sort().values,
+                               torch.tensor(reference.after).sort().values, **TOL)
+    runs = launch(2, tmp_path / "uneven", timeout=30, raises=True, steps=1, grads=False,
+                  module=lambda world: EvalLM(GLOBAL_BATCH // world, n_predict=5), after=_predict)
+    for run in runs:
+        assert run.error.startswith("ValueError: MegaTrainStrategy with 2 ranks runs each layer on every rank "
+                                    "together"), run.error
+        assert "differ: [[3], [2]]" in run.error
