@@ -93,6 +93,8 @@ def test_three_b_scaling_on_the_h200_hosts():
     assert round(two.ranks["reduce_scatter_drains_s"], 2) == 1.26  # serial: the engine waits for each drain
     assert round(two.ranks["residents_gloo_s"], 3) == 0.315
     assert round(two.time["CPU optimizer (serial)"], 3) == 0.446  # half the parameters on 16 of the 32 cores
+    alone = plan(LLAMA_3B, **BATCH, machine=Machine(host_ram_gib=256, gpu_mem_gib=139, cpu_cores=32))
+    assert round(alone.tokens_per_s) == 9536 and round(two.tokens_per_s / alone.tokens_per_s, 2) == 1.69
 
 
 def test_qwen25_14b_on_two_ranks_fits_a_256_gib_host_barely():
