@@ -11,6 +11,8 @@ does, and models host RAM and GPU memory in bytes and the time of one optimizer 
 - ``machine.py``: :class:`Machine`, the limits, cores and calibrated rates a plan is for;
 - ``long_context.py``: where the layer-input checkpoints go (``seq_tile``, ``segment_layers``,
   ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`);
+- ``ranks.py``: several ranks (``devices``, ``num_nodes``): host RAM per host, GPU memory per rank, the collectives'
+  time ([Note: planning several ranks]);
 - ``planning.py``: :func:`plan`, :class:`Plan`, :func:`place_checkpoints`, the searches and the warnings.
 
 The ``megatrain plan`` command line is ``lightning_megatrain.planner.command.plan_main``.
@@ -29,6 +31,8 @@ from lightning_megatrain.planner.constants import (
     HOST_OS_RESERVE_FRACTION,
     HOST_OS_RESERVE_MIN_GIB,
     HOST_REF_GIB,
+    INTER_HOST_GBPS,
+    NVLINK_GBPS,
     OPTIMIZERS,
     PCIE_D2H_GBPS,
     PCIE_DUPLEX_GBPS,
@@ -59,6 +63,8 @@ __all__ = [
     "HOST_OS_RESERVE_FRACTION",
     "HOST_OS_RESERVE_MIN_GIB",
     "HOST_REF_GIB",
+    "INTER_HOST_GBPS",
+    "NVLINK_GBPS",
     "OPTIMIZERS",
     "PCIE_D2H_GBPS",
     "PCIE_DUPLEX_GBPS",
