@@ -75,7 +75,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
-    """``config`` for ``world`` > 1 ranks: the options they do not support yet refused when given, off when "auto".
+    """``config`` for ``world`` > 1 ranks: the options they do not support yet refused when given, off when "auto";
+    ``keep_layers`` and ``segment_layers`` fixed (0 and 1) when "auto", the same on every rank.
 
     Raises:
         ValueError: ``overlap_optimizer=True``, ``gpu_optimizer_groups`` > 0, a compact ``host_state`` or
@@ -96,7 +97,14 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
                         "use host_state='fp32'")
     if problems:
         raise ValueError(f"MegaTrainStrategy with {world} ranks does not support:\n- " + "\n- ".join(problems))
-    return config.replace(overlap_optimizer=False, gpu_optimizer_groups=0)
+    # every rank must issue the same collectives: a kept layer skips its gather in backward and a segment replays
+    # its layers, so "auto", which each rank would decide from its own free memory and batch, is fixed instead
+    return config.replace(
+        overlap_optimizer=False,
+        gpu_optimizer_groups=0,
+        keep_layers=0 if config.keep_layers == "auto" else config.keep_layers,
+        segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
+    )
 
 
 class Ranks:

@@ -117,6 +117,10 @@ def test_options_several_ranks_refuse():
         sharded_config(EngineConfig(checkpoint_format="sharded"), 2)
     settled = sharded_config(EngineConfig(), 2)
     assert settled.overlap_optimizer is False and settled.gpu_optimizer_groups == 0
+    # decided alike on every rank: a per-rank "auto" would pair one rank's gather with another's reduce-scatter
+    assert (settled.keep_layers, settled.segment_layers) == (0, 1)
+    given = sharded_config(EngineConfig(keep_layers=3, segment_layers=2), 2)
+    assert (given.keep_layers, given.segment_layers) == (3, 2)
 
 
 def test_non_elementwise_optimizer_refused():
