@@ -32,7 +32,7 @@ from lightning_megatrain.planner.constants import (
     PRECISIONS,
     TORCH_ADAM_GPARAMS,
 )
-from lightning_megatrain.planner.long_context import SEQ_STEP, Placement, longest_placeable, place
+from lightning_megatrain.planner.long_context import SEQ_STEP, longest_placeable, planned_placement
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, checkpoints, gpu_bytes, host_bytes
 from lightning_megatrain.planner.pool import auto_split
@@ -303,8 +303,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
     # every other host item, which no sequence length changes (per rank: a host's ranks share it evenly)
     host_free = (host_usable - sum(v for k, v in host_of(micro_batch).items() if k != "activation offload")) // devices
-    placed = _placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit - sum(gpu_extra.values()),
-                        offload_activations)
+    placed = planned_placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit - sum(gpu_extra.values()),
+                               offload_activations)
     long_kw = {"segment": placed.segment_layers, "device_checkpoints": placed.device_checkpoints}
     gkw.update(tile=placed.seq_tile, **long_kw)
     hkw.update(long_kw)
@@ -369,52 +369,6 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
-
-
-def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: int, host_free: int,
-                      precision: str = "bf16-mixed", loss: str = "chunked", loss_chunk_size: int = 4096,
-                      attn_implementation: str | None = None, config: EngineConfig = EngineConfig(),
-                      gpu_reserve_gib: float = Machine().gpu_reserve_gib) -> tuple[Placement, int | None]:
-    """The long-context options for one micro-batch (planner/long_context.py's ``place``) on a GPU of ``gpu_limit``
-    bytes with ``host_free`` bytes of host memory free for the offloaded checkpoints, and, where nothing fits, the
-    longest sequence (a multiple of 1024) that fits these limits at this micro-batch (else None).
-
-    ``config``'s ``num_slots``, ``gpu_optimizer_groups`` (an int; ``"auto"`` plans none) and the three long-context
-    options are read. Reads nothing of this machine.
-
-    Raises:
-        ValueError: an unknown precision or loss; ``seq_len`` or ``micro_batch`` below 1.
-    """
-    if precision not in PRECISIONS or loss not in ("chunked", "naive"):
-        raise ValueError(f"precision in {list(PRECISIONS)}, loss in ['chunked', 'naive']; got {precision!r}, {loss!r}")
-    if seq_len < 1 or micro_batch < 1:
-        raise ValueError(f"seq_len, micro_batch must be >= 1; got {seq_len}, {micro_batch}")
-    s = describe(model, attn_implementation=attn_implementation)
-    groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
-    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups}
-    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
-    longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
-                                                         gpu_limit=gpu_limit)
-    return placed, longest
-
-
-def _placement(s: _Shape, micro_batch: int, seq_len: int, config: EngineConfig, gkw: dict, host_free: int,
-               gpu_limit: int, offload: bool) -> Placement:
-    """The long-context options planned: decided by :func:`~lightning_megatrain.planner.long_context.place`; where
-    nothing fits, ``"auto"`` as the engine was before them (one checkpoint per layer, none on the GPU) so the tables
-    show what that needs, explicit values as given. Without offload every checkpoint stays on the GPU."""
-    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free if offload else 1 << 62,
-                   gpu_limit=gpu_limit)
-    if not offload:
-        k = 1 if config.segment_layers == "auto" else config.segment_layers
-        return dataclasses.replace(placed, segment_layers=k, device_checkpoints=0, host_need=0,
-                                   why="no activation offload: every checkpoint stays on the GPU")
-    if placed.fits:
-        return placed
-    return dataclasses.replace(placed, segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
-                               device_checkpoints=0 if config.device_checkpoints == "auto"
-                               else config.device_checkpoints)
 
 
 def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
