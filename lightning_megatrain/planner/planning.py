@@ -1,5 +1,6 @@
 """The plan: :func:`plan` models one model and batch shape with memory.py and timing.py, searches the largest
-micro-batch that fits, and warns about what limits the run; :class:`Plan` holds and prints the result.
+micro-batch that fits, and warns about what limits the run (plan_warnings.py); :class:`Plan` holds and prints the
+result.
 
 MFU follows shared/BENCHMARKS.md: 6 * (non-embedding active params incl. the LM head matmul) * tokens / time / the
 dense bf16 peak ``PEAK_TFLOPS`` (constants.py).
@@ -16,7 +17,6 @@ from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
-from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
     COMPACT_ADAM_GPARAMS,
@@ -32,9 +32,17 @@ from lightning_megatrain.planner.constants import (
     PRECISIONS,
     TORCH_ADAM_GPARAMS,
 )
-from lightning_megatrain.planner.long_context import SEQ_STEP, longest_placeable, planned_placement
+from lightning_megatrain.planner.long_context import longest_placeable, planned_placement
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, checkpoints, gpu_bytes, host_bytes
+from lightning_megatrain.planner.memory import (
+    HOST_STATE_BYTES,
+    _gpu_peak,
+    checkpoints,
+    gpu_bytes,
+    host_bytes,
+    transfer_bytes,
+)
+from lightning_megatrain.planner.plan_warnings import plan_warnings
 from lightning_megatrain.planner.pool import auto_split
 from lightning_megatrain.planner.ranks import (
     rank_gpu_items,
@@ -287,7 +295,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
-           **_transfer_bytes(host_state)}
+           **transfer_bytes(host_state)}
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups, "host_state": host_state}
     gpu_extra: dict[str, int] = {}  # several ranks: the GPU items beyond one rank's (planner/ranks.py)
@@ -365,7 +373,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         setup = rank_setup_bytes(s, devices=devices, process_bytes=int(m.process_gib * GIB))
         p.ranks = rank_summary(s, devices=devices, num_nodes=num_nodes, host=host, setup=setup, time=t,
                                nvlink_gbps=m.nvlink_gbps, inter_host_gbps=m.inter_host_gbps, cores=cores)
-    p.warnings = _warnings(p, s, overlapped_step)
+    p.warnings = plan_warnings(p, s, overlapped_step)
     if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
         p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
@@ -386,70 +394,10 @@ def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: di
     return None
 
 
-def _transfer_bytes(host_state: str) -> dict[str, int]:
-    """Bytes per parameter that an upload reads from the host masters and a drain writes to the host grads: the
-    itemsize of the host_state layout's weights and grads (optim/compact_adam.py; a Kahan compensation stays on
-    the host)."""
-    layout = HOST_STATE_LAYOUTS[host_state]
-    return {"weight_bytes": layout.weight_dtype.itemsize, "grad_bytes": layout.grad_dtype.itemsize}
-
-
 def _step_total(t: dict[str, float]) -> float:
     """Seconds per step from step_time's items: the serial ones (H2D and D2H busy overlap compute; "  of which" are
     parts)."""
     return sum(v for k, v in t.items() if not k.startswith(("  ", "H2D", "D2H")))
-
-
-def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
-    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it)."""
-    out, t = [], p.time
-    if not p.transfers_hidden:
-        need = f"micro-batch >= {p.min_micro_batch_to_hide}" if p.min_micro_batch_to_hide else "no micro-batch"
-        upload = _transfer_bytes(p.host_state)["weight_bytes"] * p.max_layer_params / p.assumptions["pcie_h2d_gbps"]
-        out.append(f"too few tokens per micro-batch ({p.micro_batch * p.seq_len:,}) to hide PCIe: "
-                   f"{t['transfers exposed'] * 1e3:.0f} ms of transfers exposed per step (uploading the largest "
-                   f"layer takes {upload / 1e6:.1f} ms); {need} hides them at seq {p.seq_len}")
-    if p.host_total > p.host_usable:
-        top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host.items() if v >= 0.05 * p.host_total)
-        out.append(f"host RAM too small: needs {p.host_total / GIB:.1f} GiB ({top} GiB; "
-                   f"{p.host_bytes_per_param:.1f} B/param) but {p.host_usable / GIB:.1f} GiB of the "
-                   f"{p.host_limit / GIB:.1f} GiB limit are usable ({p.host_reserve / GIB:.1f} GiB left to the OS)")
-    if p.ranks is not None and p.ranks["setup_host_bytes"] > p.host_usable:
-        out.append(f"host RAM too small at setup: each of the {p.ranks['devices']} ranks of a host packs the whole "
-                   f"model in fp32 before cutting its share, {p.ranks['setup_host_bytes'] / GIB:.1f} GiB with their "
-                   f"processes, over the {p.host_usable / GIB:.1f} GiB usable: fewer ranks per host")
-    if p.gpu_total > p.gpu_limit:
-        fix = (f"largest micro-batch that fits: {p.max_micro_batch}" if p.max_micro_batch else
-               "not even micro-batch 1 fits: shorten the sequence, use loss='chunked' or a larger GPU")
-        out.append(f"GPU memory too small: micro-batch {p.micro_batch} x {p.seq_len} needs "
-                   f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
-    if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
-        step, cpu = t["step total"], t["CPU optimizer (serial)"]
-        how = ("overlap_optimizer is not supported with several ranks yet; raise" if overlapped_step is None else
-               f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
-               f"instead of {step:.2f}; or raise" if overlapped_step < step else
-               f"overlap_optimizer=True does not help here: {overlapped_step:.2f} s per step planned with it instead "
-               f"of {step:.2f}, its host step outlasting the next forward; raise")
-        cores = p.assumptions["cpu_cores"] if p.ranks is None else f"{p.ranks['cores_per_rank']} of the host's"
-        out.append(f"the CPU optimizer ({cpu:.2f} s on {cores} cores) is {cpu / step:.0%} of "
-                   f"the step: it does not overlap the GPU ({how} tokens per step to amortise it)")
-    if p.loss == "naive" and p.gpu["phase loss: head + loss"] > 0.25 * p.gpu_limit:
-        out.append(f"HF's loss materialises [B, T, V] logits ({p.gpu['phase loss: head + loss'] / GIB:.1f} GiB): "
-                   "use CausalLMModule's chunked loss")
-    lc = p.long_context
-    if lc is not None and not lc["fits"]:
-        longest = (f"the longest that fits at micro-batch {p.micro_batch} is {lc['longest_seq_len']:,} tokens"
-                   if lc["longest_seq_len"] else
-                   f"none of {SEQ_STEP:,} tokens or more fits at micro-batch {p.micro_batch}")
-        out.append(f"no placement of the layer-input checkpoints fits this machine at {p.seq_len:,} tokens (Long "
-                   f"context above; the tables show one per layer, offloaded): {longest}")
-    if s.attn == "eager":
-        out.append("eager attention keeps [heads, T, T] probabilities per layer: activations grow with seq_len^2")
-    if any(ly.linear for ly in s.layers):
-        out.append(f"{sum(ly.linear for ly in s.layers)} linear-attention (Gated DeltaNet) layers are modelled as "
-                   "transformers' PyTorch fallback of the chunked delta rule (used when flash-linear-attention is not "
-                   "installed): fla's kernels save fewer activations; the time assumes fused kernels throughout")
-    return out
 
 
 def _largest(ok, hi: int = 1 << 24) -> int:
