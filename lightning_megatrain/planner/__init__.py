@@ -13,7 +13,8 @@ does, and models host RAM and GPU memory in bytes and the time of one optimizer 
   ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`, :func:`place_checkpoints`);
 - ``ranks.py``: several ranks (``devices``, ``num_nodes``): host RAM per host, GPU memory per rank, the collectives'
   time ([Note: planning several ranks]);
-- ``planning.py``: :func:`plan`, :class:`Plan` and the searches;
+- ``planning.py``: :func:`plan` and :class:`Plan`;
+- ``search.py``: the largest micro-batch that fits, the fewest device groups that hide the host Adam;
 - ``plan_warnings.py``: a plan's warnings, each with its numbers and the fix.
 
 The ``megatrain plan`` command line is ``lightning_megatrain.planner.command.plan_main``.

@@ -1,6 +1,6 @@
 """The plan: :func:`plan` models one model and batch shape with memory.py and timing.py, searches the largest
-micro-batch that fits, and warns about what limits the run (plan_warnings.py); :class:`Plan` holds and prints the
-result.
+micro-batch that fits (search.py), and warns about what limits the run (plan_warnings.py); :class:`Plan` holds and
+prints the result.
 
 MFU follows shared/BENCHMARKS.md: 6 * (non-embedding active params incl. the LM head matmul) * tokens / time / the
 dense bf16 peak ``PEAK_TFLOPS`` (constants.py).
@@ -52,7 +52,8 @@ from lightning_megatrain.planner.ranks import (
     rank_timing,
 )
 from lightning_megatrain.planner.report import render, verdict
-from lightning_megatrain.planner.shape import _Shape, describe
+from lightning_megatrain.planner.search import groups_to_hide_optimizer, largest
+from lightning_megatrain.planner.shape import describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
 
@@ -321,12 +322,12 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     gpu = {**gpu, **gpu_extra} if gpu_extra else gpu
     host = host_of(micro_batch)
     t = step_time(s, micro_batch, seq_len, **tkw)
-    max_host = _largest(lambda b: sum(host_of(b).values()) <= host_usable)
-    max_mb = _largest(lambda b: _gpu_peak({**gpu_bytes(s, b, seq_len, **gkw)[0], **gpu_extra}) <= gpu_limit)
+    max_host = largest(lambda b: sum(host_of(b).values()) <= host_usable)
+    max_mb = largest(lambda b: _gpu_peak({**gpu_bytes(s, b, seq_len, **gkw)[0], **gpu_extra}) <= gpu_limit)
     exposed = lambda tb: tb["transfers exposed"] > 0.01 * tb["GPU compute"]
     min_hide = None
     if exposed(t):  # the smallest micro-batch whose transfers hide (None: none up to 2**16)
-        last = _largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
+        last = largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
         min_hide = last + 1 if last < 1 << 16 else None
     step = t["step total"] = _step_total(t)
     overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
@@ -375,39 +376,11 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                                nvlink_gbps=m.nvlink_gbps, inter_host_gbps=m.inter_host_gbps, cores=cores)
     p.warnings = plan_warnings(p, s, overlapped_step)
     if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
-        p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
+        p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
-
-
-def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
-                              gpu_limit: int) -> int | None:
-    """The fewest ``gpu_optimizer_groups`` with which the overlapped host Adam no longer outlasts the next forward
-    and the GPU still fits one micro-batch; None when none does."""
-    for groups in range(len(s.layers) + 2):
-        hidden = step_time(s, micro_batch, seq_len, **{**tkw, "gpu_groups": groups})[
-            "CPU optimizer (beyond the next forward)"] <= 0.0
-        fits = _gpu_peak(gpu_bytes(s, micro_batch, seq_len, **{**gkw, "gpu_groups": groups})[0]) <= gpu_limit
-        if not fits:
-            return None
-        if hidden:
-            return groups
-    return None
 
 
 def _step_total(t: dict[str, float]) -> float:
     """Seconds per step from step_time's items: the serial ones (H2D and D2H busy overlap compute; "  of which" are
     parts)."""
     return sum(v for k, v in t.items() if not k.startswith(("  ", "H2D", "D2H")))
-
-
-def _largest(ok, hi: int = 1 << 24) -> int:
-    """Largest b in [1, hi] with ok(b) for a monotone (True, then False) predicate; 0 if none. Doubling, then
-    bisection: O(log b) evaluations."""
-    lo, top = 0, 1
-    while top <= hi and ok(top):
-        lo, top = top, top * 2
-    top = min(top, hi + 1)
-    while top - lo > 1:
-        mid = (lo + top) // 2
-        lo, top = (mid, top) if ok(mid) else (lo, mid)
-    return lo
