@@ -258,3 +258,11 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
         "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
         "process": int(process_gib * GIB),
     }
+
+
+def transfer_bytes(host_state: str) -> dict[str, int]:
+    """Bytes per parameter that an upload reads from the host masters and a drain writes to the host grads: the
+    itemsize of the host_state layout's weights and grads (optim/compact_adam.py; a Kahan compensation stays on
+    the host)."""
+    layout = HOST_STATE_LAYOUTS[host_state]
+    return {"weight_bytes": layout.weight_dtype.itemsize, "grad_bytes": layout.grad_dtype.itemsize}

@@ -1,5 +1,6 @@
 """The plan: :func:`plan` models one model and batch shape with memory.py and timing.py, searches the largest
-micro-batch that fits, and warns about what limits the run; :class:`Plan` holds and prints the result.
+micro-batch that fits (search.py), and warns about what limits the run (plan_warnings.py); :class:`Plan` holds and
+prints the result.
 
 MFU follows shared/BENCHMARKS.md: 6 * (non-embedding active params incl. the LM head matmul) * tokens / time / the
 dense bf16 peak ``PEAK_TFLOPS`` (constants.py).
@@ -16,7 +17,6 @@ from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
-from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
     COMPACT_ADAM_GPARAMS,
@@ -32,9 +32,17 @@ from lightning_megatrain.planner.constants import (
     PRECISIONS,
     TORCH_ADAM_GPARAMS,
 )
-from lightning_megatrain.planner.long_context import SEQ_STEP, Placement, longest_placeable, place
+from lightning_megatrain.planner.long_context import longest_placeable, planned_placement
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, checkpoints, gpu_bytes, host_bytes
+from lightning_megatrain.planner.memory import (
+    HOST_STATE_BYTES,
+    _gpu_peak,
+    checkpoints,
+    gpu_bytes,
+    host_bytes,
+    transfer_bytes,
+)
+from lightning_megatrain.planner.plan_warnings import plan_warnings
 from lightning_megatrain.planner.pool import auto_split
 from lightning_megatrain.planner.ranks import (
     rank_gpu_items,
@@ -44,7 +52,8 @@ from lightning_megatrain.planner.ranks import (
     rank_timing,
 )
 from lightning_megatrain.planner.report import render, verdict
-from lightning_megatrain.planner.shape import _Shape, describe
+from lightning_megatrain.planner.search import groups_to_hide_optimizer, largest
+from lightning_megatrain.planner.shape import describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
 
@@ -287,7 +296,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
-           **_transfer_bytes(host_state)}
+           **transfer_bytes(host_state)}
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups, "host_state": host_state}
     gpu_extra: dict[str, int] = {}  # several ranks: the GPU items beyond one rank's (planner/ranks.py)
@@ -303,8 +312,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
     # every other host item, which no sequence length changes (per rank: a host's ranks share it evenly)
     host_free = (host_usable - sum(v for k, v in host_of(micro_batch).items() if k != "activation offload")) // devices
-    placed = _placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit - sum(gpu_extra.values()),
-                        offload_activations)
+    placed = planned_placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit - sum(gpu_extra.values()),
+                               offload_activations)
     long_kw = {"segment": placed.segment_layers, "device_checkpoints": placed.device_checkpoints}
     gkw.update(tile=placed.seq_tile, **long_kw)
     hkw.update(long_kw)
@@ -313,12 +322,12 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     gpu = {**gpu, **gpu_extra} if gpu_extra else gpu
     host = host_of(micro_batch)
     t = step_time(s, micro_batch, seq_len, **tkw)
-    max_host = _largest(lambda b: sum(host_of(b).values()) <= host_usable)
-    max_mb = _largest(lambda b: _gpu_peak({**gpu_bytes(s, b, seq_len, **gkw)[0], **gpu_extra}) <= gpu_limit)
+    max_host = largest(lambda b: sum(host_of(b).values()) <= host_usable)
+    max_mb = largest(lambda b: _gpu_peak({**gpu_bytes(s, b, seq_len, **gkw)[0], **gpu_extra}) <= gpu_limit)
     exposed = lambda tb: tb["transfers exposed"] > 0.01 * tb["GPU compute"]
     min_hide = None
     if exposed(t):  # the smallest micro-batch whose transfers hide (None: none up to 2**16)
-        last = _largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
+        last = largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
         min_hide = last + 1 if last < 1 << 16 else None
     step = t["step total"] = _step_total(t)
     overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
@@ -365,147 +374,13 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         setup = rank_setup_bytes(s, devices=devices, process_bytes=int(m.process_gib * GIB))
         p.ranks = rank_summary(s, devices=devices, num_nodes=num_nodes, host=host, setup=setup, time=t,
                                nvlink_gbps=m.nvlink_gbps, inter_host_gbps=m.inter_host_gbps, cores=cores)
-    p.warnings = _warnings(p, s, overlapped_step)
+    p.warnings = plan_warnings(p, s, overlapped_step)
     if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
-        p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
+        p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
     return p
-
-
-def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: int, host_free: int,
-                      precision: str = "bf16-mixed", loss: str = "chunked", loss_chunk_size: int = 4096,
-                      attn_implementation: str | None = None, config: EngineConfig = EngineConfig(),
-                      gpu_reserve_gib: float = Machine().gpu_reserve_gib) -> tuple[Placement, int | None]:
-    """The long-context options for one micro-batch (planner/long_context.py's ``place``) on a GPU of ``gpu_limit``
-    bytes with ``host_free`` bytes of host memory free for the offloaded checkpoints, and, where nothing fits, the
-    longest sequence (a multiple of 1024) that fits these limits at this micro-batch (else None).
-
-    ``config``'s ``num_slots``, ``gpu_optimizer_groups`` (an int; ``"auto"`` plans none) and the three long-context
-    options are read. Reads nothing of this machine.
-
-    Raises:
-        ValueError: an unknown precision or loss; ``seq_len`` or ``micro_batch`` below 1.
-    """
-    if precision not in PRECISIONS or loss not in ("chunked", "naive"):
-        raise ValueError(f"precision in {list(PRECISIONS)}, loss in ['chunked', 'naive']; got {precision!r}, {loss!r}")
-    if seq_len < 1 or micro_batch < 1:
-        raise ValueError(f"seq_len, micro_batch must be >= 1; got {seq_len}, {micro_batch}")
-    s = describe(model, attn_implementation=attn_implementation)
-    groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
-    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups}
-    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
-    longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
-                                                         gpu_limit=gpu_limit)
-    return placed, longest
-
-
-def _placement(s: _Shape, micro_batch: int, seq_len: int, config: EngineConfig, gkw: dict, host_free: int,
-               gpu_limit: int, offload: bool) -> Placement:
-    """The long-context options planned: decided by :func:`~lightning_megatrain.planner.long_context.place`; where
-    nothing fits, ``"auto"`` as the engine was before them (one checkpoint per layer, none on the GPU) so the tables
-    show what that needs, explicit values as given. Without offload every checkpoint stays on the GPU."""
-    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free if offload else 1 << 62,
-                   gpu_limit=gpu_limit)
-    if not offload:
-        k = 1 if config.segment_layers == "auto" else config.segment_layers
-        return dataclasses.replace(placed, segment_layers=k, device_checkpoints=0, host_need=0,
-                                   why="no activation offload: every checkpoint stays on the GPU")
-    if placed.fits:
-        return placed
-    return dataclasses.replace(placed, segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
-                               device_checkpoints=0 if config.device_checkpoints == "auto"
-                               else config.device_checkpoints)
-
-
-def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
-                              gpu_limit: int) -> int | None:
-    """The fewest ``gpu_optimizer_groups`` with which the overlapped host Adam no longer outlasts the next forward
-    and the GPU still fits one micro-batch; None when none does."""
-    for groups in range(len(s.layers) + 2):
-        hidden = step_time(s, micro_batch, seq_len, **{**tkw, "gpu_groups": groups})[
-            "CPU optimizer (beyond the next forward)"] <= 0.0
-        fits = _gpu_peak(gpu_bytes(s, micro_batch, seq_len, **{**gkw, "gpu_groups": groups})[0]) <= gpu_limit
-        if not fits:
-            return None
-        if hidden:
-            return groups
-    return None
-
-
-def _transfer_bytes(host_state: str) -> dict[str, int]:
-    """Bytes per parameter that an upload reads from the host masters and a drain writes to the host grads: the
-    itemsize of the host_state layout's weights and grads (optim/compact_adam.py; a Kahan compensation stays on
-    the host)."""
-    layout = HOST_STATE_LAYOUTS[host_state]
-    return {"weight_bytes": layout.weight_dtype.itemsize, "grad_bytes": layout.grad_dtype.itemsize}
 
 
 def _step_total(t: dict[str, float]) -> float:
     """Seconds per step from step_time's items: the serial ones (H2D and D2H busy overlap compute; "  of which" are
     parts)."""
     return sum(v for k, v in t.items() if not k.startswith(("  ", "H2D", "D2H")))
-
-
-def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
-    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it)."""
-    out, t = [], p.time
-    if not p.transfers_hidden:
-        need = f"micro-batch >= {p.min_micro_batch_to_hide}" if p.min_micro_batch_to_hide else "no micro-batch"
-        upload = _transfer_bytes(p.host_state)["weight_bytes"] * p.max_layer_params / p.assumptions["pcie_h2d_gbps"]
-        out.append(f"too few tokens per micro-batch ({p.micro_batch * p.seq_len:,}) to hide PCIe: "
-                   f"{t['transfers exposed'] * 1e3:.0f} ms of transfers exposed per step (uploading the largest "
-                   f"layer takes {upload / 1e6:.1f} ms); {need} hides them at seq {p.seq_len}")
-    if p.host_total > p.host_usable:
-        top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host.items() if v >= 0.05 * p.host_total)
-        out.append(f"host RAM too small: needs {p.host_total / GIB:.1f} GiB ({top} GiB; "
-                   f"{p.host_bytes_per_param:.1f} B/param) but {p.host_usable / GIB:.1f} GiB of the "
-                   f"{p.host_limit / GIB:.1f} GiB limit are usable ({p.host_reserve / GIB:.1f} GiB left to the OS)")
-    if p.ranks is not None and p.ranks["setup_host_bytes"] > p.host_usable:
-        out.append(f"host RAM too small at setup: each of the {p.ranks['devices']} ranks of a host packs the whole "
-                   f"model in fp32 before cutting its share, {p.ranks['setup_host_bytes'] / GIB:.1f} GiB with their "
-                   f"processes, over the {p.host_usable / GIB:.1f} GiB usable: fewer ranks per host")
-    if p.gpu_total > p.gpu_limit:
-        fix = (f"largest micro-batch that fits: {p.max_micro_batch}" if p.max_micro_batch else
-               "not even micro-batch 1 fits: shorten the sequence, use loss='chunked' or a larger GPU")
-        out.append(f"GPU memory too small: micro-batch {p.micro_batch} x {p.seq_len} needs "
-                   f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
-    if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
-        step, cpu = t["step total"], t["CPU optimizer (serial)"]
-        how = ("overlap_optimizer is not supported with several ranks yet; raise" if overlapped_step is None else
-               f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
-               f"instead of {step:.2f}; or raise" if overlapped_step < step else
-               f"overlap_optimizer=True does not help here: {overlapped_step:.2f} s per step planned with it instead "
-               f"of {step:.2f}, its host step outlasting the next forward; raise")
-        cores = p.assumptions["cpu_cores"] if p.ranks is None else f"{p.ranks['cores_per_rank']} of the host's"
-        out.append(f"the CPU optimizer ({cpu:.2f} s on {cores} cores) is {cpu / step:.0%} of "
-                   f"the step: it does not overlap the GPU ({how} tokens per step to amortise it)")
-    if p.loss == "naive" and p.gpu["phase loss: head + loss"] > 0.25 * p.gpu_limit:
-        out.append(f"HF's loss materialises [B, T, V] logits ({p.gpu['phase loss: head + loss'] / GIB:.1f} GiB): "
-                   "use CausalLMModule's chunked loss")
-    lc = p.long_context
-    if lc is not None and not lc["fits"]:
-        longest = (f"the longest that fits at micro-batch {p.micro_batch} is {lc['longest_seq_len']:,} tokens"
-                   if lc["longest_seq_len"] else
-                   f"none of {SEQ_STEP:,} tokens or more fits at micro-batch {p.micro_batch}")
-        out.append(f"no placement of the layer-input checkpoints fits this machine at {p.seq_len:,} tokens (Long "
-                   f"context above; the tables show one per layer, offloaded): {longest}")
-    if s.attn == "eager":
-        out.append("eager attention keeps [heads, T, T] probabilities per layer: activations grow with seq_len^2")
-    if any(ly.linear for ly in s.layers):
-        out.append(f"{sum(ly.linear for ly in s.layers)} linear-attention (Gated DeltaNet) layers are modelled as "
-                   "transformers' PyTorch fallback of the chunked delta rule (used when flash-linear-attention is not "
-                   "installed): fla's kernels save fewer activations; the time assumes fused kernels throughout")
-    return out
-
-
-def _largest(ok, hi: int = 1 << 24) -> int:
-    """Largest b in [1, hi] with ok(b) for a monotone (True, then False) predicate; 0 if none. Doubling, then
-    bisection: O(log b) evaluations."""
-    lo, top = 0, 1
-    while top <= hi and ok(top):
-        lo, top = top, top * 2
-    top = min(top, hi + 1)
-    while top - lo > 1:
-        mid = (lo + top) // 2
-        lo, top = (mid, top) if ok(mid) else (lo, mid)
-    return lo
