@@ -32,7 +32,7 @@ from lightning_megatrain.sharded_checkpoint import convert_to_file, load_sharded
 
 from helpers.host_ram import MEASURABLE, LoadAndMeasure, SaveAndMeasure, Wide, exact_rss
 from helpers.parity import ParityLM
-from helpers.trainers import cpu_trainer
+from helpers.trainers import StepLosses, cpu_trainer
 
 
 def _load(path):
@@ -119,21 +119,12 @@ CONFIG = dict(model_type="llama", vocab_size=1024, pad_token_id=0, bos_token_id=
               max_position_embeddings=64, tie_word_embeddings=False)
 
 
-class Losses(L.Callback):
-    megatrain_reads_state = False
-
-    def __init__(self) -> None:
-        self.by_step: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.by_step[trainer.global_step] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
-
 
 def _fit_sft(root, fmt, ckpt_path=None):
     L.seed_everything(0)
     module = CausalLMModule(config=CONFIG, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, betas=(0.9, 0.999))
     data = SFTDataModule(dataset="demo_messages", cutoff_len=48, micro_batch_size=34, seed=3)
-    losses = Losses()
+    losses = StepLosses()
     every_step = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
                                  every_n_train_steps=1, save_top_k=-1, save_last=True)
     trainer = cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch", checkpoint_format=fmt), max_steps=STEPS,
