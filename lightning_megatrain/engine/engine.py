@@ -292,6 +292,8 @@ class MegaTrainEngine(FirstBatchPlacement):
         # slots + resident compute copies and their grads (the masters' dtype) + a packed grad buffer for one layer
         slots = self.config.num_slots
         need = slots * per_slot + n_resident * 2 * master.itemsize + max_layer * self.compute_dtype.itemsize
+        if self.ranks is not None and self.ranks.world > 1:  # fp32 [N x share]: the layer gather's buffer
+            need += 2 * 4 * self.ranks.world * -(-max_layer // self.ranks.world)  # and the padded reduce-scatter
         # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
         itemsize = self.compute_dtype.itemsize
         device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
