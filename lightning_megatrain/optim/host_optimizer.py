@@ -204,10 +204,15 @@ def _new_state(p: Tensor, deepspeed: bool) -> dict[str, Any]:
 
 
 def allocate_states(
-    optimizer: Optimizer, params: Iterable[Tensor], new_state: Callable[[Tensor], dict[str, Any]] | None = None
+    optimizer: Optimizer,
+    params: Iterable[Tensor],
+    new_state: Callable[[Tensor], dict[str, Any]] | None = None,
+    check: Callable[[Tensor], None] | None = None,
 ) -> Callable[[], None]:
-    """Create the missing states of ``params`` (``new_state(p)``; default: Adam's, 8 bytes per parameter) and
-    return the undo, which removes them again; a failure undoes itself."""
+    """Create the missing states of ``params`` (``new_state(p)``; default: Adam's, 8 bytes per parameter), then
+    ``check(p)`` each parameter (raising for what its update cannot take), and return the undo, which removes the
+    created states again; a failure of either undoes itself."""
+    params = list(params)
     deepspeed = hasattr(optimizer, "ds_opt_adam")
     new_state = new_state or functools.partial(_new_state, deepspeed=deepspeed)
     created: list[tuple[Tensor, dict | None]] = []  # (parameter, its entry before: None or an empty dict)
@@ -225,6 +230,8 @@ def allocate_states(
             if not before:
                 created.append((p, before))
                 optimizer.state[p] = new_state(p)
+        for p in params if check is not None else ():
+            check(p)
     except BaseException:
         undo()
         raise
@@ -280,14 +287,7 @@ class HostUpdate:
             RuntimeError: a gradient or state that is not a dense tensor of its parameter's shape, dtype and device
                 (the kernel would fail on it).
         """
-        params = [p for group in groups for p in self._present(group)]
-        undo = allocate_states(self.optimizer, params)
-        try:
-            for p in params:
-                self._check(p)
-        except BaseException:
-            undo()
-            raise
+        allocate_states(self.optimizer, [p for group in groups for p in self._present(group)], check=self._check)
 
     def _check(self, p: Tensor) -> None:
         state = self.optimizer.state[p]
