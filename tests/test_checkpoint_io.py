@@ -3,13 +3,11 @@ checkpoint that loads ([Note: resuming from a readable checkpoint])."""
 
 from __future__ import annotations
 
+import functools
 import io
-import multiprocessing
 import os
-import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +24,7 @@ from lightning_megatrain import MegaTrainStrategy, checkpoint_io
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
 
 from helpers.host_ram import MEASURABLE, SaveAndMeasure, Wide
+from helpers.kills import kill_during_saves
 from helpers.parity import ParityLM
 from helpers.trainers import cpu_trainer
 
@@ -314,39 +313,13 @@ def test_sigkill_during_saves_leaves_every_checkpoint_loadable(tmp_path):
     root = tmp_path / "ckpts"
     root.mkdir()
     tmpdir = _other_filesystem(tmp_path)
-    fork = multiprocessing.get_context("fork")  # no new interpreter per kill: the child has everything imported
-    rng = random.Random(0)
-    killed_mid_save, child = 0, None
     try:
-        for kill in range(8):
-            child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, 10_000), daemon=True)
-            child.start()
-            saves, seen, deadline = rng.randint(1, 5), set(), time.monotonic() + 120
-            while len(seen) < saves:  # until the saves-th save of this child has begun
-                assert child.is_alive() and time.monotonic() < deadline, f"the child began {len(seen)} saves"
-                seen |= {p.name for p in root.glob(".*.tmp")}
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0.0, 0.1) if kill else 0.0)  # the first at once: surely inside a save
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
-            assert child.exitcode == -signal.SIGKILL
-            killed_mid_save += bool(list(root.glob(".*.tmp")))
-            ckpts = sorted(root.glob("*.ckpt"))
-            assert any(c.name == "last.ckpt" for c in ckpts) or len(ckpts) == 0
-            for ckpt in ckpts:
-                torch.load(ckpt, weights_only=False, mmap=True)  # raises for a truncated file
-        assert killed_mid_save >= 1  # at least one kill landed inside a save (most do)
-        start = torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"]
-        child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, start + 1))
-        child.start()
-        child.join()
-        assert child.exitcode == 0
+        start = kill_during_saves(root, functools.partial(_train_saving_every_step, root, tmpdir),
+                                  lambda path: torch.load(path, weights_only=False, mmap=True),
+                                  kills=8, max_saves=5, max_pause=0.1)
         assert not list(root.glob(".*.tmp")), "a temporary file survived the next save"
         assert torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"] == start + 1
         assert not list(tmpdir.iterdir())  # nothing went through $TMPDIR
     finally:
-        if child is not None and child.is_alive():  # a failed assertion above
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
         if tmpdir.parent != tmp_path:
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -4,13 +4,12 @@ that plain Lightning loads."""
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
-import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from lightning_megatrain.models import CausalLMModule
 from lightning_megatrain.sharded_checkpoint import convert_to_file, load_sharded, recover, save_sharded
 
 from helpers.host_ram import MEASURABLE, LoadAndMeasure, SaveAndMeasure, Wide, exact_rss
+from helpers.kills import kill_during_saves
 from helpers.parity import ParityLM
 from helpers.trainers import StepLosses, cpu_trainer
 
@@ -324,40 +324,16 @@ def test_sigkill_during_sharded_saves_leaves_every_checkpoint_loadable(tmp_path)
     and reads whole; a last child's save leaves no temporary or previous directory behind."""
     root = tmp_path / "ckpts"
     root.mkdir()
-    fork = multiprocessing.get_context("fork")
-    rng = random.Random(0)
-    killed_mid_save, child = 0, None
-    try:
-        for kill in range(5):
-            child = fork.Process(target=_train_saving_every_step, args=(root, 10_000), daemon=True)
-            child.start()
-            saves, seen, deadline = rng.randint(1, 4), set(), time.monotonic() + 120
-            while len(seen) < saves:  # until the saves-th save of this child has begun
-                assert child.is_alive() and time.monotonic() < deadline, f"the child began {len(seen)} saves"
-                seen |= {p.name for p in root.glob(".*.tmp")}
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0.0, 0.05) if kill else 0.0)
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
-            assert child.exitcode == -signal.SIGKILL
-            killed_mid_save += bool(list(root.glob(".*.tmp")))
-            ckpts = sorted(root.glob("*.ckpt"))
-            assert any(c.name == "last.ckpt" for c in ckpts) or len(ckpts) == 0
-            for ckpt in ckpts:
-                checkpoint = _load(ckpt)  # raises for a missing index or a truncated shard
-                assert all(bool(t.isfinite().all()) for t in checkpoint["state_dict"].values())  # read whole
-        assert killed_mid_save >= 1
-        start = _load(root / "last.ckpt")["global_step"]
-        child = fork.Process(target=_train_saving_every_step, args=(root, start + 1))
-        child.start()
-        child.join()
-        assert child.exitcode == 0
-        assert not [p.name for p in root.iterdir() if p.name.startswith(".")], "a temporary directory survived"
-        assert _load(root / "last.ckpt")["global_step"] == start + 1
-    finally:
-        if child is not None and child.is_alive():
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
+
+    def load_whole(path):
+        checkpoint = _load(path)  # raises for a missing index or a truncated shard
+        assert all(bool(t.isfinite().all()) for t in checkpoint["state_dict"].values())  # read whole
+        return checkpoint
+
+    start = kill_during_saves(root, functools.partial(_train_saving_every_step, root), load_whole,
+                              kills=5, max_saves=4, max_pause=0.05)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")], "a temporary directory survived"
+    assert _load(root / "last.ckpt")["global_step"] == start + 1
 
 
 # - conversion to one file, loaded by plain Lightning
