@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -29,6 +28,7 @@ from lightning_megatrain.data import SFTDataModule
 from lightning_megatrain.models import CausalLMModule
 from lightning_megatrain.sharded_checkpoint import convert_to_file, load_sharded, recover, save_sharded
 
+from helpers.forked import in_child
 from helpers.host_ram import MEASURABLE, LoadAndMeasure, SaveAndMeasure, Wide, exact_rss
 from helpers.kills import kill_during_saves
 from helpers.parity import ParityLM
@@ -169,7 +169,7 @@ def test_resume_from_last_skips_a_sharded_checkpoint_with_a_truncated_shard(tmp_
 # - host RAM
 
 
-def _save_and_resume(root, fmt, results, loader_io=None) -> None:
+def _save_and_resume(root, fmt, loader_io, results) -> None:
     """The child: save a 6.8M-parameter model's checkpoint in ``fmt``, resume from it (through ``loader_io`` when
     given), send the three numbers."""
     exact_rss()
@@ -193,15 +193,9 @@ def test_a_save_and_load_hold_no_second_copy_in_host_ram(tmp_path):
     ``TorchCheckpointIO`` reads the whole file, the masters held twice until the restore ends (78.1 MiB measured
     against 52.1). Each runs in a child process whose large allocations the RSS sees exactly."""
     extra = {}
-    fork = multiprocessing.get_context("fork")
     for fmt, loader_io in (("sharded", None), ("file", None), ("file", TorchCheckpointIO())):
-        receive, send = fork.Pipe(duplex=False)
         root = tmp_path / type(loader_io).__name__
-        child = fork.Process(target=_save_and_resume, args=(root, fmt, send, loader_io))
-        child.start()
-        extra[fmt if loader_io is None else "torch_io"] = receive.recv()
-        child.join()
-        assert child.exitcode == 0
+        extra[fmt if loader_io is None else "torch_io"] = in_child(_save_and_resume, root, fmt, loader_io)
     n_params = sum(p.numel() for p in Wide().parameters())
     size = sum(f.stat().st_size for f in (tmp_path / "NoneType" / "sharded" / "last.ckpt").iterdir())
     assert 12 * n_params <= size <= 12 * n_params + 2**20

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
@@ -10,6 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from helpers.forked import start_forked
 
 
 def kill_during_saves(root: Path, train: Callable[[int], None], load: Callable[[Path], dict[str, Any]], *,
@@ -19,13 +20,11 @@ def kill_during_saves(root: Path, train: Callable[[int], None], load: Callable[[
     after a random pause of up to ``max_pause`` s (none the first time: surely inside a save). After every kill each
     ``*.ckpt`` must ``load``; at least one kill must have landed inside a save. Then one more child trains a step
     past ``last.ckpt`` and exits cleanly. Returns ``last.ckpt``'s global step before that child."""
-    fork = multiprocessing.get_context("fork")  # no new interpreter per kill: the child has everything imported
     rng = random.Random(0)
     killed_mid_save, child = 0, None
     try:
         for kill in range(kills):
-            child = fork.Process(target=train, args=(10_000,), daemon=True)
-            child.start()
+            child = start_forked(train, 10_000, daemon=True)
             saves, seen, deadline = rng.randint(1, max_saves), set(), time.monotonic() + 120
             while len(seen) < saves:  # until the saves-th save of this child has begun
                 assert child.is_alive() and time.monotonic() < deadline, f"the child began {len(seen)} saves"
@@ -42,9 +41,8 @@ def kill_during_saves(root: Path, train: Callable[[int], None], load: Callable[[
                 load(ckpt)  # raises for a truncated or incomplete checkpoint
         assert killed_mid_save >= 1  # at least one kill landed inside a save (most do)
         start = load(root / "last.ckpt")["global_step"]
-        child = fork.Process(target=train, args=(start + 1,))
-        child.start()
-        child.join()
+        child = start_forked(train, start + 1)
+        child.join(timeout=300)
         assert child.exitcode == 0
         return start
     finally:

@@ -12,8 +12,6 @@ References:
 
 from __future__ import annotations
 
-import multiprocessing
-
 import lightning as L
 import pytest
 import torch
@@ -24,6 +22,7 @@ from lightning_megatrain.optim.compact_adam import n_blocks
 from lightning_megatrain.planner import HOST_STATE_BYTES
 
 from helpers.compact import LR, WD, WEIGHTS, bf16_loop, fit_engine, max_relative_error
+from helpers.forked import in_child
 from helpers.host_ram import MEASURABLE, LoadAndMeasure, SaveAndMeasure, Wide, exact_rss
 from helpers.parity import ParityLM, assert_records_close, run
 from helpers.trainers import cpu_trainer
@@ -175,13 +174,7 @@ def test_a_resume_adds_only_the_states_it_keeps_to_host_ram(tmp_path, host_state
     noise after the tests before it in the same process). Torch's ``load_state_dict`` cast the
     codes to the parameters' dtype first, all at once: 53 MiB more with ``int8_moments`` (fp32: 4 bytes per code),
     26 MiB with ``compact`` (bf16), for 13 MiB kept."""
-    fork = multiprocessing.get_context("fork")
-    receive, send = fork.Pipe(duplex=False)
-    child = fork.Process(target=_save_and_resume, args=(tmp_path, host_state, fmt, send))
-    child.start()
-    loaded, kept = receive.recv()
-    child.join()
-    assert child.exitcode == 0
+    loaded, kept = in_child(_save_and_resume, tmp_path, host_state, fmt)
     n_params = sum(p.numel() for p in Wide().parameters())
     assert kept >= 0.9 * 2 * n_params, (loaded, kept)  # the 8-bit moments (and scales) the optimizer keeps
     assert loaded < kept + 12 * 2**20, (loaded, kept)
