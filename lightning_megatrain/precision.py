@@ -15,7 +15,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.hooks import grads_read_by_hooks
+from lightning_megatrain.hooks import backward_update_blockers, grads_read_by_hooks
 
 MegaTrainPrecisionInput = Literal["bf16-mixed", "32-true"]
 
@@ -141,6 +141,8 @@ class MegaTrainPrecision(Precision):
         engine = self.engine
         try:
             if engine.step.takes_step(optimizer) and not kwargs:
+                # layers may start their host update during the closure's backward ([Note: updates during backward])
+                engine.step.arm_backward_updates(optimizer, backward_update_blockers(model))
                 # forward/backward/clipping now; the update runs on the device and/or the overlap worker, or now
                 with torch.enable_grad():
                     result = self._wrap_closure(model, optimizer, closure)
@@ -150,6 +152,9 @@ class MegaTrainPrecision(Precision):
                 result = super().optimizer_step(optimizer, model, closure, **kwargs)
         except _SkippedStep as skipped:
             result = skipped.closure_result
+        except BaseException:
+            engine.step.abort_backward_updates()  # a step that raised updates nothing
+            raise
         engine.masters_updated()
         return result
 

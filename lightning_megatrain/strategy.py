@@ -99,6 +99,14 @@ class MegaTrainStrategy(CheckpointStrategy):
             the last gradient copies land while the next step starts and the step's worker waits for them
             (engine/optimizer_step.py, [Note: late grads]). ``"auto"`` (default): on with a CUDA compute device, off
             on the CPU (engine/placement.py, [Note: auto placement]).
+        update_during_backward: start each decoder layer's host Adam/AdamW update during the optimizer step's
+            backward, once its grads are final, so the host step hides under backward too, speculating that clipping
+            does not fire and the step is not skipped; where either happens the layers are restored from snapshots
+            and the step redone, so results are bitwise the same (engine/backward_updates.py, [Note: updates during
+            backward]). Snapshots take 12 bytes of host memory per speculated parameter, within what the host has
+            free. Not with hooks that read grads or parameters between backward and the step (``on_after_backward``,
+            ``on_before_optimizer_step``), manual optimization or clipping by value. ``"auto"`` (default): on with the
+            overlapped step on a GPU, except in the step after one whose clipping fired; ``True``: every step.
         gpu_optimizer_groups: how many parameter groups, in the order the forward reads them (first the residents:
             embeddings, final norm, head; then decoder layers 0, 1, ...), also keep their fp32 master, fp32 grad and
             Adam moments on the GPU and take their optimizer step there (torch's fused AdamW kernel): no host Adam
@@ -186,6 +194,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
         overlap_optimizer: bool | Auto = "auto",
+        update_during_backward: bool | Auto = "auto",
         gpu_optimizer_groups: int | Auto = "auto",
         compile_layers: bool | Auto = "auto",
         seq_tile: int | Auto | None = "auto",
@@ -205,6 +214,7 @@ class MegaTrainStrategy(CheckpointStrategy):
             num_slots=num_slots,
             keep_layers=keep_layers,
             overlap_optimizer=overlap_optimizer,
+            update_during_backward=update_during_backward,
             gpu_optimizer_groups=gpu_optimizer_groups,
             compile_layers=compile_layers,
             seq_tile=seq_tile,

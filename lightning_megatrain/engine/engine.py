@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.backward_updates import BackwardUpdates
 from lightning_megatrain.engine.compiled import check_compilable
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import (
@@ -87,6 +88,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         self.transfer: Transfer | None = None  # engine/transfer.py: HostTransfer or CudaTransfer
         self.registry: HostRegistry | None = None  # page-locked host buffers (CUDA only)
         self._overlap: OverlappedStep | None = None  # the host step's worker, when overlap_optimizer
+        self.backward_updates: BackwardUpdates | None = None  # when update_during_backward (and overlap_optimizer)
         self._policy: RecomputePolicy | None = None  # keep or recompute, per layer (engine/recompute.py)
         # gpu_optimizer_groups="auto" and fitting: place_for_batch decides before the first training micro-batch
         self.placement_pending = False
@@ -192,8 +194,11 @@ class MegaTrainEngine(FirstBatchPlacement):
                 self.sharding, resident_group, self.config, self.device, self.transfer, self.residents
             )
         else:
+            speculate = overlap is not None and self.config.update_during_backward is not False
+            self.backward_updates = BackwardUpdates(self.groups, self.transfer) if speculate else None
             self._step = OptimizerStep(
-                self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents
+                self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents,
+                self.backward_updates,
             )
         disable_kv_cache(module)
         layer_bytes = max_layer * self.compute_dtype.itemsize
@@ -201,6 +206,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         self.streamed = StreamedLayers(
             stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers
         )
+        self.streamed.backward_updates = self.backward_updates
         # what transformers records inside the layers (router logits) leaves their nodes ([Note: recorded outputs])
         self.streamed.recorded = find_recorded(module, path, stack)
         self.streamed.install(self.device.type)
@@ -372,6 +378,8 @@ class MegaTrainEngine(FirstBatchPlacement):
             sizes.update(self.transfer.host_bytes())
         if self.sharding is not None:
             sizes.update(self.sharding.host_bytes())
+        if self.backward_updates is not None:
+            sizes["backward_snapshots"] = self.backward_updates.host_bytes()
         return sizes
 
     def teardown(self) -> None:
@@ -385,9 +393,12 @@ class MegaTrainEngine(FirstBatchPlacement):
                 self.streamed.uninstall()
             if self.tiles is not None:
                 self.tiles.uninstall()
+            if self.backward_updates is not None:
+                self.backward_updates.shutdown()
             if self.transfer is not None:
                 self.transfer.close()
             if self.registry is not None:
                 torch.cuda.synchronize(self.device)  # no copy may still touch a region being unregistered
                 self.registry.release()
             self.transfer = self.residents = self.streamed = self.tiles = self.registry = self._step = None
+            self.backward_updates = None

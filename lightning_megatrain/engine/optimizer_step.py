@@ -11,9 +11,11 @@ One optimizer step, as :class:`OptimizerStep` runs it (the precision plugin call
   device and scales the flat host grads, or leaves the factor to the update.
 - **the finite check**: :meth:`~OptimizerStep.check_finite` decides whether the step updates at all ([Note:
   all-or-nothing steps]).
-- **update**: :meth:`~OptimizerStep.run` prepares the host update, steps the device groups on the compute stream
-  (engine/device_state.py, [Note: device groups]), then the host groups on the overlap worker (engine/overlap.py,
-  [Note: overlapped optimizer step]) or at once.
+- **during backward**: :meth:`~OptimizerStep.arm_backward_updates` lets the layers whose grads are final start
+  their host update speculatively (engine/backward_updates.py, [Note: updates during backward]).
+- **update**: :meth:`~OptimizerStep.run` keeps or undoes the speculated layers, prepares the host update, steps the
+  device groups on the compute stream (engine/device_state.py, [Note: device groups]), then the host groups on the
+  overlap worker (engine/overlap.py, [Note: overlapped optimizer step]) or at once.
 - **after**: the next ``zero_grad`` and backward wait for the host step (:meth:`~OptimizerStep.wait_for_host_step`);
   readers of host parameters wait for the whole step (:meth:`~OptimizerStep.wait_for_optimizer`).
 
@@ -61,10 +63,17 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
 from lightning_megatrain.engine.optimizer_setup import OptimizerSetup
 from lightning_megatrain.engine.step_guard import StepGuard
-from lightning_megatrain.optim.host_optimizer import Hyper, allocate_states, device_update, hyper_snapshot
+from lightning_megatrain.optim.host_optimizer import (
+    Hyper,
+    allocate_states,
+    device_update,
+    hyper_snapshot,
+    overlappable,
+)
 from lightning_megatrain.optim.updates import Update, host_update
 
 if TYPE_CHECKING:
+    from lightning_megatrain.engine.backward_updates import BackwardUpdates, Snapshot
     from lightning_megatrain.engine.device_state import DeviceGroup
     from lightning_megatrain.engine.host_store import FlatGroup
     from lightning_megatrain.engine.overlap import OverlappedStep
@@ -87,6 +96,7 @@ class OptimizerStep(OptimizerSetup):
         overlap: the worker thread of the host step, when ``overlap_optimizer``.
         transfer: the layers' slots (engine/transfer.py) and gradient drain (engine/drain.py).
         residents: the residents' compute copies and drain (CUDA only).
+        backward_updates: the speculative host updates during backward, when ``update_during_backward``.
     """
 
     def __init__(
@@ -97,6 +107,7 @@ class OptimizerStep(OptimizerSetup):
         overlap: OverlappedStep | None,
         transfer: Transfer,
         residents: Residents | None,
+        backward_updates: BackwardUpdates | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -105,12 +116,15 @@ class OptimizerStep(OptimizerSetup):
         self.overlap = overlap
         self.transfer = transfer
         self.residents = residents
+        self.backward_updates = backward_updates
         self._device_param_ids: frozenset[int] = frozenset()  # the host step skips them
         self._deferred_grad_scale: Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
         self._norm_sq: Tensor | None = None  # the step's squared global grad norm once measured (device: late grads)
         self._found_inf: Tensor | None = None  # device 0-dim fp32, 1.0 = skip: the device step's flag (late grads)
         self._stats_host: Tensor | None = None  # pinned [3] fp32: clip factor, squared grad norm, loss (late grads)
+        self._clip_fired = False  # this step's clipping scales the grads (known on the host: not late grads)
+        self._told_blocked = False  # update_during_backward=True was blocked, and the log said why
         self._index = 0  # trainer.global_step of the step being taken, for logs and errors
         self.guard = StepGuard(config.nonfinite)  # skip/raise, failure reports ([Note: all-or-nothing steps])
         # - CUDA event for stream synchronization
@@ -122,6 +136,38 @@ class OptimizerStep(OptimizerSetup):
         self.device_groups = device_groups
         self._device_param_ids = frozenset(id(p) for d in device_groups for p in d.group.params)
 
+    # - during backward: speculative host updates ([Note: updates during backward])
+
+    def arm_backward_updates(self, optimizer: torch.optim.Optimizer, blockers: list[str]) -> None:
+        """Let the layers whose grads become final during the closure about to run start ``optimizer``'s host
+        update, unless ``blockers`` (hooks.py ``backward_update_blockers``) or the step cannot take them: an
+        optimizer other than the host Adam/AdamW, or (``"auto"``) a last step whose clipping fired."""
+        updates = self.backward_updates
+        if updates is None or blockers or not overlappable(optimizer):
+            if updates is not None and self.config.update_during_backward is True and not self._told_blocked:
+                self._told_blocked = True
+                log.info("MegaTrain: no host updates during backward: %s",
+                         "; ".join(blockers) or f"{type(optimizer).__name__} is not the host Adam/AdamW")
+            return
+        if self.config.update_during_backward == "auto" and updates.clipped_last:
+            return
+        updates.arm(optimizer, self._device_param_ids)
+
+    def _close_backward_updates(self, keep: bool) -> list[Snapshot]:
+        """End the speculation; keep its updates (returned) or undo them. Any thread."""
+        updates = self.backward_updates
+        if updates is None:
+            return []
+        done = updates.close()
+        if keep:
+            return done
+        updates.restore(done)
+        return []
+
+    def abort_backward_updates(self) -> None:
+        """Undo the speculation of a step that raised before its update."""
+        self._close_backward_updates(keep=False)
+
     # - end of backward: the host grads
 
     def finalize_gradients(self, grads_read: bool = True) -> None:
@@ -132,6 +178,7 @@ class OptimizerStep(OptimizerSetup):
             grads_read: code may read ``p.grad`` before the optimizer step (hooks, or a step that is not overlapped).
         """
         self._deferred_grad_scale = self._stats_copied = self._norm_sq = self._found_inf = None
+        self._clip_fired = False
         self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
         host_added = self.transfer.take_host_added()
         self._late_grads = self.overlap is not None and not grads_read and not host_added
@@ -164,6 +211,7 @@ class OptimizerStep(OptimizerSetup):
             self._late_grads = False  # torch's clipping may read p.grad below: land them now
             self._land_grads()
         if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
+            self._close_backward_updates(keep=False)  # torch's clipping scales the grads they used
             return False
         if self._late_grads:  # the factor stays on the device; check_finite sends it to the host step
             self._norm_sq = device_norm_sq(groups, self.device)
@@ -171,7 +219,9 @@ class OptimizerStep(OptimizerSetup):
             return True
         self._norm_sq = self._host_norm_sq()
         coef = clip_coef(self._norm_sq, max_norm)
-        if coef.item() != 1.0:  # host tensors: no device sync
+        self._clip_fired = coef.item() != 1.0  # host tensors: no device sync
+        if self._clip_fired:
+            self._close_backward_updates(keep=False)  # they assumed no clipping; undone before the grads change
             # bf16 grads are never scaled in place (a second rounding): the update takes the factor ([Note: compact
             # state in the engine])
             if defer or any(g.grad_dtype != torch.float32 for g in groups):
@@ -202,6 +252,7 @@ class OptimizerStep(OptimizerSetup):
         host_loss = None if loss is None else loss.cpu()  # the compute stream is idle here: drains were waited for
         if bool(torch.isfinite(torch.stack([norm_sq] + ([host_loss] if host_loss is not None else []))).all()):
             return True
+        self._close_backward_updates(keep=False)
         self.guard.nonfinite(index, float(norm_sq), None if host_loss is None else float(host_loss))
         if self.residents is not None:  # the device step that would have consumed a resident device group's grads
             self.residents.clear_grads()
@@ -254,7 +305,11 @@ class OptimizerStep(OptimizerSetup):
             hyper = hyper_snapshot(optimizer)
             self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index))
         else:
-            update = host_update(optimizer, scale, self._device_param_ids, None, self.device)
+            kept = self._close_backward_updates(keep=not self._clip_fired)
+            if self.backward_updates is not None:
+                self.backward_updates.clipped_last = self._clip_fired
+            skip = self._device_param_ids | _params_of(kept)
+            update = host_update(optimizer, scale, skip, None, self.device)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self.guard.guarded(index, update, lambda: update.prepare([params]))
             if self.device_groups:
@@ -307,11 +362,15 @@ class OptimizerStep(OptimizerSetup):
         if stats_copied is not None:
             stats_copied.synchronize()
         coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
-        if not (math.isfinite(norm_sq) and math.isfinite(loss)):
+        finite = math.isfinite(norm_sq) and math.isfinite(loss)
+        kept = self._close_backward_updates(keep=finite and coef == 1.0)
+        if self.backward_updates is not None:
+            self.backward_updates.clipped_last = coef != 1.0
+        if not finite:
             self.guard.nonfinite(index, norm_sq, loss)
             return None
         scale = None if coef == 1.0 else torch.tensor(coef, dtype=torch.float32)
-        update = host_update(optimizer, scale, self._device_param_ids, hyper, self.device)
+        update = host_update(optimizer, scale, self._device_param_ids | _params_of(kept), hyper, self.device)
         self.guard.guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
         return self._committing(update, index)
 
@@ -327,3 +386,8 @@ class OptimizerStep(OptimizerSetup):
         self.wait_for_host_step()
         for device_group in self.device_groups:
             device_group.wait_written_back(self.transfer.d2h_stream)  # device groups exist on CUDA only
+
+
+def _params_of(snapshots: list[Snapshot]) -> frozenset[int]:
+    """Ids of the parameters the kept speculative updates stepped (the host step skips them)."""
+    return frozenset(id(p) for snap in snapshots for p in snap.params)

@@ -88,15 +88,30 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
             else "Triton is not usable here" if on_cuda else "CPU compute device"
         )
         log.info("MegaTrain: compile_layers=%s (auto: %s)", triton, reason)
-    if config.overlap_optimizer == "auto":
-        changes["overlap_optimizer"] = on_cuda
+    overlap = config.overlap_optimizer
+    if overlap == "auto":
+        overlap = changes["overlap_optimizer"] = on_cuda or config.update_during_backward is True
         reason = (
             "the host Adam step runs beside the next forward instead of idling the GPU; hooks that read parameters "
             "wait for it"
             if on_cuda
+            else "update_during_backward=True keeps or redoes its updates in the overlapped step"
+            if overlap
             else "CPU compute device: the step and the forward would share its cores"
         )
-        log.info("MegaTrain: overlap_optimizer=%s (auto: %s)", on_cuda, reason)
+        log.info("MegaTrain: overlap_optimizer=%s (auto: %s)", overlap, reason)
+    if config.update_during_backward == "auto":
+        during = bool(overlap) and on_cuda and config.host_state == "fp32"
+        if not during:  # else it stays "auto": the engine skips the step after one whose clipping fired
+            changes["update_during_backward"] = False
+        reason = (
+            "each layer's host Adam starts once its grads are final, speculating that clipping does not fire"
+            if during
+            else "no overlapped step" if not overlap
+            else "CPU compute device" if not on_cuda
+            else f"host_state={config.host_state!r} steps CompactAdamW"
+        )
+        log.info("MegaTrain: update_during_backward=%s (auto: %s)", during, reason)
     if config.gpu_optimizer_groups == "auto" and not on_cuda:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")

@@ -86,6 +86,9 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     if config.overlap_optimizer is True:
         problems.append("overlap_optimizer=True: the updated masters are all-gathered once the whole step is "
                         "done, before the next forward reads them, so nothing overlaps yet; use 'auto' or False")
+    if config.update_during_backward is True:
+        problems.append("update_during_backward=True: each rank steps its shard after the reduce-scatter at the end "
+                        "of backward; use 'auto' or False")
     groups = config.gpu_optimizer_groups
     if groups != "auto" and groups > 0:
         problems.append(f"gpu_optimizer_groups={groups}: device groups are not sharded yet; use 'auto' or 0")
@@ -101,6 +104,7 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     # its layers, so "auto", which each rank would decide from its own free memory and batch, is fixed instead
     return config.replace(
         overlap_optimizer=False,
+        update_during_backward=False,
         gpu_optimizer_groups=0,
         keep_layers=0 if config.keep_layers == "auto" else config.keep_layers,
         segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,

@@ -54,6 +54,9 @@ class Transfer(Protocol):
     # whether a device group's summed grad is copied to its host grads; set before each backward
     # (engine.set_grads_read); only device groups read it
     device_grads_to_host: bool
+    # told each layer index whose drain, issued while it was set, has landed in the host grads; any thread
+    # (engine/backward_updates.py)
+    landed_hook: Callable[[int], None] | None
 
     # - weights (see [Note: slot lifecycle])
     def prefetch(self, index: int) -> None:
@@ -114,6 +117,7 @@ class HostTransfer:
         self.compute_dtype = compute_dtype
         self.gate = gate or _no_gate
         self.device_grads_to_host = True  # no device groups on the host backend: nothing reads it
+        self.landed_hook: Callable[[int], None] | None = None  # told each drained layer (engine/backward_updates.py)
 
     def prefetch(self, index: int) -> None:
         """Nothing to prefetch: the host masters are already where compute runs."""
@@ -149,6 +153,8 @@ class HostTransfer:
 
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
         self.groups[index].accumulate(grads)
+        if self.landed_hook is not None:
+            self.landed_hook(index)
 
     def take_host_added(self) -> bool:
         """Every drain is a host add on the host backend."""
@@ -321,6 +327,15 @@ class CudaTransfer:
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
         """Send layer ``index``'s weight grads to the host fp32 grads (see engine/drain.py, [Note: gradient drain])."""
         self.grad_drain.drain(index, grads)
+
+    @property
+    def landed_hook(self) -> Callable[[int], None] | None:
+        """Told each layer whose drain, issued while the hook was set, has landed (engine/backward_updates.py)."""
+        return self.grad_drain.landed_hook
+
+    @landed_hook.setter
+    def landed_hook(self, hook: Callable[[int], None] | None) -> None:
+        self.grad_drain.landed_hook = hook
 
     def take_host_added(self) -> bool:
         """Whether a drain since the last call left host grads to a host add (engine/optimizer_step.py, [Note: late

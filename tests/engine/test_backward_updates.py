@@ -1,0 +1,150 @@
+"""Host updates during backward ([Note: updates during backward] in engine/backward_updates.py): the speculated layers'
+updates are kept when the step neither clips nor is skipped and undone from snapshots when it does, so every run ends
+bit for bit where the same run without them ends."""
+
+from __future__ import annotations
+
+import logging
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine import backward_updates
+from lightning_megatrain.engine.optimizer_step import OptimizerStep
+from lightning_megatrain.optim.host_optimizer import to_host_optimizer
+
+from helpers.faults import Faulty, Snapshots, assert_bitwise_equal, fit
+
+
+class Speculation(L.Callback):
+    """How many layer updates the run speculated and how many it undid (read before the engine's teardown)."""
+
+    megatrain_reads_state = False
+
+    def on_train_end(self, trainer, pl_module):
+        updates = trainer.strategy.engine.backward_updates
+        self.speculated, self.undone = (None, None) if updates is None else (updates.speculated, updates.undone)
+
+
+def _late_grads(monkeypatch) -> None:
+    """The CPU backend's grads land late ([Note: late grads]), as a CUDA drain's do: the overlapped step's worker
+    then decides whether the speculation stands."""
+    from lightning_megatrain.engine.transfer import HostTransfer
+
+    monkeypatch.setattr(HostTransfer, "take_host_added", lambda self: False)
+
+
+def _both(module_args: dict, steps: int, monkeypatch, **options) -> tuple[Snapshots, Snapshots, Speculation]:
+    """The same run with and without updates during backward: (with, without, what the first speculated)."""
+    got, ref, speculation = Snapshots(), Snapshots(), Speculation()
+    fit(Faulty(**module_args), steps, callbacks=[got, speculation], update_during_backward=True,
+        overlap_optimizer=True, **options)
+    fit(Faulty(**module_args), steps, callbacks=[ref], update_during_backward=False, overlap_optimizer=True, **options)
+    return got, ref, speculation
+
+
+N_LAYERS = 3  # llama_tied's decoder layers (helpers/families.py)
+
+
+@pytest.mark.parametrize(("late", "clip", "accumulate"), [
+    (False, None, 1), (True, None, 2),  # no clipping: every speculation stands
+    (True, 1e3, 1), (False, 1e3, 2),  # clipping that never fires: they stand
+    (False, 1e-3, 2), (True, 1e-3, 1),  # clipping that always fires: every one is undone and redone
+])
+def test_results_equal_the_step_without_them_bitwise(late, clip, accumulate, monkeypatch):
+    if late:
+        _late_grads(monkeypatch)
+    steps = 4
+    got, ref, speculation = _both({}, steps, monkeypatch, clip=clip, accumulate=accumulate, cpu_adam="torch")
+    for batch in ref.after_batch:
+        assert_bitwise_equal(got.after_batch[batch], ref.after_batch[batch])
+    assert_bitwise_equal(got.final, ref.final)
+    # the first step creates the Adam states and does not speculate; every later step speculates every layer
+    assert speculation.speculated == (steps - 1) * N_LAYERS
+    assert speculation.undone == (speculation.speculated if clip == 1e-3 else 0)
+
+
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("fault", [{"nan_grad": {2}}, {"nan_loss": {2}}])
+def test_a_skipped_step_undoes_them(late, fault, monkeypatch):
+    """NaN gradients (or a NaN loss) at step 2: the layers updated during its backward are restored, the step is
+    skipped whole, and the run ends where the same run without them ends."""
+    if late:
+        _late_grads(monkeypatch)
+    got, ref, speculation = _both(fault, 4, monkeypatch, cpu_adam="torch")
+    assert_bitwise_equal(got.after_batch[2], got.after_batch[1])  # skipped: as after step 1
+    assert_bitwise_equal(got.final, ref.final)
+    assert speculation.undone == N_LAYERS  # step 2's, whose grads are all NaN
+    assert speculation.speculated == 3 * N_LAYERS
+
+
+def test_deepspeed_adam(monkeypatch):
+    """DeepSpeedCPUAdam counts steps in a Python int: the snapshot restores it too (clipping fires every step)."""
+    try:
+        to_host_optimizer(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), "deepspeed")
+    except RuntimeError as e:
+        pytest.skip(f"DeepSpeedCPUAdam does not build here: {e}")
+    got, ref, speculation = _both({}, 3, monkeypatch, clip=1e-3, cpu_adam="deepspeed")
+    assert_bitwise_equal(got.final, ref.final)
+    assert speculation.undone == speculation.speculated == 2 * N_LAYERS
+
+
+def test_the_snapshot_budget_bounds_the_speculated_layers(monkeypatch):
+    """With host memory for one layer's snapshot, only the last layer (the first whose grads are final) speculates;
+    the other waits for the end of backward, and results are unchanged."""
+    one_layer = []
+
+    def budget():
+        return one_layer[0]
+
+    original = backward_updates.BackwardUpdates.arm
+
+    def arm(self, optimizer, skip):
+        one_layer.append(12 * max(g.numel for g in self.groups))
+        original(self, optimizer, skip)
+
+    monkeypatch.setattr(backward_updates, "snapshot_budget", budget)
+    monkeypatch.setattr(backward_updates.BackwardUpdates, "arm", arm)
+    got, ref, speculation = _both({}, 4, monkeypatch, cpu_adam="torch")
+    assert_bitwise_equal(got.final, ref.final)
+    assert speculation.speculated == 3  # one layer in each step after the first
+
+
+def test_hooks_that_read_parameters_after_backward_stop_them(caplog):
+    """An ``on_after_backward`` would see updated parameters: nothing is speculated, and the log says why."""
+
+    class Reads(Faulty):
+        def on_after_backward(self):
+            self.seen = float(next(self.parameters()).sum())
+
+    speculation = Speculation()
+    with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
+        fit(Reads(), 3, callbacks=[speculation], update_during_backward=True, cpu_adam="torch")
+    assert speculation.speculated == 0
+    assert any("no host updates during backward: Reads.on_after_backward" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_skips_the_step_after_one_that_clipped():
+    """``"auto"`` speculates unless the last step's clipping fired; ``True`` speculates anyway."""
+    params = [nn.Parameter(torch.zeros(2))]
+    optimizer = to_host_optimizer(torch.optim.AdamW(params), "torch")
+    for mode, clipped_last, armed in (("auto", False, True), ("auto", True, False), (True, True, True)):
+        updates = mock.Mock(clipped_last=clipped_last)
+        config = EngineConfig(update_during_backward=mode, overlap_optimizer=True)
+        step = OptimizerStep(config, torch.device("cpu"), [], None, None, None, updates)
+        step.arm_backward_updates(optimizer, [])
+        assert updates.arm.called == armed, (mode, clipped_last)
+        updates.arm.reset_mock()
+        step.arm_backward_updates(torch.optim.SGD(params, lr=0.1), [])  # not the host Adam: never
+        assert not updates.arm.called
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match=r"update_during_backward=True with overlap_optimizer=False"):
+        EngineConfig(update_during_backward=True, overlap_optimizer=False)
+    with pytest.raises(ValueError, match=r"update_during_backward='yes': need 'auto', True or False"):
+        EngineConfig(update_during_backward="yes")
