@@ -34,10 +34,11 @@ no user code that may read grads or parameters between backward and the step (ho
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,15 +64,6 @@ def snapshot_budget() -> int:
 
 
 @dataclass
-class _Armed:
-    """The optimizer step being speculated on."""
-
-    optimizer: torch.optim.Optimizer
-    hyper: Hyper  # its hyperparameters when armed (the LR scheduler steps only after the step)
-    skip: frozenset[int]  # ids of parameters the host step does not update (device groups)
-
-
-@dataclass
 class Snapshot:
     """One speculated layer, with what restores it."""
 
@@ -82,76 +74,98 @@ class Snapshot:
     steps: list[Any]  # each parameter's step count before (a 0-dim tensor's copy, or DeepSpeed's int)
 
 
+@dataclass(eq=False)
+class Speculation:
+    """One optimizer step's speculation, from :meth:`BackwardUpdates.arm` to :meth:`BackwardUpdates.close`.
+
+    The step after it may arm before it closes (its worker closes it, late grads), so everything is per step: the
+    counts, the queued layers and the snapshots; drains tell the one armed when they were issued."""
+
+    optimizer: torch.optim.Optimizer
+    hyper: Hyper  # the optimizer's hyperparameters when armed (the LR scheduler steps only after the step)
+    skip: frozenset[int]  # ids of parameters the host step does not update (device groups)
+    forwarded: dict[int, int] = field(default_factory=dict)  # layer index -> forwards with grad since the arm
+    landed: dict[int, int] = field(default_factory=dict)  # layer index -> its drains issued since the arm, landed
+    pending: int = 0  # layers queued and not yet done
+    closed: bool = False  # decided: no layer starts any more
+    done: list[Snapshot] = field(default_factory=list)  # the speculated layers
+
+    def hyper_unchanged(self, now: Hyper) -> bool:
+        """Whether the hyperparameters ``now`` are those the speculation used (code in the closure may set them)."""
+        try:
+            return bool(self.hyper[1] == now[1])
+        except (RuntimeError, TypeError, ValueError):  # a tensor hyperparameter with no single truth value
+            return False
+
+
 class BackwardUpdates:
     """Speculative host updates of the layer groups during backward (see the module note); one worker thread."""
 
     def __init__(self, groups: list[FlatGroup], transfer: Transfer) -> None:
         self.groups = groups  # the layers', by index
         self.transfer = transfer  # whose drains tell when a layer's grads have landed (its landed_hook)
-        self.budget_bytes: int | None = None  # decided at the first speculating step (snapshot_budget)
+        self.budget_bytes: int | None = None  # measured at the first layer speculated (snapshot_budget)
         self.clipped_last = False  # the last step's clipping fired (its speculation, if any, was redone)
         self.speculated = 0  # layer updates run during backward, in all
         self.undone = 0  # of which restored from their snapshots
         self._slabs: dict[int, Tensor] = {}  # layer index -> its snapshot storage, reused every step
-        self._cond = threading.Condition()  # guards everything below between the three threads that call in
-        self._armed: _Armed | None = None
-        self._forwarded: dict[int, int] = {}  # layer index -> forwards with grad since the arm
-        self._landed: dict[int, int] = {}  # layer index -> drains issued since the arm that have landed
-        self._done: list[Snapshot] = []  # speculated since the arm
-        self._busy = False  # the worker is updating a layer
-        self._queue: queue.Queue[int | None] = queue.Queue()  # layers whose grads are final
+        self._cond = threading.Condition()  # guards the speculations' counts between the threads that call in
+        self._current: Speculation | None = None  # the one the next forwards count for
+        self._queue: queue.Queue[tuple[Speculation, int] | None] = queue.Queue()  # layers whose grads are final
         self._worker = threading.Thread(target=self._work, name="megatrain-backward-updates", daemon=True)
         self._worker.start()
 
     # - the training thread
 
-    def arm(self, optimizer: torch.optim.Optimizer, skip: frozenset[int]) -> None:
-        """Speculate on ``optimizer``'s step from now until :meth:`close` (called before the step's closure)."""
-        if self.budget_bytes is None:
-            self.budget_bytes = snapshot_budget()
-            layer = max(g.numel for g in self.groups) * _SNAPSHOT_BYTES_PER_PARAM
-            log.info(
-                "MegaTrain: host updates start during backward for up to %d of %d layers (snapshots of %.2f GiB "
-                "each, %.1f GiB of host memory free for them); a step whose clipping fires or that is skipped "
-                "redoes them from the snapshots ([Note: updates during backward])",
-                min(len(self.groups), self.budget_bytes // max(layer, 1)), len(self.groups), layer / GIB,
-                min(self.budget_bytes, 1 << 50) / GIB,
-            )
+    def arm(self, optimizer: torch.optim.Optimizer, skip: frozenset[int]) -> Speculation:
+        """Speculate on ``optimizer``'s step (called before the step's closure); the step closes what this returns."""
+        speculation = Speculation(optimizer, hyper_snapshot(optimizer), skip)
         with self._cond:
-            self._armed = _Armed(optimizer, hyper_snapshot(optimizer), skip)
-            self._forwarded.clear()
-            self._landed.clear()
-        self.transfer.landed_hook = self.landed  # drains issued from now on count
-
-    @property
-    def armed(self) -> bool:
-        return self._armed is not None
+            self._current = speculation
+        # drains issued from now on count for this step, whichever step is armed when they land
+        self.transfer.landed_hook = functools.partial(self._landed, speculation)
+        return speculation
 
     def forwarded(self, index: int) -> None:
-        """Layer ``index`` ran a forward with grad (the streamed Function's forward)."""
+        """Layer ``index`` ran a forward with grad (the streamed Function's forward, on the training thread)."""
         with self._cond:
-            if self._armed is not None:
-                self._forwarded[index] = self._forwarded.get(index, 0) + 1
+            current = self._current
+            if current is not None and not current.closed:
+                current.forwarded[index] = current.forwarded.get(index, 0) + 1
 
-    def landed(self, index: int) -> None:
-        """A drain of layer ``index`` issued while armed has landed in its host grads (the drain's thread)."""
+    def _landed(self, speculation: Speculation, index: int) -> None:
+        """A drain of layer ``index`` issued while ``speculation`` was armed has landed in its host grads (the
+        drain's thread)."""
         with self._cond:
-            if self._armed is None:
+            if speculation.closed:
                 return
-            self._landed[index] = self._landed.get(index, 0) + 1
-            if self._landed[index] == self._forwarded.get(index, 0):
-                self._queue.put(index)
+            speculation.landed[index] = speculation.landed.get(index, 0) + 1
+            if speculation.landed[index] == speculation.forwarded.get(index, 0):
+                speculation.pending += 1
+                self._queue.put((speculation, index))
 
-    def close(self) -> list[Snapshot]:
-        """Stop speculating once the layers whose grads have landed are updated. Returns the speculated layers."""
-        self.transfer.landed_hook = None
-        self._queue.join()  # the step calls this once every grad has landed: each layer is decided
+    def close(self, speculation: Speculation) -> list[Snapshot]:
+        """Decide ``speculation`` once the layers whose grads have landed are updated (the step calls this once
+        every grad has landed: what is speculated does not depend on timing). Returns the speculated layers. Any
+        thread."""
         with self._cond:
-            self._armed = None
-            while self._busy:
+            while speculation.pending:
                 self._cond.wait()
-            done, self._done = self._done, []
+            speculation.closed = True
+            if self._current is speculation:
+                self._current = None
+                self.transfer.landed_hook = None
+            done, speculation.done = speculation.done, []
         return done
+
+    def decide(self, speculation: Speculation, keep: bool, hyper: Hyper | None = None) -> list[Snapshot]:
+        """:meth:`close` ``speculation`` and keep its updates (returned) if ``keep`` and the hyperparameters are
+        still those it used (``hyper``, default: now), else undo them (and return none)."""
+        done = self.close(speculation)
+        if keep and speculation.hyper_unchanged(hyper or hyper_snapshot(speculation.optimizer)):
+            return done
+        self.restore(done)
+        return []
 
     def restore(self, snapshots: list[Snapshot]) -> None:
         """Put every speculated layer back as it was before its update, bitwise."""
@@ -159,17 +173,12 @@ class BackwardUpdates:
             _restore(snap)
         self.undone += len(snapshots)
 
-    def abort(self) -> None:
-        """Close and restore (the step is skipped, or something raised)."""
-        self.restore(self.close())
-
     def host_bytes(self) -> int:
         """Host bytes of the snapshots' storage."""
         return sum(s.nbytes for s in self._slabs.values())
 
     def shutdown(self) -> None:
-        """Restore what is speculated and stop the worker (teardown)."""
-        self.abort()
+        """Stop the worker (teardown, after the last step was decided)."""
         self._queue.put(None)
         self._worker.join()
 
@@ -177,43 +186,37 @@ class BackwardUpdates:
 
     def _work(self) -> None:
         while True:
-            index = self._queue.get()
-            if index is None:
+            item = self._queue.get()
+            if item is None:
                 return
-            with self._cond:
-                armed = self._armed
-                if armed is None:
-                    self._queue.task_done()
-                    continue
-                self._busy = True
+            speculation, index = item
             snap = None
             try:
-                snap = self._speculate(index, armed)
-            except Exception as error:  # the step itself meets the same error, with its report
+                snap = self._speculate(index, speculation)
+            except BaseException as error:  # the step itself meets the same error, with its report
                 log.debug("MegaTrain: no speculative update of layer %d (%s: %s)", index, type(error).__name__, error)
             finally:
                 with self._cond:
                     if snap is not None:
-                        self._done.append(snap)
+                        speculation.done.append(snap)
                         self.speculated += 1
-                    self._busy = False
+                    speculation.pending -= 1
                     self._cond.notify_all()
-                self._queue.task_done()
 
-    def _speculate(self, index: int, armed: _Armed) -> Snapshot | None:
+    def _speculate(self, index: int, speculation: Speculation) -> Snapshot | None:
         """Snapshot layer ``index`` and update it as the step would; None where it cannot (no state yet, no grads,
         over budget). A failed update is restored before it raises."""
-        group, optimizer = self.groups[index], armed.optimizer
+        group, optimizer = self.groups[index], speculation.optimizer
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         params = [p for p in group.params
-                  if p.grad is not None and id(p) in in_optimizer and id(p) not in armed.skip]
+                  if p.grad is not None and id(p) in in_optimizer and id(p) not in speculation.skip]
         if not params or any(not optimizer.state.get(p) for p in params):
             return None
         slab = self._slab(index)
         if slab is None:
             return None
         snap = _snapshot(group, params, optimizer, slab)
-        update = HostUpdate(optimizer, None, skip=armed.skip, snapshot=armed.hyper)
+        update = HostUpdate(optimizer, None, skip=speculation.skip, snapshot=speculation.hyper)
         try:
             with torch.no_grad():
                 update.prepare([params])
@@ -224,15 +227,30 @@ class BackwardUpdates:
         return snap
 
     def _slab(self, index: int) -> Tensor | None:
-        """Layer ``index``'s snapshot storage (allocated on its first speculation), None beyond the budget."""
+        """Layer ``index``'s snapshot storage (allocated on its first speculation), None beyond the budget, which is
+        measured at the first speculation: every Adam state and host grad exists by then."""
+        if self.budget_bytes is None:
+            self.budget_bytes = snapshot_budget()
+            layer = max(g.numel for g in self.groups) * _SNAPSHOT_BYTES_PER_PARAM
+            log.info(
+                "MegaTrain: host updates start during backward for up to %d of %d layers (snapshots of %.2f GiB "
+                "each, %.1f GiB of host memory free for them); a step whose clipping fires or that is skipped "
+                "redoes them from the snapshots ([Note: updates during backward])",
+                min(len(self.groups), self.budget_bytes // max(layer, 1)), len(self.groups), layer / GIB,
+                min(self.budget_bytes, 1 << 50) / GIB,
+            )
         slab = self._slabs.get(index)
         if slab is None:
             numel = _SNAPSHOT_BYTES_PER_PARAM // 4 * self.groups[index].numel
-            assert self.budget_bytes is not None
             if self.host_bytes() + 4 * numel > self.budget_bytes:
                 return None
             slab = self._slabs[index] = torch.empty(numel, dtype=torch.float32)
         return slab
+
+
+def params_of(snapshots: list[Snapshot]) -> frozenset[int]:
+    """Ids of the parameters the kept speculative updates stepped (the host step skips them)."""
+    return frozenset(id(p) for snap in snapshots for p in snap.params)
 
 
 def _snapshot(group: FlatGroup, params: list[Tensor], optimizer: torch.optim.Optimizer, slab: Tensor) -> Snapshot:
@@ -255,7 +273,7 @@ def _restore(snap: Snapshot) -> None:
     offset = n
     for key in ("exp_avg", "exp_avg_sq"):
         for p, state in zip(snap.params, snap.states):
-            state[key].view(-1).copy_(snap.slab[offset : offset + p.numel()])
+            state[key].copy_(snap.slab[offset : offset + p.numel()].view_as(state[key]))
             offset += p.numel()
     for state, step in zip(snap.states, snap.steps):
         if isinstance(step, Tensor):

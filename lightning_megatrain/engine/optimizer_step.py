@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.backward_updates import params_of
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
 from lightning_megatrain.engine.optimizer_setup import OptimizerSetup
 from lightning_megatrain.engine.step_guard import StepGuard
@@ -73,7 +74,7 @@ from lightning_megatrain.optim.host_optimizer import (
 from lightning_megatrain.optim.updates import Update, host_update
 
 if TYPE_CHECKING:
-    from lightning_megatrain.engine.backward_updates import BackwardUpdates, Snapshot
+    from lightning_megatrain.engine.backward_updates import BackwardUpdates, Snapshot, Speculation
     from lightning_megatrain.engine.device_state import DeviceGroup
     from lightning_megatrain.engine.host_store import FlatGroup
     from lightning_megatrain.engine.overlap import OverlappedStep
@@ -117,6 +118,7 @@ class OptimizerStep(OptimizerSetup):
         self.transfer = transfer
         self.residents = residents
         self.backward_updates = backward_updates
+        self._speculation: Speculation | None = None  # this step's, armed and not yet taken by run()
         self._device_param_ids: frozenset[int] = frozenset()  # the host step skips them
         self._deferred_grad_scale: Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
@@ -151,18 +153,28 @@ class OptimizerStep(OptimizerSetup):
             return
         if self.config.update_during_backward == "auto" and updates.clipped_last:
             return
-        updates.arm(optimizer, self._device_param_ids)
+        self._speculation = updates.arm(optimizer, self._device_param_ids)
 
-    def _close_backward_updates(self, keep: bool) -> list[Snapshot]:
-        """End the speculation; keep its updates (returned) or undo them. Any thread."""
-        updates = self.backward_updates
-        if updates is None:
+    def _close_backward_updates(self, keep: bool, speculation: Speculation | None = None,
+                                hyper: Hyper | None = None) -> list[Snapshot]:
+        """Decide ``speculation`` (default: this step's, while armed): keep its updates (returned) if ``keep`` and
+        the hyperparameters are still those it used (``hyper``, default: now), else undo them. Any thread."""
+        if speculation is None:
+            speculation, self._speculation = self._speculation, None
+        if speculation is None or self.backward_updates is None:
             return []
-        done = updates.close()
-        if keep:
-            return done
-        updates.restore(done)
-        return []
+        return self.backward_updates.decide(speculation, keep, hyper)
+
+    def _prepare_keeping(self, update: Update, index: int, groups: list[list[Tensor]], kept: list[Snapshot]) -> None:
+        """``update.prepare(groups)`` reported by the guard; a failure undoes the kept speculated layers too, so
+        nothing is updated, as the report says."""
+        try:
+            self.guard.guarded(index, update, lambda: update.prepare(groups))
+        except BaseException:
+            if kept:
+                assert self.backward_updates is not None
+                self.backward_updates.restore(kept)
+            raise
 
     def abort_backward_updates(self) -> None:
         """Undo the speculation of a step that raised before its update."""
@@ -303,15 +315,16 @@ class OptimizerStep(OptimizerSetup):
                 self.guard.guarded(index, None, lambda: allocate_states(optimizer, self._host_params(optimizer)))
                 self._device_step(optimizer, scale, found_inf, index)
             hyper = hyper_snapshot(optimizer)
-            self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index))
+            speculation, self._speculation = self._speculation, None  # the worker decides it
+            self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index, speculation))
         else:
             kept = self._close_backward_updates(keep=not self._clip_fired)
             if self.backward_updates is not None:
                 self.backward_updates.clipped_last = self._clip_fired
-            skip = self._device_param_ids | _params_of(kept)
+            skip = self._device_param_ids | params_of(kept)
             update = host_update(optimizer, scale, skip, None, self.device)
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            self.guard.guarded(index, update, lambda: update.prepare([params]))
+            self._prepare_keeping(update, index, [params], kept)
             if self.device_groups:
                 self._device_step(optimizer, scale, None, index)
             if self.overlap is not None:
@@ -353,25 +366,27 @@ class OptimizerStep(OptimizerSetup):
             self.residents.clear_grads()
 
     def _landed_update(
-        self, optimizer: torch.optim.Optimizer, hyper: Hyper, stats_copied: torch.cuda.Event | None, index: int
+        self, optimizer: torch.optim.Optimizer, hyper: Hyper, stats_copied: torch.cuda.Event | None, index: int,
+        speculation: Speculation | None = None,
     ) -> Callable[[list[Tensor]], None] | None:
-        """Step ``index``'s host update, built on its worker once the grads and the step's stats have landed; None
-        for a step skipped as non-finite (the device groups skipped it too, on the device)."""
+        """Step ``index``'s host update, built on its worker once the grads and the step's stats have landed, after
+        ``speculation`` is decided; None for a step skipped as non-finite (the device groups skipped it too, on the
+        device)."""
         self._land_grads()
         assert self._stats_host is not None
         if stats_copied is not None:
             stats_copied.synchronize()
         coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
         finite = math.isfinite(norm_sq) and math.isfinite(loss)
-        kept = self._close_backward_updates(keep=finite and coef == 1.0)
+        kept = [] if speculation is None else self._close_backward_updates(finite and coef == 1.0, speculation, hyper)
         if self.backward_updates is not None:
             self.backward_updates.clipped_last = coef != 1.0
         if not finite:
             self.guard.nonfinite(index, norm_sq, loss)
             return None
         scale = None if coef == 1.0 else torch.tensor(coef, dtype=torch.float32)
-        update = host_update(optimizer, scale, self._device_param_ids | _params_of(kept), hyper, self.device)
-        self.guard.guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
+        update = host_update(optimizer, scale, self._device_param_ids | params_of(kept), hyper, self.device)
+        self._prepare_keeping(update, index, [g.params for g in self.groups], kept)
         return self._committing(update, index)
 
     def _committing(self, update: Update, index: int) -> Callable[[list[Tensor]], None]:
@@ -387,7 +402,3 @@ class OptimizerStep(OptimizerSetup):
         for device_group in self.device_groups:
             device_group.wait_written_back(self.transfer.d2h_stream)  # device groups exist on CUDA only
 
-
-def _params_of(snapshots: list[Snapshot]) -> frozenset[int]:
-    """Ids of the parameters the kept speculative updates stepped (the host step skips them)."""
-    return frozenset(id(p) for snap in snapshots for p in snap.params)

@@ -15,9 +15,11 @@ from torch import nn
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine import backward_updates
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
+from lightning_megatrain.engine.step_guard import StepFailed
+from lightning_megatrain.optim import host_optimizer
 from lightning_megatrain.optim.host_optimizer import to_host_optimizer
 
-from helpers.faults import Faulty, Snapshots, assert_bitwise_equal, fit
+from helpers.faults import Faulty, Snapshots, assert_bitwise_equal, fit, state_of
 
 
 class Speculation(L.Callback):
@@ -29,6 +31,9 @@ class Speculation(L.Callback):
         updates = trainer.strategy.engine.backward_updates
         self.speculated, self.undone = (None, None) if updates is None else (updates.speculated, updates.undone)
 
+    def on_exception(self, trainer, pl_module, exception):
+        self.on_train_end(trainer, pl_module)
+
 
 def _late_grads(monkeypatch) -> None:
     """The CPU backend's grads land late ([Note: late grads]), as a CUDA drain's do: the overlapped step's worker
@@ -38,7 +43,7 @@ def _late_grads(monkeypatch) -> None:
     monkeypatch.setattr(HostTransfer, "take_host_added", lambda self: False)
 
 
-def _both(module_args: dict, steps: int, monkeypatch, **options) -> tuple[Snapshots, Snapshots, Speculation]:
+def _both(module_args: dict, steps: int, **options) -> tuple[Snapshots, Snapshots, Speculation]:
     """The same run with and without updates during backward: (with, without, what the first speculated)."""
     got, ref, speculation = Snapshots(), Snapshots(), Speculation()
     fit(Faulty(**module_args), steps, callbacks=[got, speculation], update_during_backward=True,
@@ -59,7 +64,7 @@ def test_results_equal_the_step_without_them_bitwise(late, clip, accumulate, mon
     if late:
         _late_grads(monkeypatch)
     steps = 4
-    got, ref, speculation = _both({}, steps, monkeypatch, clip=clip, accumulate=accumulate, cpu_adam="torch")
+    got, ref, speculation = _both({}, steps, clip=clip, accumulate=accumulate, cpu_adam="torch")
     for batch in ref.after_batch:
         assert_bitwise_equal(got.after_batch[batch], ref.after_batch[batch])
     assert_bitwise_equal(got.final, ref.final)
@@ -75,7 +80,7 @@ def test_a_skipped_step_undoes_them(late, fault, monkeypatch):
     skipped whole, and the run ends where the same run without them ends."""
     if late:
         _late_grads(monkeypatch)
-    got, ref, speculation = _both(fault, 4, monkeypatch, cpu_adam="torch")
+    got, ref, speculation = _both(fault, 4, cpu_adam="torch")
     assert_bitwise_equal(got.after_batch[2], got.after_batch[1])  # skipped: as after step 1
     assert_bitwise_equal(got.final, ref.final)
     assert speculation.undone == N_LAYERS  # step 2's, whose grads are all NaN
@@ -88,7 +93,7 @@ def test_deepspeed_adam(monkeypatch):
         to_host_optimizer(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), "deepspeed")
     except RuntimeError as e:
         pytest.skip(f"DeepSpeedCPUAdam does not build here: {e}")
-    got, ref, speculation = _both({}, 3, monkeypatch, clip=1e-3, cpu_adam="deepspeed")
+    got, ref, speculation = _both({}, 3, clip=1e-3, cpu_adam="deepspeed")
     assert_bitwise_equal(got.final, ref.final)
     assert speculation.undone == speculation.speculated == 2 * N_LAYERS
 
@@ -96,22 +101,72 @@ def test_deepspeed_adam(monkeypatch):
 def test_the_snapshot_budget_bounds_the_speculated_layers(monkeypatch):
     """With host memory for one layer's snapshot, only the last layer (the first whose grads are final) speculates;
     the other waits for the end of backward, and results are unchanged."""
-    one_layer = []
-
-    def budget():
-        return one_layer[0]
-
-    original = backward_updates.BackwardUpdates.arm
-
-    def arm(self, optimizer, skip):
-        one_layer.append(12 * max(g.numel for g in self.groups))
-        original(self, optimizer, skip)
-
-    monkeypatch.setattr(backward_updates, "snapshot_budget", budget)
-    monkeypatch.setattr(backward_updates.BackwardUpdates, "arm", arm)
-    got, ref, speculation = _both({}, 4, monkeypatch, cpu_adam="torch")
+    layer = sum(p.numel() for p in Faulty().model.model.layers[0].parameters())
+    monkeypatch.setattr(backward_updates, "snapshot_budget", lambda: 12 * layer)
+    got, ref, speculation = _both({}, 4, cpu_adam="torch")
     assert_bitwise_equal(got.final, ref.final)
     assert speculation.speculated == 3  # one layer in each step after the first
+
+
+class Scheduled(Faulty):
+    """The learning rate halves after every step (the scheduler steps after the optimizer step); with
+    ``lr_in_step`` the module sets the learning rate inside ``training_step`` of micro-batch 2, after the arm."""
+
+    def __init__(self, lr_in_step: bool = False) -> None:
+        super().__init__()
+        self.lr_in_step = lr_in_step
+
+    def training_step(self, batch, batch_idx):
+        if self.lr_in_step and batch_idx == 2:
+            self.trainer.optimizers[0].param_groups[0]["lr"] = 3e-3
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+
+@pytest.mark.parametrize("lr_in_step", [False, True])
+def test_each_step_keeps_its_own_learning_rate(lr_in_step, monkeypatch):
+    """Late grads and no callback that waits for the step: step k's speculation is decided on the overlapped worker
+    while step k+1 is already armed, under a scheduler that changes the learning rate every step. Each step's layers
+    are updated with its own learning rate; one set inside the closure undoes that step's speculation."""
+    _late_grads(monkeypatch)
+    finals, speculation = [], Speculation()
+    for during in (True, False):
+        trainer = fit(Scheduled(lr_in_step), 5, callbacks=[speculation] if during else [], cpu_adam="torch",
+                      update_during_backward=during, overlap_optimizer=True)
+        finals.append(state_of(trainer, trainer.lightning_module))
+    assert_bitwise_equal(*finals)
+    assert speculation.speculated == 4 * N_LAYERS
+    assert speculation.undone == (N_LAYERS if lr_in_step else 0)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_step_that_fails_to_prepare_undoes_the_kept_layers(late, monkeypatch):
+    """The speculated layers stand, then the step's own preparation fails (its host RAM for a state, say): the
+    step reports that it updated nothing, and nothing is updated, speculated layers included."""
+    if late:
+        _late_grads(monkeypatch)
+    prepare, calls = host_optimizer.HostUpdate.prepare, []
+
+    def fails_at_step_2(self, groups):
+        import threading
+
+        if threading.current_thread().name != "megatrain-backward-updates":
+            calls.append(1)
+            if len(calls) == 3:  # steps 0 and 1 prepared; step 2's fails
+                raise RuntimeError("out of host RAM")
+        prepare(self, groups)
+
+    monkeypatch.setattr(host_optimizer.HostUpdate, "prepare", fails_at_step_2)
+    got, speculation = Snapshots(), Speculation()
+    # raised by the step, or by the overlapped worker's, wrapped
+    with pytest.raises((StepFailed, RuntimeError), match=r"optimizer step 2 failed before updating anything"):
+        fit(Faulty(), 4, callbacks=[got, speculation], cpu_adam="torch", update_during_backward=True,
+            overlap_optimizer=True)
+    assert_bitwise_equal(got.at_exception, got.after_batch[1])
+    assert speculation.undone == N_LAYERS
 
 
 def test_hooks_that_read_parameters_after_backward_stop_them(caplog):
