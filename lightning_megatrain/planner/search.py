@@ -4,6 +4,8 @@ the smallest whose transfers hide) and the fewest ``gpu_optimizer_groups`` that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lightning_megatrain.planner.memory import _gpu_peak, gpu_bytes
 from lightning_megatrain.planner.shape import _Shape
 from lightning_megatrain.planner.timing import step_time
@@ -23,11 +25,13 @@ def largest(ok, hi: int = 1 << 24) -> int:
 
 
 def groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
-                             gpu_limit: int) -> int | None:
+                             gpu_limit: int, speculated: Callable[[int], int] = lambda groups: 0) -> int | None:
     """The fewest ``gpu_optimizer_groups`` with which the overlapped host Adam no longer outlasts the next forward
-    and the GPU still fits one micro-batch; None when none does."""
+    and the GPU still fits one micro-batch; None when none does. ``speculated(groups)``: the layers updated during
+    backward with that many groups (their snapshots take the host memory the groups leave free)."""
     for groups in range(len(s.layers) + 2):
-        hidden = step_time(s, micro_batch, seq_len, **{**tkw, "gpu_groups": groups})[
+        hidden = step_time(s, micro_batch, seq_len, **{**tkw, "gpu_groups": groups,
+                                                        "speculated_layers": speculated(groups)})[
             "CPU optimizer (beyond the next forward)"] <= 0.0
         fits = _gpu_peak(gpu_bytes(s, micro_batch, seq_len, **{**gkw, "gpu_groups": groups})[0]) <= gpu_limit
         if not fits:
