@@ -18,7 +18,8 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 - ``gpu_optimizer_groups``: decided before the first training micro-batch, whose shape the choice needs
   (:func:`choose_gpu_optimizer_groups`): the fewest groups with which the overlapped host Adam no longer outlasts
   the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device
-  and host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU
+  and host (``megatrain plan --overlap-optimizer --update-during-backward`` prints the same suggestion, the planner
+  counting the host updates during backward where they run). Those groups then take their GPU
   memory before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, with a ``host_state`` other
   than ``"fp32"`` (decided at setup: the groups hold fp32 state), without the overlapped step (the groups pay by
   hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own

@@ -67,6 +67,9 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     add("--num-slots", type=int, default=2)
     add("--overlap-optimizer", action="store_true",
         help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
+    add("--update-during-backward", action="store_true",
+        help="as MegaTrainStrategy(update_during_backward=True), with --overlap-optimizer: the last layers' host Adam "
+        "starts during backward, their snapshots in the host memory left free")
     add("--gpu-optimizer-groups", type=_auto_int(), default=0, metavar="auto|N",
         help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU; auto: as "
         "the strategy decides it, with the state split between host and GPU where the host cannot hold it all")
@@ -98,6 +101,7 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     ns = parser.parse_args(list(argv))
     try:
         config = EngineConfig(num_slots=ns.num_slots, overlap_optimizer=ns.overlap_optimizer,
+                              update_during_backward=ns.update_during_backward,
                               gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers,
                               seq_tile=ns.seq_tile, segment_layers=ns.segment_layers,
                               device_checkpoints=ns.device_checkpoints)

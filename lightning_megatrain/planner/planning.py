@@ -24,6 +24,7 @@ from lightning_megatrain.planner.constants import (
     CPU_REF_CORES,
     FP32_TFLOPS,
     GPU_REF_GIB,
+    HOST_COPY_GBPS,
     HOST_OS_RESERVE_FRACTION,
     HOST_OS_RESERVE_MIN_GIB,
     HOST_REF_GIB,
@@ -36,10 +37,12 @@ from lightning_megatrain.planner.long_context import longest_placeable, planned_
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import (
     HOST_STATE_BYTES,
+    SNAPSHOT_BYTES,
     _gpu_peak,
     checkpoints,
     gpu_bytes,
     host_bytes,
+    speculated_layers,
     transfer_bytes,
 )
 from lightning_megatrain.planner.plan_warnings import plan_warnings
@@ -188,6 +191,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             - ``num_slots``: that many slots of the largest layer on the GPU.
             - ``overlap_optimizer``: Adam (torch fused) runs beside the next step's forward and only the part that
               outlasts it counts; the plan then suggests the fewest ``gpu_optimizer_groups`` that hide it.
+            - ``update_during_backward`` (``"auto"`` or True, with ``overlap_optimizer``, the fp32 host Adam/AdamW
+              and one rank): the last layers whose snapshots fit the host memory the plan leaves free, less 4 GiB,
+              start their update during backward (timing.py ``host_after_backward``); host item "backward snapshots".
             - ``gpu_optimizer_groups``: the residents and the first ``gpu_optimizer_groups - 1`` layers keep their
               optimizer state on the GPU (engine/device_state.py).
             - ``compile_layers``: the bf16 rate becomes ``COMPILED_TFLOPS``. Memory stays planned for eager layers
@@ -321,6 +327,17 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
     gpu = {**gpu, **gpu_extra} if gpu_extra else gpu
     host = host_of(micro_batch)
+    # update_during_backward, as the engine runs it (the overlapped fp32 host Adam/AdamW of one rank): the snapshots
+    # of the last layers in the host memory the other items leave free with g groups (memory.py speculated_layers)
+    speculating = (config.update_during_backward is not False and host_state == "fp32" and world == 1
+                   and optimizer in ("adamw", "adam"))
+    speculated = speculated_layers(
+        s, host_usable - sum(host_bytes(s, micro_batch, seq_len, **{**hkw, "gpu_groups": groups}).values()), groups
+    ) if speculating else 0
+    tkw["speculated_layers"] = speculated if overlap else 0
+    tkw["copy_gbps"] = HOST_COPY_GBPS * min(1.0, rank_cores / CPU_REF_CORES)  # the snapshots' copy on these cores
+    if overlap and speculated:
+        host["backward snapshots"] = SNAPSHOT_BYTES * sum(ly.numel for ly in s.layers[len(s.layers) - speculated:])
     t = step_time(s, micro_batch, seq_len, **tkw)
     max_host = largest(lambda b: sum(host_of(b).values()) <= host_usable)
     max_mb = largest(lambda b: _gpu_peak({**gpu_bytes(s, b, seq_len, **gkw)[0], **gpu_extra}) <= gpu_limit)
@@ -334,8 +351,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     if not overlap and world == 1:
         rate = TORCH_ADAM_GPARAMS if optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
         rate = rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
-        overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{**tkw, "overlap_optimizer": True,
-                                                                             "opt_rate": rate * cores / CPU_REF_CORES}))
+        overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{
+            **tkw, "overlap_optimizer": True, "opt_rate": rate * cores / CPU_REF_CORES,
+            "speculated_layers": speculated}))
     tokens = micro_batch * seq_len * grad_accum * world
     active = sum(ly.active for ly in s.layers) + s.resident_params
     model_flops = 6 * (active - s.embedding_params + (s.vocab * s.hidden if s.tied else 0))  # non-embedding + head
@@ -356,7 +374,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                      "pcie_duplex_gbps": m.pcie_duplex_gbps, "cpu_cores": cores, "num_slots": config.num_slots,
                      "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
                      "optimizer_overlaps_gpu": overlap, "pinned_pow2_rounding": m.pinned_pow2_rounding,
-                     "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers})
+                     "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers,
+                     **({"layers_updated_during_backward": speculated} if overlap and speculating else {})})
     requested = {k: getattr(config, k) for k in ("seq_tile", "segment_layers", "device_checkpoints")}
     if (seq_len > AUTO_MIN_POSITIONS or placed.seq_tile is not None or placed.segment_layers > 1
             or placed.device_checkpoints > 0 or any(v != "auto" for v in requested.values())):
@@ -376,7 +395,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                                nvlink_gbps=m.nvlink_gbps, inter_host_gbps=m.inter_host_gbps, cores=cores)
     p.warnings = plan_warnings(p, s, overlapped_step)
     if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
-        p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
+        # counted without the updates during backward: the groups are placed once, and a step whose hooks or
+        # clipping stop the speculation must still not wait for the host
+        p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(
+            s, micro_batch, seq_len, gkw, {**tkw, "speculated_layers": 0}, gpu_limit)
     return p
 
 

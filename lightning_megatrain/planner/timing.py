@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lightning_megatrain.engine.backward_updates import _SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
 
@@ -49,11 +50,33 @@ def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
     return 4 * s.heads * s.head_dim * _keys(seq_len, layer.window)
 
 
+def host_after_backward(bwd: list[float], speculated: list[int], host_params: int, opt_rate: float,
+                        copy_gbps: float = HOST_COPY_GBPS) -> float:
+    """Host seconds of the optimizer step left when the last micro-batch's backward ends, where the layers of
+    ``speculated`` (their parameters, layer L-1 first, then L-2, ...) start their update during it (engine/
+    backward_updates.py, [Note: updates during backward]); ``bwd``: each layer's backward seconds, layer 0 first;
+    ``host_params``: every parameter the host steps, ``opt_rate``: its Gparam/s.
+
+    Layer i's grads are final t_i = bwd[L-1] + ... + bwd[i] after that backward starts (its drain, one layer's grads
+    over PCIe, ~15 ms for a 7B layer, is left out). One worker updates the speculated layers in that order, each
+    taking u_i = n_i / opt_rate (the update) + 2 * 12 * n_i / copy_gbps (its snapshot: the fp32 master and two
+    moments read and written; ``HOST_COPY_GBPS`` counts read + write bytes, shared/BENCHMARKS.md); it finishes
+    f_{L-1} = t_{L-1} + u_{L-1}, f_i = max(f_{i+1}, t_i) + u_i. Left at T_b = t_0: max(0, f_last - T_b), then the
+    parameters not speculated (residents, the other layers) at ``opt_rate``. No speculation: ``host_params /
+    opt_rate``."""
+    t = f = 0.0
+    for b, n in zip(reversed(bwd), speculated):
+        t += b
+        f = max(f, t) + n / (opt_rate * 1e9) + 2 * SNAPSHOT_BYTES * n / (copy_gbps * 1e9)
+    return max(0.0, f - sum(bwd)) + (host_params - sum(speculated)) / (opt_rate * 1e9)
+
+
 def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,
               h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float,
               overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
               device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4,
-              ranks: RankTiming | None = None) -> dict[str, float]:
+              ranks: RankTiming | None = None, speculated_layers: int = 0,
+              copy_gbps: float = HOST_COPY_GBPS) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
     when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
@@ -71,7 +94,12 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     ``ranks``: one rank of several (planner/ranks.py, [Note: planning several ranks]): each upload is the rank's
     shard followed by the layer's all-gather on the H2D stream; each layer's grads are reduce-scattered and drained
     serially (no accumulation upload); the host optimizer steps the rank's shard; the residents' collectives add
-    serial seconds. ``None``: one rank, the model above."""
+    serial seconds. ``None``: one rank, the model above.
+
+    ``speculated_layers`` (with ``overlap_optimizer``, one rank): that many host layers, the last ones, start their
+    update during the last micro-batch's backward (engine/backward_updates.py, [Note: updates during backward]);
+    :func:`host_after_backward` gives the host seconds left when backward ends, which then overlap the next forward.
+    ``copy_gbps``: the host's memory copy rate for their snapshots (read + write bytes per second)."""
     on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
@@ -118,11 +146,16 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     head = 6 * s.vocab * H * tok / rate
     compute = sum(fwd) + sum(bwd) + head
     r = s.resident_params
+    speculated = [ly.numel for ly in s.layers[len(on_gpu_layers):]][::-1][:max(speculated_layers, 0)]  # L-1 first
     optimizer_s = (s.n_params - on_gpu_resident - sum(on_gpu_layers)) / (opt_rate * 1e9)
+    host_left = optimizer_s  # host seconds left when backward ends
     if ranks is not None:
-        optimizer_s = ranks.optimizer_params / (opt_rate * 1e9)
+        optimizer_s = host_left = ranks.optimizer_params / (opt_rate * 1e9)
         gathers = sum(ranks.gather_s) + sum(ranks.gather_s[: max(L - num_slots, 0)])
         gathers += sum(ranks.gather_s[j] for rep in replays for j in rep)
+    elif overlap_optimizer and speculated:
+        host_left = host_after_backward(bwd, speculated, s.n_params - on_gpu_resident - sum(on_gpu_layers),
+                                        opt_rate, copy_gbps)
     return {
         "GPU compute": grad_accum * compute,
         "  of which layers": grad_accum * (sum(fwd) + sum(bwd)),
@@ -139,6 +172,6 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         + r * 12 / (HOST_COPY_GBPS * 1e9),
         **({"layer reduce-scatter + drain (serial)": sum(ranks.drain_first_s) + (grad_accum - 1) * sum(ranks.drain_s),
             "residents' gloo collectives (serial)": ranks.residents_s} if ranks is not None else {}),
-        **({"CPU optimizer (beyond the next forward)": max(0.0, optimizer_s - sum(fwd) - head / 3)}
+        **({"CPU optimizer (beyond the next forward)": max(0.0, host_left - sum(fwd) - head / 3)}
            if overlap_optimizer else {"CPU optimizer (serial)": optimizer_s}),
     }

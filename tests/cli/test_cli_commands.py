@@ -83,8 +83,9 @@ def test_plan_help_lists_every_flag(capsys):
     assert "usage: megatrain plan" in text
     for flag in ("--model", "--seq-len", "--micro-batch", "--grad-accum", "--precision", "--optimizer", "--loss",
                  "--attn-implementation", "--host-ram", "--gpu-mem", "--cpu-cores", "--tflops", "--no-offload",
-                 "--num-slots", "--overlap-optimizer", "--gpu-optimizer-groups", "--compile-layers",
-                 "--loss-chunk-size", "--seq-tile", "--segment-layers", "--device-checkpoints", "--json"):
+                 "--num-slots", "--overlap-optimizer", "--update-during-backward", "--gpu-optimizer-groups",
+                 "--compile-layers", "--loss-chunk-size", "--seq-tile", "--segment-layers", "--device-checkpoints",
+                 "--json"):
         assert flag in text, flag
 
 
