@@ -12,8 +12,8 @@ step (:meth:`OptimizerStep.arm_backward_updates`), its worker thread takes each 
 landed (as many drains issued while armed as the layer had forwards with grad: a drain issued before the arm, by an
 earlier micro-batch, does not count), copies the layer's masters, Adam moments and step counts into a snapshot, and
 runs the layer's update exactly as the step would: the same :class:`HostUpdate` kernel, the step's hyperparameters.
-Once every grad has landed the step closes the speculation (:meth:`BackwardUpdates.close`: the layers queued by
-then are updated first, so what is speculated does not depend on timing) and decides:
+Once every grad has landed the step closes the speculation (:meth:`BackwardUpdates.close`: the layer in progress
+finishes, the queued ones are left to the step, which updates them without a snapshot) and decides:
 
 - factor 1 and finite: the speculated layers are done; the host step skips them and updates the rest, the first
   layers first, which is what the next forward reads first;
@@ -86,7 +86,6 @@ class Speculation:
     skip: frozenset[int]  # ids of parameters the host step does not update (device groups)
     forwarded: dict[int, int] = field(default_factory=dict)  # layer index -> forwards with grad since the arm
     landed: dict[int, int] = field(default_factory=dict)  # layer index -> its drains issued since the arm, landed
-    pending: int = 0  # layers queued and not yet done
     closed: bool = False  # decided: no layer starts any more
     done: list[Snapshot] = field(default_factory=list)  # the speculated layers
 
@@ -111,6 +110,7 @@ class BackwardUpdates:
         self._slabs: dict[int, Tensor] = {}  # layer index -> its snapshot storage, reused every step
         self._cond = threading.Condition()  # guards the speculations' counts between the threads that call in
         self._current: Speculation | None = None  # the one the next forwards count for
+        self._busy_with: Speculation | None = None  # the one whose layer the worker is updating
         self._queue: queue.Queue[tuple[Speculation, int] | None] = queue.Queue()  # layers whose grads are final
         self._worker = threading.Thread(target=self._work, name="megatrain-backward-updates", daemon=True)
         self._worker.start()
@@ -141,17 +141,15 @@ class BackwardUpdates:
                 return
             speculation.landed[index] = speculation.landed.get(index, 0) + 1
             if speculation.landed[index] == speculation.forwarded.get(index, 0):
-                speculation.pending += 1
                 self._queue.put((speculation, index))
 
     def close(self, speculation: Speculation) -> list[Snapshot]:
-        """Decide ``speculation`` once the layers whose grads have landed are updated (the step calls this once
-        every grad has landed: what is speculated does not depend on timing). Returns the speculated layers. Any
-        thread."""
+        """End ``speculation``: no layer of it starts any more, the one in progress finishes. Returns the speculated
+        layers; the others are the step's. Any thread."""
         with self._cond:
-            while speculation.pending:
-                self._cond.wait()
             speculation.closed = True
+            while self._busy_with is speculation:
+                self._cond.wait()
             if self._current is speculation:
                 self._current = None
                 self.transfer.landed_hook = None
@@ -190,6 +188,11 @@ class BackwardUpdates:
             if item is None:
                 return
             speculation, index = item
+            with self._cond:
+                if speculation.closed:
+                    self._queue.task_done()
+                    continue
+                self._busy_with = speculation
             snap = None
             try:
                 snap = self._speculate(index, speculation)
@@ -200,8 +203,9 @@ class BackwardUpdates:
                     if snap is not None:
                         speculation.done.append(snap)
                         self.speculated += 1
-                    speculation.pending -= 1
+                    self._busy_with = None
                     self._cond.notify_all()
+                self._queue.task_done()  # join() waits for every queued layer
 
     def _speculate(self, index: int, speculation: Speculation) -> Snapshot | None:
         """Snapshot layer ``index`` and update it as the step would; None where it cannot (no state yet, no grads,

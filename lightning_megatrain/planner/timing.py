@@ -60,15 +60,20 @@ def host_after_backward(bwd: list[float], speculated: list[int], host_params: in
     Layer i's grads are final t_i = bwd[L-1] + ... + bwd[i] after that backward starts (its drain, one layer's grads
     over PCIe, ~15 ms for a 7B layer, is left out). One worker updates the speculated layers in that order, each
     taking u_i = n_i / opt_rate (the update) + 2 * 12 * n_i / copy_gbps (its snapshot: the fp32 master and two
-    moments read and written; ``HOST_COPY_GBPS`` counts read + write bytes, shared/BENCHMARKS.md); it finishes
-    f_{L-1} = t_{L-1} + u_{L-1}, f_i = max(f_{i+1}, t_i) + u_i. Left at T_b = t_0: max(0, f_last - T_b), then the
-    parameters not speculated (residents, the other layers) at ``opt_rate``. No speculation: ``host_params /
-    opt_rate``."""
-    t = f = 0.0
+    moments read and written; ``HOST_COPY_GBPS`` counts read + write bytes, shared/BENCHMARKS.md): layer i starts at
+    s_i = max(f_{i+1}, t_i) and ends f_i = s_i + u_i. A layer that would start at or after T_b = t_0 is not
+    speculated (the step closes the speculation when backward ends and updates it, without a snapshot). Left at T_b:
+    max(0, f - T_b) of the last one started, then the parameters not speculated (residents, the other layers) at
+    ``opt_rate``. No speculation: ``host_params / opt_rate``."""
+    end, t = sum(bwd), 0.0
+    f, started = 0.0, 0
     for b, n in zip(reversed(bwd), speculated):
         t += b
-        f = max(f, t) + n / (opt_rate * 1e9) + 2 * SNAPSHOT_BYTES * n / (copy_gbps * 1e9)
-    return max(0.0, f - sum(bwd)) + (host_params - sum(speculated)) / (opt_rate * 1e9)
+        start = max(f, t)
+        if start >= end:
+            break
+        f, started = start + n / (opt_rate * 1e9) + 2 * SNAPSHOT_BYTES * n / (copy_gbps * 1e9), started + n
+    return max(0.0, f - end) + (host_params - started) / (opt_rate * 1e9)
 
 
 def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,

@@ -35,6 +35,20 @@ class Speculation(L.Callback):
         self.on_train_end(trainer, pl_module)
 
 
+@pytest.fixture
+def host_keeps_up(monkeypatch):
+    """Each layer's speculative update finishes before the backward goes on, as when the host keeps up with the
+    GPU: what is speculated no longer depends on timing, so the tests can count it (without this fixture a layer
+    still queued when the step closes the speculation is the step's, as in training)."""
+    landed = backward_updates.BackwardUpdates._landed
+
+    def keeping_up(self, speculation, index):
+        landed(self, speculation, index)
+        self._queue.join()
+
+    monkeypatch.setattr(backward_updates.BackwardUpdates, "_landed", keeping_up)
+
+
 def _late_grads(monkeypatch) -> None:
     """The CPU backend's grads land late ([Note: late grads]), as a CUDA drain's do: the overlapped step's worker
     then decides whether the speculation stands."""
@@ -60,7 +74,7 @@ N_LAYERS = 3  # llama_tied's decoder layers (helpers/families.py)
     (True, 1e3, 1), (False, 1e3, 2),  # clipping that never fires: they stand
     (False, 1e-3, 2), (True, 1e-3, 1),  # clipping that always fires: every one is undone and redone
 ])
-def test_results_equal_the_step_without_them_bitwise(late, clip, accumulate, monkeypatch):
+def test_results_equal_the_step_without_them_bitwise(late, clip, accumulate, monkeypatch, host_keeps_up):
     if late:
         _late_grads(monkeypatch)
     steps = 4
@@ -75,7 +89,7 @@ def test_results_equal_the_step_without_them_bitwise(late, clip, accumulate, mon
 
 @pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("fault", [{"nan_grad": {2}}, {"nan_loss": {2}}])
-def test_a_skipped_step_undoes_them(late, fault, monkeypatch):
+def test_a_skipped_step_undoes_them(late, fault, monkeypatch, host_keeps_up):
     """NaN gradients (or a NaN loss) at step 2: the layers updated during its backward are restored, the step is
     skipped whole, and the run ends where the same run without them ends."""
     if late:
@@ -87,7 +101,7 @@ def test_a_skipped_step_undoes_them(late, fault, monkeypatch):
     assert speculation.speculated == 3 * N_LAYERS
 
 
-def test_deepspeed_adam(monkeypatch):
+def test_deepspeed_adam(host_keeps_up):
     """DeepSpeedCPUAdam counts steps in a Python int: the snapshot restores it too (clipping fires every step)."""
     try:
         to_host_optimizer(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), "deepspeed")
@@ -98,7 +112,7 @@ def test_deepspeed_adam(monkeypatch):
     assert speculation.undone == speculation.speculated == 2 * N_LAYERS
 
 
-def test_the_snapshot_budget_bounds_the_speculated_layers(monkeypatch):
+def test_the_snapshot_budget_bounds_the_speculated_layers(monkeypatch, host_keeps_up):
     """With host memory for one layer's snapshot, only the last layer (the first whose grads are final) speculates;
     the other waits for the end of backward, and results are unchanged."""
     layer = sum(p.numel() for p in Faulty().model.model.layers[0].parameters())
@@ -127,7 +141,7 @@ class Scheduled(Faulty):
 
 
 @pytest.mark.parametrize("lr_in_step", [False, True])
-def test_each_step_keeps_its_own_learning_rate(lr_in_step, monkeypatch):
+def test_each_step_keeps_its_own_learning_rate(lr_in_step, monkeypatch, host_keeps_up):
     """Late grads and no callback that waits for the step: step k's speculation is decided on the overlapped worker
     while step k+1 is already armed, under a scheduler that changes the learning rate every step. Each step's layers
     are updated with its own learning rate; one set inside the closure undoes that step's speculation."""
@@ -143,7 +157,7 @@ def test_each_step_keeps_its_own_learning_rate(lr_in_step, monkeypatch):
 
 
 @pytest.mark.parametrize("late", [False, True])
-def test_a_step_that_fails_to_prepare_undoes_the_kept_layers(late, monkeypatch):
+def test_a_step_that_fails_to_prepare_undoes_the_kept_layers(late, monkeypatch, host_keeps_up):
     """The speculated layers stand, then the step's own preparation fails (its host RAM for a state, say): the
     step reports that it updated nothing, and nothing is updated, speculated layers included."""
     if late:
@@ -167,6 +181,17 @@ def test_a_step_that_fails_to_prepare_undoes_the_kept_layers(late, monkeypatch):
             overlap_optimizer=True)
     assert_bitwise_equal(got.at_exception, got.after_batch[1])
     assert speculation.undone == N_LAYERS
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_with_training_timing_the_results_are_the_same(clip, monkeypatch):
+    """No fixture: the speculation is closed while layers may still be queued or updating (those queued are the
+    step's), as in training; results are bitwise the same either way."""
+    _late_grads(monkeypatch)
+    got, ref, speculation = _both({}, 5, clip=clip, accumulate=2, cpu_adam="torch")
+    assert_bitwise_equal(got.final, ref.final)
+    assert speculation.speculated <= 4 * N_LAYERS
+    assert speculation.undone == (speculation.speculated if clip else 0)
 
 
 def test_hooks_that_read_parameters_after_backward_stop_them(caplog):
