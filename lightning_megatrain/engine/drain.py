@@ -52,7 +52,7 @@ class _Drain:
     device: tuple[Tensor, ...]  # 1D device buffers the copy reads (the packed grads, the device-side sum)
     slab: Tensor | None  # 1D pinned host, [max layer numel]; None when the copy went straight into the grads
     done: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the drain worker
-    notify: Callable[[int], None] | None  # the landed hook when the drain was issued ([Note: updates during backward])
+    notify: Callable[[int], None] | None = None  # the landed hook when issued (engine/backward_updates.py)
 
 
 def add_packed(group: FlatGroup, present: list[bool], packed: Tensor) -> None:
