@@ -115,8 +115,11 @@ def test_options_several_ranks_refuse():
         sharded_config(EngineConfig(host_state="int8_moments"), 4)
     with pytest.raises(ValueError, match=r"checkpoint_format='sharded'(.|\n)*checkpoint_format='file'"):
         sharded_config(EngineConfig(checkpoint_format="sharded"), 2)
+    with pytest.raises(ValueError, match=r"with 2 ranks(.|\n)*update_during_backward=True: each rank steps its shard"):
+        sharded_config(EngineConfig(update_during_backward=True), 2)
     settled = sharded_config(EngineConfig(), 2)
     assert settled.overlap_optimizer is False and settled.gpu_optimizer_groups == 0
+    assert settled.update_during_backward is False
     # decided alike on every rank: a per-rank "auto" would pair one rank's gather with another's reduce-scatter
     assert (settled.keep_layers, settled.segment_layers) == (0, 1)
     given = sharded_config(EngineConfig(keep_layers=3, segment_layers=2), 2)
