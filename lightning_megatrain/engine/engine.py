@@ -38,7 +38,8 @@ from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.sharded_layers import ShardedTransfer
-from lightning_megatrain.engine.sharding import Ranks, ShardedOptimizerStep, ShardedState, sharded_config
+from lightning_megatrain.engine.sharded_step import ShardedOptimizerStep
+from lightning_megatrain.engine.sharding import Ranks, ShardedState, sharded_config
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer

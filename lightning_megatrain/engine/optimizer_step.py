@@ -217,12 +217,10 @@ class OptimizerStep(OptimizerSetup):
         torch.
         """
         groups = self.groups
-        held = {id(p) for g in groups for p in g.params}
-        wanted = {id(p) for p in params}
-        if self._late_grads and wanted != held:
+        if self._late_grads and {id(p) for p in params} != {id(p) for g in groups for p in g.params}:
             self._late_grads = False  # torch's clipping may read p.grad below: land them now
             self._land_grads()
-        if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
+        if not self.clips_whole(params):
             self._close_backward_updates(keep=False)  # torch's clipping scales the grads they used
             return False
         if self._late_grads:  # the factor stays on the device; check_finite sends it to the host step
@@ -242,6 +240,14 @@ class OptimizerStep(OptimizerSetup):
                 for g in groups:
                     g.scale_grads(coef)
         return True
+
+    def clips_whole(self, params: list[Tensor]) -> bool:
+        """Whether :meth:`clip_grad_norm_` clips ``params`` itself: they are parameters the engine holds grads for,
+        and every one holding a grad is among them."""
+        held = {id(p) for g in self.groups for p in g.params}
+        wanted = {id(p) for p in params}
+        return wanted <= held and not any(
+            p.grad is not None and id(p) not in wanted for g in self.groups for p in g.params)
 
     # - the finite check ([Note: all-or-nothing steps])
 

@@ -34,9 +34,9 @@ Collectives, in the same order on every rank (no rank ever decides alone whether
   every rank keeps ``grad=None`` on its pieces (one small all-reduce of presence flags per layer). Micro-batches of an
   accumulation each reduce-scatter (as DDP without ``no_sync``): the sum is linear, so the owned grads end as one
   reduction of the accumulated grads would leave them.
-- *end of backward, residents* (:meth:`ShardedOptimizerStep.finalize_gradients`): the residents' grads (the
-  parameters' ``.grad`` on the CPU backend, the host grads the CUDA residents' drain writes) accumulate locally
-  over the micro-batches and are reduce-scattered once, on the host group.
+- *end of backward, residents* (engine/sharded_step.py, ``ShardedOptimizerStep.finalize_gradients``): the
+  residents' grads (the parameters' ``.grad`` on the CPU backend, the host grads the CUDA residents' drain writes)
+  accumulate locally over the micro-batches and are reduce-scattered once, on the host group.
 - *clipping and the finite check*: the squared norm of the owned grads is all-reduced (sum) into the global one;
   the loss is all-reduced too, so every rank takes the same skip decision.
 - *after the update*: the residents' owned master is all-gathered in place into ``padded`` (host group).
@@ -60,11 +60,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine.grad_norm import host_norm_sq
 from lightning_megatrain.engine.host_store import FlatGroup
-from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.shard_states import load_optimizer_state, shard_optimizer, sharded_state
+from lightning_megatrain.engine.shard_states import load_optimizer_state, sharded_state
 from lightning_megatrain.engine.sharded_layers import nan_placeholder
 
 log = logging.getLogger(__name__)
@@ -359,62 +357,3 @@ class ShardedState:
         owned grads allocated so far."""
         masters = sum(s.owned.master.nbytes if s.sharded else s.padded.nbytes for s in self.shards)
         return {"masters": masters, "owned_grads": sum(s.owned.grad_nbytes for s in self.shards)}
-
-
-class ShardedOptimizerStep(OptimizerStep):
-    """:class:`OptimizerStep` over the owned shares (engine/optimizer_step.py), with the residents' reduction, the
-    global norm and a skip decision every rank shares (see the module note).
-
-    Args:
-        state: the shards; the base class gets ``state.owned_groups`` as its groups.
-        resident_group: the residents' full group, whose grads are reduced at the end of backward (None: none).
-        others: the base class's remaining arguments (config, device, overlap=None, transfer, residents).
-    """
-
-    def __init__(self, state: ShardedState, resident_group: FlatGroup | None, config: EngineConfig,
-                 device: torch.device, transfer: Any, residents: Any) -> None:
-        super().__init__(config, device, state.owned_groups, None, transfer, residents)
-        self.state = state
-        self._resident = state.shard_of(resident_group) if resident_group is not None else None
-
-    def to_host_optimizers(self, optimizers, schedulers):
-        host = super().to_host_optimizers(optimizers, schedulers)
-        for optimizer in host:
-            shard_optimizer(optimizer, self.state)
-        return host
-
-    def finalize_gradients(self, grads_read: bool = True) -> None:
-        super().finalize_gradients(grads_read)
-        self._reduce_residents()
-
-    def _reduce_residents(self) -> None:
-        """Reduce the residents' local grads into the owned grads where some rank holds any: at the end of backward,
-        and before clipping, which manual optimization calls before ``optimizer.step()`` finalizes. Whether to is
-        one flag all-reduced (every rank takes the same branch); once reduced, no ``p.grad`` is left."""
-        if self._resident is None:
-            return
-        local = any(p.grad is not None for p in self._resident.group.params)
-        anywhere = self.state.ranks.all_reduce_(torch.tensor([float(local)]), op=dist.ReduceOp.MAX)
-        if anywhere[0]:
-            self.state.reduce_local_grads(self._resident)
-
-    def _host_norm_sq(self) -> Tensor:
-        """The squared global grad norm: the owned grads' squared norms summed over the ranks."""
-        return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
-
-    def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
-        self._reduce_residents()  # manual optimization clips before optimizer.step() finalizes the grads
-        if not super().clip_grad_norm_(params, max_norm, defer):
-            raise RuntimeError(
-                "MegaTrainStrategy with several ranks clips the global norm of the optimizer's whole shard only, but "
-                "the optimizer being clipped holds part of the model's parameters. HINT: one optimizer over "
-                "self.parameters(), or devices=1."
-            )
-        return True
-
-    def check_finite(self, loss: Tensor | None, index: int) -> bool:
-        # the same decision on every rank: the global norm (clipping's, or _host_norm_sq's) and the mean loss
-        if isinstance(loss, Tensor):
-            ranks = self.state.ranks
-            loss = ranks.all_reduce_(loss.detach().float().sum().reshape(1).cpu())[0] / ranks.world
-        return super().check_finite(loss, index)

@@ -315,3 +315,22 @@ def test_predict_on_two_ranks(tmp_path):
         assert run.error.startswith("ValueError: MegaTrainStrategy with 2 ranks runs each layer on every rank "
                                     "together"), run.error
         assert "differ: [[3], [2]]" in run.error
+
+
+class PartLM(RankLM):
+    """An optimizer over every parameter but the last block's gate, the last element of that block's flat buffer:
+    only the last rank's shard holds part of what the optimizer leaves out."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for n, p in self.named_parameters() if n != "blocks.2.gate"], lr=1e-2)
+
+
+def test_clipping_an_optimizer_over_part_of_the_parameters_fails_on_every_rank(tmp_path):
+    """Clipping needs the optimizer to hold every parameter; which rank sees that it does not depends on the shards.
+    Decided on one rank alone, that rank raised while the other went on into the norm's all-reduce (gloo: "Connection
+    closed by peer"; NCCL: a hang): every rank refuses, with the same message."""
+    runs = launch(2, tmp_path, timeout=60, raises=True, steps=1, grads=False, clip=1.0,
+                  module=lambda world: PartLM(GLOBAL_BATCH // world))
+    for run in runs:
+        assert run.error.startswith("RuntimeError: MegaTrainStrategy with several ranks clips the global norm of the "
+                                    "optimizer's whole shard only"), run.error
