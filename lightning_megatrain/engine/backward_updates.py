@@ -9,11 +9,14 @@ factor (from the global grad norm) and whether the step is finite ([Note: all-or
 
 :class:`BackwardUpdates` speculates that the step neither clips nor is skipped. Armed for the closure of an optimizer
 step (:meth:`OptimizerStep.arm_backward_updates`), its worker thread takes each host layer once its grads have
-landed (as many drains issued while armed as the layer had forwards with grad: a drain issued before the arm, by an
-earlier micro-batch, does not count), copies the layer's masters, Adam moments and step counts into a snapshot, and
-runs the layer's update exactly as the step would: the same :class:`HostUpdate` kernel, the step's hyperparameters.
-Once every grad has landed the step closes the speculation (:meth:`BackwardUpdates.close`: the layer in progress
-finishes, the queued ones are left to the step, which updates them without a snapshot) and decides:
+landed (as many drains, issued since the closure's backward started, as the layer had forwards with grad since the
+arm: a drain of an earlier micro-batch, or of a backward inside ``training_step``, does not count), copies the
+layer's masters, Adam moments and step counts into a snapshot, and runs the layer's update exactly as the step
+would: the same :class:`HostUpdate` kernel, the step's hyperparameters.
+Once every grad has landed the step closes the speculation (:meth:`BackwardUpdates.close`: a layer already updating
+finishes; one still copying its snapshot is abandoned, nothing of it written, and the queued ones are left to the
+step, which updates them without a snapshot, so a speculation never costs more than the update it saves) and
+decides:
 
 - factor 1 and finite: the speculated layers are done; the host step skips them and updates the rest, the first
   layers first, which is what the next forward reads first;
@@ -34,10 +37,12 @@ no user code that may read grads or parameters between backward and the step (ho
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,15 +50,17 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain._hardware import GIB
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.host_budget import host_free_checked
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.transfer import Transfer
-from lightning_megatrain.optim.host_optimizer import HostUpdate, Hyper, hyper_snapshot
+from lightning_megatrain.optim.host_optimizer import HostUpdate, Hyper, hyper_snapshot, overlappable
 
 log = logging.getLogger(__name__)
 
 _SNAPSHOT_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
 _RESERVE_BYTES = 4 * GIB  # host memory the snapshots always leave free
+_CHUNK = 1 << 24  # elements a snapshot copies between checks that the speculation is still open (64 MiB)
 
 
 def snapshot_budget() -> int:
@@ -86,6 +93,7 @@ class Speculation:
     skip: frozenset[int]  # ids of parameters the host step does not update (device groups)
     forwarded: dict[int, int] = field(default_factory=dict)  # layer index -> forwards with grad since the arm
     landed: dict[int, int] = field(default_factory=dict)  # layer index -> its drains issued since the arm, landed
+    queued: set[int] = field(default_factory=set)  # layers handed to the worker (once each)
     closed: bool = False  # decided: no layer starts any more
     done: list[Snapshot] = field(default_factory=list)  # the speculated layers
 
@@ -118,13 +126,18 @@ class BackwardUpdates:
     # - the training thread
 
     def arm(self, optimizer: torch.optim.Optimizer, skip: frozenset[int]) -> Speculation:
-        """Speculate on ``optimizer``'s step (called before the step's closure); the step closes what this returns."""
+        """Speculate on ``optimizer``'s step (called before the step's closure: its forwards count); the step opens
+        it when its backward starts (:meth:`open`) and closes what this returns."""
         speculation = Speculation(optimizer, hyper_snapshot(optimizer), skip)
         with self._cond:
             self._current = speculation
-        # drains issued from now on count for this step, whichever step is armed when they land
-        self.transfer.landed_hook = functools.partial(self._landed, speculation)
         return speculation
+
+    def open(self, speculation: Speculation) -> None:
+        """The closure's backward starts: drains issued from now on count for ``speculation``, whichever step is armed
+        when they land (a backward inside ``training_step``, before this one, adds grads the layers' count would not
+        see finished)."""
+        self.transfer.landed_hook = functools.partial(self._landed, speculation)
 
     def forwarded(self, index: int) -> None:
         """Layer ``index`` ran a forward with grad (the streamed Function's forward, on the training thread)."""
@@ -140,12 +153,13 @@ class BackwardUpdates:
             if speculation.closed:
                 return
             speculation.landed[index] = speculation.landed.get(index, 0) + 1
-            if speculation.landed[index] == speculation.forwarded.get(index, 0):
+            if speculation.landed[index] == speculation.forwarded.get(index, 0) and index not in speculation.queued:
+                speculation.queued.add(index)
                 self._queue.put((speculation, index))
 
     def close(self, speculation: Speculation) -> list[Snapshot]:
-        """End ``speculation``: no layer of it starts any more, the one in progress finishes. Returns the speculated
-        layers; the others are the step's. Any thread."""
+        """End ``speculation``: no layer of it starts any more, one copying its snapshot stops, one updating finishes.
+        Returns the speculated layers; the others are the step's. Any thread."""
         with self._cond:
             speculation.closed = True
             while self._busy_with is speculation:
@@ -174,6 +188,14 @@ class BackwardUpdates:
     def host_bytes(self) -> int:
         """Host bytes of the snapshots' storage."""
         return sum(s.nbytes for s in self._slabs.values())
+
+    def release(self) -> int:
+        """Give the snapshots' storage back (another placement needs host memory; no speculation is open: the step
+        before was decided) and measure the budget again at the next speculation. Returns the bytes released."""
+        released = self.host_bytes()
+        self._slabs.clear()
+        self.budget_bytes = None
+        return released
 
     def shutdown(self) -> None:
         """Stop the worker (teardown, after the last step was decided)."""
@@ -219,7 +241,9 @@ class BackwardUpdates:
         slab = self._slab(index)
         if slab is None:
             return None
-        snap = _snapshot(group, params, optimizer, slab)
+        snap = _snapshot(group, params, optimizer, slab, lambda: speculation.closed)
+        if snap is None:  # closed while copying: nothing was written, the step updates the layer
+            return None
         update = HostUpdate(optimizer, None, skip=speculation.skip, snapshot=speculation.hyper)
         try:
             with torch.no_grad():
@@ -252,21 +276,83 @@ class BackwardUpdates:
         return slab
 
 
+class StepSpeculation:
+    """The optimizer step's side of the speculation (a base of :class:`OptimizerStep`, engine/optimizer_step.py,
+    which sets the attributes annotated here): arm it before the closure, decide it, undo what a failure leaves."""
+
+    config: EngineConfig
+    backward_updates: BackwardUpdates | None  # None: update_during_backward off
+    _speculation: Speculation | None  # this step's, armed and not yet taken by run()
+    _device_param_ids: frozenset[int]  # the device groups' parameters: never speculated
+    _told_blocked: bool  # update_during_backward=True was blocked, and the log said why
+
+    def arm_backward_updates(self, optimizer: torch.optim.Optimizer, blockers: list[str]) -> None:
+        """Let the layers whose grads become final during the closure about to run start ``optimizer``'s host
+        update, unless ``blockers`` (hooks.py ``backward_update_blockers``) or the step cannot take them: an
+        optimizer other than the host Adam/AdamW, or (``"auto"``) a last step whose clipping fired."""
+        updates = self.backward_updates
+        if updates is None or blockers or not overlappable(optimizer):
+            if updates is not None and self.config.update_during_backward is True and not self._told_blocked:
+                self._told_blocked = True
+                log.info("MegaTrain: no host updates during backward: %s",
+                         "; ".join(blockers) or f"{type(optimizer).__name__} is not the host Adam/AdamW")
+            return
+        if self.config.update_during_backward == "auto" and updates.clipped_last:
+            return
+        self._speculation = updates.arm(optimizer, self._device_param_ids)
+
+    def _close_backward_updates(self, keep: bool, speculation: Speculation | None = None,
+                                hyper: Hyper | None = None) -> list[Snapshot]:
+        """Decide ``speculation`` (default: this step's, while armed): keep its updates (returned) if ``keep`` and
+        the hyperparameters are still those it used (``hyper``, default: now), else undo them. Any thread."""
+        if speculation is None:
+            speculation, self._speculation = self._speculation, None
+        if speculation is None or self.backward_updates is None:
+            return []
+        return self.backward_updates.decide(speculation, keep, hyper)
+
+    @contextlib.contextmanager
+    def _undone_on_failure(self, kept: list[Snapshot]) -> Iterator[None]:
+        """Restore the kept speculated layers if what runs inside raises before the host update starts (a failed
+        prepare, or device step): nothing of the step is then updated, as the guard's report says."""
+        try:
+            yield
+        except BaseException:
+            if kept:
+                assert self.backward_updates is not None
+                self.backward_updates.restore(kept)
+            raise
+
+    def open_backward_updates(self) -> None:
+        """The backward of the closure armed for starts (the precision plugin's ``pre_backward``)."""
+        if self._speculation is not None and self.backward_updates is not None:
+            self.backward_updates.open(self._speculation)
+
+    def abort_backward_updates(self) -> None:
+        """Undo the speculation of a step that raised before its update."""
+        self._close_backward_updates(keep=False)
+
+
 def params_of(snapshots: list[Snapshot]) -> frozenset[int]:
     """Ids of the parameters the kept speculative updates stepped (the host step skips them)."""
     return frozenset(id(p) for snap in snapshots for p in snap.params)
 
 
-def _snapshot(group: FlatGroup, params: list[Tensor], optimizer: torch.optim.Optimizer, slab: Tensor) -> Snapshot:
-    """Copy ``group``'s masters and the Adam state of ``params`` into ``slab``."""
+def _snapshot(group: FlatGroup, params: list[Tensor], optimizer: torch.optim.Optimizer, slab: Tensor,
+              closed: Callable[[], bool]) -> Snapshot | None:
+    """Copy ``group``'s masters and the Adam state of ``params`` into ``slab``, a chunk of at most
+    :data:`_CHUNK` elements at a time; None as soon as ``closed()``: backward has ended, and a snapshot that would
+    finish after it costs more than the update it enables saves (the step updates the layer instead)."""
     states = [optimizer.state[p] for p in params]
-    n = group.numel
-    slab[:n].copy_(group.master)
-    offset = n
-    for key in ("exp_avg", "exp_avg_sq"):
-        for p, state in zip(params, states):
-            slab[offset : offset + p.numel()].copy_(state[key].reshape(-1))
-            offset += p.numel()
+    sources = [group.master] + [state[key].reshape(-1) for key in ("exp_avg", "exp_avg_sq") for state in states]
+    offset = 0
+    for source in sources:
+        for start in range(0, source.numel(), _CHUNK):
+            if closed():
+                return None
+            chunk = source[start : start + _CHUNK]
+            slab[offset + start : offset + start + chunk.numel()].copy_(chunk)
+        offset += source.numel()
     return Snapshot(group, params, states, slab, [_copy_step(state["step"]) for state in states])
 
 

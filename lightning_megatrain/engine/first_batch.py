@@ -32,6 +32,7 @@ from lightning_megatrain.engine.placement import (
 from lightning_megatrain.optim.host_optimizer import overlappable
 
 if TYPE_CHECKING:
+    from lightning_megatrain.engine.backward_updates import BackwardUpdates
     from lightning_megatrain.engine.sharding import ShardedState
     from lightning_megatrain.engine.streamed import StreamedLayers
     from lightning_megatrain.engine.transfer import Transfer
@@ -53,6 +54,7 @@ class FirstBatchPlacement:
     sharding: ShardedState | None
     transfer: Transfer | None
     streamed: StreamedLayers | None
+    backward_updates: BackwardUpdates | None
     placement_pending: bool
     _unsettled: list[torch.optim.Optimizer]
     _grads_deferred: bool
@@ -160,8 +162,11 @@ class FirstBatchPlacement:
                          "were placed for: placing them again", *shape, self._placed_tokens)
                 self.wait_for_optimizer()  # an overlapped step may still be allocating host Adam states
             self._placed_tokens = shape[0] * shape[1]
-            # the stash pool's pinned buffers, too small for a longer micro-batch, are freed before new ones are made
+            # the stash pool's pinned buffers, too small for a longer micro-batch, are freed before new ones are made;
+            # the snapshots of the updates during backward give their memory back and size themselves again after
             pool = self.transfer.host_bytes().get("offload_cache", 0)
+            if self.backward_updates is not None:
+                pool += self.backward_updates.release()
             k, n, why = choose_checkpoints(
                 hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
                 chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine.backward_updates import params_of
+from lightning_megatrain.engine.backward_updates import StepSpeculation, params_of
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
 from lightning_megatrain.engine.optimizer_setup import OptimizerSetup
 from lightning_megatrain.engine.step_guard import StepGuard
@@ -69,12 +69,11 @@ from lightning_megatrain.optim.host_optimizer import (
     allocate_states,
     device_update,
     hyper_snapshot,
-    overlappable,
 )
 from lightning_megatrain.optim.updates import Update, host_update
 
 if TYPE_CHECKING:
-    from lightning_megatrain.engine.backward_updates import BackwardUpdates, Snapshot, Speculation
+    from lightning_megatrain.engine.backward_updates import BackwardUpdates, Speculation
     from lightning_megatrain.engine.device_state import DeviceGroup
     from lightning_megatrain.engine.host_store import FlatGroup
     from lightning_megatrain.engine.overlap import OverlappedStep
@@ -84,7 +83,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class OptimizerStep(OptimizerSetup):
+class OptimizerStep(OptimizerSetup, StepSpeculation):
     """Gradient finalization, clipping and the optimizer update for the engine's groups (see the module docstring);
     the host optimizers' setup and ``zero_grad`` are its base's (engine/optimizer_setup.py).
 
@@ -137,48 +136,6 @@ class OptimizerStep(OptimizerSetup):
         before any step."""
         self.device_groups = device_groups
         self._device_param_ids = frozenset(id(p) for d in device_groups for p in d.group.params)
-
-    # - during backward: speculative host updates ([Note: updates during backward])
-
-    def arm_backward_updates(self, optimizer: torch.optim.Optimizer, blockers: list[str]) -> None:
-        """Let the layers whose grads become final during the closure about to run start ``optimizer``'s host
-        update, unless ``blockers`` (hooks.py ``backward_update_blockers``) or the step cannot take them: an
-        optimizer other than the host Adam/AdamW, or (``"auto"``) a last step whose clipping fired."""
-        updates = self.backward_updates
-        if updates is None or blockers or not overlappable(optimizer):
-            if updates is not None and self.config.update_during_backward is True and not self._told_blocked:
-                self._told_blocked = True
-                log.info("MegaTrain: no host updates during backward: %s",
-                         "; ".join(blockers) or f"{type(optimizer).__name__} is not the host Adam/AdamW")
-            return
-        if self.config.update_during_backward == "auto" and updates.clipped_last:
-            return
-        self._speculation = updates.arm(optimizer, self._device_param_ids)
-
-    def _close_backward_updates(self, keep: bool, speculation: Speculation | None = None,
-                                hyper: Hyper | None = None) -> list[Snapshot]:
-        """Decide ``speculation`` (default: this step's, while armed): keep its updates (returned) if ``keep`` and
-        the hyperparameters are still those it used (``hyper``, default: now), else undo them. Any thread."""
-        if speculation is None:
-            speculation, self._speculation = self._speculation, None
-        if speculation is None or self.backward_updates is None:
-            return []
-        return self.backward_updates.decide(speculation, keep, hyper)
-
-    def _prepare_keeping(self, update: Update, index: int, groups: list[list[Tensor]], kept: list[Snapshot]) -> None:
-        """``update.prepare(groups)`` reported by the guard; a failure undoes the kept speculated layers too, so
-        nothing is updated, as the report says."""
-        try:
-            self.guard.guarded(index, update, lambda: update.prepare(groups))
-        except BaseException:
-            if kept:
-                assert self.backward_updates is not None
-                self.backward_updates.restore(kept)
-            raise
-
-    def abort_backward_updates(self) -> None:
-        """Undo the speculation of a step that raised before its update."""
-        self._close_backward_updates(keep=False)
 
     # - end of backward: the host grads
 
@@ -328,11 +285,13 @@ class OptimizerStep(OptimizerSetup):
             if self.backward_updates is not None:
                 self.backward_updates.clipped_last = self._clip_fired
             skip = self._device_param_ids | params_of(kept)
-            update = host_update(optimizer, scale, skip, None, self.device)
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._prepare_keeping(update, index, [params], kept)
-            if self.device_groups:
-                self._device_step(optimizer, scale, None, index)
+            with self._undone_on_failure(kept):
+                update = host_update(optimizer, scale, skip, None, self.device)
+                self.guard.guarded(index, update, lambda: update.prepare([params]))
+                if self.device_groups:
+                    self._device_step(optimizer, scale, None, index)
+            update.started += len(params_of(kept))  # they are updated: a failure from here on tears the step
             if self.overlap is not None:
                 self.overlap.launch(lambda: self._committing(update, index))
             else:
@@ -378,11 +337,16 @@ class OptimizerStep(OptimizerSetup):
         """Step ``index``'s host update, built on its worker once the grads and the step's stats have landed, after
         ``speculation`` is decided; None for a step skipped as non-finite (the device groups skipped it too, on the
         device)."""
-        self._land_grads()
-        assert self._stats_host is not None
-        if stats_copied is not None:
-            stats_copied.synchronize()
-        coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
+        try:
+            self._land_grads()
+            assert self._stats_host is not None
+            if stats_copied is not None:
+                stats_copied.synchronize()
+            coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
+        except BaseException:  # a failed drain: the step updates nothing, the speculation included
+            if speculation is not None:
+                self._close_backward_updates(False, speculation)
+            raise
         finite = math.isfinite(norm_sq) and math.isfinite(loss)
         kept = [] if speculation is None else self._close_backward_updates(finite and coef == 1.0, speculation, hyper)
         if self.backward_updates is not None:
@@ -391,8 +355,10 @@ class OptimizerStep(OptimizerSetup):
             self.guard.nonfinite(index, norm_sq, loss)
             return None
         scale = None if coef == 1.0 else torch.tensor(coef, dtype=torch.float32)
-        update = host_update(optimizer, scale, self._device_param_ids | params_of(kept), hyper, self.device)
-        self._prepare_keeping(update, index, [g.params for g in self.groups], kept)
+        with self._undone_on_failure(kept):
+            update = host_update(optimizer, scale, self._device_param_ids | params_of(kept), hyper, self.device)
+            self.guard.guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
+        update.started += len(params_of(kept))  # they are updated: a failure from here on tears the step
         return self._committing(update, index)
 
     def _committing(self, update: Update, index: int) -> Callable[[list[Tensor]], None]:

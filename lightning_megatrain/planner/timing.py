@@ -61,18 +61,19 @@ def host_after_backward(bwd: list[float], speculated: list[int], host_params: in
     over PCIe, ~15 ms for a 7B layer, is left out). One worker updates the speculated layers in that order, each
     taking u_i = n_i / opt_rate (the update) + 2 * 12 * n_i / copy_gbps (its snapshot: the fp32 master and two
     moments read and written; ``HOST_COPY_GBPS`` counts read + write bytes, shared/BENCHMARKS.md): layer i starts at
-    s_i = max(f_{i+1}, t_i) and ends f_i = s_i + u_i. A layer that would start at or after T_b = t_0 is not
-    speculated (the step closes the speculation when backward ends and updates it, without a snapshot). Left at T_b:
-    max(0, f - T_b) of the last one started, then the parameters not speculated (residents, the other layers) at
-    ``opt_rate``. No speculation: ``host_params / opt_rate``."""
+    s_i = max(f_{i+1}, t_i), its snapshot is copied by c_i = s_i + 24 n_i / copy_gbps and it ends f_i = c_i + n_i /
+    opt_rate. A layer whose snapshot would not be copied before T_b = t_0 is not speculated (the step closes the
+    speculation when backward ends: the engine abandons that copy and the step updates the layer, without a
+    snapshot). Left at T_b: max(0, f - T_b) of the last one speculated, then the parameters not speculated
+    (residents, the other layers) at ``opt_rate``. No speculation: ``host_params / opt_rate``."""
     end, t = sum(bwd), 0.0
     f, started = 0.0, 0
     for b, n in zip(reversed(bwd), speculated):
         t += b
-        start = max(f, t)
-        if start >= end:
+        copied = max(f, t) + 2 * SNAPSHOT_BYTES * n / (copy_gbps * 1e9)
+        if copied > end:
             break
-        f, started = start + n / (opt_rate * 1e9) + 2 * SNAPSHOT_BYTES * n / (copy_gbps * 1e9), started + n
+        f, started = copied + n / (opt_rate * 1e9), started + n
     return max(0.0, f - end) + (host_params - started) / (opt_rate * 1e9)
 
 

@@ -30,6 +30,9 @@ class Speculation(L.Callback):
     def on_train_end(self, trainer, pl_module):
         updates = trainer.strategy.engine.backward_updates
         self.speculated, self.undone = (None, None) if updates is None else (updates.speculated, updates.undone)
+        if updates is not None:
+            self.released = updates.release()
+            self.after_release = (updates.host_bytes(), updates.budget_bytes)
 
     def on_exception(self, trainer, pl_module, exception):
         self.on_train_end(trainer, pl_module)
@@ -120,6 +123,8 @@ def test_the_snapshot_budget_bounds_the_speculated_layers(monkeypatch, host_keep
     got, ref, speculation = _both({}, 4, cpu_adam="torch")
     assert_bitwise_equal(got.final, ref.final)
     assert speculation.speculated == 3  # one layer in each step after the first
+    # another placement (a longer micro-batch) takes the snapshots' memory back; they are sized again after
+    assert speculation.released == 12 * layer and speculation.after_release == (0, None)
 
 
 class Scheduled(Faulty):
@@ -140,12 +145,38 @@ class Scheduled(Faulty):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
 
 
+def _decided_after_the_next_arm(monkeypatch) -> None:
+    """The overlapped worker decides step k's speculation only once step k+1 is armed (or after 2 s: the last step),
+    as a GPU's late grads let happen: the order the per-step speculations exist for."""
+    import threading
+
+    arms, armed = [0], threading.Condition()
+    arm, land = backward_updates.BackwardUpdates.arm, OptimizerStep._land_grads
+
+    def counting_arm(self, optimizer, skip):
+        speculation = arm(self, optimizer, skip)
+        with armed:
+            arms[0] += 1
+            armed.notify_all()
+        return speculation
+
+    def late_landing(self):
+        with armed:
+            seen = arms[0]
+            armed.wait_for(lambda: arms[0] > seen, timeout=2.0)
+        land(self)
+
+    monkeypatch.setattr(backward_updates.BackwardUpdates, "arm", counting_arm)
+    monkeypatch.setattr(OptimizerStep, "_land_grads", late_landing)
+
+
 @pytest.mark.parametrize("lr_in_step", [False, True])
 def test_each_step_keeps_its_own_learning_rate(lr_in_step, monkeypatch, host_keeps_up):
     """Late grads and no callback that waits for the step: step k's speculation is decided on the overlapped worker
-    while step k+1 is already armed, under a scheduler that changes the learning rate every step. Each step's layers
-    are updated with its own learning rate; one set inside the closure undoes that step's speculation."""
+    after step k+1 is armed, under a scheduler that changes the learning rate every step. Each step's layers are
+    updated with its own learning rate; one set inside the closure undoes that step's speculation."""
     _late_grads(monkeypatch)
+    _decided_after_the_next_arm(monkeypatch)
     finals, speculation = [], Speculation()
     for during in (True, False):
         trainer = fit(Scheduled(lr_in_step), 5, callbacks=[speculation] if during else [], cpu_adam="torch",
@@ -192,6 +223,27 @@ def test_with_training_timing_the_results_are_the_same(clip, monkeypatch):
     assert_bitwise_equal(got.final, ref.final)
     assert speculation.speculated <= 4 * N_LAYERS
     assert speculation.undone == (speculation.speculated if clip else 0)
+
+
+def test_a_failed_drain_undoes_them(monkeypatch, host_keeps_up):
+    """Late grads: the step's worker fails waiting for the last grads (a drain error) before it decides the
+    speculation: the speculated layers are undone with the step, which updates nothing."""
+    _late_grads(monkeypatch)
+    land, calls = OptimizerStep._land_grads, []
+
+    def fails_at_step_2(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("MegaTrain gradient drain worker failed")
+        land(self)
+
+    monkeypatch.setattr(OptimizerStep, "_land_grads", fails_at_step_2)
+    got, speculation = Snapshots(), Speculation()
+    with pytest.raises(RuntimeError, match=r"drain worker failed"):
+        fit(Faulty(), 4, callbacks=[got, speculation], cpu_adam="torch", update_during_backward=True,
+            overlap_optimizer=True)
+    assert_bitwise_equal(got.at_exception, got.after_batch[1])
+    assert speculation.undone == N_LAYERS
 
 
 def test_hooks_that_read_parameters_after_backward_stop_them(caplog):

@@ -48,9 +48,9 @@ def test_hand_computed_three_layers():
     bwd = [0.3, 0.2, 0.1]  # layer 0 first
     numels = [0.1e9, 0.2e9, 0.05e9]  # layers 2, 1, 0
     host = sum(numels) + 0.1e9
-    # grads final at t2 = 0.1, t1 = 0.3, t0 = 0.6 (the end of backward); layer 2 runs 0.1-0.3, layer 1 0.3-0.7;
-    # layer 0 would start at 0.7, after backward ends: not speculated. Left: 0.1 s of layer 1, then layer 0 and the
-    # residents without snapshots (0.15 s)
+    # grads final at t2 = 0.1, t1 = 0.3, t0 = 0.6 (the end of backward); layer 2: snapshot 0.1-0.2, update 0.2-0.3;
+    # layer 1: snapshot 0.3-0.5, update 0.5-0.7; layer 0's snapshot would end at 0.75, after backward ends: not
+    # speculated. Left: 0.1 s of layer 1, then layer 0 and the residents without snapshots (0.15 s)
     assert host_after_backward(bwd, numels, host, 1.0, 24.0) == pytest.approx(0.1 + 0.15)
     assert host_after_backward(bwd, numels[:2], host, 1.0, 24.0) == pytest.approx(0.1 + 0.15)
     # layer 2 only: done at 0.3, before backward ends; the rest (0.35 s) after it
@@ -66,14 +66,14 @@ def test_hand_computed_step_time_of_a_three_layer_model():
     base = step_time(s, 4, 64, **kw)
     f = base["  of which layers"] / (4 * L)  # one layer's forward; its backward is 3f (recompute + backward)
     head = base["  of which LM head + loss"]
-    u = n / 1e5 + 24 * n / 1e6  # one layer's update and snapshot
+    update, copy = n / 1e5, 24 * n / 1e6  # one layer's update and snapshot
     for k in range(L + 1):
         finish, started = 0.0, 0  # the worker, layer L-1 first, each layer's grads final 3f after the previous one's
         for j in range(k):
-            start = max(finish, 3 * f * (j + 1))
-            if start >= 3 * f * L:  # backward has ended: the step updates it, no snapshot
+            copied = max(finish, 3 * f * (j + 1)) + copy
+            if copied > 3 * f * L:  # its snapshot would end after backward: the step updates it, no snapshot
                 break
-            finish, started = start + u, started + n
+            finish, started = copied + update, started + n
         left = max(0.0, finish - 3 * f * L) + (s.n_params - started) / 1e5
         got = step_time(s, 4, 64, **kw, speculated_layers=k)
         assert got[KEY] == pytest.approx(max(0.0, left - L * f - head / 3), rel=1e-12)
@@ -91,14 +91,14 @@ def test_speculation_shortens_a_host_step_that_outlasts_the_forward(s7):
     before, backward = t[KEY], 3 * t["  of which layers"] / 4
     after = {k: step_time(s7, 32, 1024, **kw, speculated_layers=k)[KEY] for k in (4, 8, 12, 16, 32)}
     assert before > 5.0 and before > after[4] > after[8] > after[12] > 0.0
-    # each layer takes u = 0.2 s (update) + 0.06 s (snapshot, 24 B/param at 79 GB/s) against a backward of 0.09 s:
-    # the worker never waits after layer 31, and the layers it would start after backward ends are left to the
-    # step, without snapshots (11 here): speculating more than those changes nothing
+    # each layer takes 0.06 s (snapshot, 24 B/param at 79 GB/s) then 0.2 s (update) against a backward of 0.09 s:
+    # the worker never waits after layer 31, and the layers whose snapshot would end after backward are left to the
+    # step, without snapshots (11 speculated here): speculating more than those changes nothing
     n, b = s7.layers[0].numel, backward / 32
-    u = n / 1e9 + 24 * n / 79e9
-    k = sum(1 for j in range(32) if b + j * u < 32 * b)
+    update, copy = n / 1e9, 24 * n / 79e9
+    k = sum(1 for j in range(32) if b + j * (update + copy) + copy <= 32 * b)
     assert k == 11 and after[12] == after[16] == after[32]
-    assert before - after[32] == pytest.approx(k * n / 1e9 - (b + k * u - 32 * b), rel=1e-9)
+    assert before - after[32] == pytest.approx(k * update - (b + k * (update + copy) - 32 * b), rel=1e-9)
     # without the overlapped step nothing changes
     serial = kw | dict(overlap_optimizer=False)
     assert step_time(s7, 32, 1024, **serial, speculated_layers=32) == step_time(s7, 32, 1024, **serial)
