@@ -232,7 +232,7 @@ def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: 
 def _rank_main(rank: int, world: int, port: int, out: str, kwargs: dict, raises: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)  # [Note: forked children compute on one thread] in helpers/forked.py
+    torch.set_num_threads(1)  # [Note: test children] in helpers/forked.py
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
