@@ -29,7 +29,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.callbacks import ThroughputLogger
 from lightning_megatrain.engine.overlap import OverlappedStep
-from lightning_megatrain.hooks import PARAMETER_HOOKS, OptimizerBarrier, grads_read_by_hooks, parameter_readers
+from lightning_megatrain.hooks import (
+    PARAMETER_HOOKS,
+    OptimizerBarrier,
+    backward_update_blockers,
+    grads_read_by_hooks,
+    parameter_readers,
+)
 
 from helpers.parity import ParityLM, run
 
@@ -284,6 +290,27 @@ def test_grads_read_by_hooks():
     assert grads_read_by_hooks(_attached(_Module(), [_GradNorms()]))
     assert grads_read_by_hooks(_attached(_ModuleReadsGrads(), []))
     assert grads_read_by_hooks(_attached(_ModuleClipsItself(), []))
+
+
+def test_backward_update_blockers():
+    """What stops the host updates during backward ([Note: updates during backward]): code that may read grads or
+    parameters between backward and the step, manual optimization, value clipping, other than one optimizer."""
+
+    def blockers(module, callbacks, optimizers=1, **trainer):
+        module.trainer = L.Trainer(callbacks=callbacks, logger=False, **trainer)
+        module.trainer.strategy.optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])] * optimizers
+        return backward_update_blockers(module)
+
+    assert blockers(_Module(), [_EMA(), _OptedOut(), ThroughputLogger(), *_builtin_callbacks()]) == []
+    assert blockers(_Module(), [_GradNorms()])[0] == "_GradNorms.on_after_backward"
+    assert "a hook that reads grads" in blockers(_ModuleReadsGrads(), [])[0]
+    assert blockers(_Module(), [], gradient_clip_val=1.0, gradient_clip_algorithm="value") == [
+        "gradient_clip_algorithm='value'"]
+    assert blockers(_Module(), [], gradient_clip_val=1.0) == []  # norm clipping: speculated on
+    assert blockers(_Module(), [], optimizers=2) == ["2 optimizers"]
+    manual = _Module()
+    manual.automatic_optimization = False
+    assert blockers(manual, []) == ["manual optimization"]
 
 
 def test_validation_between_steps_waits_for_a_late_host_step(monkeypatch):
