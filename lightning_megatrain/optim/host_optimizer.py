@@ -161,10 +161,20 @@ Hyper = tuple[dict[int, dict], dict[int, dict]]
 
 
 def hyper_snapshot(optimizer: Optimizer) -> Hyper:
-    """(param id -> its param group, group id -> the group's hyperparameters now)."""
+    """(param id -> its param group, group id -> the group's hyperparameters now). Tensor hyperparameters are
+    copied: torch's LR schedulers set a tensor ``lr`` in place, possibly while an overlapped update still reads it."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    hyper = {id(g): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
+    hyper = {id(g): {k: _frozen(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups}
     return group_of, hyper
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as it is now: a tensor (or a tuple holding tensors, such as ``betas``) copied."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def _fused_adam(

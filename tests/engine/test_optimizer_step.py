@@ -19,7 +19,7 @@ from lightning_megatrain.engine.step_guard import NonFiniteError, StepFailed
 from lightning_megatrain.optim import host_optimizer
 from lightning_megatrain.optim.host_optimizer import to_host_optimizer
 
-from helpers.faults import Faulty, Snapshots, assert_bitwise_equal, fit
+from helpers.faults import Faulty, Snapshots, assert_bitwise_equal, fit, state_of
 
 
 def _step(device_groups: list, **config) -> OptimizerStep:
@@ -212,3 +212,26 @@ def test_failure_after_an_update_began_is_torn_and_refuses_checkpoints(monkeypat
         fit(Faulty(), 2, callbacks=[saved], checkpointing=True, overlap_optimizer=True, cpu_adam="torch")
     assert "StepFailed: MegaTrain: optimizer step 0 failed after updating" in str(info.value.__context__)
     assert not list(tmp_path.iterdir())
+
+
+class _TensorLR(Faulty):
+    """AdamW with a tensor learning rate, halved after every step by a per-step scheduler (in place: torch's
+    schedulers ``fill_`` a tensor ``lr``)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=torch.tensor(1e-2), fused=True)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_a_tensor_learning_rate_is_read_when_the_step_is_taken():
+    """The overlapped step (and the updates during backward) read the step's learning rate from a copy: the
+    scheduler set the tensor in place while the worker still updated layers with it, which then got the next
+    step's rate (the weights differed from the synchronous step's)."""
+    finals = []
+    for options in (dict(overlap_optimizer=False), dict(overlap_optimizer=True),
+                    dict(overlap_optimizer=True, update_during_backward=True)):
+        trainer = fit(_TensorLR(), 4, cpu_adam="torch", **options)
+        finals.append(state_of(trainer, trainer.lightning_module))
+    assert_bitwise_equal(finals[0], finals[1])
+    assert_bitwise_equal(finals[0], finals[2])
