@@ -142,8 +142,10 @@ class MegaTrainPrecision(Precision):
         engine = self.engine
         try:
             if engine.step.takes_step(optimizer) and not kwargs:
-                # layers may start their host update during the closure's backward ([Note: updates during backward])
-                engine.step.arm_backward_updates(optimizer, backward_update_blockers(model))
+                # layers may start their host update during the closure's backward ([Note: updates during backward]);
+                # not while the first micro-batch's placement may still make some of them device groups (a resume)
+                if not engine.placement_pending:
+                    engine.step.arm_backward_updates(optimizer, backward_update_blockers(model))
                 # forward/backward/clipping now; the update runs on the device and/or the overlap worker, or now
                 with torch.enable_grad():
                     result = self._wrap_closure(model, optimizer, closure)

@@ -32,7 +32,8 @@ def _fit(root, cpu_adam, overlap, ckpt_path=None):
     losses = StepLosses()
     every_step = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
                                  every_n_train_steps=1, save_top_k=-1, save_last=True)
-    strategy = MegaTrainStrategy(cpu_adam=cpu_adam, overlap_optimizer=overlap)
+    strategy = MegaTrainStrategy(cpu_adam=cpu_adam, overlap_optimizer=overlap is not False,
+                                 update_during_backward=overlap == "during backward")
     trainer = cpu_trainer(strategy=strategy, max_steps=STEPS, max_epochs=-1, gradient_clip_val=1.0,
                           default_root_dir=root, enable_checkpointing=True, callbacks=[every_step, losses],
                           num_sanity_val_steps=0)
@@ -47,8 +48,9 @@ def _fit(root, cpu_adam, overlap, ckpt_path=None):
         ("torch", True, (2,)),
         ("deepspeed", False, (2,)),
         ("deepspeed", True, (2,)),
+        ("torch", "during backward", (2,)),  # overlapped, with host updates during backward
     ],
-    ids=["torch-serial", "torch-overlapped", "deepspeed-serial", "deepspeed-overlapped"],
+    ids=["torch-serial", "torch-overlapped", "deepspeed-serial", "deepspeed-overlapped", "torch-during-backward"],
 )
 def test_resume_is_bitwise_the_uninterrupted_run(tmp_path, cpu_adam, overlap, starts, fast_cpuinfo):
     """Resumed mid-epoch (and, once, at an epoch's end), to 2 epochs' steps: the losses of every step after the
