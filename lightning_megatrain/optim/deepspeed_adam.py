@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,11 @@ from torch.optim import Optimizer
 log = logging.getLogger(__name__)
 
 
-def cpu_adam_build_dir() -> Path | None:
+def cpu_adam_build_dir(built_too: bool = False) -> Path | None:
     """The folder where DeepSpeed's CPUAdam extension is about to be compiled (torch's JIT extension cache:
     ``$TORCH_EXTENSIONS_DIR/cpu_adam``, else ``~/.cache/torch_extensions/<python>_<cuda>/cpu_adam``), or None when
-    nothing will be built: DeepSpeed was installed with it prebuilt, this process loaded it, or the cache holds it."""
+    nothing will be built: DeepSpeed was installed with it prebuilt, this process loaded it, or (unless
+    ``built_too``) the cache holds it."""
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder import CPUAdamBuilder
     from torch.utils.cpp_extension import _get_build_directory  # the folder torch.utils.cpp_extension.load uses
@@ -29,7 +31,20 @@ def cpu_adam_build_dir() -> Path | None:
     if installed_ops.get(name, False) or name in CPUAdamBuilder._loaded_ops:
         return None
     folder = Path(_get_build_directory(name, verbose=False))
-    return None if (folder / f"{name}.so").exists() else folder
+    return None if (folder / f"{name}.so").exists() and not built_too else folder
+
+
+def build_lock_warning(folder: Path | None, now: float | None = None) -> str | None:
+    """What to say when torch's build lock is in ``folder``: torch then waits, silently and for as long as the file
+    exists, for the process that made it, which may have been killed mid-build (a stale lock hangs every later run).
+    None without a lock."""
+    lock = None if folder is None else folder / "lock"
+    if lock is None or not lock.exists():
+        return None
+    age = (time.time() if now is None else now) - lock.stat().st_mtime
+    return (f"MegaTrain: DeepSpeed's CPU Adam build waits for {lock} (made {age / 60:.0f} min ago): another process "
+            "is building it, or one was interrupted mid-build and left the file, and then this run waits forever. "
+            "HINT: if no other build runs, delete the file; or use cpu_adam='torch'.")
 
 
 def deepspeed_host_adam(optimizer: Optimizer) -> Optimizer:
@@ -42,6 +57,9 @@ def deepspeed_host_adam(optimizer: Optimizer) -> Optimizer:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+    stale = build_lock_warning(cpu_adam_build_dir(built_too=True))
+    if stale is not None:
+        log.warning(stale)
     folder = cpu_adam_build_dir()
     if folder is not None:  # the JIT build prints nothing and takes a minute or more
         log.info(

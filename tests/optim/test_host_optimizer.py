@@ -265,6 +265,18 @@ def test_cpu_adam_build_dir_is_the_torch_extensions_cache_until_built(tmp_path, 
     assert folder == tmp_path / "cpu_adam"
     (folder / "cpu_adam.so").touch()  # built by an earlier run: loaded, not built
     assert deepspeed_adam.cpu_adam_build_dir() is None
+    assert deepspeed_adam.cpu_adam_build_dir(built_too=True) == folder  # where a rebuild would take its lock
+
+
+def test_a_build_lock_left_behind_is_named_with_its_age(tmp_path):
+    """torch waits, silently and forever, while its build lock exists; a build killed mid-way leaves it (a later run
+    then hung in FileBaton.wait): the warning names the file, its age and what to do."""
+    assert deepspeed_adam.build_lock_warning(tmp_path) is None and deepspeed_adam.build_lock_warning(None) is None
+    lock = tmp_path / "lock"
+    lock.touch()
+    message = deepspeed_adam.build_lock_warning(tmp_path, now=lock.stat().st_mtime + 600)
+    assert message.startswith(f"MegaTrain: DeepSpeed's CPU Adam build waits for {lock} (made 10 min ago)")
+    assert "HINT: if no other build runs, delete the file; or use cpu_adam='torch'." in message
 
 
 def test_building_cpu_adam_is_logged_before_the_build_and_the_fallback_still_warns(tmp_path, monkeypatch, caplog):
@@ -277,7 +289,7 @@ def test_building_cpu_adam_is_logged_before_the_build_and_the_fallback_still_war
         events.append("build")
         raise RuntimeError("mocked build failure")
 
-    monkeypatch.setattr(deepspeed_adam, "cpu_adam_build_dir", lambda: tmp_path / "cpu_adam")
+    monkeypatch.setattr(deepspeed_adam, "cpu_adam_build_dir", lambda built_too=False: tmp_path / "cpu_adam")
     monkeypatch.setattr(CPUAdamBuilder, "load", build)
     monkeypatch.setattr(host_optimizer, "_deepspeed_failure", None)
     monkeypatch.setattr(host_optimizer, "_warned", False)
@@ -291,7 +303,7 @@ def test_building_cpu_adam_is_logged_before_the_build_and_the_fallback_still_war
 
 def test_no_build_message_when_the_extension_is_cached(monkeypatch, caplog):
     pytest.importorskip("deepspeed")
-    monkeypatch.setattr(deepspeed_adam, "cpu_adam_build_dir", lambda: None)
+    monkeypatch.setattr(deepspeed_adam, "cpu_adam_build_dir", lambda built_too=False: None)
     monkeypatch.setattr(host_optimizer, "_deepspeed_failure", None)
     caplog.set_level("INFO", logger=host_optimizer.log.name)
     host_optimizer.to_host_optimizer(_adamw(), "auto")
