@@ -86,13 +86,13 @@ class Speculation:
     """One optimizer step's speculation, from :meth:`BackwardUpdates.arm` to :meth:`BackwardUpdates.close`.
 
     The step after it may arm before it closes (its worker closes it, late grads), so everything is per step: the
-    counts, the queued layers and the snapshots; drains tell the one armed when they were issued."""
+    counts, the queued layers and the snapshots; drains tell the one open when they were issued."""
 
     optimizer: torch.optim.Optimizer
     hyper: Hyper  # the optimizer's hyperparameters when armed (the LR scheduler steps only after the step)
     skip: frozenset[int]  # ids of parameters the host step does not update (device groups)
     forwarded: dict[int, int] = field(default_factory=dict)  # layer index -> forwards with grad since the arm
-    landed: dict[int, int] = field(default_factory=dict)  # layer index -> its drains issued since the arm, landed
+    landed: dict[int, int] = field(default_factory=dict)  # layer index -> its drains issued since the open, landed
     queued: set[int] = field(default_factory=set)  # layers handed to the worker (once each)
     closed: bool = False  # decided: no layer starts any more
     done: list[Snapshot] = field(default_factory=list)  # the speculated layers
@@ -118,6 +118,7 @@ class BackwardUpdates:
         self._slabs: dict[int, Tensor] = {}  # layer index -> its snapshot storage, reused every step
         self._cond = threading.Condition()  # guards the speculations' counts between the threads that call in
         self._current: Speculation | None = None  # the one the next forwards count for
+        self._open: Speculation | None = None  # the one the transfer's landed hook tells
         self._busy_with: Speculation | None = None  # the one whose layer the worker is updating
         self._queue: queue.Queue[tuple[Speculation, int] | None] = queue.Queue()  # layers whose grads are final
         self._worker = threading.Thread(target=self._work, name="megatrain-backward-updates", daemon=True)
@@ -137,7 +138,9 @@ class BackwardUpdates:
         """The closure's backward starts: drains issued from now on count for ``speculation``, whichever step is armed
         when they land (a backward inside ``training_step``, before this one, adds grads the layers' count would not
         see finished)."""
-        self.transfer.landed_hook = functools.partial(self._landed, speculation)
+        with self._cond:
+            self._open = speculation
+            self.transfer.landed_hook = functools.partial(self._landed, speculation)
 
     def forwarded(self, index: int) -> None:
         """Layer ``index`` ran a forward with grad (the streamed Function's forward, on the training thread)."""
@@ -147,7 +150,7 @@ class BackwardUpdates:
                 current.forwarded[index] = current.forwarded.get(index, 0) + 1
 
     def _landed(self, speculation: Speculation, index: int) -> None:
-        """A drain of layer ``index`` issued while ``speculation`` was armed has landed in its host grads (the
+        """A drain of layer ``index`` issued while ``speculation`` was open has landed in its host grads (the
         drain's thread)."""
         with self._cond:
             if speculation.closed:
@@ -166,6 +169,8 @@ class BackwardUpdates:
                 self._cond.wait()
             if self._current is speculation:
                 self._current = None
+            if self._open is speculation:
+                self._open = None
                 self.transfer.landed_hook = None
             done, speculation.done = speculation.done, []
         return done
