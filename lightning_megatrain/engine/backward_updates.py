@@ -58,8 +58,8 @@ from lightning_megatrain.optim.host_optimizer import HostUpdate, Hyper, hyper_sn
 
 log = logging.getLogger(__name__)
 
-_SNAPSHOT_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
-_RESERVE_BYTES = 4 * GIB  # host memory the snapshots always leave free
+SNAPSHOT_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
+SNAPSHOT_RESERVE_BYTES = 4 * GIB  # host memory the snapshots always leave free
 _CHUNK = 1 << 24  # elements a snapshot copies between checks that the speculation is still open (64 MiB)
 
 
@@ -67,7 +67,7 @@ def snapshot_budget() -> int:
     """Host bytes the snapshots may take: what the process may still allocate, less 4 GiB (unbounded where that is
     unknown or the host checks are off, ``MEGATRAIN_SKIP_MEMORY_CHECK=1``)."""
     free = host_free_checked()
-    return 1 << 62 if free is None else max(free - _RESERVE_BYTES, 0)
+    return 1 << 62 if free is None else max(free - SNAPSHOT_RESERVE_BYTES, 0)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Speculation:
 
     optimizer: torch.optim.Optimizer
     hyper: Hyper  # the optimizer's hyperparameters when armed (the LR scheduler steps only after the step)
-    skip: frozenset[int]  # ids of parameters the host step does not update (device groups)
+    stepped: frozenset[int]  # ids of the parameters it may update: the optimizer's, less the device groups'
     forwarded: dict[int, int] = field(default_factory=dict)  # layer index -> forwards with grad since the arm
     landed: dict[int, int] = field(default_factory=dict)  # layer index -> its drains issued since the open, landed
     queued: set[int] = field(default_factory=set)  # layers handed to the worker (once each)
@@ -129,7 +129,8 @@ class BackwardUpdates:
     def arm(self, optimizer: torch.optim.Optimizer, skip: frozenset[int]) -> Speculation:
         """Speculate on ``optimizer``'s step (called before the step's closure: its forwards count); the step opens
         it when its backward starts (:meth:`open`) and closes what this returns."""
-        speculation = Speculation(optimizer, hyper_snapshot(optimizer), skip)
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        speculation = Speculation(optimizer, hyper_snapshot(optimizer), frozenset(in_optimizer - skip))
         with self._cond:
             self._current = speculation
         return speculation
@@ -238,9 +239,7 @@ class BackwardUpdates:
         """Snapshot layer ``index`` and update it as the step would; None where it cannot (no state yet, no grads,
         over budget). A failed update is restored before it raises."""
         group, optimizer = self.groups[index], speculation.optimizer
-        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        params = [p for p in group.params
-                  if p.grad is not None and id(p) in in_optimizer and id(p) not in speculation.skip]
+        params = [p for p in group.params if p.grad is not None and id(p) in speculation.stepped]
         if not params or any(not optimizer.state.get(p) for p in params):
             return None
         slab = self._slab(index)
@@ -249,7 +248,7 @@ class BackwardUpdates:
         snap = _snapshot(group, params, optimizer, slab, lambda: speculation.closed)
         if snap is None:  # closed while copying: nothing was written, the step updates the layer
             return None
-        update = HostUpdate(optimizer, None, skip=speculation.skip, snapshot=speculation.hyper)
+        update = HostUpdate(optimizer, None, snapshot=speculation.hyper)
         try:
             with torch.no_grad():
                 update.prepare([params])
@@ -264,7 +263,7 @@ class BackwardUpdates:
         measured at the first speculation: every Adam state and host grad exists by then."""
         if self.budget_bytes is None:
             self.budget_bytes = snapshot_budget()
-            layer = max(g.numel for g in self.groups) * _SNAPSHOT_BYTES_PER_PARAM
+            layer = max(g.numel for g in self.groups) * SNAPSHOT_BYTES_PER_PARAM
             log.info(
                 "MegaTrain: host updates start during backward for up to %d of %d layers (snapshots of %.2f GiB "
                 "each, %.1f GiB of host memory free for them); a step whose clipping fires or that is skipped "
@@ -274,7 +273,7 @@ class BackwardUpdates:
             )
         slab = self._slabs.get(index)
         if slab is None:
-            numel = _SNAPSHOT_BYTES_PER_PARAM // 4 * self.groups[index].numel
+            numel = SNAPSHOT_BYTES_PER_PARAM // 4 * self.groups[index].numel
             if self.host_bytes() + 4 * numel > self.budget_bytes:
                 return None
             slab = self._slabs[index] = torch.empty(numel, dtype=torch.float32)
@@ -306,12 +305,15 @@ class StepSpeculation:
             return
         self._speculation = updates.arm(optimizer, self._device_param_ids)
 
-    def _close_backward_updates(self, keep: bool, speculation: Speculation | None = None,
-                                hyper: Hyper | None = None) -> list[Snapshot]:
-        """Decide ``speculation`` (default: this step's, while armed): keep its updates (returned) if ``keep`` and
-        the hyperparameters are still those it used (``hyper``, default: now), else undo them. Any thread."""
-        if speculation is None:
-            speculation, self._speculation = self._speculation, None
+    def _take_speculation(self) -> Speculation | None:
+        """This step's speculation, armed and not yet decided (None: none), for the caller to decide."""
+        speculation, self._speculation = self._speculation, None
+        return speculation
+
+    def _decide_speculation(self, speculation: Speculation | None, keep: bool,
+                            hyper: Hyper | None = None) -> list[Snapshot]:
+        """Keep ``speculation``'s updates (returned) if ``keep`` and the hyperparameters are still those it used
+        (``hyper``, default: now), else undo them (none returned). Any thread."""
         if speculation is None or self.backward_updates is None:
             return []
         return self.backward_updates.decide(speculation, keep, hyper)
@@ -335,7 +337,7 @@ class StepSpeculation:
 
     def abort_backward_updates(self) -> None:
         """Undo the speculation of a step that raised before its update."""
-        self._close_backward_updates(keep=False)
+        self._decide_speculation(self._take_speculation(), keep=False)
 
 
 def params_of(snapshots: list[Snapshot]) -> frozenset[int]:
@@ -345,36 +347,39 @@ def params_of(snapshots: list[Snapshot]) -> frozenset[int]:
 
 def _snapshot(group: FlatGroup, params: list[Tensor], optimizer: torch.optim.Optimizer, slab: Tensor,
               closed: Callable[[], bool]) -> Snapshot | None:
-    """Copy ``group``'s masters and the Adam state of ``params`` into ``slab``, a chunk of at most
-    :data:`_CHUNK` elements at a time; None as soon as ``closed()``: backward has ended, and a snapshot that would
-    finish after it costs more than the update it enables saves (the step updates the layer instead)."""
+    """Copy ``group``'s masters and the Adam state of ``params`` into ``slab`` (:func:`_slab_layout`), a chunk of at
+    most :data:`_CHUNK` elements at a time; None as soon as ``closed()``: backward has ended, and a snapshot that
+    would finish after it costs more than the update it enables saves (the step updates the layer instead)."""
     states = [optimizer.state[p] for p in params]
-    sources = [group.master] + [state[key].reshape(-1) for key in ("exp_avg", "exp_avg_sq") for state in states]
-    offset = 0
-    for source in sources:
-        for start in range(0, source.numel(), _CHUNK):
+    for source, target in _slab_layout(group, states, slab):
+        flat = source.reshape(-1)  # a view of the (contiguous) master or state
+        for start in range(0, flat.numel(), _CHUNK):
             if closed():
                 return None
-            chunk = source[start : start + _CHUNK]
-            slab[offset + start : offset + start + chunk.numel()].copy_(chunk)
-        offset += source.numel()
+            target[start : start + _CHUNK].copy_(flat[start : start + _CHUNK])
     return Snapshot(group, params, states, slab, [_copy_step(state["step"]) for state in states])
 
 
 def _restore(snap: Snapshot) -> None:
     """Put ``snap``'s layer back as :func:`_snapshot` found it."""
-    n = snap.group.numel
-    snap.group.master.copy_(snap.slab[:n])
-    offset = n
-    for key in ("exp_avg", "exp_avg_sq"):
-        for p, state in zip(snap.params, snap.states):
-            state[key].copy_(snap.slab[offset : offset + p.numel()].view_as(state[key]))
-            offset += p.numel()
+    for live, saved in _slab_layout(snap.group, snap.states, snap.slab):
+        live.copy_(saved.view_as(live))
     for state, step in zip(snap.states, snap.steps):
         if isinstance(step, Tensor):
             state["step"].copy_(step)
         else:
             state["step"] = step
+
+
+def _slab_layout(group: FlatGroup, states: list[dict], slab: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(live tensor, its 1D place in ``slab``) in the order a snapshot holds them: the layer's masters, then each
+    parameter's ``exp_avg``, then each ``exp_avg_sq``."""
+    live = [group.master] + [state[key] for key in ("exp_avg", "exp_avg_sq") for state in states]
+    places, offset = [], 0
+    for t in live:
+        places.append(slab[offset : offset + t.numel()])
+        offset += t.numel()
+    return list(zip(live, places))
 
 
 def _copy_step(step: Any) -> Any:

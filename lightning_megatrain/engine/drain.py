@@ -205,7 +205,7 @@ class GradDrain:
                 group.grad.copy_(device_group.grad, non_blocking=True)
                 device_group.grad_read.record(self.d2h_stream)
                 done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, list(device_group.present), (), None, done, self.landed_hook))
+        self._pending.put(_Drain(index, list(device_group.present), (), None, done))  # never speculated: no hook
 
     def _drain_worker(self) -> None:
         while True:

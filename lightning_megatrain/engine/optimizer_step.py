@@ -64,12 +64,7 @@ from lightning_megatrain.engine.backward_updates import StepSpeculation, params_
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
 from lightning_megatrain.engine.optimizer_setup import OptimizerSetup
 from lightning_megatrain.engine.step_guard import StepGuard
-from lightning_megatrain.optim.host_optimizer import (
-    Hyper,
-    allocate_states,
-    device_update,
-    hyper_snapshot,
-)
+from lightning_megatrain.optim.host_optimizer import Hyper, allocate_states, device_update, hyper_snapshot
 from lightning_megatrain.optim.updates import Update, host_update
 
 if TYPE_CHECKING:
@@ -178,7 +173,7 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
             self._late_grads = False  # torch's clipping may read p.grad below: land them now
             self._land_grads()
         if not self.clips_whole(params):
-            self._close_backward_updates(keep=False)  # torch's clipping scales the grads they used
+            self._decide_speculation(self._take_speculation(), keep=False)  # torch's clipping scales the grads used
             return False
         if self._late_grads:  # the factor stays on the device; check_finite sends it to the host step
             self._norm_sq = device_norm_sq(groups, self.device)
@@ -188,7 +183,8 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         coef = clip_coef(self._norm_sq, max_norm)
         self._clip_fired = coef.item() != 1.0  # host tensors: no device sync
         if self._clip_fired:
-            self._close_backward_updates(keep=False)  # they assumed no clipping; undone before the grads change
+            # they assumed no clipping: undone before the grads change
+            self._decide_speculation(self._take_speculation(), keep=False)
             # bf16 grads are never scaled in place (a second rounding): the update takes the factor ([Note: compact
             # state in the engine])
             if defer or any(g.grad_dtype != torch.float32 for g in groups):
@@ -227,7 +223,7 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         host_loss = None if loss is None else loss.cpu()  # the compute stream is idle here: drains were waited for
         if bool(torch.isfinite(torch.stack([norm_sq] + ([host_loss] if host_loss is not None else []))).all()):
             return True
-        self._close_backward_updates(keep=False)
+        self._decide_speculation(self._take_speculation(), keep=False)
         self.guard.nonfinite(index, float(norm_sq), None if host_loss is None else float(host_loss))
         if self.residents is not None:  # the device step that would have consumed a resident device group's grads
             self.residents.clear_grads()
@@ -278,10 +274,10 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
                 self.guard.guarded(index, None, lambda: allocate_states(optimizer, self._host_params(optimizer)))
                 self._device_step(optimizer, scale, found_inf, index)
             hyper = hyper_snapshot(optimizer)
-            speculation, self._speculation = self._speculation, None  # the worker decides it
+            speculation = self._take_speculation()  # the worker decides it
             self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index, speculation))
         else:
-            kept = self._close_backward_updates(keep=not self._clip_fired)
+            kept = self._decide_speculation(self._take_speculation(), keep=not self._clip_fired)
             if self.backward_updates is not None:
                 self.backward_updates.clipped_last = self._clip_fired
             skip = self._device_param_ids | params_of(kept)
@@ -344,11 +340,10 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
                 stats_copied.synchronize()
             coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
         except BaseException:  # a failed drain: the step updates nothing, the speculation included
-            if speculation is not None:
-                self._close_backward_updates(False, speculation)
+            self._decide_speculation(speculation, keep=False)
             raise
         finite = math.isfinite(norm_sq) and math.isfinite(loss)
-        kept = [] if speculation is None else self._close_backward_updates(finite and coef == 1.0, speculation, hyper)
+        kept = self._decide_speculation(speculation, finite and coef == 1.0, hyper)
         if self.backward_updates is not None:
             self.backward_updates.clipped_last = coef != 1.0
         if not finite:
@@ -373,4 +368,3 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         self.wait_for_host_step()
         for device_group in self.device_groups:
             device_group.wait_written_back(self.transfer.d2h_stream)  # device groups exist on CUDA only
-

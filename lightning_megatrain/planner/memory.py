@@ -42,8 +42,8 @@ saved and a backward peak of 274,248 = saved + transient - 4H + down_proj's grad
 from __future__ import annotations
 
 from lightning_megatrain._hardware import GIB
-from lightning_megatrain.engine.backward_updates import _RESERVE_BYTES as SNAPSHOT_RESERVE
-from lightning_megatrain.engine.backward_updates import _SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
+from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
+from lightning_megatrain.engine.backward_updates import SNAPSHOT_RESERVE_BYTES as SNAPSHOT_RESERVE
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import OPTIMIZERS

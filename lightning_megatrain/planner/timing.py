@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_megatrain.engine.backward_updates import _SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
+from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
 

@@ -37,8 +37,22 @@ def _fit(root, cpu_adam, overlap, ckpt_path=None):
     trainer = cpu_trainer(strategy=strategy, max_steps=STEPS, max_epochs=-1, gradient_clip_val=1.0,
                           default_root_dir=root, enable_checkpointing=True, callbacks=[every_step, losses],
                           num_sanity_val_steps=0)
+    speculated = Speculated()
+    trainer.callbacks.append(speculated)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    if overlap == "during backward":  # the case is what it says: layers were updated during backward
+        assert speculated.layers > 0
     return losses.by_step, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+class Speculated(L.Callback):
+    """How many layer updates ran during backward (read before the engine's teardown)."""
+
+    megatrain_reads_state = False
+
+    def on_train_end(self, trainer, pl_module):
+        updates = trainer.strategy.engine.backward_updates
+        self.layers = 0 if updates is None else updates.speculated
 
 
 @pytest.mark.parametrize(
