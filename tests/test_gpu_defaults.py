@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_megatrain import MegaTrainStrategy
-from lightning_megatrain.engine import engine as engine_module
+from lightning_megatrain.engine import first_batch
 
 from helpers.gpu import fit_cuda
 from helpers.parity import ParityLM, assert_records_close
@@ -27,7 +27,7 @@ def test_cuda_defaults_parity(groups, monkeypatch, caplog):
     # choice for the tiny model, 2: forced, so that the late placement path runs
     torch.backends.cuda.matmul.allow_tf32 = False
     if groups is not None:
-        monkeypatch.setattr(engine_module, "choose_gpu_optimizer_groups",
+        monkeypatch.setattr(first_batch, "choose_gpu_optimizer_groups",
                             lambda *a, **k: (groups, "forced by the test"))
     ref, _ = fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0)
 

@@ -1,0 +1,81 @@
+"""Are repeated CUDA runs bitwise equal? One tiny Llama fitted several times per engine configuration (the setup of
+``tests/strategy/test_gpu_exact_resume.py``: bf16-mixed, clipping, SDPA's math backend), printing per configuration
+whether every run's losses and weights equal the first run's, and the largest weight difference.
+
+Run on the GPU machine: ``python benchmarks/determinism.py --runs 3 --configs defaults,no_bwd,no_overlap``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import lightning as L
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from lightning_megatrain import MegaTrainStrategy  # noqa: E402
+from lightning_megatrain.data import SFTDataModule  # noqa: E402
+from lightning_megatrain.models import CausalLMModule  # noqa: E402
+
+from helpers.trainers import StepLosses  # noqa: E402
+
+CONFIG = dict(model_type="llama", vocab_size=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
+              intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, tie_word_embeddings=False)
+# name -> MegaTrainStrategy options (the rest are the defaults)
+CONFIGS = {
+    "defaults": {},
+    "no_bwd": dict(update_during_backward=False),
+    "no_overlap": dict(overlap_optimizer=False),
+    "no_compile": dict(compile_layers=False),
+    "no_groups": dict(gpu_optimizer_groups=0),
+    "no_groups_no_bwd": dict(gpu_optimizer_groups=0, update_during_backward=False),
+    "plain": dict(compile_layers=False, overlap_optimizer=False, gpu_optimizer_groups=0),
+}
+
+
+def fit(root: str, options: dict, steps: int) -> tuple[dict, dict]:
+    L.seed_everything(0)
+    module = CausalLMModule(config=CONFIG, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, betas=(0.9, 0.999))
+    data = SFTDataModule(dataset="demo_messages", cutoff_len=48, micro_batch_size=34, seed=3)
+    losses = StepLosses()
+    trainer = L.Trainer(strategy=MegaTrainStrategy(**options), accelerator="cuda", devices=1,
+                        precision="bf16-mixed", max_steps=steps, max_epochs=-1, gradient_clip_val=1.0,
+                        default_root_dir=root, callbacks=[losses], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False)
+    trainer.fit(module, datamodule=data)
+    return losses.by_step, {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--out", default=None, help="folder for determinism.json")
+    args = parser.parse_args()
+    rows = []
+    with sdpa_kernel(SDPBackend.MATH), tempfile.TemporaryDirectory() as root:
+        for name in args.configs.split(","):
+            runs = [fit(root, CONFIGS[name], args.steps) for _ in range(args.runs)]
+            (losses, weights), rest = runs[0], runs[1:]
+            first_bad = min((k for lo, _ in rest for k in losses if lo.get(k) != losses[k]), default=None)
+            max_diff = max((float((w[n] - weights[n]).abs().max()) for _, w in rest for n in weights), default=0.0)
+            rows.append(dict(config=name, options=CONFIGS[name], runs=args.runs, equal=first_bad is None
+                             and max_diff == 0.0, first_differing_step=first_bad, max_weight_diff=max_diff))
+            print(f"{name:18s} equal={rows[-1]['equal']!s:5s} first_differing_step={first_bad} "
+                  f"max_weight_diff={max_diff:.3g}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "determinism.json"), "w") as f:
+            json.dump(dict(torch=torch.__version__, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
