@@ -1,8 +1,10 @@
-"""Are repeated CUDA runs bitwise equal? One tiny Llama fitted several times per engine configuration (the setup of
-``tests/strategy/test_gpu_exact_resume.py``: bf16-mixed, clipping, SDPA's math backend), printing per configuration
-whether every run's losses and weights equal the first run's, and the largest weight difference.
+"""Are repeated CUDA runs bitwise equal, and is a resumed run the uninterrupted one? One tiny Llama fitted several
+times per engine configuration (the setup of ``tests/strategy/test_gpu_exact_resume.py``: bf16-mixed, clipping,
+SDPA's math backend), printing per configuration whether every run's losses and weights equal the first run's, and
+(``--resume``) whether a run resumed from the step-2 checkpoint ends with the first run's losses and weights.
+``--fresh`` clears dynamo's compiled graphs before each fit, as a new process would start.
 
-Run on the GPU machine: ``python benchmarks/determinism.py --runs 3 --configs defaults,no_bwd,no_overlap``.
+Run on the GPU machine: ``python benchmarks/determinism.py --runs 3 --configs defaults,no_bwd --fresh --resume``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import tempfile
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from lightning_megatrain import MegaTrainStrategy  # noqa: E402
 from lightning_megatrain.data import SFTDataModule  # noqa: E402
@@ -40,17 +44,29 @@ CONFIGS = {
 }
 
 
-def fit(root: str, options: dict, steps: int) -> tuple[dict, dict]:
+def fit(root: str, options: dict, steps: int, fresh: bool, ckpt_path: str | None = None) -> tuple[dict, dict]:
+    if fresh:
+        torch._dynamo.reset()
     L.seed_everything(0)
     module = CausalLMModule(config=CONFIG, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, betas=(0.9, 0.999))
     data = SFTDataModule(dataset="demo_messages", cutoff_len=48, micro_batch_size=34, seed=3)
     losses = StepLosses()
+    every_step = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
+                                 every_n_train_steps=1, save_top_k=-1)
     trainer = L.Trainer(strategy=MegaTrainStrategy(**options), accelerator="cuda", devices=1,
                         precision="bf16-mixed", max_steps=steps, max_epochs=-1, gradient_clip_val=1.0,
-                        default_root_dir=root, callbacks=[losses], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False)
-    trainer.fit(module, datamodule=data)
+                        default_root_dir=root, callbacks=[losses, every_step], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return losses.by_step, {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+
+
+def compare(runs: list[tuple[dict, dict]]) -> dict:
+    """Whether runs[1:] have runs[0]'s losses (at the steps both ran) and weights, bitwise."""
+    (losses, weights), rest = runs[0], runs[1:]
+    first_bad = min((k for lo, _ in rest for k in lo if lo[k] != losses.get(k)), default=None)
+    max_diff = max((float((w[n] - weights[n]).abs().max()) for _, w in rest for n in weights), default=0.0)
+    return dict(equal=first_bad is None and max_diff == 0.0, first_differing_step=first_bad, max_weight_diff=max_diff)
 
 
 def main() -> None:
@@ -58,19 +74,22 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--fresh", action="store_true", help="clear dynamo's graphs before each fit")
+    parser.add_argument("--resume", action="store_true", help="also resume from the first run's step-2 checkpoint")
     parser.add_argument("--out", default=None, help="folder for determinism.json")
     args = parser.parse_args()
     rows = []
     with sdpa_kernel(SDPBackend.MATH), tempfile.TemporaryDirectory() as root:
         for name in args.configs.split(","):
-            runs = [fit(root, CONFIGS[name], args.steps) for _ in range(args.runs)]
-            (losses, weights), rest = runs[0], runs[1:]
-            first_bad = min((k for lo, _ in rest for k in losses if lo.get(k) != losses[k]), default=None)
-            max_diff = max((float((w[n] - weights[n]).abs().max()) for _, w in rest for n in weights), default=0.0)
-            rows.append(dict(config=name, options=CONFIGS[name], runs=args.runs, equal=first_bad is None
-                             and max_diff == 0.0, first_differing_step=first_bad, max_weight_diff=max_diff))
-            print(f"{name:18s} equal={rows[-1]['equal']!s:5s} first_differing_step={first_bad} "
-                  f"max_weight_diff={max_diff:.3g}", flush=True)
+            dirs = [os.path.join(root, f"{name}-{k}") for k in range(args.runs)]
+            runs = [fit(d, CONFIGS[name], args.steps, args.fresh) for d in dirs]
+            row = dict(config=name, options=CONFIGS[name], runs=args.runs, fresh=args.fresh, **compare(runs))
+            if args.resume:
+                resumed = fit(dirs[0] + "-resumed", CONFIGS[name], args.steps, args.fresh,
+                              ckpt_path=os.path.join(dirs[0], "step2.ckpt"))
+                row["resumed"] = compare([runs[0], resumed])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "determinism.json"), "w") as f:
