@@ -108,6 +108,7 @@ BUSY = ("gpu_compute_busy", "h2d_busy", "d2h_busy", "gpu_idle")
 # 3.6 Gparam/s, pinning 1.5 GiB/s, ZeRO-3 ~12.9K tokens/s at 64K tokens/step).
 _EST = {  # system: (fixed_s, host_s_per_step, gpu_s_per_step_per_32k_tokens)
     "megatrain": (55.0, 1.0, 2.0),
+    "megatrain_no_backward_updates": (55.0, 1.0, 2.0),
     "megatrain_overlap": (55.0, 0.4, 2.0),
     "megatrain_overlap_deepspeed": (55.0, 0.4, 2.0),
     "megatrain_recompute_all": (55.0, 1.0, 2.6),
