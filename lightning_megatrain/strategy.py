@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import warnings
@@ -36,6 +37,7 @@ from lightning_megatrain.engine.shard_states import load_optimizer_state, load_s
 from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
 from lightning_megatrain.mapped import read_into
+from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.optim.host_optimizer import load_host_state
 from lightning_megatrain.precision import MegaTrainPrecision
@@ -427,6 +429,14 @@ class MegaTrainStrategy(RankStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         # Restore into the packed host masters and the host optimizer, which exist only after setup.
         return True
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        transfer = functools.partial(super().batch_to_device, device=device, dataloader_idx=dataloader_idx)
+        if self.lightning_module is None or is_overridden("transfer_batch_to_device", self.lightning_module):
+            return transfer(batch)  # a module that moves its own batches binds their documents itself, or not at all
+        # packed rows' documents read on the host ([Note: host document spans] in models/document_spans.py)
+        return transfer_binding_spans(batch, transfer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
