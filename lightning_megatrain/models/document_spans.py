@@ -25,8 +25,11 @@ queued before it is done. The batch holds the same facts on the host before it i
   that transformers' mask is causal within whole documents (no padding, no KV-cache offsets, no custom mask
   functions, ``config.is_causal``, every document within the config's ``sliding_window`` and
   ``attention_chunk_size``), and checks its probes against them on the device without reading them back
-  (``torch._assert_async``: on the CPU it raises at once, on a GPU a mismatch is a device-side assert). Anything else
-  takes the path without bound spans, which reads the probes to the host.
+  (``torch._assert_async``: on the CPU it raises at once, on a GPU a mismatch is a device-side assert; CUDA takes a
+  message only under 255 bytes, ``packed_attention.DEVICE_ASSERT_MESSAGE_LIMIT``, and raises on the host for a longer
+  one). Every op between the transfer and the attention is one that queues on the device without waiting for it (no
+  ``bool``/``item``/``nonzero``, no Python value written into a device tensor). Anything else takes the path without
+  bound spans, which reads the probes to the host.
 - Recompute in backward, segments and sequence tiles reuse the ``DocumentSpans`` object the layers received in the
   forward (a non-tensor input of each layer, [Note: packed attention]); nothing is bound again for them.
 """

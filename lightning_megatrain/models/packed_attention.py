@@ -140,8 +140,8 @@ def _probe(mask_function: Callable, batch_size: int, length: int, device: torch.
     head = torch.zeros((1, 1), dtype=torch.long, device=device)
     q = torch.arange(length, device=device)[None, :]  # [1, T]
     prev = (q - 1).clamp(min=0)  # [1, T]
-    starts = ~allowed(q, prev)  # [B, T]: cannot see the previous token
-    starts[:, 0] = True
+    starts = ~allowed(q, prev) | (q == 0)  # [B, T]: cannot see the previous token, or the first (no Python value
+    # written into a device tensor)
     first = torch.where(starts, q, 0).cummax(dim=1).values  # [B, T] first position of each token's document
     before = first - 1  # [B, T] the last token of the previous document, -1 in the first one
     nxt = (q + 1).clamp(max=length - 1)  # [1, T]
@@ -168,11 +168,17 @@ def _bound_spans_apply(spans: DocumentSpans | None, batch_size: int, length: int
     return all(not isinstance(limit, int) or limit >= spans.max_length for limit in limits)
 
 
-# What a failed check on the device means; on a GPU it surfaces as a device-side assert at the next sync.
+# torch's CUDA kernel of ``_assert_async`` copies its message into a 256-byte argument and raises on the host, before
+# launching, for a message of 255 bytes or more ("Message length must be smaller than 255",
+# aten/src/ATen/native/cuda/TensorCompare.cu, ``Msg::MAX_MSG_LENGTH``); the CPU kernel takes any length.
+DEVICE_ASSERT_MESSAGE_LIMIT = 255
+
+# What a failed check on the device means; on a GPU it surfaces as a device-side assert at the next sync. Shorter than
+# DEVICE_ASSERT_MESSAGE_LIMIT bytes.
 _SPANS_DISAGREE = (
-    f"{PACKED_SDPA}: the attention mask transformers built is not causal within the documents read from the batch's "
-    "position_ids on the host (see [Note: host document spans] in lightning_megatrain/models/document_spans.py). "
-    f"HINT: use attn_implementation='sdpa' for this model, or pass position_ids that the transfer did not bind."
+    f"{PACKED_SDPA}: transformers' mask is not causal within the documents read from the host position_ids "
+    "([Note: host document spans], lightning_megatrain/models/document_spans.py). "
+    "HINT: use attn_implementation='sdpa'."
 )
 
 

@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 from lightning.pytorch import LightningModule
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import find_packed_sequence_indices
 
@@ -87,12 +88,32 @@ def test_bound_spans_give_the_outputs_and_gradients_of_the_device_path(arch, tra
 
 # Tensor methods that read a tensor's values to the host: a device sync for a tensor on a GPU
 _READS = ("__bool__", "item", "tolist", "nonzero", "__int__", "__float__", "__index__", "numpy")
+# aten ops that wait for the device on a GPU (a read to the host inside the kernel: a count, a scalar, an equality),
+# and ``lift_fresh`` (a tensor made from Python data: ``torch.tensor(..., device=...)`` copies it to a GPU blocking;
+# counted wherever it appears, to be safe); each a sync under torch.cuda.set_sync_debug_mode("error")
+_SYNCING_OPS = ("_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "_unique", "_unique2",
+                "unique_dim", "unique_consecutive", "bincount", "repeat_interleave", "lift_fresh")
+
+
+class _SyncingOps(TorchDispatchMode):
+    """Records the aten ops of ``_SYNCING_OPS``, and ``index``/``index_put`` with a boolean index (a ``nonzero``)."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        indices = args[1] if name in ("index", "index_put", "index_put_") else ()
+        if name in _SYNCING_OPS or any(i is not None and i.dtype == torch.bool for i in indices):
+            self.seen.append(f"aten.{name}")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def _reads():
-    """The names of the tensor reads made inside the block (on the CPU, where they cost nothing, but each one would
-    wait for the device in a GPU forward)."""
+    """The names of the tensor reads made inside the block, and of the aten ops that would sync a GPU (on the CPU,
+    where they cost nothing, but each one would wait for the device in a GPU forward or backward)."""
     seen: list[str] = []
 
     def spy(name, method):
@@ -102,7 +123,7 @@ def _reads():
             return method(*args, **kwargs)
         return wrapper
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, _SyncingOps(seen):
         for name in _READS:
             mp.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
         mp.setattr(torch, "nonzero", spy("torch.nonzero", torch.nonzero))
@@ -118,13 +139,45 @@ def test_a_bound_packed_forward_and_backward_read_nothing_from_the_device(arch):
     assert seen == []
     with _reads() as seen:  # control: the same batch unbound reads the starts back
         _run(model, batch)
-    assert {"__bool__", "nonzero", "tolist"} <= set(seen)
+    assert {"__bool__", "nonzero", "tolist", "aten._local_scalar_dense", "aten.nonzero"} <= set(seen)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_causal_lm_module_loss_on_a_bound_batch_reads_nothing_from_the_device(arch):
+    """The CPU side of ``test_causal_lm_module_loss_on_a_packed_batch_runs_without_a_sync`` (GPU): the module's own
+    transfer binds the documents and its chunked loss counts targets on the host."""
+    module = CausalLMModule(config=CONFIGS[arch])
+    module.configure_model()
+    batch = module.transfer_batch_to_device(module.on_before_batch_transfer(COLLATE(ROWS), 0), torch.device("cpu"), 0)
+    with _reads() as seen:
+        loss, _ = module._loss(batch)
+        loss.backward()
+    assert seen == [] and torch.isfinite(loss)
+
+
+def test_the_device_check_takes_a_message_cuda_accepts(monkeypatch):
+    """The check of bound spans against the probes (``torch._assert_async``) passes a message that CUDA's kernel
+    takes: on a GPU a message of ``DEVICE_ASSERT_MESSAGE_LIMIT`` bytes or more raises on the host before the launch,
+    which failed every bound forward there."""
+    messages = []
+    assert_async = torch._assert_async
+
+    def cuda_like(condition, message=""):  # the host-side check of _assert_async_msg_cuda, then the CPU kernel
+        messages.append(message)
+        if len(message.encode()) >= pa.DEVICE_ASSERT_MESSAGE_LIMIT:
+            raise RuntimeError(f"Message length must be smaller than {pa.DEVICE_ASSERT_MESSAGE_LIMIT}")
+        return assert_async(condition, message)
+
+    monkeypatch.setattr(torch, "_assert_async", cuda_like)
+    for arch in sorted(CONFIGS):
+        _run(_model(arch), _bound(COLLATE(ROWS)))
+    assert messages == [pa._SPANS_DISAGREE] * len(CONFIGS)  # one check per forward (one mask for all layers)
 
 
 def test_spans_that_disagree_with_the_mask_raise(transformers_finds):
     model, batch = _model("llama"), COLLATE(ROWS)
     ds.bind(batch["position_ids"], ((0, 7, 19), (0, 9, 13), (0, 20)))  # row 0 misses its padding tail
-    with pytest.raises(RuntimeError, match="not causal within the documents read from the batch's position_ids"):
+    with pytest.raises(RuntimeError, match="not causal within the documents read from the host position_ids"):
         _run(model, batch)
 
 
