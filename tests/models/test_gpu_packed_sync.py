@@ -3,7 +3,8 @@ runs forward and backward through a ``packed_sdpa`` model without a device sync,
 ``torch.cuda.set_sync_debug_mode("error")``; the same batch unbound syncs (the control that shows the check bites).
 
 Skipped without CUDA (CI); run on the GPU machine with
-``python -m pytest -m gpu tests/models/test_gpu_packed_sync.py``.
+``MEGATRAIN_FAILURE_LOG=failures.txt python -m pytest -m gpu tests/models/test_gpu_packed_sync.py`` (the log gets each
+failure's exception as it happens, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def _moved(bind: bool) -> dict[str, torch.Tensor]:
     batch = COLLATE(ROWS)
     move = lambda b: move_data_to_device(b, CUDA)  # noqa: E731
     return ds.transfer_binding_spans(batch, move) if bind else move(batch)
+
+
+def test_the_device_check_of_bound_spans_launches_without_a_sync():
+    """The check ``packed_sdpa`` makes of bound spans (``torch._assert_async`` with ``_SPANS_DISAGREE``) launches on
+    CUDA without a sync; a message of ``DEVICE_ASSERT_MESSAGE_LIMIT`` bytes or more is refused on the host before
+    any launch (the limit of torch's CUDA kernel, which the CPU one does not have)."""
+    agree = torch.ones((), dtype=torch.bool, device=CUDA)  # []
+    with _syncs_raise():
+        torch._assert_async(agree, pa._SPANS_DISAGREE)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="Message length must be smaller than"):
+        torch._assert_async(agree, "x" * pa.DEVICE_ASSERT_MESSAGE_LIMIT)
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
