@@ -7,7 +7,8 @@ Core runs (benchmarks/core_gpu.py) predate the exact-size page-locked buffers an
 runs (benchmarks/throughput.py, megatrain rows) use the current engine. Their GPU memory is compared only for
 megatrain_recompute_all (keep_layers=0, what the planner models): keep_layers="auto" fills up to 90% of the GPU by
 design. Rows of the overlapped optimizer step are planned with overlap_optimizer=True, rows of a system with the
-_gpuN suffix with gpu_optimizer_groups=N, _compiled rows with compile_layers=True.
+_gpuN suffix with gpu_optimizer_groups=N, _compiled rows with compile_layers=True; every row without host updates
+during backward (update_during_backward=False), which the runs predate.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _row(r: dict, core: bool, commit: str) -> str:
     system = r.get("system", "")
     base, groups, compiled = split_system(system)
     options = EngineConfig(overlap_optimizer=base.startswith("megatrain_overlap"), gpu_optimizer_groups=groups,
-                           compile_layers=compiled)
+                           compile_layers=compiled, update_during_backward=False)
     machine = Machine(host_ram_gib=125, gpu_mem_gib=139, cpu_cores=16, pinned_pow2_rounding=core)
     p = plan(config, seq_len=r["seq_len"], micro_batch=r["micro_batch"], grad_accum=r.get("accumulate", 1),
              optimizer=r.get("optimizer", "adamw"), loss="chunked" if r.get("loss") == "chunked" else "naive",

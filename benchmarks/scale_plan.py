@@ -7,8 +7,10 @@ Usage (CPU only; prints markdown):
   python benchmarks/scale_plan.py full       # full depth, each host_state, 1,536 and 1,024 GiB of host RAM
   python benchmarks/scale_plan.py largest    # megatrain plan --largest, 1,536 and 128 GiB of host RAM
 
-Every plan is the engine with its GPU defaults as flags (`--overlap-optimizer --compile-layers`, no device groups:
-``ENGINE``) on one H200 (139 GiB) with the 16 host cores its rates were measured on (planner/constants.py).
+Every plan is the engine with its GPU defaults as flags (`--overlap-optimizer --compile-layers`, no device groups
+and no host updates during backward: ``ENGINE``) on one H200 (139 GiB) with the 16 host cores its rates were measured
+on (planner/constants.py). The runs predate the updates during backward, and their snapshots only take the host
+memory a plan leaves free, so the host RAM each model needs, and what fits, are the same without them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ LLAMA_31_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size":
                 "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 131072}
 GPT_OSS_120B = ROOT / "configs" / "hf" / "gpt-oss-120b.json"  # the Hub config.json without quantization_config
 MODELS = {"Llama-3.1-70B": LLAMA_31_70B, "gpt-oss-120b": GPT_OSS_120B}
-ENGINE = EngineConfig(overlap_optimizer=True, compile_layers=True, gpu_optimizer_groups=0)
+ENGINE = EngineConfig(overlap_optimizer=True, compile_layers=True, gpu_optimizer_groups=0, update_during_backward=False)
 HOSTS_GIB = (1536, 1024)  # "1.5 TB" (the MegaTrain paper's host) and "1 TB" as DIMMs come: 1.5 and 1 TiB
 SEQ, MICRO_BATCH = 4096, 8  # 32,768 tokens per step; gpt-oss's eager attention fits 9 rows of 4,096 on the H200
 

@@ -55,7 +55,7 @@ import time
 
 DEFAULT_SYSTEMS = ("megatrain", "plain", "deepspeed_zero3_offload", "fsdp_cpu_offload")  # one device call per part
 SYSTEMS = (*DEFAULT_SYSTEMS, "megatrain_overlap", "megatrain_overlap_deepspeed", "megatrain_recompute_all",
-           "megatrain_muon", "plain_muon")
+           "megatrain_muon", "plain_muon", "megatrain_no_backward_updates")
 
 
 
@@ -256,6 +256,10 @@ def make_strategy(system: str, layer_cls: type, on_cuda: bool) -> tuple[object, 
         if system == "megatrain_muon":
             return (MegaTrainStrategy(), 1.0, "muon", "megatrain defaults, Muon (host momentum, iteration on the GPU)",
                     ["MegaTrainStrategy() with Muon: gpu_optimizer_groups='auto' places none (Adam/AdamW only)"])
+        if system == "megatrain_no_backward_updates":
+            return (MegaTrainStrategy(update_during_backward=False), 1.0, "adamw",
+                    "megatrain defaults without host updates during backward",
+                    ["MegaTrainStrategy(update_during_backward=False): the host step starts when backward ends"])
         if system == "megatrain" and not groups and not compiled:
             return (MegaTrainStrategy(), 1.0, "adamw", "megatrain defaults: every 'auto' choice the engine's",
                     ["MegaTrainStrategy() with no arguments: the choices are in engine_config"])

@@ -11,10 +11,17 @@ move is a copy, so a process killed during it leaves a truncated ``last.ckpt`` t
 disk (``fsync``), gives it the mode an ordinary save would have (``0o666`` less the umask; ``tempfile`` makes it
 private), renames it over the target (``os.replace``: atomic within one filesystem) and flushes the directory entry.
 A kill at any point leaves the previous checkpoint whole. The temporary file a kill leaves behind
-(``.<name>.pid<writer>.*.tmp``) is removed by the next save into that directory once its writer's process is gone
-(and by the next save of the same name in any case), so a checkpoint name that is never saved again (a top-k
-``step5.ckpt`` saved again as ``step5-v1.ckpt`` after a resume) leaves none behind either; a process on another host
-writing into the same directory cannot be told from a dead one, so give runs their own directories. A real
+(``.<name>.pid<writer>@<host>.*.tmp``) is removed by the next save of the same name in any case (one rank writes a
+given name), and by the next save of any name into that directory once it is a killed save's (:func:`killed_save`),
+so a checkpoint name that is never saved again (a top-k ``step5.ckpt`` saved again as ``step5-v1.ckpt`` after a
+resume) leaves none behind either. A save judges the writer's process only for a temporary of its own host: with
+``num_nodes > 1`` every rank writes into one shared directory, and a pid of another host names no process here, so
+that a live writer there would look dead (its rename would then fail). Another host's temporary is left to the next
+save on that host, or removed by any host once unmodified for :data:`FOREIGN_STALE_S` (24 hours: a live writer
+modifies its file as it writes, a sharded save its directory at each shard; a later job may run on other hosts).
+A name of an earlier version (``.<name>.pid<writer>.*.tmp``, no host) is judged by its pid on any host, as then: it
+is a leftover of the host that wrote it (a run of another version writing into the same directory is not
+supported). A real
 subprocess killed with SIGKILL during saves, ``$TMPDIR`` on another filesystem, is tested in
 ``tests/test_checkpoint_io.py`` (Lightning's own checkpoint IO leaves a truncated checkpoint there). Paths that are
 not local (``s3://`` ...) take Lightning's own path.
@@ -52,18 +59,31 @@ files) and the ``OnExceptionCheckpoint`` file, newest first by modification time
 files it skipped and the one it used, and records that one as the trainer's ``ckpt_path``. Only the candidates of
 ``"last"`` fall back (also when such a file is named directly): a checkpoint named by any other path fails as it
 would in Lightning. When none loads, the error lists every file tried with its error.
+
+With several ranks each resolves ``"last"`` on its own (Lightning's connector, each rank's view of the files), so
+:func:`load_readable` makes them agree (an :class:`Agreement`, ``RankStrategy.resume_agreement``: collectives over
+the host group): every rank tries rank 0's path, then rank 0's list of candidates, in the same order, and takes the
+first that loads on every rank; a file that loads on some ranks only is dropped where it loaded and named with each
+failing rank's error (``rank 1: FileNotFoundError: ...``). A checkpoint named by path that does not load on some
+rank fails on every rank (there, with its own error; elsewhere a ``RuntimeError`` naming that rank), rather than
+leaving the others to wait in the first collective of training. Tested in tests/strategy/test_ranks.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 import warnings
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +113,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(target)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".tmp", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
@@ -141,20 +161,54 @@ def mapped_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def remove_stale_temporaries(target: Path) -> None:
-    """Remove the temporary files of killed saves beside ``target``: those of its name, and those whose writer's
-    process is gone (see [Note: atomic checkpoints]); also the temporary and previous directories of sharded saves
-    ([Note: sharded checkpoints] in sharded_checkpoint.py)."""
+    """Remove the temporary files of killed saves beside ``target``: those of its name, and those whose writer is
+    gone (:func:`killed_save`; see [Note: atomic checkpoints]); also the temporary and previous directories of sharded
+    saves ([Note: sharded checkpoints] in sharded_checkpoint.py)."""
     for stale in [p for suffix in ("tmp", "old", "del") for p in target.parent.glob(f".*.{suffix}")]:
-        writer = _TEMP_WRITER.fullmatch(stale.name)
-        if stale.name.startswith(f".{target.name}.") or (writer is not None and not _alive(int(writer[1]))):
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    stale.unlink()
+        if stale.name.startswith(f".{target.name}.") or killed_save(stale):
+            remove_path(stale)
 
 
-_TEMP_WRITER = re.compile(r"\..+\.pid(\d+)\.[^.]+\.(?:tmp|old|del)")  # .<name>.pid<writer>.<random>.<suffix>
+# - who wrote a temporary: .<name>.pid<writer>@<host>.<random>.<suffix> (earlier versions: .<name>.pid<writer>.<...>)
+
+_TEMP_WRITER = re.compile(r"\.(.+)\.pid(\d+)@(.+)\.[^.]+\.(?:tmp|old|del)")
+_OLD_TEMP_WRITER = re.compile(r"\.(.+)\.pid(\d+)\.[^.]+\.(?:tmp|old|del)")  # no host: judged on any host
+FOREIGN_STALE_S = 24 * 3600  # another host's temporary unmodified this long is a killed save's
+
+
+def this_host() -> str:
+    """This host's name as temporary names carry it: ``socket.gethostname()`` with any character but letters,
+    digits, ``.``, ``_`` and ``-`` replaced by ``_``; one longer than 40 characters cut to 31 and a hash of the whole
+    (a file name has at most 255 bytes; two hosts still get two names)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "_"
+    return host if len(host) <= 40 else f"{host[:31]}-{hashlib.sha1(host.encode()).hexdigest()[:8]}"
+
+
+def temporary_prefix(target: Path) -> str:
+    """The start of the name of a temporary of this process beside ``target``: ``.<name>.pid<pid>@<host>.``."""
+    return f".{target.name}.pid{os.getpid()}@{this_host()}."
+
+
+def temporary_of(name: str) -> str | None:
+    """The checkpoint name a temporary's file name ``name`` is of (either format), or None: not a temporary."""
+    found = _TEMP_WRITER.fullmatch(name) or _OLD_TEMP_WRITER.fullmatch(name)
+    return found[1] if found is not None else None
+
+
+def killed_save(path: Path) -> bool:
+    """Whether the temporary ``path`` is a killed save's (see [Note: atomic checkpoints]): written on this host by a
+    process that is gone; written on another host (a pid means nothing here) and unmodified for
+    :data:`FOREIGN_STALE_S`; or of an earlier version's name, without a host, by a process gone from this host."""
+    found = _TEMP_WRITER.fullmatch(path.name)
+    if found is None:
+        old = _OLD_TEMP_WRITER.fullmatch(path.name)
+        return old is not None and not _alive(int(old[2]))
+    if found[3] == this_host():
+        return not _alive(int(found[2]))
+    try:
+        return time.time() - path.lstat().st_mtime > FOREIGN_STALE_S
+    except FileNotFoundError:  # its writer renamed or removed it meanwhile
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -182,41 +236,137 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_readable(load: Callable[[_PATH], dict[str, Any]], path: _PATH, trainer: pl.Trainer | None) -> dict[str, Any]:
+# - swapping a directory in atomically (sharded_checkpoint.py, [Note: sharded checkpoints])
+
+
+def temporary_name(target: Path, suffix: str) -> Path:
+    """A name beside ``target`` for a temporary of this process (``.<name>.pid<pid>@<host>.<random><suffix>``)."""
+    return Path(tempfile.mktemp(prefix=temporary_prefix(target), suffix=suffix, dir=target.parent))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where refused."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    errno = ctypes.get_errno()
+    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem or kernel cannot exchange
+        return False
+    raise OSError(errno, os.strerror(errno), str(a), None, str(b))
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Put the complete directory ``tmp`` in ``target``'s place, then remove the previous checkpoint."""
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        return
+    old = temporary_name(target, ".old")
+    if _exchange(tmp, target):
+        os.rename(tmp, old)  # tmp now holds the previous checkpoint
+    else:  # see [Note: sharded checkpoints] in sharded_checkpoint.py for the window between these two renames
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)  # an error, not a kill: the previous checkpoint goes back
+            raise
+    fsync_dir(target.parent)
+    remove_path(old)
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How the ranks of a run agree on the checkpoint they resume from (see [Note: resuming from a readable
+    checkpoint]). Both are collectives: every rank calls them, in the same order. The default: one rank.
+
+    Args:
+        world: the number of ranks.
+        decide: rank 0's value of the argument, on every rank (a broadcast).
+        gather: every rank's value of the argument, in rank order (an all-gather).
+    """
+
+    world: int = 1
+    decide: Callable[[Any], Any] = lambda obj: obj
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj]
+
+
+def load_readable(load: Callable[[_PATH], dict[str, Any]], path: _PATH, trainer: pl.Trainer | None,
+                  agree: Agreement | None = None) -> dict[str, Any]:
     """``load(path)``, or, when that fails and ``path`` is one of the files ``ckpt_path="last"`` chooses among, the
-    newest checkpoint beside it that loads (see [Note: resuming from a readable checkpoint]).
+    newest checkpoint beside it that loads (see [Note: resuming from a readable checkpoint]). With several ranks
+    (``agree``): rank 0's ``path`` and candidates, and the first that loads on every rank.
 
     Raises:
-        RuntimeError: no candidate loads (every file tried is named, with its error).
+        RuntimeError: no candidate loads (every file tried is named, with its error); with several ranks, also the
+            named checkpoint loading here but not on another rank (the rank and its error named).
     """
-    try:
-        return load(path)
-    except Exception as error:
-        fallbacks = _resume_candidates(trainer, path) if trainer is not None else []
-        if not fallbacks:
-            raise
-        failures = [(str(path), error)]
+    agree = agree if agree is not None else Agreement()
+    first = agree.decide(str(path))
+    checkpoint, failed = _load_everywhere(load, first, agree)
+    if failed is None:
+        _record_choice(trainer, path, first)
+        return checkpoint
+    failures = [failed]
+    fallbacks = agree.decide([str(c) for c in _resume_candidates(trainer, first)] if trainer is not None else [])
+    if not fallbacks:
+        _, described, error = failed
+        if error is not None:
+            raise error
+        raise RuntimeError(f"MegaTrainStrategy could not load the checkpoint {first} on every rank: {described}. "
+                           "HINT: every rank must see the same checkpoint files (one shared directory).")
     for candidate in fallbacks:
-        try:
-            checkpoint = load(candidate)
-        except Exception as error:
-            failures.append((str(candidate), error))
+        checkpoint, failed = _load_everywhere(load, candidate, agree)
+        if failed is not None:
+            failures.append(failed)
             continue
-        skipped = "; ".join(f"{name} ({type(e).__name__}: {e})" for name, e in failures)
+        skipped = "; ".join(f"{name} ({described})" for name, described, _ in failures)
+        where = " on every rank" if agree.world > 1 else ""
         warnings.warn(
-            f"MegaTrainStrategy: resuming from {candidate}, the newest checkpoint that loads: ckpt_path='last' chose "
-            f"{path}, which does not load. Skipped: {skipped}.",
+            f"MegaTrainStrategy: resuming from {candidate}, the newest checkpoint that loads{where}: ckpt_path='last' "
+            f"chose {first}, which does not load{where}. Skipped: {skipped}.",
             stacklevel=2,
         )
-        connector = getattr(trainer, "_checkpoint_connector", None)
-        if connector is not None and hasattr(connector, "_ckpt_path"):
-            connector._ckpt_path = str(candidate)  # trainer.ckpt_path and Lightning's "Restored ..." name it
+        _record_choice(trainer, path, candidate)
         return checkpoint
-    tried = "\n- ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures)
+    tried = "\n- ".join(f"{name}: {described}" for name, described, _ in failures)
     raise RuntimeError(
         f"MegaTrainStrategy could not load any checkpoint for ckpt_path='last' (newest first):\n- {tried}\nHINT: "
         "move the unreadable files away to start from scratch, or pass ckpt_path=<a checkpoint that loads>."
-    ) from failures[0][1]
+    ) from next((error for _, _, error in failures if error is not None), None)
+
+
+def _load_everywhere(load: Callable[[_PATH], dict[str, Any]], path: str, agree: Agreement
+                     ) -> tuple[dict[str, Any] | None, tuple[str, str, Exception | None] | None]:
+    """``(the checkpoint, None)`` when ``path`` loads on every rank, else ``(None, (path, every rank's error,
+    this rank's error or None))``: a checkpoint that loads here but not on another rank is dropped."""
+    try:
+        checkpoint, error = load(path), None
+    except Exception as e:
+        checkpoint, error = None, e
+    errors = agree.gather(None if error is None else f"{type(error).__name__}: {error}")
+    if not any(errors):
+        return checkpoint, None
+    described = errors[0] if len(errors) == 1 else "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+    return None, (path, described, error)
+
+
+def _record_choice(trainer: pl.Trainer | None, path: _PATH, chosen: str) -> None:
+    """Make ``chosen`` the trainer's ``ckpt_path`` (Lightning's "Restored ..." names it) when it is not ``path``."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if chosen != str(path) and connector is not None and hasattr(connector, "_ckpt_path"):
+        connector._ckpt_path = chosen
 
 
 def _resume_candidates(trainer: pl.Trainer, path: _PATH) -> list[Path]:

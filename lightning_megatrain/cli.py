@@ -65,7 +65,7 @@ from lightning_megatrain.callbacks import FitSummary, ParamSummary, StepProgress
 from lightning_megatrain.data import DEMO_TOKENIZER_DIR, PreferenceDataModule, SFTDataModule
 from lightning_megatrain.models import CausalLMModule, DPOModule, export_checkpoint
 from lightning_megatrain.planner.command import plan_main
-from lightning_megatrain.sharded_checkpoint import convert_to_file
+from lightning_megatrain.sharded_load import convert_to_file
 
 PROG = "megatrain"
 

@@ -79,6 +79,14 @@ class EngineConfig:
     own forward runs instead). ``False`` leaves HF's forward untouched, for modules that read ``logits`` together
     with ``labels``."""
 
+    update_during_backward: bool | Auto = "auto"
+    """Start each layer's host Adam/AdamW update during the optimizer step's backward, as soon as its grads are
+    final, speculating that clipping does not fire and the step is not skipped; a step where either happens is
+    undone from snapshots and redone, so results are unchanged bitwise (engine/backward_updates.py, [Note: updates
+    during backward]). Costs 12 bytes of host memory per parameter of a speculated layer, within what the host has
+    free. ``"auto"``: on with ``overlap_optimizer`` on a GPU, except in the step after one whose clipping fired;
+    ``True``: every step (needs ``overlap_optimizer``); ``False``: off."""
+
     cpu_adam: CpuAdamMode = "auto"
     """Host Adam/AdamW implementation: ``"auto"`` (DeepSpeedCPUAdam when it builds, else torch fused AdamW; torch
     fused AdamW when the step is overlapped), ``"deepspeed"`` or ``"torch"`` (optim/host_optimizer.py)."""
@@ -130,6 +138,11 @@ class EngineConfig:
         checkpoints = self.device_checkpoints
         if not (checkpoints == "auto" or (type(checkpoints) is int and checkpoints >= 0)):
             out.append(f"device_checkpoints={checkpoints!r}: need 'auto' or an int >= 0")
+        if not isinstance(self.update_during_backward, bool) and self.update_during_backward != "auto":
+            out.append(f"update_during_backward={self.update_during_backward!r}: need 'auto', True or False")
+        if self.update_during_backward is True and self.overlap_optimizer is False:
+            out.append("update_during_backward=True with overlap_optimizer=False: the speculated updates are kept or "
+                       "redone by the overlapped step; use overlap_optimizer=True (or 'auto' on a GPU)")
         if not isinstance(self.chunked_hf_loss, bool):
             out.append(f"chunked_hf_loss={self.chunked_hf_loss!r}: need True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:
@@ -145,6 +158,23 @@ class EngineConfig:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             out.append(f"checkpoint_format={self.checkpoint_format!r}: choose one of {CHECKPOINT_FORMATS}")
         return out
+
+    def for_stage(self, fitting: bool, gradient_clip_algorithm: object) -> EngineConfig:
+        """The options a Trainer stage runs with (``MegaTrainStrategy.setup``): ``gpu_optimizer_groups`` hold
+        optimizer states, so none without an optimizer step (``fitting=False``).
+
+        Raises:
+            ValueError: ``gpu_optimizer_groups`` > 0 with the Trainer's ``gradient_clip_algorithm="value"``.
+        """
+        groups = self.gpu_optimizer_groups
+        if groups != "auto" and groups > 0 and fitting and gradient_clip_algorithm == "value":
+            raise ValueError(
+                "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
+                "got gradient_clip_algorithm='value'. "
+                "HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
+            )
+        # gpu_optimizer_groups hold optimizer states: none without an optimizer step
+        return self if fitting else self.replace(gpu_optimizer_groups=0)
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""

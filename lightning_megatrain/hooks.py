@@ -68,6 +68,40 @@ def grads_read_by_hooks(model: pl.LightningModule) -> bool:
     return any(is_overridden("on_before_optimizer_step", callback) for callback in callbacks)
 
 
+def backward_update_blockers(model: pl.LightningModule) -> list[str]:
+    """What stops the host updates during backward ([Note: updates during backward] in engine/backward_updates.py):
+    user code that may read grads or parameters between backward and the optimizer step (``on_after_backward``,
+    ``on_before_optimizer_step``, ``configure_gradient_clipping``), manual optimization, clipping by value, several
+    optimizers. Empty when nothing does."""
+    trainer = model.trainer
+    owners = [model, *(c for c in trainer.callbacks if _reads_state(c))]
+    blockers = [f"{type(owner).__name__}.on_after_backward" for owner in owners
+                if is_overridden("on_after_backward", owner)]
+    if grads_read_by_hooks(model):
+        blockers.append("a hook that reads grads before the step (on_before_optimizer_step, "
+                        "configure_gradient_clipping)")
+    if not model.automatic_optimization:
+        blockers.append("manual optimization")
+    if trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value":
+        blockers.append("gradient_clip_algorithm='value'")
+    if len(trainer.optimizers) != 1:
+        blockers.append(f"{len(trainer.optimizers)} optimizers")
+    return blockers
+
+
+def placement_hooks(model: pl.LightningModule) -> dict[str, bool]:
+    """What the first micro-batch's placement asks of the user's code (the engine's ``place_for_batch``):
+    ``custom_clipping``, the Trainer clips by value or the module overrides ``configure_gradient_clipping``;
+    ``grads_read``, a hook reads grads before the step (:func:`grads_read_by_hooks`) or the module optimizes
+    manually."""
+    trainer = model.trainer
+    return {
+        "custom_clipping": (trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
+        or is_overridden("configure_gradient_clipping", model),
+        "grads_read": grads_read_by_hooks(model) or not model.automatic_optimization,
+    }
+
+
 def parameter_readers(model: pl.LightningModule) -> dict[str, list[str]]:
     """For each of :data:`PARAMETER_HOOKS` that user code overrides, who does (the module's or callbacks' class
     names): the hooks before which :class:`OptimizerBarrier` waits."""

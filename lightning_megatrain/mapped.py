@@ -3,7 +3,7 @@
 [Note: mapped checkpoint tensors]
 A resume never reads a checkpoint into host memory as a whole. Both formats load as tensors that view the file
 mapped copy-on-write, so nothing is read until used: the shards of a sharded checkpoint
-(sharded_checkpoint.py, ``read_safetensors``) and a checkpoint file through ``torch.load(mmap=True)``
+(sharded_load.py, ``read_safetensors``) and a checkpoint file through ``torch.load(mmap=True)``
 (checkpoint_io.py, ``AtomicCheckpointIO.load_checkpoint``). Each such tensor is *registered* here when it is
 created. Its bytes then go to where they belong, one chunk of :data:`CHUNK_BYTES` at a time, through the mapping
 (:func:`copy_released`): the masters straight into the host masters (:func:`read_into`), the host optimizer's states

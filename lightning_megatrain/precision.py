@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Generator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.hooks import grads_read_by_hooks
+from lightning_megatrain.hooks import backward_update_blockers, grads_read_by_hooks
 
 MegaTrainPrecisionInput = Literal["bf16-mixed", "32-true"]
 
@@ -140,6 +141,8 @@ class MegaTrainPrecision(Precision):
         engine = self.engine
         try:
             if engine.step.takes_step(optimizer) and not kwargs:
+                # layers may start their host update during the closure's backward ([Note: updates during backward])
+                engine.step.arm_backward_updates(optimizer, backward_update_blockers(model))
                 # forward/backward/clipping now; the update runs on the device and/or the overlap worker, or now
                 with torch.enable_grad():
                     result = self._wrap_closure(model, optimizer, closure)
@@ -149,5 +152,34 @@ class MegaTrainPrecision(Precision):
                 result = super().optimizer_step(optimizer, model, closure, **kwargs)
         except _SkippedStep as skipped:
             result = skipped.closure_result
+        except BaseException:
+            engine.step.abort_backward_updates()  # a step that raised updates nothing
+            raise
         engine.masters_updated()
         return result
+
+
+def megatrain_precision(precision_plugin: Precision, device_type: str) -> MegaTrainPrecision:
+    """The :class:`MegaTrainPrecision` that runs Lightning's ``precision_plugin`` (``MegaTrainStrategy``'s setter):
+    ``"bf16-mixed"`` and ``"32-true"`` as they are, ``"bf16-true"`` as ``"bf16-mixed"`` with a warning (masters are
+    never kept in bf16).
+
+    Raises:
+        TypeError: another plugin, named with its precision.
+    """
+    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.precision == "bf16-mixed":
+        return MegaTrainPrecision("bf16-mixed", device_type)
+    if isinstance(precision_plugin, HalfPrecision) and precision_plugin.precision == "bf16-true":
+        warnings.warn(
+            "MegaTrainStrategy keeps fp32 masters: precision='bf16-true' runs as 'bf16-mixed' (bf16 compute, "
+            "fp32 masters, grads and Adam states).",
+            stacklevel=3,  # the strategy's setter's caller, as before the move
+        )
+        return MegaTrainPrecision("bf16-mixed", device_type)
+    if type(precision_plugin) is Precision:
+        return MegaTrainPrecision("32-true", device_type)
+    raise TypeError(
+        f"MegaTrainStrategy supports precision='bf16-mixed', '32-true' (or 'bf16-true', run as bf16-mixed), "
+        f"got {type(precision_plugin).__name__}"
+        f"{f'({precision_plugin.precision!r})' if hasattr(precision_plugin, 'precision') else ''}."
+    )

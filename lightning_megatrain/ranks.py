@@ -7,12 +7,15 @@ identity. With ``devices=N`` (and ``num_nodes=M``) it does what ``DDPStrategy`` 
 ``setup_environment`` joins the process group (NCCL for CUDA devices, gloo on the CPU), the Trainer adds a
 ``DistributedSampler`` (``distributed_sampler_kwargs``), and barrier, broadcast and reduce go through
 ``torch.distributed``. No model wrapper: the engine does the gradient reduction itself, per layer, on the shards it
-owns (engine/sharding.py, [Note: sharded host state]).
+owns (engine/sharding.py, [Note: sharded host state]). A checkpoint is written by rank 0, with each rank's layer
+masters and optimizer slices in a shard file of its own beside it; no checkpoint is saved after an exception; the
+ranks resume from one checkpoint (engine/shard_states.py, [Note: checkpoints of several ranks]).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -28,15 +31,19 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_megatrain.checkpoint_io import Agreement
+from lightning_megatrain.engine.shard_states import shard_path, split_checkpoint
 from lightning_megatrain.engine.sharding import Ranks
 
 log = logging.getLogger(__name__)
@@ -72,6 +79,7 @@ class RankStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.ranks: Ranks | None = None  # the engine's view of the process group, when world_size > 1
+        self._saved: list[str] = []  # checkpoints this run saved on every rank, oldest first (removed ones dropped)
 
     @property
     @override
@@ -145,6 +153,8 @@ class RankStrategy(ParallelStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self.distributed or not _distributed_is_initialized():
             return
+        if self._interrupted():  # the other ranks may never get here ([Note: checkpoints of several ranks])
+            return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
@@ -174,6 +184,93 @@ class RankStrategy(ParallelStrategy):
     @override
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        # several ranks: rank 0 writes the checkpoint with manifests, every rank its shard file; none after an
+        # exception ([Note: checkpoints of several ranks])
+        if self.distributed and self._interrupted():
+            warnings.warn(self._unsaved_after_exception(filepath), stacklevel=2)
+            return
+        main, shard = split_checkpoint(checkpoint, filepath, self.sharded_params())
+        if shard:
+            self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank, self.world_size))
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
+        self.barrier("save_checkpoint")  # past it, every rank's file of this save is in place
+        self._saved = [p for p in self._saved if p != str(filepath)] + [str(filepath)]
+
+    def sharded_params(self) -> dict[str, Any] | None:
+        """This rank's share of the parameters for its shard file (engine/shard_states.py ``sharded_params``); None:
+        the parameters are whole in the checkpoint's ``state_dict``."""
+        return None
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        self._saved = [p for p in self._saved if p != str(filepath)]
+        if self.distributed:
+            self.checkpoint_io.remove_checkpoint(shard_path(filepath, self.global_rank, self.world_size))
+
+    def resume_agreement(self) -> Agreement:
+        """How the ranks agree on the checkpoint they resume from (checkpoint_io.py, [Note: resuming from a readable
+        checkpoint]): rank 0's choice broadcast, every rank's outcome gathered, over the host group (gloo)."""
+        if not self.distributed or self.ranks is None:
+            return Agreement()
+        group = self.ranks.host_group
+
+        def decide(obj: Any) -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0, group=group)
+            return box[0]
+
+        def gather(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, obj, group=group)
+            return out
+
+        return Agreement(self.world_size, decide, gather)
+
+    def _interrupted(self) -> bool:
+        """Whether an exception is being handled (Lightning's ``_interrupt`` sets the status before it calls the
+        ``on_exception`` hooks)."""
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+
+    def _unsaved_after_exception(self, filepath: _PATH) -> str:
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        if self._saved:
+            last = f"The last complete checkpoint of this run is {self._saved[-1]}"
+        elif trainer is not None and trainer.ckpt_path is not None:
+            last = f"This run saved no checkpoint; it resumed from {trainer.ckpt_path}"
+        else:
+            last = "This run saved no checkpoint"
+        return (
+            f"MegaTrainStrategy with {self.world_size} ranks did not save {filepath} after an exception: a checkpoint "
+            f"needs every rank's shard file, and rank {self.global_rank} cannot reach the other ranks now (they may be "
+            f"inside a collective, or past the step it failed at). {last}. HINT: resume with ckpt_path='last' or that "
+            "checkpoint; save more often (ModelCheckpoint(every_n_train_steps=...)) to lose fewer steps."
+        )
+
+    @override
+    def on_predict_start(self) -> None:
+        # Lightning splits predict data without padding (UnrepeatedDistributedSamplerWrapper): a rank with fewer
+        # batches would leave the others waiting in a layer's gather ([Note: sharded layer masters])
+        super().on_predict_start()
+        if not self.distributed or self.ranks is None:
+            return
+        counts: list[Any] = [None] * self.world_size
+        mine = list(self.lightning_module.trainer.num_predict_batches)  # per predict dataloader, after the limits
+        dist.all_gather_object(counts, mine, group=self.ranks.host_group)
+        if any(c != counts[0] for c in counts):
+            raise ValueError(
+                f"MegaTrainStrategy with {self.world_size} ranks runs each layer on every rank together (a layer is "
+                f"gathered from all ranks), but the predict batches per rank differ: {counts} (Lightning splits "
+                "predict data over the ranks without padding). HINT: use a number of predict samples divisible by "
+                "the number of ranks times the batch size, or predict with devices=1."
+            )
 
     @override
     def teardown(self) -> None:

@@ -23,36 +23,36 @@ staging buffer of :data:`STAGING_BYTES` (16 MiB) per shard, a piece at a time, s
 bytes per parameter of those groups a copy to the host took. The pages written go to the page cache, which is not
 the process's memory.
 
-Atomicity: the checkpoint is written into ``.<name>.pid<writer>.<random>.tmp`` beside the target; every file is
-fsynced, the index last, then the directory. The new directory then replaces the target in one step:
+Atomicity: the checkpoint is written into ``.<name>.pid<writer>@<host>.<random>.tmp`` beside the target; every file is
+fsynced, the index last, then the directory. The new directory then replaces the target in one step
+(checkpoint_io.py's ``swap_in``):
 ``renameat2(RENAME_EXCHANGE)`` swaps the two names atomically (Linux: ext4, xfs, btrfs, tmpfs), and the previous
 checkpoint, now under the temporary name, is renamed ``.old`` and removed. A kill at any point leaves the target
 whole, old or new. Where the exchange is refused (other systems and filesystems) the target is renamed ``.old`` and
 the new one renamed in, two renames back to back: a kill between them leaves no target, the old checkpoint whole as
 ``.old`` and the new whole as ``.tmp`` (its index present); the next save into that directory, of any name, renames
-the new one back first (:func:`recover`), but a resume from ``"last"`` before it does not see it. A removed
+the new one back first (:func:`recover`) once it is a killed save's as checkpoint_io.py judges it (on the writer's
+own host at once, on another after 24 hours), but a resume from ``"last"`` before it does not see it. A removed
 checkpoint (top-k) is renamed ``.del`` before it is deleted, so a kill never leaves half of one under its name.
 Leftover ``.tmp``, ``.old`` and ``.del`` directories go as the file path's temporary files do ([Note: atomic
 checkpoints] in checkpoint_io.py).
 
-Loading: ``load_sharded`` checks each shard's size against the index (a truncated shard fails, so ``"last"`` falls
-back as for a file: [Note: resuming from a readable checkpoint]) and fills the checkpoint with tensors that view the
-shards mapped copy-on-write, so that any hook can read them and nothing is read until used. The strategy then reads
-them into place a chunk at a time, each chunk's pages released ([Note: mapped checkpoint tensors] in mapped.py): the
-masters into the host masters (``load_state_dict`` finds each entry already in place), the host groups' optimizer
-states into tensors of their own, which the optimizer keeps, and ``gpu_optimizer_groups``' straight into their GPU
-moments. Peak host RAM of a load: the kept optimizer states (8 bytes per parameter with AdamW, none for a device
-group) plus 1.5 MiB for the test model (a 1 MiB chunk and the pages the kernel maps around it), as from a file.
+Loading (sharded_load.py): ``load_sharded`` checks each shard's size against the index (a truncated shard fails, so
+``"last"`` falls back as for a file: [Note: resuming from a readable checkpoint]) and fills the checkpoint with
+tensors that view the shards mapped copy-on-write, so that any hook can read them and nothing is read until used.
+The strategy then reads them into place a chunk at a time, each chunk's pages released ([Note: mapped checkpoint
+tensors] in mapped.py): the masters into the host masters (``load_state_dict`` finds each entry already in place),
+the host groups' optimizer states into tensors of their own, which the optimizer keeps, and
+``gpu_optimizer_groups``' straight into their GPU moments. Peak host RAM of a load: the kept optimizer states (8
+bytes per parameter with AdamW, none for a device group) plus 1.5 MiB for the test model (a 1 MiB chunk and the
+pages the kernel maps around it), as from a file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import mmap
 import os
-import re
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -62,32 +62,38 @@ from typing import Any
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_megatrain._hardware import umask
-from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, fsync_dir, remove_stale_temporaries
+from lightning_megatrain.checkpoint_io import (
+    AtomicCheckpointIO,
+    fsync_dir,
+    killed_save,
+    remove_path,
+    remove_stale_temporaries,
+    swap_in,
+    temporary_name,
+    temporary_of,
+    temporary_prefix,
+)
 from lightning_megatrain.engine.discovery import find_layer_stack
-from lightning_megatrain.mapped import register
+from lightning_megatrain.sharded_load import FORMAT, INDEX, SAFETENSORS_DTYPES, VERSION, is_sharded
 
-FORMAT, VERSION = "megatrain-sharded", 1
-INDEX, META, RESIDENTS = "index.json", "meta.pt", "residents"
+# the loading half, importable from here as before (sharded_load.py)
+from lightning_megatrain.sharded_load import convert_to_file as convert_to_file
+from lightning_megatrain.sharded_load import load_any as load_any
+from lightning_megatrain.sharded_load import load_either_format as load_either_format
+from lightning_megatrain.sharded_load import load_sharded as load_sharded
+from lightning_megatrain.sharded_load import read_safetensors as read_safetensors
+
+META, RESIDENTS = "meta.pt", "residents"
 
 Place = tuple[str | int, ...]  # keys from the checkpoint's root to one tensor
 ShardOf = Callable[[Place], str]  # a tensor's place -> the name of its shard file (no suffix)
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
-
-def is_sharded(path: _PATH) -> bool:
-    """Whether ``path`` is a local directory (a sharded checkpoint, or nothing loadable)."""
-    return isinstance(get_filesystem(path), LocalFileSystem) and Path(path).is_dir()
 
 
 # - which tensors go where
@@ -96,7 +102,7 @@ def is_sharded(path: _PATH) -> bool:
 def _shardable(value: Any) -> bool:
     """A dense tensor with bytes (host or GPU: ``gpu_optimizer_groups``' Adam states) of a dtype safetensors has."""
     return (type(value) in (Tensor, nn.Parameter) and value.device.type != "meta" and value.layout == torch.strided
-            and value.dtype in _SAFETENSORS_DTYPES)
+            and value.dtype in SAFETENSORS_DTYPES)
 
 
 def split(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[Place, Tensor]]]:
@@ -180,7 +186,7 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, Tensor]]) -> int:
     tensors = sorted(tensors, key=lambda nt: -nt[1].element_size())
     header, offset = {}, 0
     for name, t in tensors:
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -214,7 +220,7 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
     target.parent.mkdir(parents=True, exist_ok=True)
     recover(target.parent)
     remove_stale_temporaries(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=".tmp", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(target), suffix=".tmp", dir=target.parent))
     try:
         meta, found = split(checkpoint)
         shards: dict[str, dict[str, Any]] = {}
@@ -243,67 +249,24 @@ def save_sharded(checkpoint: Mapping[str, Any], target: _PATH, shard_of: ShardOf
             os.fsync(f.fileno())
         os.chmod(tmp, 0o777 & ~umask())  # as mkdir would have made it (mkdtemp makes it private)
         fsync_dir(tmp)
-        _swap_in(tmp, target)
+        swap_in(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _temporary_name(target: Path, suffix: str) -> Path:
-    return Path(tempfile.mktemp(prefix=f".{target.name}.pid{os.getpid()}.", suffix=suffix, dir=target.parent))
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the names ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where refused."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    errno = ctypes.get_errno()
-    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem or kernel cannot exchange
-        return False
-    raise OSError(errno, os.strerror(errno), str(a), None, str(b))
-
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Put the complete directory ``tmp`` in ``target``'s place, then remove the previous checkpoint."""
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-        fsync_dir(target.parent)
-        return
-    old = _temporary_name(target, ".old")
-    if _exchange(tmp, target):
-        os.rename(tmp, old)  # tmp now holds the previous checkpoint
-    else:  # see [Note: sharded checkpoints] for the window between these two renames
-        os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            os.rename(old, target)  # an error, not a kill: the previous checkpoint goes back
-            raise
-    fsync_dir(target.parent)
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
 def recover(directory: Path) -> None:
     """After a kill between the two renames of the fallback swap (a checkpoint's name gone, its ``.tmp`` and
     ``.old`` left): rename the complete new directory (a ``.tmp`` with its index), else the previous one (``.old``),
-    back to the name. Run before a save removes leftovers; a removal's leftovers (``.del``) never come back."""
+    back to the name. Only a killed save's (checkpoint_io.py's ``killed_save``: a live writer, here or on another
+    host, may be between its renames). Run before a save removes leftovers; a removal's leftovers (``.del``) never
+    come back."""
     leftovers: dict[str, list[Path]] = {}
     for p in directory.glob(".*.pid*.*"):
-        name = _LEFTOVER.fullmatch(p.name)
-        if name is not None and p.is_dir() and not os.path.lexists(directory / name[1]):
-            leftovers.setdefault(name[1], []).append(p)
+        name = temporary_of(p.name)
+        if (name is not None and p.suffix in (".tmp", ".old") and p.is_dir() and not os.path.lexists(directory / name)
+                and killed_save(p)):
+            leftovers.setdefault(name, []).append(p)
     for name, found in leftovers.items():
         new = [p for p in found if p.suffix == ".tmp" and (p / INDEX).is_file()]
         old = [p for p in found if p.suffix == ".old"]
@@ -314,98 +277,21 @@ def recover(directory: Path) -> None:
                 break
 
 
-_LEFTOVER = re.compile(r"\.(.+)\.pid\d+\.[^.]+\.(?:tmp|old)")  # .<name>.pid<writer>.<random>.tmp or .old
-
-
 def remove_sharded(path: Path) -> None:
     """Remove a checkpoint directory: renamed away (``.del``) first, so that no half-removed checkpoint keeps its
     name, nor gets it back from :func:`recover`."""
-    gone = _temporary_name(path, ".del")
+    gone = temporary_name(path, ".del")
     os.rename(path, gone)
     fsync_dir(path.parent)
-    _remove(gone)
+    remove_path(gone)
 
 
-# - reading
-
-
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    """The tensors of one safetensors file as views of the file mapped copy-on-write: nothing is read until used,
-    and writing to them never changes the file."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        size = os.fstat(f.fileno()).st_size
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > 8 + n else None
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, (begin, end) = _TORCH_DTYPES[entry["dtype"]], entry["data_offsets"]
-        if end > size - 8 - n:
-            raise ValueError(f"{path}: tensor {name!r} ends at byte {8 + n + end}, the file has {size}")
-        if begin == end:
-            out[name] = torch.empty(entry["shape"], dtype=dtype)
-            continue
-        t = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + n + begin)
-        out[name] = register(t.reshape(entry["shape"]))
-    return out
-
-
-def load_sharded(path: _PATH, load_meta: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint saved as directory ``path``; tensors view the mapped shards (see [Note: sharded checkpoints]).
-
-    Raises:
-        ValueError: no index, another format, or a shard whose size is not the index's (truncated, replaced).
-    """
-    path = Path(path)
-    if not (path / INDEX).is_file():
-        raise ValueError(f"{path} is a directory without {INDEX}: not a complete sharded checkpoint.")
-    index = json.loads((path / INDEX).read_text())
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise ValueError(f"{path / INDEX}: format {index.get('format')!r} version {index.get('version')!r}, this "
-                         f"version of lightning_megatrain reads {FORMAT!r} version {VERSION}.")
-    for shard, entry in index["shards"].items():
-        size = (path / shard).stat().st_size if (path / shard).is_file() else None
-        if size != entry["bytes"]:
-            raise ValueError(f"{path / shard}: {size} bytes, the index says {entry['bytes']}: truncated or replaced.")
-    checkpoint = load_meta(path / index["meta"])
-    for shard, entry in index["shards"].items():
-        tensors = read_safetensors(path / shard)
-        for name, places in entry["tensors"].items():
-            for place in places:
-                container = checkpoint
-                for key in place[:-1]:
-                    container = container[key]
-                container[place[-1]] = tensors[name]
-    return checkpoint
-
-
-def load_any(path: _PATH, load_file: Callable[[_PATH], dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint at ``path``: a sharded directory through :func:`load_sharded` (its ``meta.pt`` read with
-    ``load_file``), anything else through ``load_file``, whichever format the strategy saves."""
-    return load_sharded(path, load_file) if is_sharded(path) else load_file(path)
-
-
-def convert_to_file(src: _PATH, out: _PATH, overwrite: bool = False) -> Path:
-    """Write the sharded checkpoint ``src`` as one Lightning ``.ckpt`` file ``out`` that plain Lightning loads
-    (``torch.save`` streams each tensor from the mapped shards: no copy of the checkpoint in host RAM).
-
-    Raises:
-        ValueError: ``src`` is not a sharded checkpoint. FileExistsError: ``out`` exists and not ``overwrite``.
-    """
-    if not is_sharded(src):
-        raise ValueError(f"src={str(src)!r} is not a directory: pass a sharded checkpoint (a *.ckpt directory).")
-    if os.path.lexists(out) and not overwrite:
-        raise FileExistsError(f"out={str(out)!r} exists; pass overwrite=True (--overwrite) to replace it.")
-    checkpoint = load_sharded(src, lambda meta: torch.load(meta, map_location="cpu", weights_only=False))
-    AtomicCheckpointIO().save_checkpoint(checkpoint, out)
-    return Path(out)
+# - the strategy's checkpoint IO
 
 
 class ShardedCheckpointIO(AtomicCheckpointIO):
     """Saves local checkpoints as sharded directories and removes them atomically (see [Note: sharded checkpoints]);
-    the strategy loads either format (:func:`load_any`).
+    the strategy loads either format (sharded_load.py's ``load_any``).
 
     Args:
         layout: called with each checkpoint to save; returns each tensor's shard (:func:`layer_layout`).
@@ -428,3 +314,19 @@ class ShardedCheckpointIO(AtomicCheckpointIO):
             remove_sharded(Path(path))
         else:
             super().remove_checkpoint(path)
+
+
+def strategy_checkpoint_io(checkpoint_io: CheckpointIO | None, checkpoint_format: str,
+                           layout: Callable[[Mapping[str, Any]], ShardOf]) -> CheckpointIO:
+    """``MegaTrainStrategy``'s checkpoint IO: ``checkpoint_io`` when given, else :class:`AtomicCheckpointIO`
+    (``checkpoint_format="file"``) or a :class:`ShardedCheckpointIO` with ``layout`` (``"sharded"``).
+
+    Raises:
+        ValueError: ``checkpoint_io`` given with ``checkpoint_format="sharded"``.
+    """
+    if checkpoint_format == "sharded" and checkpoint_io is not None:
+        raise ValueError(f"MegaTrainStrategy(checkpoint_format='sharded') saves through its own checkpoint IO, got "
+                         f"checkpoint_io={type(checkpoint_io).__name__}. HINT: pass one of the two.")
+    if checkpoint_io is None and checkpoint_format == "sharded":
+        checkpoint_io = ShardedCheckpointIO(layout)
+    return checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()

@@ -6,8 +6,7 @@ import contextlib
 import functools
 import logging
 import sys
-import warnings
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,14 +14,12 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_megatrain._hardware import GIB, host_rss_gib
-from lightning_megatrain.checkpoint_io import AtomicCheckpointIO, load_readable
+from lightning_megatrain.checkpoint_strategy import CheckpointStrategy
 from lightning_megatrain.config import (
     Auto,
     CheckpointFormat,
@@ -33,21 +30,18 @@ from lightning_megatrain.config import (
     NonFiniteMode,
 )
 from lightning_megatrain.engine import MegaTrainEngine
-from lightning_megatrain.engine.shard_states import load_optimizer_state, load_shard_files, shard_path, split_checkpoint
 from lightning_megatrain.engine.sharding import ShardedState
-from lightning_megatrain.hooks import OptimizerBarrier, grads_read_by_hooks
-from lightning_megatrain.mapped import read_into
+from lightning_megatrain.hooks import OptimizerBarrier, placement_hooks
+from lightning_megatrain.host_memory import host_memory_by_kind, log_host_memory
 from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
-from lightning_megatrain.optim.host_optimizer import load_host_state
-from lightning_megatrain.precision import MegaTrainPrecision
-from lightning_megatrain.ranks import RankStrategy
-from lightning_megatrain.sharded_checkpoint import ShardedCheckpointIO, layer_layout, load_any
+from lightning_megatrain.precision import MegaTrainPrecision, megatrain_precision
+from lightning_megatrain.sharded_checkpoint import layer_layout, strategy_checkpoint_io
 
 log = logging.getLogger(__name__)
 
 
-class MegaTrainStrategy(RankStrategy):
+class MegaTrainStrategy(CheckpointStrategy):
     """Train a causal LM larger than GPU memory on one GPU: all state in host RAM, decoder layers streamed.
 
     One optimizer step:
@@ -74,10 +68,12 @@ class MegaTrainStrategy(RankStrategy):
     its exact size; :meth:`host_memory` reports it by kind, and it is logged at train end.
 
     Several devices (``devices=N``, ``num_nodes=M``): one process per device, started by Lightning's launcher
-    (ranks.py); each rank owns 1/N of every layer's fp32 grads and optimizer states and updates 1/N of its masters,
-    the layers' grads are reduce-scattered in backward and the updated masters all-gathered after the step
-    (engine/sharding.py, [Note: sharded host state]); each rank saves its optimizer states' share beside the
-    checkpoint, which resumes on any number of ranks (engine/shard_states.py, [Note: checkpoints of several ranks]).
+    (ranks.py); each rank holds 1/N of every layer's fp32 masters, grads and optimizer states (the residents' masters
+    whole), each layer is all-gathered right before it runs and its grads reduce-scattered in backward
+    (engine/sharding.py, [Note: sharded host state]; engine/sharded_layers.py, [Note: sharded layer masters]: a
+    layer's parameters are NaN placeholders outside its compute); each rank saves its masters' and optimizer states'
+    share beside the checkpoint, which resumes on any number of ranks (engine/shard_states.py, [Note: checkpoints of
+    several ranks]).
     ``overlap_optimizer`` and ``gpu_optimizer_groups`` are off there (refused when given), ``host_state`` must be
     ``"fp32"``, ``checkpoint_format`` ``"file"``, and the optimizer elementwise (not Muon or CompactAdamW).
 
@@ -106,6 +102,14 @@ class MegaTrainStrategy(RankStrategy):
             the last gradient copies land while the next step starts and the step's worker waits for them
             (engine/optimizer_step.py, [Note: late grads]). ``"auto"`` (default): on with a CUDA compute device, off
             on the CPU (engine/placement.py, [Note: auto placement]).
+        update_during_backward: start each decoder layer's host Adam/AdamW update during the optimizer step's
+            backward, once its grads are final, so the host step hides under backward too, speculating that clipping
+            does not fire and the step is not skipped; where either happens the layers are restored from snapshots
+            and the step redone, so results are bitwise the same (engine/backward_updates.py, [Note: updates during
+            backward]). Snapshots take 12 bytes of host memory per speculated parameter, within what the host has
+            free. Not with hooks that read grads or parameters between backward and the step (``on_after_backward``,
+            ``on_before_optimizer_step``), manual optimization or clipping by value. ``"auto"`` (default): on with the
+            overlapped step on a GPU, except in the step after one whose clipping fired; ``True``: every step.
         gpu_optimizer_groups: how many parameter groups, in the order the forward reads them (first the residents:
             embeddings, final norm, head; then decoder layers 0, 1, ...), also keep their fp32 master, fp32 grad and
             Adam moments on the GPU and take their optimizer step there (torch's fused AdamW kernel): no host Adam
@@ -193,6 +197,7 @@ class MegaTrainStrategy(RankStrategy):
         num_slots: int = 2,
         keep_layers: KeepLayers = "auto",
         overlap_optimizer: bool | Auto = "auto",
+        update_during_backward: bool | Auto = "auto",
         gpu_optimizer_groups: int | Auto = "auto",
         compile_layers: bool | Auto = "auto",
         seq_tile: int | Auto | None = "auto",
@@ -212,6 +217,7 @@ class MegaTrainStrategy(RankStrategy):
             num_slots=num_slots,
             keep_layers=keep_layers,
             overlap_optimizer=overlap_optimizer,
+            update_during_backward=update_during_backward,
             gpu_optimizer_groups=gpu_optimizer_groups,
             compile_layers=compile_layers,
             seq_tile=seq_tile,
@@ -223,16 +229,10 @@ class MegaTrainStrategy(RankStrategy):
             host_state=host_state,
             checkpoint_format=checkpoint_format,
         )
-        if checkpoint_format == "sharded" and checkpoint_io is not None:
-            raise ValueError(f"MegaTrainStrategy(checkpoint_format='sharded') saves through its own checkpoint IO, got "
-                             f"checkpoint_io={type(checkpoint_io).__name__}. HINT: pass one of the two.")
         # checkpoints saved atomically beside their target, streamed ([Note: atomic checkpoints]), or per layer
         # ([Note: sharded checkpoints])
-        if checkpoint_io is None and checkpoint_format == "sharded":
-            checkpoint_io = ShardedCheckpointIO(
-                lambda checkpoint: layer_layout(checkpoint, self.lightning_module, self.config.layers, self.optimizers)
-            )
-        checkpoint_io = checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO()
+        checkpoint_io = strategy_checkpoint_io(checkpoint_io, checkpoint_format, lambda checkpoint: layer_layout(
+            checkpoint, self.lightning_module, self.config.layers, self.optimizers))
         # one process per device; several share the host state ([Note: sharded host state] in engine/sharding.py)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
@@ -259,24 +259,7 @@ class MegaTrainStrategy(RankStrategy):
         if precision_plugin is None or isinstance(precision_plugin, MegaTrainPrecision):
             self._precision_plugin = precision_plugin
             return
-        device_type = self.root_device.type
-        if isinstance(precision_plugin, MixedPrecision) and precision_plugin.precision == "bf16-mixed":
-            self._precision_plugin = MegaTrainPrecision("bf16-mixed", device_type)
-        elif isinstance(precision_plugin, HalfPrecision) and precision_plugin.precision == "bf16-true":
-            warnings.warn(
-                "MegaTrainStrategy keeps fp32 masters: precision='bf16-true' runs as 'bf16-mixed' (bf16 compute, "
-                "fp32 masters, grads and Adam states).",
-                stacklevel=2,
-            )
-            self._precision_plugin = MegaTrainPrecision("bf16-mixed", device_type)
-        elif type(precision_plugin) is Precision:
-            self._precision_plugin = MegaTrainPrecision("32-true", device_type)
-        else:
-            raise TypeError(
-                f"MegaTrainStrategy supports precision='bf16-mixed', '32-true' (or 'bf16-true', run as bf16-mixed), "
-                f"got {type(precision_plugin).__name__}"
-                f"{f'({precision_plugin.precision!r})' if hasattr(precision_plugin, 'precision') else ''}."
-            )
+        self._precision_plugin = megatrain_precision(precision_plugin, self.root_device.type)  # or a TypeError
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -285,20 +268,12 @@ class MegaTrainStrategy(RankStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
-        groups = self.config.gpu_optimizer_groups
-        if groups != "auto" and groups > 0 and fitting and trainer.gradient_clip_algorithm == "value":
-            raise ValueError(
-                "MegaTrainStrategy(gpu_optimizer_groups>0) clips by norm only (those groups' grads live on the GPU), "
-                "got gradient_clip_algorithm='value'. "
-                "HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
-            )
-        # gpu_optimizer_groups hold optimizer states: none without an optimizer step
-        config = self.config if fitting else self.config.replace(gpu_optimizer_groups=0)
+        config = self.config.for_stage(fitting, trainer.gradient_clip_algorithm)
         self._hf_loss = install_chunked_hf_loss(self.lightning_module, enabled=config.chunked_hf_loss)
         self.engine = MegaTrainEngine(
             self.lightning_module, self.root_device, precision.compute_dtype, config, ranks=self.ranks
         )
-        self.engine.setup(fitting=fitting)
+        self.engine.setup(fitting=fitting, previous=self._sharding)  # after fit, validate/test go on from its shares
         self.model_to_device()
         precision.engine = self.engine
         self._skipped = self.engine.step.guard.skipped
@@ -341,96 +316,6 @@ class MegaTrainStrategy(RankStrategy):
         return len(self._skipped)
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.wait_for_optimizer()
-        if self.engine is not None:
-            self.engine.refuse_torn("save the parameters")  # a failed step left part of its update applied
-        return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        self.wait_for_optimizer()
-        if self._sharding is not None:  # this rank's slices and the manifest ([Note: checkpoints of several ranks])
-            return self._sharding.optimizer_state(optimizer)
-        # gpu_optimizer_groups' states stay on the GPU: the save writes them a piece at a time ([Note: atomic
-        # checkpoints], [Note: sharded checkpoints])
-        return super().optimizer_state(optimizer)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        # ckpt_path="last" skips a checkpoint that does not load (checkpoint_io.py, [Note: resuming from a readable
-        # checkpoint])
-        try:
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        except RuntimeError:  # a module not attached to a Trainer: no "last" to resolve
-            trainer = None
-        load = super().load_checkpoint  # a sharded directory's meta.pt through it ([Note: sharded checkpoints]); a
-        # checkpoint of several ranks brings its shard files' optimizer slices ([Note: checkpoints of several ranks])
-        return load_readable(
-            lambda path: load_shard_files(load_any(path, lambda file: load(file, weights_only=weights_only)), path),
-            checkpoint_path,
-            trainer,
-        )
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        # several ranks: rank 0 writes the checkpoint with manifests, every rank its shard file
-        main, shard = split_checkpoint(checkpoint, filepath)
-        if shard:
-            self.checkpoint_io.save_checkpoint(shard, shard_path(filepath, self.global_rank, self.world_size))
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        super().remove_checkpoint(filepath)
-        if self.distributed:
-            self.checkpoint_io.remove_checkpoint(shard_path(filepath, self.global_rank, self.world_size))
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.wait_for_optimizer()
-        read_into(checkpoint["state_dict"], self.lightning_module.state_dict())  # a mapped checkpoint's, in place
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self.engine is not None:
-            self.engine.reload_masters()
-
-    def wait_for_optimizer(self) -> None:
-        """Block until the host parameters and optimizer states hold the last optimizer step: the overlapped host
-        step finished and ``gpu_optimizer_groups`` written back. Lightning's own readers (checkpoints, validation,
-        epoch and train end) and every user hook that may read parameters already wait (hooks.py, [Note: user
-        hooks]); call it before reading parameters elsewhere (inside ``training_step``, from another thread)."""
-        if self.engine is not None:
-            self.engine.wait_for_optimizer()
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # The base class would move the states to root_device; they belong with the host masters.
-        self.wait_for_optimizer()
-        sharding = self._sharding
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            # any number of ranks from any number of ranks ([Note: checkpoints of several ranks])
-            state = sharding.load_state(optimizer, state) if sharding is not None else load_optimizer_state(
-                optimizer, state, None, {}, self._whole_parameter_key()
-            )
-            load_host_state(optimizer, state)  # also from a checkpoint of another host Adam or plain Lightning
-        if self.engine is not None:  # mapped states into place once the device groups are known ([Note: mapped
-            self.engine.settle_loaded_states(self.optimizers)  # checkpoint tensors] in mapped.py)
-
-    def _whole_parameter_key(self) -> Any:
-        """One rank's optimizer parameters are the module's: each the whole element range of its name."""
-        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        return lambda p: (names[id(p)], 0, p.numel(), p.shape)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Restore into the packed host masters and the host optimizer, which exist only after setup.
-        return True
-
-    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         transfer = functools.partial(super().batch_to_device, device=device, dataloader_idx=dataloader_idx)
         if self.lightning_module is None or is_overridden("transfer_batch_to_device", self.lightning_module):
@@ -442,17 +327,9 @@ class MegaTrainStrategy(RankStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
         if self.engine is not None and self.engine.placement_pending:  # the first micro-batch ([Note: auto placement])
-            module = self.lightning_module
-            trainer = module.trainer
-            self.engine.place_for_batch(
-                batch,
-                grad_accum=trainer.accumulate_grad_batches,
-                optimizers=self.optimizers,
-                custom_clipping=(trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm == "value")
-                or is_overridden("configure_gradient_clipping", self.lightning_module),
-                chunked_loss=self._chunked_loss,
-                grads_read=grads_read_by_hooks(module) or not module.automatic_optimization,
-            )
+            trainer = self.lightning_module.trainer
+            self.engine.place_for_batch(batch, grad_accum=trainer.accumulate_grad_batches, optimizers=self.optimizers,
+                                        chunked_loss=self._chunked_loss, **placement_hooks(self.lightning_module))
         elif self.engine is not None and self.engine.checkpoints_outgrown(batch):  # longer than the first
             trainer = self.lightning_module.trainer
             self.engine.place_checkpoints(batch, trainer.accumulate_grad_batches, self.optimizers, self._chunked_loss)
@@ -492,43 +369,13 @@ class MegaTrainStrategy(RankStrategy):
         buffers of offloaded layer inputs), the optimizers' states in host memory, the process's resident set
         (``rss``) and the part of it none of those explain (``other``: Python, libraries, the CUDA context, allocator
         slack)."""
-        sizes = self.engine.host_bytes() if self.engine is not None else {}
-        states = {
-            t.data_ptr(): t.nbytes
-            for optimizer in self.optimizers
-            for state in optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu"
-        }
-        sizes["optimizer_states"] = sum(states.values())
-        rss = host_rss_gib()
-        if rss is not None:
-            sizes["rss"] = int(rss * GIB)
-            sizes["other"] = sizes["rss"] - sum(v for k, v in sizes.items() if k != "rss")
-        return sizes
+        return host_memory_by_kind(self.engine.host_bytes() if self.engine is not None else {}, self.optimizers)
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
         sizes = self.host_memory()  # sizes only; the barrier's on_train_end already waited for the optimizer
-        n_params = sum(p.numel() for p in self.lightning_module.parameters())
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
-        total = sizes.get("rss", sum(sizes.values()))
-        peak = host_rss_gib("VmHWM")
-        # Per parameter only where the model's own state is most of the memory: for a tiny model the process
-        # (Python, torch, libraries) dominates and "1,000 bytes/param" would read as a leak.
-        model_state = sum(v for k, v in sizes.items() if k not in ("rss", "other"))
-        per_param = model_state * 2 >= total
-        log.info(
-            "MegaTrain: host memory at train end %.1f GiB%s: %s GiB%s%s",
-            total / GIB,
-            f" ({total / max(n_params, 1):.1f} bytes/param)" if per_param else "",
-            parts,
-            "" if peak is None else f"; peak so far {peak:.1f} GiB"
-            + (f" ({peak * GIB / max(n_params, 1):.1f} bytes/param)" if per_param else ""),
-            "" if per_param else f" (the {n_params / 1e6:.2f}M-parameter model's state is {model_state / GIB:.2f} GiB "
-            "of it; the rest is the Python process)",
-        )
+        log_host_memory(sizes, sum(p.numel() for p in self.lightning_module.parameters()))
 
     @override
     def teardown(self) -> None:

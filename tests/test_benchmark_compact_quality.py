@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -15,7 +14,8 @@ import pytest
 
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers.benchmarks import load_benchmark
+
 TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
         "--vocab", "512", "--seq", "64", "--batch", "4", "--eval-rows", "8", "--tokenizer-chars", "200000",
         "--warmup", "5", "--lr", "3e-3", "--avg-last", "5", "--smooth", "3", "--device", "cpu",
@@ -23,15 +23,8 @@ TINY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "-
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))  # as when run as a script: the benchmarks import each other
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-quality = _load("compact_quality")
+quality = load_benchmark("compact_quality")
 svg_plot = importlib.import_module("svg_plot")  # on sys.path now; a dataclass needs its module registered
 
 

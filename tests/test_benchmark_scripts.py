@@ -6,7 +6,6 @@ The numbers themselves need the GPU machine; these tests catch the bugs that wou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,19 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers.benchmarks import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
 
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))  # as when run as a script: the benchmarks import each other
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-throughput = _load("throughput")
+throughput = load_benchmark("throughput")
 
 
 def _run(*args: str, timeout: float) -> str:
@@ -95,7 +89,7 @@ def test_throughput_summarize_merges_files(dry_run, tmp_path):
 
 
 def test_performance_table_is_generated_from_the_committed_results():
-    readme_table = _load("readme_table")
+    readme_table = load_benchmark("readme_table")
     assert readme_table.TARGET == ROOT / "docs" / "performance.md"
     table = readme_table.committed(readme_table.TARGET.read_text())
     assert table == readme_table.table(), "stale table: run python benchmarks/readme_table.py --write"
@@ -108,7 +102,7 @@ def test_performance_table_is_generated_from_the_committed_results():
 def test_readme_summary_quotes_the_generated_table():
     """README.md's Performance summary quotes each headline row (the defaults): tokens/s, the ratios, MFU and host
     bytes/param."""
-    readme_table = _load("readme_table")
+    readme_table = load_benchmark("readme_table")
     readme = (ROOT / "README.md").read_text()
     summary = readme[readme.index("## Performance") : readme.index("\n## ", readme.index("## Performance") + 1)]
     assert "docs/performance.md" in summary
@@ -129,7 +123,7 @@ def test_readme_summary_quotes_the_generated_table():
 
 
 def test_performance_table_check_fails_on_a_stale_page(tmp_path):
-    readme_table = _load("readme_table")
+    readme_table = load_benchmark("readme_table")
     page = tmp_path / "performance.md"
     stale = readme_table.TARGET.read_text().replace("| **24,142** |", "| **24,000** |")
     page.write_text(stale)
@@ -139,7 +133,7 @@ def test_performance_table_check_fails_on_a_stale_page(tmp_path):
 
 
 def test_readme_table_selectors_match_exactly_one_row():
-    readme_table = _load("readme_table")
+    readme_table = load_benchmark("readme_table")
     row = readme_table.ROWS[0]
     with pytest.raises(LookupError, match="0 rows"):
         readme_table._find(row._replace(commit="0000000"))
@@ -322,7 +316,7 @@ def test_muon_step_dry_run(tmp_path):
 def test_compact_adam_dry_run_rows(tmp_path):
     # benchmarks/compact_adam.py on 2 x 2**16 parameters, eager: a row per system with its rate and state bytes; the
     # numbers that count need the H200's 16-core host
-    compact_adam = _load("compact_adam")
+    compact_adam = load_benchmark("compact_adam")
     systems = "torch_fused,compact,compact_kahan,int8_moments"
     stdout = _run(str(BENCH / "compact_adam.py"), "--dry-run", "--systems", systems, "--out", str(tmp_path),
                   timeout=240)
@@ -338,11 +332,7 @@ def test_compact_adam_dry_run_rows(tmp_path):
 
 def test_soak_summary_measures_growth_and_loss_gap():
     """benchmarks/soak.py's summary: growth after warm-up and the loss gap between the two systems' curves."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_soak", Path(__file__).parents[1] / "benchmarks" / "soak.py")
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+    soak = load_benchmark("soak")
     assert soak.growth([5.0, 10.0, 10.0, 10.1], warmup=1) == pytest.approx(0.01)
     assert soak.growth([1.0], warmup=1) is None
 

@@ -3,13 +3,12 @@ checkpoint that loads ([Note: resuming from a readable checkpoint])."""
 
 from __future__ import annotations
 
+import functools
 import io
-import multiprocessing
 import os
-import random
 import re
 import shutil
-import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,10 +20,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain import MegaTrainStrategy, checkpoint_io
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
 
 from helpers.host_ram import MEASURABLE, SaveAndMeasure, Wide
+from helpers.kills import kill_during_saves
 from helpers.parity import ParityLM
 from helpers.trainers import cpu_trainer
 
@@ -79,6 +79,72 @@ def test_a_temp_file_left_by_a_killed_save_is_removed_by_the_next(tmp_path):
     AtomicCheckpointIO().save_checkpoint({"step": 3}, target)
     assert not stale.exists() and not killed.exists() and torch.load(target) == {"step": 3}
     assert writing.exists() and unknown.exists()
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True).stdout)
+
+
+def test_a_save_leaves_another_hosts_temporaries_to_that_host(tmp_path, monkeypatch):
+    """Two hosts (the host name patched) save into one directory, as ranks of ``num_nodes=2`` do: a save on host
+    alpha during host beta's leaves beta's temporary alone, although beta's pid is no process on alpha, and beta's
+    rename succeeds. A killed save's leftovers: this host's and an earlier version's (no host) go with the next save
+    here; another host's go with a save on that host, or here once unmodified for ``FOREIGN_STALE_S``."""
+    host = ["beta"]
+    monkeypatch.setattr(socket, "gethostname", lambda: host[0])
+    getpid, save, dead = os.getpid, torch.save, _dead_pid()
+
+    def beta_writes_while_alpha_saves(obj, f, *args, **kwargs):
+        save(obj, f, *args, **kwargs)
+        if obj.get("rank") == 1:  # beta's temporary is written, not yet renamed: alpha's rank 0 saves now
+            host[0] = "alpha"
+            monkeypatch.setattr(os, "getpid", getpid)
+            AtomicCheckpointIO().save_checkpoint({"rank": 0}, tmp_path / "last.ckpt-shard0-of-2")
+            host[0] = "beta"
+
+    monkeypatch.setattr(torch, "save", beta_writes_while_alpha_saves)
+    monkeypatch.setattr(os, "getpid", lambda: dead)  # beta's pid: no process on alpha
+    AtomicCheckpointIO().save_checkpoint({"rank": 1}, tmp_path / "last.ckpt-shard1-of-2")
+    monkeypatch.setattr(os, "getpid", getpid)
+    monkeypatch.setattr(torch, "save", save)
+    assert torch.load(tmp_path / "last.ckpt-shard0-of-2") == {"rank": 0}
+    assert torch.load(tmp_path / "last.ckpt-shard1-of-2") == {"rank": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt-shard0-of-2", "last.ckpt-shard1-of-2"]
+
+    ours = tmp_path / f".step5.ckpt.pid{dead}@alpha.abcdefgh.tmp"
+    earlier = tmp_path / f".step6.ckpt.pid{dead}.abcdefgh.tmp"  # an earlier version's name: no host
+    beta_file = tmp_path / f".step7.ckpt.pid{dead}@beta.abcdefgh.tmp"
+    beta_old = tmp_path / f".step8.ckpt.pid{dead}@beta.ijklmnop.tmp"
+    beta_dir = tmp_path / f".step9.ckpt.pid{dead}@beta.qrstuvwx.old"  # a sharded save's previous directory
+    for path in (ours, earlier, beta_file, beta_old):
+        path.write_bytes(b"x")
+    beta_dir.mkdir()
+    (beta_dir / "index.json").write_text("{}")
+    long_ago = time.time() - checkpoint_io.FOREIGN_STALE_S - 60
+    os.utime(beta_old, (long_ago, long_ago))
+    host[0] = "alpha"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    assert not ours.exists() and not earlier.exists() and not beta_old.exists()
+    assert beta_file.exists() and beta_dir.exists()
+    host[0] = "beta"
+    AtomicCheckpointIO().save_checkpoint({"step": 2}, tmp_path / "last.ckpt")
+    assert not beta_file.exists() and not beta_dir.exists()
+
+
+def test_a_temporary_name_carries_the_host_in_a_file_name_safe_form(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "node 1/a@b")
+    assert checkpoint_io.this_host() == "node_1_a_b"
+    assert checkpoint_io.temporary_prefix(Path("x/last.ckpt")) == f".last.ckpt.pid{os.getpid()}@node_1_a_b."
+    long = [f"n{i}." + "cluster" * 9 for i in (1, 2)]
+    shortened = []
+    for name in long:
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
+        shortened.append(checkpoint_io.this_host())
+    assert all(len(h) == 40 for h in shortened) and shortened[0] != shortened[1]
+    assert checkpoint_io.temporary_of(f".last.ckpt.pid5@{shortened[0]}.abcdefgh.tmp") == "last.ckpt"
+    assert checkpoint_io.temporary_of(".last.ckpt.pid5.abcdefgh.old") == "last.ckpt"  # an earlier version's
+    assert checkpoint_io.temporary_of("last.ckpt") is None
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o077], ids=["umask022", "umask077"])
@@ -247,39 +313,13 @@ def test_sigkill_during_saves_leaves_every_checkpoint_loadable(tmp_path):
     root = tmp_path / "ckpts"
     root.mkdir()
     tmpdir = _other_filesystem(tmp_path)
-    fork = multiprocessing.get_context("fork")  # no new interpreter per kill: the child has everything imported
-    rng = random.Random(0)
-    killed_mid_save, child = 0, None
     try:
-        for kill in range(8):
-            child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, 10_000), daemon=True)
-            child.start()
-            saves, seen, deadline = rng.randint(1, 5), set(), time.monotonic() + 120
-            while len(seen) < saves:  # until the saves-th save of this child has begun
-                assert child.is_alive() and time.monotonic() < deadline, f"the child began {len(seen)} saves"
-                seen |= {p.name for p in root.glob(".*.tmp")}
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0.0, 0.1) if kill else 0.0)  # the first at once: surely inside a save
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
-            assert child.exitcode == -signal.SIGKILL
-            killed_mid_save += bool(list(root.glob(".*.tmp")))
-            ckpts = sorted(root.glob("*.ckpt"))
-            assert any(c.name == "last.ckpt" for c in ckpts) or len(ckpts) == 0
-            for ckpt in ckpts:
-                torch.load(ckpt, weights_only=False, mmap=True)  # raises for a truncated file
-        assert killed_mid_save >= 1  # at least one kill landed inside a save (most do)
-        start = torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"]
-        child = fork.Process(target=_train_saving_every_step, args=(root, tmpdir, start + 1))
-        child.start()
-        child.join()
-        assert child.exitcode == 0
+        start = kill_during_saves(root, functools.partial(_train_saving_every_step, root, tmpdir),
+                                  lambda path: torch.load(path, weights_only=False, mmap=True),
+                                  kills=8, max_saves=5, max_pause=0.1)
         assert not list(root.glob(".*.tmp")), "a temporary file survived the next save"
         assert torch.load(root / "last.ckpt", weights_only=False, mmap=True)["global_step"] == start + 1
         assert not list(tmpdir.iterdir())  # nothing went through $TMPDIR
     finally:
-        if child is not None and child.is_alive():  # a failed assertion above
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
         if tmpdir.parent != tmp_path:
             shutil.rmtree(tmpdir, ignore_errors=True)

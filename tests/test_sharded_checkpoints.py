@@ -4,13 +4,12 @@ that plain Lightning loads."""
 
 from __future__ import annotations
 
+import functools
 import json
-import multiprocessing
 import os
-import random
 import re
 import shutil
-import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from safetensors.torch import load_file
 
-from lightning_megatrain import MegaTrainStrategy, sharded_checkpoint
+from lightning_megatrain import MegaTrainStrategy, checkpoint_io, sharded_checkpoint
 from lightning_megatrain.checkpoint_io import AtomicCheckpointIO
 from lightning_megatrain.cli import main as megatrain_main
 from lightning_megatrain.data import SFTDataModule
 from lightning_megatrain.models import CausalLMModule
 from lightning_megatrain.sharded_checkpoint import convert_to_file, load_sharded, recover, save_sharded
 
+from helpers.forked import in_child
 from helpers.host_ram import MEASURABLE, LoadAndMeasure, SaveAndMeasure, Wide, exact_rss
+from helpers.kills import kill_during_saves
 from helpers.parity import ParityLM
-from helpers.trainers import cpu_trainer
+from helpers.trainers import StepLosses, cpu_trainer
 
 
 def _load(path):
@@ -118,21 +119,12 @@ CONFIG = dict(model_type="llama", vocab_size=1024, pad_token_id=0, bos_token_id=
               max_position_embeddings=64, tie_word_embeddings=False)
 
 
-class Losses(L.Callback):
-    megatrain_reads_state = False
-
-    def __init__(self) -> None:
-        self.by_step: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.by_step[trainer.global_step] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
-
 
 def _fit_sft(root, fmt, ckpt_path=None):
     L.seed_everything(0)
     module = CausalLMModule(config=CONFIG, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, betas=(0.9, 0.999))
     data = SFTDataModule(dataset="demo_messages", cutoff_len=48, micro_batch_size=34, seed=3)
-    losses = Losses()
+    losses = StepLosses()
     every_step = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
                                  every_n_train_steps=1, save_top_k=-1, save_last=True)
     trainer = cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch", checkpoint_format=fmt), max_steps=STEPS,
@@ -177,7 +169,7 @@ def test_resume_from_last_skips_a_sharded_checkpoint_with_a_truncated_shard(tmp_
 # - host RAM
 
 
-def _save_and_resume(root, fmt, results, loader_io=None) -> None:
+def _save_and_resume(root, fmt, loader_io, results) -> None:
     """The child: save a 6.8M-parameter model's checkpoint in ``fmt``, resume from it (through ``loader_io`` when
     given), send the three numbers."""
     exact_rss()
@@ -192,32 +184,29 @@ def _save_and_resume(root, fmt, results, loader_io=None) -> None:
 
 @pytest.mark.skipif(not MEASURABLE, reason="needs Linux's /proc/self/clear_refs and glibc")
 def test_a_save_and_load_hold_no_second_copy_in_host_ram(tmp_path):
-    """The 78 MiB checkpoint of a 6.8M-parameter model: a sharded save raises the peak RSS by under 4 MiB (2.0 MiB
+    """The 78 MiB checkpoint of a 6.8M-parameter model: a sharded save raises the peak RSS by a few MiB (2.0 MiB
     measured: the index, the split dicts and meta.pt's pickle). A resume from it, or from the file format (loaded
-    mapped), raises the peak by the optimizer states it loads (8 bytes/param, which the optimizer keeps) and under
-    4 MiB more (1.2 MiB from the file, 1.5 from the shards, measured): the masters are read from the mapped file
+    mapped), raises the peak by the optimizer states it loads (8 bytes/param, which the optimizer keeps) and a few
+    MiB more (1.2 MiB from the file, 1.5 from the shards, measured; the bounds allow 12 MiB for the allocator under
+    load): the masters are read from the mapped file
     straight into the host masters, a chunk at a time ([Note: mapped checkpoint tensors]). Lightning's own
     ``TorchCheckpointIO`` reads the whole file, the masters held twice until the restore ends (78.1 MiB measured
     against 52.1). Each runs in a child process whose large allocations the RSS sees exactly."""
     extra = {}
-    fork = multiprocessing.get_context("fork")
     for fmt, loader_io in (("sharded", None), ("file", None), ("file", TorchCheckpointIO())):
-        receive, send = fork.Pipe(duplex=False)
         root = tmp_path / type(loader_io).__name__
-        child = fork.Process(target=_save_and_resume, args=(root, fmt, send, loader_io))
-        child.start()
-        extra[fmt if loader_io is None else "torch_io"] = receive.recv()
-        child.join()
-        assert child.exitcode == 0
+        extra[fmt if loader_io is None else "torch_io"] = in_child(_save_and_resume, root, fmt, loader_io)
     n_params = sum(p.numel() for p in Wide().parameters())
     size = sum(f.stat().st_size for f in (tmp_path / "NoneType" / "sharded" / "last.ckpt").iterdir())
     assert 12 * n_params <= size <= 12 * n_params + 2**20
     print({k: tuple(f"{v / 2**20:.2f} MiB" for v in vs) for k, vs in extra.items()})
     for fmt in ("sharded", "file"):
         saved, loaded, kept = extra[fmt]
-        assert saved < 4 * 2**20, extra
-        assert kept >= 0.9 * 8 * n_params, extra  # the measurement sees the states it loaded
-        assert loaded < kept + 4 * 2**20, extra
+        assert saved < 12 * 2**20, extra  # a copy of the state would be 78 MiB; allocator noise under load ~MiB
+        # the measurement sees the states it loaded (8 B/param): 44-52 MiB of 52 measured, the RSS also giving back
+        # pages of the file's mapping the load released meanwhile
+        assert kept >= 0.75 * 8 * n_params, extra
+        assert loaded < kept + 12 * 2**20, extra  # a copy of the masters would be 26 MiB
     _, loaded, kept = extra["torch_io"]
     assert loaded > kept + 0.5 * 4 * n_params, extra  # ... and a copy of the masters where there is one
 
@@ -237,7 +226,7 @@ def _save(target, value):
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_a_save_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path, monkeypatch, exchange):
     if not exchange:
-        monkeypatch.setattr(sharded_checkpoint, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(checkpoint_io, "_exchange", lambda a, b: False)
     target = tmp_path / "last.ckpt"
     for value in (1.0, 2.0):
         _save(target, value)
@@ -286,6 +275,28 @@ def test_a_kill_between_the_two_renames_is_recovered(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step3.ckpt"]
 
 
+def test_only_the_writers_host_recovers_its_killed_swap(tmp_path, monkeypatch):
+    """A complete new directory left by a kill between the two renames on host beta (its pid means nothing on
+    alpha) is recovered by a save on beta, not by one on alpha, where a live writer between its renames could not be
+    told from it; nor is a live writer's of this host."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    host = ["alpha"]
+    monkeypatch.setattr(socket, "gethostname", lambda: host[0])
+    _save(tmp_path / "elsewhere" / "new", 2.0)
+    _save(tmp_path / "elsewhere" / "live", 3.0)
+    beta = tmp_path / f".last.ckpt.pid{dead}@beta.abcdefgh.tmp"
+    live = tmp_path / f".step3.ckpt.pid{os.getpid()}@alpha.abcdefgh.tmp"
+    (tmp_path / "elsewhere" / "new").rename(beta)
+    (tmp_path / "elsewhere" / "live").rename(live)
+    (tmp_path / "elsewhere").rmdir()
+    recover(tmp_path)
+    assert beta.is_dir() and live.is_dir() and not (tmp_path / "last.ckpt").exists()
+    host[0] = "beta"
+    recover(tmp_path)
+    assert _load(tmp_path / "last.ckpt")["global_step"] == 2 and live.is_dir() and not beta.exists()
+
+
 def _train_saving_every_step(root, max_steps) -> None:
     """The child: resume from ``root``'s last checkpoint and train, saving sharded every step (top 2 and last)."""
     torch.set_num_threads(1)
@@ -309,40 +320,16 @@ def test_sigkill_during_sharded_saves_leaves_every_checkpoint_loadable(tmp_path)
     and reads whole; a last child's save leaves no temporary or previous directory behind."""
     root = tmp_path / "ckpts"
     root.mkdir()
-    fork = multiprocessing.get_context("fork")
-    rng = random.Random(0)
-    killed_mid_save, child = 0, None
-    try:
-        for kill in range(5):
-            child = fork.Process(target=_train_saving_every_step, args=(root, 10_000), daemon=True)
-            child.start()
-            saves, seen, deadline = rng.randint(1, 4), set(), time.monotonic() + 120
-            while len(seen) < saves:  # until the saves-th save of this child has begun
-                assert child.is_alive() and time.monotonic() < deadline, f"the child began {len(seen)} saves"
-                seen |= {p.name for p in root.glob(".*.tmp")}
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0.0, 0.05) if kill else 0.0)
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
-            assert child.exitcode == -signal.SIGKILL
-            killed_mid_save += bool(list(root.glob(".*.tmp")))
-            ckpts = sorted(root.glob("*.ckpt"))
-            assert any(c.name == "last.ckpt" for c in ckpts) or len(ckpts) == 0
-            for ckpt in ckpts:
-                checkpoint = _load(ckpt)  # raises for a missing index or a truncated shard
-                assert all(bool(t.isfinite().all()) for t in checkpoint["state_dict"].values())  # read whole
-        assert killed_mid_save >= 1
-        start = _load(root / "last.ckpt")["global_step"]
-        child = fork.Process(target=_train_saving_every_step, args=(root, start + 1))
-        child.start()
-        child.join()
-        assert child.exitcode == 0
-        assert not [p.name for p in root.iterdir() if p.name.startswith(".")], "a temporary directory survived"
-        assert _load(root / "last.ckpt")["global_step"] == start + 1
-    finally:
-        if child is not None and child.is_alive():
-            os.kill(child.pid, signal.SIGKILL)
-            child.join()
+
+    def load_whole(path):
+        checkpoint = _load(path)  # raises for a missing index or a truncated shard
+        assert all(bool(t.isfinite().all()) for t in checkpoint["state_dict"].values())  # read whole
+        return checkpoint
+
+    start = kill_during_saves(root, functools.partial(_train_saving_every_step, root), load_whole,
+                              kills=5, max_saves=4, max_pause=0.05)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")], "a temporary directory survived"
+    assert _load(root / "last.ckpt")["global_step"] == start + 1
 
 
 # - conversion to one file, loaded by plain Lightning

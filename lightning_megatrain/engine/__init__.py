@@ -13,8 +13,8 @@
 Modules: discovery (find the stack and residents), host_store (flat masters and grads), transfer (the two backends,
 slots and streams), offload (saved layer inputs to host and back) and drain (grads to host): the only
 device-specific code; streamed (the streamed autograd Function), tiling (sequence tiles of each layer's MLP or MoE
-block), residents, optimizer_step (gradient finalization, clipping and the update), overlap (its worker thread),
-engine (the facade).
+block), residents, optimizer_step (gradient finalization, clipping and the update; optimizer_setup, its base: the
+host optimizers and their zero_grad), overlap (its worker thread), engine (the facade).
 """
 
 from lightning_megatrain.engine.discovery import find_layer_stack

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ class _Drain:
     device: tuple[Tensor, ...]  # 1D device buffers the copy reads (the packed grads, the device-side sum)
     slab: Tensor | None  # 1D pinned host, [max layer numel]; None when the copy went straight into the grads
     done: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the drain worker
+    notify: Callable[[int], None] | None = None  # the landed hook when issued (engine/backward_updates.py)
 
 
 def add_packed(group: FlatGroup, present: list[bool], packed: Tensor) -> None:
@@ -85,6 +87,9 @@ class GradDrain:
         self.device_groups = device_groups
         # whether a device group's summed grad is copied to its host grads (engine.set_grads_read)
         self.device_grads_to_host = True
+        # told each layer index whose drain has landed in its host grads, for drains issued while it is set
+        # (engine/backward_updates.py); called on the drain worker
+        self.landed_hook: Callable[[int], None] | None = None
         self.device = device
         self.h2d_stream = h2d_stream  # uploads complete host grads for the device-side sum, behind the weight uploads
         self.d2h_stream = d2h_stream  # returns layer i's grads while the compute stream recomputes layer i-1
@@ -138,7 +143,7 @@ class GradDrain:
                 self.d2h_stream.wait_event(packed_ready)
                 target[: packed.numel()].copy_(packed, non_blocking=True)
                 done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, present, (packed,), slab, done))
+        self._pending.put(_Drain(index, present, (packed,), slab, done, self.landed_hook))
 
     def _drain_accumulating(
         self, index: int, packed: Tensor, packed_ready: torch.cuda.Event, done: torch.cuda.Event
@@ -162,7 +167,7 @@ class GradDrain:
             group.grad.copy_(summed, non_blocking=True)
             done.record(self.d2h_stream)
         self._pending.put(_Drain(index, [True] * len(group.params), (packed, uploaded_grads, total, summed), None,
-                                 done))
+                                 done, self.landed_hook))
 
     def _count_in_flight(self, index: int) -> bool:
         """Count one more drain of layer ``index`` for the worker; True when none was in flight (the worker is done
@@ -200,7 +205,7 @@ class GradDrain:
                 group.grad.copy_(device_group.grad, non_blocking=True)
                 device_group.grad_read.record(self.d2h_stream)
                 done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, list(device_group.present), (), None, done))
+        self._pending.put(_Drain(index, list(device_group.present), (), None, done, self.landed_hook))
 
     def _drain_worker(self) -> None:
         while True:
@@ -213,8 +218,10 @@ class GradDrain:
                 group = self.groups[item.index]
                 if item.slab is None:
                     group.attach_grads(item.present)
-                    continue
-                add_packed(group, item.present, item.slab)
+                else:
+                    add_packed(group, item.present, item.slab)
+                if item.notify is not None:
+                    item.notify(item.index)
             except BaseException as e:  # surfaced on the training thread by the next drain/wait_drained
                 self._error = e
             finally:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.backward_updates import BackwardUpdates
 from lightning_megatrain.engine.compiled import check_compilable
-from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param, settle_states
+from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import (
     check_layers_independent,
     check_on_host,
@@ -22,9 +22,9 @@ from lightning_megatrain.engine.discovery import (
     find_layer_stack,
     tensor_slots,
 )
+from lightning_megatrain.engine.first_batch import FirstBatchPlacement
 from lightning_megatrain.engine.host_store import (
     FlatGroup,
-    check_host_bytes_to_come,
     check_host_memory,
     check_layout_compute,
     check_packed,
@@ -33,40 +33,25 @@ from lightning_megatrain.engine.host_store import (
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.placement import (
-    check_split_possible,
-    checkpoint_host_budget,
-    choose_checkpoints,
-    choose_gpu_optimizer_groups,
-    host_bytes_to_come,
-    host_bytes_to_come_split,
-    host_free_checked,
-    module_hf_config,
-    resolve,
-    token_shape,
-)
+from lightning_megatrain.engine.placement import resolve
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
-from lightning_megatrain.engine.sharding import (
-    Ranks,
-    ShardedDrain,
-    ShardedOptimizerStep,
-    ShardedState,
-    sharded_config,
-)
+from lightning_megatrain.engine.sharded_layers import ShardedTransfer
+from lightning_megatrain.engine.sharded_step import ShardedOptimizerStep
+from lightning_megatrain.engine.sharding import Ranks, ShardedState, sharded_config
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
-from lightning_megatrain.optim.host_optimizer import overlappable
 
 log = logging.getLogger(__name__)
 
 
-class MegaTrainEngine:
+class MegaTrainEngine(FirstBatchPlacement):
     """Host-resident state, layer streaming and gradient drain for one module on one compute device; :meth:`setup`
-    also builds the optimizer step over them (:attr:`step`).
+    also builds the optimizer step over them (:attr:`step`). What it decides at the first training micro-batch
+    (:meth:`place_for_batch`, :meth:`place_checkpoints`) is engine/first_batch.py's, inherited.
 
     Args:
         module: the LightningModule (or any ``nn.Module``) whose parameters become host masters (fp32, or bf16 for a
@@ -104,6 +89,7 @@ class MegaTrainEngine:
         self.transfer: Transfer | None = None  # engine/transfer.py: HostTransfer or CudaTransfer
         self.registry: HostRegistry | None = None  # page-locked host buffers (CUDA only)
         self._overlap: OverlappedStep | None = None  # the host step's worker, when overlap_optimizer
+        self.backward_updates: BackwardUpdates | None = None  # when update_during_backward (and overlap_optimizer)
         self._policy: RecomputePolicy | None = None  # keep or recompute, per layer (engine/recompute.py)
         # gpu_optimizer_groups="auto" and fitting: place_for_batch decides before the first training micro-batch
         self.placement_pending = False
@@ -129,8 +115,10 @@ class MegaTrainEngine:
         """Every host flat group: the layers', then the residents' (if any)."""
         return self.groups + ([self.resident_group] if self.resident_group is not None else [])
 
-    def setup(self, fitting: bool) -> None:
+    def setup(self, fitting: bool, previous: ShardedState | None = None) -> None:
         """Discover the stack, move every parameter into host flats, allocate slots, install streamed forwards.
+        ``previous``: with several ranks, the last setup's shares of this module, whose owned masters the layers'
+        placeholders stand for (:meth:`ShardedState.adopt`).
 
         Raises:
             ValueError: no layer stack, shared layer weights, or parameters placed off the host by the user.
@@ -160,7 +148,8 @@ class MegaTrainEngine:
         # host grads (forward order: the residents, then the layers) are allocated now, except the device groups'
         # (only if code reads them) and, while "auto" is undecided, every group's: the split of the state between
         # host and GPU is decided at the first training micro-batch, before the host allocations it saves
-        # ([Note: memory pool] in planner/pool.py; _choose_device_groups allocates the host groups' then)
+        # ([Note: memory pool] in planner/pool.py; engine/first_batch.py's _choose_device_groups
+        # allocates the host groups' then)
         self._grads_deferred = fitting and self.config.gpu_optimizer_groups == "auto"
         lazy = [self._grads_deferred or k < n_device for k in range(len(stack) + 1)]
         check_host_memory(  # the optimizer states: check_host_state, once the optimizers exist
@@ -199,14 +188,18 @@ class MegaTrainEngine:
             buffers = [[] for _ in layer_buffers]
         if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
             names = {id(p): name for name, p in module.named_parameters()}
-            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names)
-            self.transfer = ShardedDrain(self.transfer, self.sharding, self.groups)
+            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group])
+            self.sharding.adopt(previous)  # a layer packed from its placeholders is NaN ([Note: sharded layer masters])
+            self.transfer = ShardedTransfer(self.transfer, self.sharding, self.groups)
             self._step = ShardedOptimizerStep(
                 self.sharding, resident_group, self.config, self.device, self.transfer, self.residents
             )
         else:
+            speculate = overlap is not None and self.config.update_during_backward is not False
+            self.backward_updates = BackwardUpdates(self.groups, self.transfer) if speculate else None
             self._step = OptimizerStep(
-                self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents
+                self.config, self.device, self.flat_groups, overlap, self.transfer, self.residents,
+                self.backward_updates,
             )
         disable_kv_cache(module)
         layer_bytes = max_layer * self.compute_dtype.itemsize
@@ -214,6 +207,7 @@ class MegaTrainEngine:
         self.streamed = StreamedLayers(
             stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers
         )
+        self.streamed.backward_updates = self.backward_updates
         # what transformers records inside the layers (router logits) leaves their nodes ([Note: recorded outputs])
         self.streamed.recorded = find_recorded(module, path, stack)
         self.streamed.install(self.device.type)
@@ -246,116 +240,6 @@ class MegaTrainEngine:
             self.config.num_slots,
             ", layers compiled (torch.compile)" if self.config.compile_layers else "",
         )
-
-    def place_for_batch(
-        self,
-        batch: Any,
-        *,
-        grad_accum: int,
-        optimizers: Sequence[torch.optim.Optimizer],
-        custom_clipping: bool,
-        chunked_loss: bool,
-        grads_read: bool = False,
-    ) -> None:
-        """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them, then place (or
-        check) the layer-input checkpoints (engine/placement.py, [Note: auto placement]); logs each choice. Called
-        once, before that micro-batch's forward. ``grads_read``: code reads ``p.grad`` before the step (the device
-        groups' grads then reach the host too). Raises before any allocation of the micro-batch when no split of the
-        state between host and GPU, or no placement of its checkpoints, fits, with the numbers."""
-        self.placement_pending = False
-        if self.config.gpu_optimizer_groups == "auto":
-            self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read)
-            self.settle_loaded_states(self._unsettled)
-        if self.on_cuda:
-            self.place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
-
-    def checkpoints_outgrown(self, batch: Any) -> bool:
-        """Whether ``batch`` has more tokens than the micro-batch the checkpoints were placed for (shapes only)."""
-        shape = token_shape(batch) if self._placed_tokens else None
-        return shape is not None and shape[0] * shape[1] > self._placed_tokens
-
-    def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read) -> None:
-        forward = [self.resident_group, *self.groups]
-        free = host_free_checked()
-        n, why = choose_gpu_optimizer_groups(
-            self.module,
-            batch,
-            config=self.config,
-            device=self.device,
-            compute_dtype=self.compute_dtype,
-            grad_accum=grad_accum,
-            adam_only=len(optimizers) == 1 and overlappable(optimizers[0]),
-            custom_clipping=custom_clipping,
-            chunked_loss=chunked_loss,
-            host_free=free,
-            to_come=lambda k: host_bytes_to_come_split(forward, optimizers, k, grads_read),
-        )
-        log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
-        self.config = self.config.replace(gpu_optimizer_groups=n)
-        self._place_device_groups(n)
-        if self._grads_deferred:  # the host groups' grads, deferred at setup, now that the split is decided
-            self._grads_deferred = False
-            for group in forward[n:]:
-                group.grad  # noqa: B018  (allocates the buffer: FlatGroup.grad)
-
-    def settle_loaded_states(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Optimizer states just loaded from a checkpoint into their places (engine/device_state.py
-        ``settle_states``): now, or, while ``gpu_optimizer_groups="auto"`` is undecided, once :meth:`place_for_batch`
-        has placed the device groups, so that the host never holds theirs ([Note: mapped checkpoint tensors])."""
-        self._unsettled = list(optimizers) if self.config.gpu_optimizer_groups == "auto" else []
-        for optimizer in () if self._unsettled else optimizers:
-            settle_states(optimizer, self.device_groups)
-
-    def check_host_state(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Refuse before the first step when host RAM cannot hold the host groups' grads and the optimizers' states
-        still to come (the setup's check counted masters and grads only: the optimizers did not exist yet).
-
-        Raises:
-            RuntimeError: with the numbers (engine/host_store.py ``check_host_bytes_to_come``).
-        """
-        if self.placement_pending and self.config.gpu_optimizer_groups == "auto":  # split at the first micro-batch
-            check_split_possible([self.resident_group, *self.groups], optimizers, self.device, self.compute_dtype)
-            return
-        host_groups = self._host_groups()
-        check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
-
-    def _host_groups(self) -> list[FlatGroup]:
-        """The groups whose grads and optimizer states live in host memory: every flat group but the device groups;
-        with several ranks, this rank's shares of them ([Note: sharded host state])."""
-        if self.sharding is not None:
-            return self.sharding.owned_groups
-        return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
-
-    def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
-        """``segment_layers`` and ``device_checkpoints`` for the training micro-batch ``batch``: decided where "auto",
-        checked against the free host and GPU memory where given ([Note: recompute segments]). Runs at the first
-        micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
-        shape = token_shape(batch)
-        hf_config = module_hf_config(self.module)
-        given = dict(zip(("segment_layers", "device_checkpoints"), self._checkpoint_options))
-        auto = [name for name, value in given.items() if value == "auto"]
-        if shape is None or hf_config is None:
-            k, n = (1 if "segment_layers" in auto else given["segment_layers"],
-                    0 if "device_checkpoints" in auto else given["device_checkpoints"])
-            why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
-        else:
-            host_groups = self._host_groups()
-            if self._placed_tokens:
-                log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
-                         "were placed for: placing them again", *shape, self._placed_tokens)
-                self.wait_for_optimizer()  # an overlapped step may still be allocating host Adam states
-            self._placed_tokens = shape[0] * shape[1]
-            # the stash pool's pinned buffers, too small for a longer micro-batch, are freed before new ones are made
-            pool = self.transfer.host_bytes().get("offload_cache", 0)
-            k, n, why = choose_checkpoints(
-                hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
-                chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool,
-            )
-        log.info("MegaTrain: segment_layers=%d, device_checkpoints=%d (%s: %s)", k, n,
-                 "auto" if auto else "as given, checked", why)
-        self.config = self.config.replace(segment_layers=k, device_checkpoints=n)
-        self.streamed.segments.configure(k, n)
 
     def _place_device_groups(self, n: int) -> None:
         """Make the first ``n`` groups the forward reads (the residents, then layers 0, 1, ...) device groups
@@ -415,6 +299,8 @@ class MegaTrainEngine:
         # slots + resident compute copies and their grads (the masters' dtype) + a packed grad buffer for one layer
         slots = self.config.num_slots
         need = slots * per_slot + n_resident * 2 * master.itemsize + max_layer * self.compute_dtype.itemsize
+        if self.ranks is not None and self.ranks.world > 1:  # fp32 [N x share]: the layer gather's buffer
+            need += 2 * 4 * self.ranks.world * -(-max_layer // self.ranks.world)  # and the padded reduce-scatter
         # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
         itemsize = self.compute_dtype.itemsize
         device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
@@ -493,6 +379,8 @@ class MegaTrainEngine:
             sizes.update(self.transfer.host_bytes())
         if self.sharding is not None:
             sizes.update(self.sharding.host_bytes())
+        if self.backward_updates is not None:
+            sizes["backward_snapshots"] = self.backward_updates.host_bytes()
         return sizes
 
     def teardown(self) -> None:
@@ -506,9 +394,12 @@ class MegaTrainEngine:
                 self.streamed.uninstall()
             if self.tiles is not None:
                 self.tiles.uninstall()
+            if self.backward_updates is not None:
+                self.backward_updates.shutdown()
             if self.transfer is not None:
                 self.transfer.close()
             if self.registry is not None:
                 torch.cuda.synchronize(self.device)  # no copy may still touch a region being unregistered
                 self.registry.release()
             self.transfer = self.residents = self.streamed = self.tiles = self.registry = self._step = None
+            self.backward_updates = None

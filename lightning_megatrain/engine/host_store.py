@@ -128,11 +128,12 @@ class FlatGroup:
     def unpacked(self) -> list[TensorSlot]:
         """The parameter slots that no longer hold this group's master (the parameter replaced, or its data cast or
         moved: ``.double()``, ``.to(...)``); the engine streams and steps the masters only."""
-        base, itemsize = self.master.data_ptr(), self.master.element_size()
+        # a sharded layer's master is a stride-0 placeholder ([Note: sharded layer masters]): every view starts at base
+        base, step = self.master.data_ptr(), self.master.stride(0) * self.master.element_size()
         return [
             slot
             for slot, k in self.slot_index
-            if slot.get() is not self.params[k] or slot.get().data_ptr() != base + self.offsets[k] * itemsize
+            if slot.get() is not self.params[k] or slot.get().data_ptr() != base + self.offsets[k] * step
         ]
 
     def scale_grads(self, factor: Tensor) -> None:
@@ -280,7 +281,7 @@ def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
 
 def check_host_bytes_to_come(to_come: int) -> None:
     """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' grads
-    not yet allocated and the optimizers' states (engine/placement.py ``host_bytes_to_come``).
+    not yet allocated and the optimizers' states (engine/host_budget.py ``host_bytes_to_come``).
 
     Raises:
         RuntimeError: as :func:`check_host_memory`.

@@ -13,14 +13,14 @@ first waits for the compute stream (the new block may still be read by queued co
 tenant) and for the offload's event; ``unstash`` makes the compute stream wait for the restore. (Keeping the last
 layer's input on the GPU instead, whose restore nothing hides, removed a 15 ms gap at the start of backward at 3B and
 64K tokens but cost one more layer input of GPU memory: throughput stayed within noise, the auto policy kept one
-layer fewer, and the planner's ready configs no longer fit. Reverted; benchmarks/results, 2c8733b.)
+layer fewer, and the planner's ready configs no longer fit. Reverted; benchmarks/HISTORY.md.)
 
 The host buffers come from a :class:`StashPool`. ``unstash`` hands a buffer back as soon as its restore is *queued*,
 with the restore's event; the next ``stash`` into it has the D2H stream wait for that event, so the device orders
 the reuse and the host never waits. torch's caching host allocator, which these buffers came from before, reuses a
 block only once the host has *seen* its copies complete, and the training thread runs steps ahead of the GPU: at
-3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes a micro-batch (benchmarks/results,
-host_steady_by_kind_gib at 2c8733b). It also rounds every block up to a power of two: 1 GiB for the 768 MiB fp32
+3B and 64K tokens per micro-batch it held 13 blocks of 1 GiB for 8 stashes a micro-batch (benchmarks/HISTORY.md,
+host_steady_by_kind_gib). It also rounds every block up to a power of two: 1 GiB for the 768 MiB fp32
 residual stream. The pool holds one micro-batch's stashes, page-locked at their exact size (engine/pinned.py), and
 frees a buffer only once its last copy has completed.
 """

@@ -2,18 +2,20 @@
 
 One optimizer step, as :class:`OptimizerStep` runs it (the precision plugin calls each part from its Lightning hook):
 
-- **setup**: :meth:`~OptimizerStep.to_host_optimizers` swaps Adam/AdamW for the host implementation
-  (optim/host_optimizer.py; ``CompactAdamW`` under a compact ``host_state``, optim/compact_update.py; Muon stays
-  itself, optim/muon.py) and has ``zero_grad`` wait for the step in flight.
+- **setup** (engine/optimizer_setup.py): :meth:`~OptimizerStep.to_host_optimizers` swaps Adam/AdamW for the host
+  implementation (optim/host_optimizer.py; ``CompactAdamW`` under a compact ``host_state``, optim/compact_update.py;
+  Muon stays itself, optim/muon.py) and has ``zero_grad`` wait for the step in flight.
 - **end of backward**: :meth:`~OptimizerStep.finalize_gradients` drains the residents and waits for every layer's
   drain, or leaves the last copies landing ([Note: late grads]).
 - **clipping**: :meth:`~OptimizerStep.clip_grad_norm_` takes the global norm from the per-layer norms measured on the
   device and scales the flat host grads, or leaves the factor to the update.
 - **the finite check**: :meth:`~OptimizerStep.check_finite` decides whether the step updates at all ([Note:
   all-or-nothing steps]).
-- **update**: :meth:`~OptimizerStep.run` prepares the host update, steps the device groups on the compute stream
-  (engine/device_state.py, [Note: device groups]), then the host groups on the overlap worker (engine/overlap.py,
-  [Note: overlapped optimizer step]) or at once.
+- **during backward**: :meth:`~OptimizerStep.arm_backward_updates` lets the layers whose grads are final start
+  their host update speculatively (engine/backward_updates.py, [Note: updates during backward]).
+- **update**: :meth:`~OptimizerStep.run` keeps or undoes the speculated layers, prepares the host update, steps the
+  device groups on the compute stream (engine/device_state.py, [Note: device groups]), then the host groups on the
+  overlap worker (engine/overlap.py, [Note: overlapped optimizer step]) or at once.
 - **after**: the next ``zero_grad`` and backward wait for the host step (:meth:`~OptimizerStep.wait_for_host_step`);
   readers of host parameters wait for the whole step (:meth:`~OptimizerStep.wait_for_optimizer`).
 
@@ -42,7 +44,8 @@ copies still ran at the end of the step, and a read of the loss right after it (
 logged loss, the benchmark's recorder) queued its 4 bytes behind them on the D2H copy engine and waited as long
 (73 + 30 ms). Those copies were the device groups' grads and updated masters, which nothing on the host read: they
 now stay on the GPU unless code reads ``p.grad`` before the step, and the masters go to the host when it reads them
-(engine/device_state.py). The step's end then has no copy left to wait for (1459861: no gap at the step end).
+(engine/device_state.py). The step's end then has no copy left to wait for (measured: no gap at the step end;
+benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -50,29 +53,28 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import warnings
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.backward_updates import params_of
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
+from lightning_megatrain.engine.optimizer_setup import OptimizerSetup
 from lightning_megatrain.engine.step_guard import StepGuard
-from lightning_megatrain.optim.compact_update import to_compact_adamw
 from lightning_megatrain.optim.host_optimizer import (
     Hyper,
     allocate_states,
     device_update,
     hyper_snapshot,
     overlappable,
-    rebind_scheduler,
-    to_host_optimizer,
 )
-from lightning_megatrain.optim.updates import Update, engine_steps, host_update
+from lightning_megatrain.optim.updates import Update, host_update
 
 if TYPE_CHECKING:
+    from lightning_megatrain.engine.backward_updates import BackwardUpdates, Snapshot, Speculation
     from lightning_megatrain.engine.device_state import DeviceGroup
     from lightning_megatrain.engine.host_store import FlatGroup
     from lightning_megatrain.engine.overlap import OverlappedStep
@@ -82,8 +84,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class OptimizerStep:
-    """Gradient finalization, clipping and the optimizer update for the engine's groups (see the module docstring).
+class OptimizerStep(OptimizerSetup):
+    """Gradient finalization, clipping and the optimizer update for the engine's groups (see the module docstring);
+    the host optimizers' setup and ``zero_grad`` are its base's (engine/optimizer_setup.py).
 
     Built by :meth:`MegaTrainEngine.setup`, which owns the parts it steps.
 
@@ -94,6 +97,7 @@ class OptimizerStep:
         overlap: the worker thread of the host step, when ``overlap_optimizer``.
         transfer: the layers' slots (engine/transfer.py) and gradient drain (engine/drain.py).
         residents: the residents' compute copies and drain (CUDA only).
+        backward_updates: the speculative host updates during backward, when ``update_during_backward``.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class OptimizerStep:
         overlap: OverlappedStep | None,
         transfer: Transfer,
         residents: Residents | None,
+        backward_updates: BackwardUpdates | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -112,12 +117,16 @@ class OptimizerStep:
         self.overlap = overlap
         self.transfer = transfer
         self.residents = residents
+        self.backward_updates = backward_updates
+        self._speculation: Speculation | None = None  # this step's, armed and not yet taken by run()
         self._device_param_ids: frozenset[int] = frozenset()  # the host step skips them
         self._deferred_grad_scale: Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
         self._norm_sq: Tensor | None = None  # the step's squared global grad norm once measured (device: late grads)
         self._found_inf: Tensor | None = None  # device 0-dim fp32, 1.0 = skip: the device step's flag (late grads)
         self._stats_host: Tensor | None = None  # pinned [3] fp32: clip factor, squared grad norm, loss (late grads)
+        self._clip_fired = False  # this step's clipping scales the grads (known on the host: not late grads)
+        self._told_blocked = False  # update_during_backward=True was blocked, and the log said why
         self._index = 0  # trainer.global_step of the step being taken, for logs and errors
         self.guard = StepGuard(config.nonfinite)  # skip/raise, failure reports ([Note: all-or-nothing steps])
         # - CUDA event for stream synchronization
@@ -129,95 +138,47 @@ class OptimizerStep:
         self.device_groups = device_groups
         self._device_param_ids = frozenset(id(p) for d in device_groups for p in d.group.params)
 
-    @property
-    def steps_after_return(self) -> bool:
-        """Whether host parameters may get the update after :meth:`run` returned (the overlap worker still runs, or
-        device groups write their masters back when the host reads them): readers wait for :meth:`wait_for_optimizer`.
-        """
-        return self.overlap is not None or bool(self.device_groups)
+    # - during backward: speculative host updates ([Note: updates during backward])
 
-    # - setup
+    def arm_backward_updates(self, optimizer: torch.optim.Optimizer, blockers: list[str]) -> None:
+        """Let the layers whose grads become final during the closure about to run start ``optimizer``'s host
+        update, unless ``blockers`` (hooks.py ``backward_update_blockers``) or the step cannot take them: an
+        optimizer other than the host Adam/AdamW, or (``"auto"``) a last step whose clipping fired."""
+        updates = self.backward_updates
+        if updates is None or blockers or not overlappable(optimizer):
+            if updates is not None and self.config.update_during_backward is True and not self._told_blocked:
+                self._told_blocked = True
+                log.info("MegaTrain: no host updates during backward: %s",
+                         "; ".join(blockers) or f"{type(optimizer).__name__} is not the host Adam/AdamW")
+            return
+        if self.config.update_during_backward == "auto" and updates.clipped_last:
+            return
+        self._speculation = updates.arm(optimizer, self._device_param_ids)
 
-    def to_host_optimizers(
-        self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any]
-    ) -> list[torch.optim.Optimizer]:
-        """``optimizers`` with Adam/AdamW replaced by the host implementation (``cpu_adam``; ``CompactAdamW`` under a
-        compact ``host_state``), ``schedulers`` rebound to the replacements, and ``zero_grad`` waiting for the step in
-        flight where :attr:`steps_after_return`.
+    def _close_backward_updates(self, keep: bool, speculation: Speculation | None = None,
+                                hyper: Hyper | None = None) -> list[Snapshot]:
+        """Decide ``speculation`` (default: this step's, while armed): keep its updates (returned) if ``keep`` and
+        the hyperparameters are still those it used (``hyper``, default: now), else undo them. Any thread."""
+        if speculation is None:
+            speculation, self._speculation = self._speculation, None
+        if speculation is None or self.backward_updates is None:
+            return []
+        return self.backward_updates.decide(speculation, keep, hyper)
 
-        Raises:
-            ValueError: device groups with an optimizer other than the host Adam/AdamW (their step is Adam's); a
-                compact ``host_state`` with an optimizer other than Adam/AdamW (optim/compact_update.py).
-        """
-        replaced = {}
-        host_optimizers = []
-        # DeepSpeedCPUAdam holds the GIL for each parameter's update, stalling the forward it overlaps with.
-        cpu_adam = self.config.cpu_adam
-        mode = "torch" if self.overlap is not None and cpu_adam == "auto" else cpu_adam
-        host_state = self.config.host_state
-        for optimizer in optimizers:
-            if host_state == "fp32":
-                host = to_host_optimizer(optimizer, mode)
-            else:
-                host = to_compact_adamw(optimizer, host_state)
-            replaced[id(optimizer)] = host
-            host_optimizers.append(host)
-        if self.device_groups:
-            refused = [type(o).__name__ for o in host_optimizers if not overlappable(o)]  # the device step's Adam
-            if refused:
-                raise ValueError(
-                    f"MegaTrainStrategy(gpu_optimizer_groups={self.config.gpu_optimizer_groups}) steps Adam/AdamW on "
-                    f"the GPU, got {', '.join(refused)} (or an Adam variant: amsgrad, maximize, capturable, "
-                    "differentiable). HINT: use torch.optim.AdamW, or gpu_optimizer_groups=0."
-                )
-        if self.steps_after_return:
-            for optimizer in host_optimizers:
-                # in-place zeroing must not race the overlapped step reading the grads; the device groups'
-                # grad sums restart too (engine/device_state.py)
-                _wait_in_zero_grad(optimizer, self.wait_for_host_step, then=self.grads_zeroed)
-        if self.overlap is not None:
-            for optimizer in host_optimizers:
-                if not self.takes_step(optimizer):
-                    warnings.warn(
-                        f"MegaTrainStrategy(overlap_optimizer=True) overlaps the host Adam/AdamW step only; "
-                        f"{type(optimizer).__name__} steps synchronously between steps (amsgrad, maximize, "
-                        "capturable and differentiable Adam variants too).",
-                        stacklevel=2,
-                    )
-        for scheduler in schedulers:
-            scheduler_optimizer = getattr(scheduler, "optimizer", None)
-            host = replaced.get(id(scheduler_optimizer))
-            if host is not None and host is not scheduler_optimizer:
-                rebind_scheduler(scheduler, host)
-        return host_optimizers
+    def _prepare_keeping(self, update: Update, index: int, groups: list[list[Tensor]], kept: list[Snapshot]) -> None:
+        """``update.prepare(groups)`` reported by the guard; a failure undoes the kept speculated layers too, so
+        nothing is updated, as the report says."""
+        try:
+            self.guard.guarded(index, update, lambda: update.prepare(groups))
+        except BaseException:
+            if kept:
+                assert self.backward_updates is not None
+                self.backward_updates.restore(kept)
+            raise
 
-    def guard_module_zero_grad(self, module: torch.nn.Module) -> Callable[[], None]:
-        """Make ``module.zero_grad()`` wait for the host step first, and return the undo.
-
-        Lightning zeroes the module's grads itself before validation (``on_validation_model_zero_grad``, before any
-        hook the barrier waits in) and user code may call ``self.zero_grad()``; with grads landing late the host
-        step's worker reads ``p.grad`` only once they have landed ([Note: late grads]), so grads set to ``None``
-        before that would silently skip those parameters' update.
-        """
-        return _wait_in_zero_grad(module, self.wait_for_host_step)
-
-    def takes_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`run` runs ``optimizer``'s step (the host Adam/AdamW and Muon: all-or-nothing, overlapped
-        and, for Adam/AdamW, split with the device); other optimizers step as given (``optimizer.step()``)."""
-        return engine_steps(optimizer)
-
-    def refuse_host_fallback(self, what: str) -> None:
-        """Called before a path that reads the host grads and states only (torch's clipping, ``optimizer.step()``):
-        those do not see the grads and states that device groups keep on the GPU.
-
-        Raises:
-            RuntimeError: the engine has device groups.
-        """
-        if self.device_groups:
-            raise RuntimeError(
-                f"MegaTrainStrategy(gpu_optimizer_groups={len(self.device_groups)}) does not support {what}: those "
-                "groups' gradients and Adam states live on the GPU. HINT: use gpu_optimizer_groups=0."
-            )
+    def abort_backward_updates(self) -> None:
+        """Undo the speculation of a step that raised before its update."""
+        self._close_backward_updates(keep=False)
 
     # - end of backward: the host grads
 
@@ -229,6 +190,7 @@ class OptimizerStep:
             grads_read: code may read ``p.grad`` before the optimizer step (hooks, or a step that is not overlapped).
         """
         self._deferred_grad_scale = self._stats_copied = self._norm_sq = self._found_inf = None
+        self._clip_fired = False
         self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
         host_added = self.transfer.take_host_added()
         self._late_grads = self.overlap is not None and not grads_read and not host_added
@@ -255,12 +217,11 @@ class OptimizerStep:
         torch.
         """
         groups = self.groups
-        held = {id(p) for g in groups for p in g.params}
-        wanted = {id(p) for p in params}
-        if self._late_grads and wanted != held:
+        if self._late_grads and {id(p) for p in params} != {id(p) for g in groups for p in g.params}:
             self._late_grads = False  # torch's clipping may read p.grad below: land them now
             self._land_grads()
-        if not wanted <= held or any(p.grad is not None and id(p) not in wanted for g in groups for p in g.params):
+        if not self.clips_whole(params):
+            self._close_backward_updates(keep=False)  # torch's clipping scales the grads they used
             return False
         if self._late_grads:  # the factor stays on the device; check_finite sends it to the host step
             self._norm_sq = device_norm_sq(groups, self.device)
@@ -268,7 +229,9 @@ class OptimizerStep:
             return True
         self._norm_sq = self._host_norm_sq()
         coef = clip_coef(self._norm_sq, max_norm)
-        if coef.item() != 1.0:  # host tensors: no device sync
+        self._clip_fired = coef.item() != 1.0  # host tensors: no device sync
+        if self._clip_fired:
+            self._close_backward_updates(keep=False)  # they assumed no clipping; undone before the grads change
             # bf16 grads are never scaled in place (a second rounding): the update takes the factor ([Note: compact
             # state in the engine])
             if defer or any(g.grad_dtype != torch.float32 for g in groups):
@@ -277,6 +240,14 @@ class OptimizerStep:
                 for g in groups:
                     g.scale_grads(coef)
         return True
+
+    def clips_whole(self, params: list[Tensor]) -> bool:
+        """Whether :meth:`clip_grad_norm_` clips ``params`` itself: they are parameters the engine holds grads for,
+        and every one holding a grad is among them."""
+        held = {id(p) for g in self.groups for p in g.params}
+        wanted = {id(p) for p in params}
+        return wanted <= held and not any(
+            p.grad is not None and id(p) not in wanted for g in self.groups for p in g.params)
 
     # - the finite check ([Note: all-or-nothing steps])
 
@@ -299,6 +270,7 @@ class OptimizerStep:
         host_loss = None if loss is None else loss.cpu()  # the compute stream is idle here: drains were waited for
         if bool(torch.isfinite(torch.stack([norm_sq] + ([host_loss] if host_loss is not None else []))).all()):
             return True
+        self._close_backward_updates(keep=False)
         self.guard.nonfinite(index, float(norm_sq), None if host_loss is None else float(host_loss))
         if self.residents is not None:  # the device step that would have consumed a resident device group's grads
             self.residents.clear_grads()
@@ -349,11 +321,16 @@ class OptimizerStep:
                 self.guard.guarded(index, None, lambda: allocate_states(optimizer, self._host_params(optimizer)))
                 self._device_step(optimizer, scale, found_inf, index)
             hyper = hyper_snapshot(optimizer)
-            self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index))
+            speculation, self._speculation = self._speculation, None  # the worker decides it
+            self.overlap.launch(functools.partial(self._landed_update, optimizer, hyper, copied, index, speculation))
         else:
-            update = host_update(optimizer, scale, self._device_param_ids, None, self.device)
+            kept = self._close_backward_updates(keep=not self._clip_fired)
+            if self.backward_updates is not None:
+                self.backward_updates.clipped_last = self._clip_fired
+            skip = self._device_param_ids | params_of(kept)
+            update = host_update(optimizer, scale, skip, None, self.device)
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            self.guard.guarded(index, update, lambda: update.prepare([params]))
+            self._prepare_keeping(update, index, [params], kept)
             if self.device_groups:
                 self._device_step(optimizer, scale, None, index)
             if self.overlap is not None:
@@ -395,21 +372,27 @@ class OptimizerStep:
             self.residents.clear_grads()
 
     def _landed_update(
-        self, optimizer: torch.optim.Optimizer, hyper: Hyper, stats_copied: torch.cuda.Event | None, index: int
+        self, optimizer: torch.optim.Optimizer, hyper: Hyper, stats_copied: torch.cuda.Event | None, index: int,
+        speculation: Speculation | None = None,
     ) -> Callable[[list[Tensor]], None] | None:
-        """Step ``index``'s host update, built on its worker once the grads and the step's stats have landed; None
-        for a step skipped as non-finite (the device groups skipped it too, on the device)."""
+        """Step ``index``'s host update, built on its worker once the grads and the step's stats have landed, after
+        ``speculation`` is decided; None for a step skipped as non-finite (the device groups skipped it too, on the
+        device)."""
         self._land_grads()
         assert self._stats_host is not None
         if stats_copied is not None:
             stats_copied.synchronize()
         coef, norm_sq, loss = self._stats_host.tolist()  # a host buffer: no device sync
-        if not (math.isfinite(norm_sq) and math.isfinite(loss)):
+        finite = math.isfinite(norm_sq) and math.isfinite(loss)
+        kept = [] if speculation is None else self._close_backward_updates(finite and coef == 1.0, speculation, hyper)
+        if self.backward_updates is not None:
+            self.backward_updates.clipped_last = coef != 1.0
+        if not finite:
             self.guard.nonfinite(index, norm_sq, loss)
             return None
         scale = None if coef == 1.0 else torch.tensor(coef, dtype=torch.float32)
-        update = host_update(optimizer, scale, self._device_param_ids, hyper, self.device)
-        self.guard.guarded(index, update, lambda: update.prepare([g.params for g in self.groups]))
+        update = host_update(optimizer, scale, self._device_param_ids | params_of(kept), hyper, self.device)
+        self._prepare_keeping(update, index, [g.params for g in self.groups], kept)
         return self._committing(update, index)
 
     def _committing(self, update: Update, index: int) -> Callable[[list[Tensor]], None]:
@@ -418,20 +401,6 @@ class OptimizerStep:
 
     # - after the update: waits
 
-    def wait_for_host_step(self) -> None:
-        """Block until the overlapped host optimizer step is done with the host grads and the host groups' masters.
-
-        What backward's drains, ``zero_grad`` and gradient finalization wait for: they write host grads, which only
-        the host step reads (device groups step from their device grads).
-        """
-        if self.overlap is not None:
-            self.overlap.wait_all()
-
-    def grads_zeroed(self) -> None:
-        """``optimizer.zero_grad()`` ran: the device groups' next grads start a new sum."""
-        for device_group in self.device_groups:
-            device_group.clear_grads()
-
     def wait_for_optimizer(self) -> None:
         """Block until the optimizer step in flight has updated every host master and optimizer state: the host
         step, and the device groups' masters written back (for readers of host parameters: checkpoints, hooks)."""
@@ -439,24 +408,3 @@ class OptimizerStep:
         for device_group in self.device_groups:
             device_group.wait_written_back(self.transfer.d2h_stream)  # device groups exist on CUDA only
 
-
-def _wait_in_zero_grad(
-    owner: torch.nn.Module | torch.optim.Optimizer, wait: Callable[[], None], then: Callable[[], None] | None = None
-) -> Callable[[], None]:
-    """Wrap ``owner.zero_grad`` to call ``wait`` before it (and ``then`` after); return the undo."""
-    zero_grad = owner.zero_grad
-
-    @functools.wraps(zero_grad)
-    def waiting_zero_grad(*args: Any, **kwargs: Any) -> None:
-        wait()
-        zero_grad(*args, **kwargs)
-        if then is not None:
-            then()
-
-    owner.zero_grad = waiting_zero_grad  # type: ignore[method-assign]
-
-    def undo() -> None:
-        if owner.__dict__.get("zero_grad") is waiting_zero_grad:
-            del owner.zero_grad
-
-    return undo

@@ -18,7 +18,8 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 - ``gpu_optimizer_groups``: decided before the first training micro-batch, whose shape the choice needs
   (:func:`choose_gpu_optimizer_groups`): the fewest groups with which the overlapped host Adam no longer outlasts
   the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device
-  and host (``megatrain plan --overlap-optimizer`` prints the same suggestion). Those groups then take their GPU
+  and host (``megatrain plan --overlap-optimizer --update-during-backward`` prints the same suggestion, the planner
+  counting the host updates during backward where they run). Those groups then take their GPU
   memory before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, with a ``host_state`` other
   than ``"fp32"`` (decided at setup: the groups hold fp32 state), without the overlapped step (the groups pay by
   hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
@@ -52,25 +53,18 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from lightning_megatrain._hardware import GIB, available_host_bytes
+from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine.device_state import gpu_bytes_per_param
-from lightning_megatrain.engine.host_store import check_host_bytes_to_come
-from lightning_megatrain.optim.host_optimizer import overlappable
-from lightning_megatrain.optim.updates import host_state_bytes
+from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
 from lightning_megatrain.planner.pool import split_first_batch, split_options
-
-if TYPE_CHECKING:
-    from lightning_megatrain.engine.host_store import FlatGroup
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +89,30 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
             else "Triton is not usable here" if on_cuda else "CPU compute device"
         )
         log.info("MegaTrain: compile_layers=%s (auto: %s)", triton, reason)
-    if config.overlap_optimizer == "auto":
-        changes["overlap_optimizer"] = on_cuda
+    overlap = config.overlap_optimizer
+    if overlap == "auto":
+        overlap = changes["overlap_optimizer"] = on_cuda or config.update_during_backward is True
         reason = (
             "the host Adam step runs beside the next forward instead of idling the GPU; hooks that read parameters "
             "wait for it"
             if on_cuda
+            else "update_during_backward=True keeps or redoes its updates in the overlapped step"
+            if overlap
             else "CPU compute device: the step and the forward would share its cores"
         )
-        log.info("MegaTrain: overlap_optimizer=%s (auto: %s)", on_cuda, reason)
+        log.info("MegaTrain: overlap_optimizer=%s (auto: %s)", overlap, reason)
+    if config.update_during_backward == "auto":
+        during = bool(overlap) and on_cuda and config.host_state == "fp32"
+        if not during:  # else it stays "auto": the engine skips the step after one whose clipping fired
+            changes["update_during_backward"] = False
+        reason = (
+            "each layer's host Adam starts once its grads are final, speculating that clipping does not fire"
+            if during
+            else "no overlapped step" if not overlap
+            else "CPU compute device" if not on_cuda
+            else f"host_state={config.host_state!r} steps CompactAdamW"
+        )
+        log.info("MegaTrain: update_during_backward=%s (auto: %s)", during, reason)
     if config.gpu_optimizer_groups == "auto" and not on_cuda:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")
@@ -136,34 +145,6 @@ def module_hf_config(module: nn.Module) -> PretrainedConfig | None:
     return next((m.config for m in module.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)), None)
 
 
-def host_bytes_to_come(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Host bytes the host groups still allocate before their first step ends: their grads not yet allocated
-    and the optimizer states their parameters have none of yet (optim/updates.py ``host_state_bytes``: Adam 8 B per
-    parameter, Muon's matrices 4, 8-bit moments about 2)."""
-    held = frozenset(id(p) for g in host_groups for p in g.params)
-    return sum(g.grad_dtype.itemsize * g.numel - g.grad_nbytes for g in host_groups) + host_state_bytes(
-        optimizers, held)
-
-
-def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Host bytes free for offloaded layer-input checkpoints (``choose_checkpoints``' ``host_bytes``): what the
-    process may still allocate (``_hardware.available_host_bytes``), less :func:`host_bytes_to_come`."""
-    free = available_host_bytes()
-    if free is None:
-        return 1 << 62  # nothing to check against
-    return free[0] - host_bytes_to_come(host_groups, optimizers)
-
-
-def host_bytes_to_come_split(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
-                             n: int, grads_read: bool) -> int:
-    """:func:`host_bytes_to_come` with the first ``n`` of ``forward_groups`` (the residents, then the layers) as
-    device groups: the host groups' grads and states, and the device groups' grads where code reads ``p.grad``
-    ([Note: memory pool] in planner/pool.py)."""
-    device = forward_groups[:n]
-    read = sum(4 * g.numel - g.grad_nbytes for g in device) if grads_read else 0
-    return host_bytes_to_come(forward_groups[n:], optimizers) + read
-
-
 def choose_gpu_optimizer_groups(
     module: nn.Module,
     batch: Any,
@@ -183,8 +164,8 @@ def choose_gpu_optimizer_groups(
     the module's own ``configure_gradient_clipping``; ``chunked_loss``: the module's HF loss runs chunked
     (models/hf_loss.py), else the plan counts full logits. ``host_free``: host bytes the process may still allocate
     (None: unknown, not checked); ``to_come(n)``: host bytes its groups and optimizers still allocate with ``n``
-    device groups (:func:`host_bytes_to_come_split`). Where the host cannot hold them all, the fewest groups that
-    let it (planner/pool.py, [Note: memory pool]).
+    device groups (engine/host_budget.py ``host_bytes_to_come_split``). Where the host cannot hold them all, the
+    fewest groups that let it (planner/pool.py, [Note: memory pool]).
 
     Raises:
         RuntimeError: the host cannot hold every group's state and no split fits (or device groups cannot run here):
@@ -200,7 +181,7 @@ def choose_gpu_optimizer_groups(
     if cannot is not None:
         if short:
             raise RuntimeError(
-                f"MegaTrainStrategy: {_host_short(to_come, host_free)}, and gpu_optimizer_groups='auto' cannot move "
+                f"MegaTrainStrategy: {host_short(to_come, host_free)}, and gpu_optimizer_groups='auto' cannot move "
                 f"any to the GPU: {cannot}. HINT: an explicit gpu_optimizer_groups="
                 f"{fewest_host_groups(to_come, host_free)} or more (Adam/AdamW, norm clipping), an optimizer with less "
                 "state (CompactAdamW, Muon), or more host RAM.")
@@ -218,7 +199,7 @@ def choose_gpu_optimizer_groups(
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
         if short:
             raise RuntimeError(
-                f"MegaTrainStrategy: {_host_short(to_come, host_free)}, and the planner cannot describe this model "
+                f"MegaTrainStrategy: {host_short(to_come, host_free)}, and the planner cannot describe this model "
                 f"to split them with the GPU ({type(e).__name__}: {e}). HINT: an explicit gpu_optimizer_groups="
                 f"{fewest_host_groups(to_come, host_free)} or more, an optimizer with less state (CompactAdamW, "
                 "Muon), or more host RAM.") from e
@@ -240,64 +221,6 @@ def choose_gpu_optimizer_groups(
     if hide == 0:
         return 0, f"at {tokens} the host Adam already hides behind the forward"
     return hide, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
-
-
-def _host_short(to_come: Callable[[int], int], host_free: int) -> str:
-    return (f"the host cannot hold every group's grads and optimizer states ({_gib(to_come(0))} more, "
-            f"{_gib(host_free)} free)")
-
-
-def host_free_checked() -> int | None:
-    """Host bytes the process may still allocate (``_hardware.available_host_bytes``), None where unknown or where
-    ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` turns the host checks off (engine/host_store.py)."""
-    free = available_host_bytes()
-    return None if free is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1" else free[0]
-
-
-def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
-                         device: torch.device, compute_dtype: torch.dtype) -> None:
-    """The setup's host check while ``gpu_optimizer_groups="auto"`` is undecided (the engine's ``check_host_state``):
-    where the host cannot hold every group's state, refuse now, not at the first micro-batch, when device groups
-    cannot take enough of it: a CPU compute device, an optimizer other than one Adam/AdamW, or less GPU memory free
-    than the fewest groups the host needs take before any working set. The split itself is decided at the first
-    micro-batch (:func:`choose_gpu_optimizer_groups`).
-
-    Raises:
-        RuntimeError: with both memories' numbers (engine/host_store.py ``check_host_bytes_to_come``'s message where
-            device groups cannot run).
-    """
-    to_come = lambda n: host_bytes_to_come_split(forward_groups, optimizers, n, False)  # noqa: E731
-    free = host_free_checked()
-    if free is None or to_come(0) <= free:
-        return
-    if device.type != "cuda" or len(optimizers) != 1 or not overlappable(optimizers[0]):
-        check_host_bytes_to_come(to_come(0))  # refuses, with the numbers
-        return
-    n = fewest_host_groups(to_come, free)
-    groups = forward_groups[:n]
-    need = sum(gpu_bytes_per_param(compute_dtype.itemsize, resident=k == 0) * g.numel for k, g in enumerate(groups))
-    gpu_free, _ = torch.cuda.mem_get_info(device)
-    if to_come(n) > free or need > gpu_free:
-        raise RuntimeError(
-            f"MegaTrainStrategy: {_host_short(to_come, free)}; it would with {n} groups "
-            f"({sum(g.numel for g in groups) / 1e9:.2f}B params) keeping theirs on {device} (gpu_optimizer_groups), "
-            f"which need {_gib(need)} there before any activations, but {_gib(gpu_free)} is free. HINT: an "
-            "optimizer with less state (CompactAdamW(weights='fp32'): 8-bit moments), a smaller model, more host RAM "
-            "or a larger GPU."
-        )
-
-
-def fewest_host_groups(to_come: Callable[[int], int], host_free: int) -> int:
-    """The fewest device groups with which the host holds ``to_come(n)`` (the GPU is not checked): a lower bound of
-    the split, for hints and the setup's check; the count of every group where even that is too many."""
-    n = 0
-    while to_come(n) > host_free and n < 1 << 16 and to_come(n + 1) < to_come(n):
-        n += 1
-    return n
 
 
 def _run_options(hf_config: PretrainedConfig, compute_dtype: torch.dtype, chunked_loss: bool) -> dict[str, Any]:
@@ -358,9 +281,9 @@ def choose_checkpoints(
         host_bytes: host memory free for the offloaded checkpoints: ``_hardware.available_host_bytes()[0]`` read
             now, after setup allocated the masters, grads and slabs, less the host memory still to be allocated
             before this micro-batch's backward ends and kept through it: the optimizer states the first step has not
-            yet allocated (``host_bytes_to_come``: 8 bytes per Adam parameter not in a device group, 4 per Muon
-            matrix, about 2 with 8-bit moments; 0 once they exist, as on resume). Where ``available_host_bytes()``
-            is None, pass a huge number (nothing to check against).
+            yet allocated (engine/host_budget.py ``host_bytes_to_come``: 8 bytes per Adam parameter not in a device
+            group, 4 per Muon matrix, about 2 with 8-bit moments; 0 once they exist, as on resume). Where
+            ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
 
     Returns:
         ``(segment_layers, device_checkpoints, why)``: ints for the engine (``device_checkpoints`` at most the

@@ -41,11 +41,11 @@ log = logging.getLogger(__name__)
 # Share of the device's memory the auto policy plans to fill: the rest absorbs allocator fragmentation and kernels'
 # workspaces that the allocated-bytes counters do not see. 0.95 kept one more 3B layer at 64K tokens per micro-batch
 # on the H200 (20 instead of 19, +1.3%) but ran out of memory at 32 x 1024 tokens with HF's loss: its 15.66 GiB
-# logits block found no room in 14.5 GiB free and 14.6 GiB of fragmented reserve (benchmarks/results, 1558d8c).
+# logits block found no room in 14.5 GiB free and 14.6 GiB of fragmented reserve (benchmarks/HISTORY.md).
 DEVICE_FRACTION = 0.9
 # The top-up's budget where the largest block is small (see the module note): at 3B and 64K tokens per micro-batch
 # with the chunked loss on the H200 it keeps 20 layers where 0.9 kept 18, 26,403 tokens/s against 26,277 and 25,758
-# (benchmarks/results, b064dab against d8b6815 and d731175), peaking at 132.8 GiB reserved.
+# (benchmarks/HISTORY.md), peaking at 132.8 GiB reserved.
 TOP_UP_FRACTION = 0.95
 
 

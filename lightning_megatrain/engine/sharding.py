@@ -5,10 +5,13 @@ With ``world_size = N > 1`` (``Trainer(devices=N, num_nodes=M)``, one process pe
 :class:`FlatGroup` (one per decoder layer, one for the residents) is padded with zeros to ``N * S`` elements and
 cut into N contiguous *shards* of ``S``: rank ``r`` owns elements ``[r*S, (r+1)*S)``. Who holds what:
 
-- *owned master*: ``padded[r*S:(r+1)*S]`` on rank r is the authoritative fp32 value of those elements; only rank r's
-  optimizer updates it. The rest of ``padded`` is the *gathered copy*: the other ranks' owned masters, refreshed by
-  an all-gather after every optimizer step (:meth:`ShardedState.gather`). Parameters stay views of ``padded``, so
-  ``state_dict()``, validation and user hooks see the whole model on every rank (4 bytes/param per rank).
+- *owned master*: elements ``[r*S, (r+1)*S)`` of the group on rank r, the authoritative fp32 value of those
+  elements; only rank r's optimizer updates it. For a decoder layer it is all the rank holds of the layer's master
+  (an ``[S]`` host buffer): the layer is gathered whole only while it computes, and its parameters are NaN
+  placeholders otherwise (engine/sharded_layers.py, [Note: sharded layer masters]). The residents' group stays whole
+  on every rank: a ``padded`` buffer ``[N * S]`` whose owned part is rank r's and whose rest is the *gathered copy*
+  of the other ranks' owned masters, refreshed by an all-gather after every optimizer step
+  (:meth:`ShardedState.gather`); the residents' parameters are views of it.
 - *pieces*: the part of each parameter that falls inside rank r's shard, one 1D ``nn.Parameter`` per parameter it
   overlaps, a view of the owned master. The optimizer's param groups hold the pieces instead of the parameters
   (:func:`shard_optimizer` in engine/shard_states.py), so every host optimizer (the fused Adam/AdamW host update,
@@ -17,29 +20,33 @@ cut into N contiguous *shards* of ``S``: rank ``r`` owns elements ``[r*S, (r+1)*
   stay ``None`` during training: the gradient of the whole model exists on no rank (4/N bytes/param instead of 4).
 - *optimizer state*: per piece, so 1/N of the Adam moments (8/N bytes/param).
 
-Per rank: 4 + 12/N host bytes per parameter, plus the shards of a layer in flight.
+Per rank: 16/N host bytes per layer parameter and 4 + 12/N per resident one, plus the layer being computed (gathered
+whole) and, at the end of backward, the residents' grads.
 
 Collectives, in the same order on every rank (no rank ever decides alone whether to call one):
 
-- *backward, per layer* (:class:`ShardedDrain`): the layer's weight grads, packed into one padded fp32 buffer where
-  they were computed (host on the CPU, the device on CUDA; absent grads as zeros), are reduce-scattered (sum) over
-  the default group, divided by N (DDP's mean over ranks: with equal micro-batches per rank, the gradient of the
-  global batch's mean loss) and added into the owned grad on the host. A parameter absent on every rank keeps
-  ``grad=None`` on its pieces (one small all-reduce of presence flags per layer). Micro-batches of an accumulation
-  each reduce-scatter (as DDP without ``no_sync``): the sum is linear, so the owned grads end as one reduction of the
-  accumulated grads would leave them.
-- *end of backward, residents* (:meth:`ShardedOptimizerStep.finalize_gradients`): the residents' grads (the
-  parameters' ``.grad`` on the CPU backend, the host grads the CUDA residents' drain writes) accumulate locally
-  over the micro-batches and are reduce-scattered once, on the host group.
+- *forward, recompute, validation, per layer* (:class:`~lightning_megatrain.engine.sharded_layers.ShardedTransfer`):
+  the layer's owned masters are all-gathered into a buffer of the whole layer ([Note: sharded layer masters]).
+- *backward, per layer* (the same ``ShardedTransfer``'s ``drain``): the layer's weight grads, packed into one padded
+  fp32 buffer where they were computed (host on the CPU, the device on CUDA; absent grads as zeros), are
+  reduce-scattered (sum) over the default group, divided by N (DDP's mean over ranks: with equal micro-batches per
+  rank, the gradient of the global batch's mean loss) and added into the owned grad on the host. A parameter absent on
+  every rank keeps ``grad=None`` on its pieces (one small all-reduce of presence flags per layer). Micro-batches of an
+  accumulation each reduce-scatter (as DDP without ``no_sync``): the sum is linear, so the owned grads end as one
+  reduction of the accumulated grads would leave them.
+- *end of backward, residents* (engine/sharded_step.py, ``ShardedOptimizerStep.finalize_gradients``): the
+  residents' grads (the parameters' ``.grad`` on the CPU backend, the host grads the CUDA residents' drain writes)
+  accumulate locally over the micro-batches and are reduce-scattered once, on the host group.
 - *clipping and the finite check*: the squared norm of the owned grads is all-reduced (sum) into the global one;
   the loss is all-reduced too, so every rank takes the same skip decision.
-- *after the update*: each group's owned master is all-gathered in place into ``padded`` (host group).
+- *after the update*: the residents' owned master is all-gathered in place into ``padded`` (host group).
 
 Process groups: the default group carries the device tensors (NCCL on CUDA, gloo on the CPU); the host tensors go
 over a gloo group made at setup when the default is NCCL (:class:`Ranks`). On the CPU both are the same gloo group.
 The CUDA path is the same code: the layer grads are reduce-scattered on the device over NCCL and the owned shard
-copied to the host; the weights are gathered on the host and uploaded whole by the transfer's H2D stream (uploading
-only the owned shard and all-gathering on the device, over NVLink, is not built yet; docs/multi-gpu.md).
+copied to the host; each rank uploads its owned master of a layer and the GPUs all-gather the layer over NCCL into
+the slot ([Note: sharded layer masters]; not run on GPUs yet, docs/multi-gpu.md); the residents are gathered on the
+host and uploaded whole.
 """
 
 from __future__ import annotations
@@ -53,11 +60,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine.grad_norm import host_norm_sq
 from lightning_megatrain.engine.host_store import FlatGroup
-from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.shard_states import load_optimizer_state, shard_optimizer, sharded_state
+from lightning_megatrain.engine.shard_states import load_optimizer_state, sharded_state
+from lightning_megatrain.engine.sharded_layers import nan_placeholder
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
-    """``config`` for ``world`` > 1 ranks: the options they do not support yet refused when given, off when "auto".
+    """``config`` for ``world`` > 1 ranks: the options they do not support yet refused when given, off when "auto";
+    ``keep_layers`` and ``segment_layers`` fixed (0 and 1) when "auto", the same on every rank.
 
     Raises:
         ValueError: ``overlap_optimizer=True``, ``gpu_optimizer_groups`` > 0, a compact ``host_state`` or
@@ -77,6 +84,9 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     if config.overlap_optimizer is True:
         problems.append("overlap_optimizer=True: the updated masters are all-gathered once the whole step is "
                         "done, before the next forward reads them, so nothing overlaps yet; use 'auto' or False")
+    if config.update_during_backward is True:
+        problems.append("update_during_backward=True: each rank steps its shard after the reduce-scatter at the end "
+                        "of backward; use 'auto' or False")
     groups = config.gpu_optimizer_groups
     if groups != "auto" and groups > 0:
         problems.append(f"gpu_optimizer_groups={groups}: device groups are not sharded yet; use 'auto' or 0")
@@ -88,7 +98,15 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
                         "use host_state='fp32'")
     if problems:
         raise ValueError(f"MegaTrainStrategy with {world} ranks does not support:\n- " + "\n- ".join(problems))
-    return config.replace(overlap_optimizer=False, gpu_optimizer_groups=0)
+    # every rank must issue the same collectives: a kept layer skips its gather in backward and a segment replays
+    # its layers, so "auto", which each rank would decide from its own free memory and batch, is fixed instead
+    return config.replace(
+        overlap_optimizer=False,
+        update_during_backward=False,
+        gpu_optimizer_groups=0,
+        keep_layers=0 if config.keep_layers == "auto" else config.keep_layers,
+        segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
+    )
 
 
 class Ranks:
@@ -126,6 +144,10 @@ class Ranks:
         own = padded.view(self.world, -1)[self.rank]
         _all_gather(padded, own, group=self._group(padded))
 
+    def all_gather(self, out: Tensor, own: Tensor) -> None:
+        """Fill ``out`` (1D, ``world * S``) with every rank's ``own`` (``[S]``, on the same device)."""
+        _all_gather(out, own, group=self._group(out))
+
     def reduce_scatter(self, padded: Tensor) -> Tensor:
         """This rank's shard (``[S]``) of the sum over ranks of ``padded`` (1D, ``world * S``)."""
         kind = padded.device.type
@@ -148,52 +170,73 @@ class Ranks:
 
 @dataclass
 class GroupShard:
-    """One flat group on one rank: the whole padded master and the share this rank owns (see the module note)."""
+    """One flat group on one rank: this rank's share of its master and, for a group kept whole, the whole padded
+    master (see the module note)."""
 
-    group: FlatGroup  # every parameter's storage: master = padded[:numel]
-    owned: FlatGroup  # the pieces; master = padded[lo:hi]; grad [S] fp32 host
-    padded: Tensor  # 1D fp32 host, [world * S]: the owned master and the gathered copy of the others'
+    group: FlatGroup  # every parameter; master = padded[:numel] (whole), or the NaN placeholder (sharded)
+    owned: FlatGroup  # the pieces; master = this rank's [S] elements (the owned master); grad [S] fp32 host
+    padded: Tensor | None  # whole: 1D fp32 host [world * S], the owned master and the gathered copy; sharded: None
+    size: int  # S: elements per rank
     piece_param: list[int]  # per piece: the index of its parameter in group.params
     piece_start: list[int]  # per piece: its first element within its parameter (flattened)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the rank holds only its owned master (a layer), not the whole group (the residents)."""
+        return self.padded is None
 
-def shard_group(group: FlatGroup, ranks: Ranks, registry: HostRegistry | None) -> GroupShard:
-    """Pad ``group``'s master to ``world * S``, re-point its parameters into the padded buffer and cut this rank's
-    pieces out of it (see the module note). The old master is freed (unregistered first where pinned)."""
+
+def _host_empty(numel: int, registry: HostRegistry | None, fill: Any) -> Tensor:
+    """A 1D fp32 host buffer filled by ``fill`` (page-locked when there is a registry)."""
+    if registry is not None:
+        return registry.empty(numel, torch.float32, init=fill)
+    flat = torch.empty(numel, dtype=torch.float32)
+    fill(flat)
+    return flat
+
+
+def shard_group(group: FlatGroup, ranks: Ranks, registry: HostRegistry | None, whole: bool = False) -> GroupShard:
+    """Cut this rank's share out of ``group``'s master and its pieces (see the module note). ``whole``: the group is
+    padded to ``world * S`` and stays whole on the rank, its parameters views of it (the residents); else the rank
+    keeps its owned master only and the parameters become views of a NaN placeholder (engine/sharded_layers.py,
+    [Note: sharded layer masters]). The old master is freed (unregistered first where pinned)."""
     world, rank = ranks.world, ranks.rank
-    shard = -(-group.numel // world)
+    size = -(-group.numel // world)
+    lo, hi = rank * size, (rank + 1) * size
     old = group.master
 
-    def fill(flat: Tensor) -> None:
+    def fill_padded(flat: Tensor) -> None:
         flat[: group.numel].copy_(old)
         flat[group.numel :].zero_()
 
-    if registry is None:
-        padded = torch.empty(world * shard, dtype=torch.float32)
-        fill(padded)
-    else:
-        padded = registry.empty(world * shard, torch.float32, init=fill)
+    def fill_owned(flat: Tensor) -> None:
+        n = max(0, min(hi, group.numel) - lo)
+        flat[:n].copy_(old[lo : lo + n])
+        flat[n:].zero_()
+
+    padded = _host_empty(world * size, registry, fill_padded) if whole else None
+    owned_master = padded[lo:hi] if padded is not None else _host_empty(size, registry, fill_owned)
+    storage = padded if padded is not None else nan_placeholder(group.numel)
     for p, offset in zip(group.params, group.offsets):
-        p.data = padded[offset : offset + p.numel()].view(p.shape)
-    group.master = padded[: group.numel]
+        p.data = storage[offset : offset + p.numel()].view(p.shape)
+    group.master = storage[: group.numel]
     if registry is not None and old.numel():
         registry.free(old)
     group.release_grad(registry.free if registry is not None else None)  # no p.grad views it: grads are owned
-    lo, hi = rank * shard, (rank + 1) * shard
     pieces, offsets, piece_param, piece_start = [], [], [], []
     for k, (p, offset) in enumerate(zip(group.params, group.offsets)):
         a, b = max(offset, lo), min(offset + p.numel(), hi)
-        if a < b:
-            pieces.append(nn.Parameter(padded[a:b], requires_grad=p.requires_grad))  # a view: shares the storage
+        if a < b:  # a view of the owned master: shares its storage
+            pieces.append(nn.Parameter(owned_master[a - lo : b - lo], requires_grad=p.requires_grad))
             offsets.append(a - lo)
             piece_param.append(k)
             piece_start.append(a - offset)
 
     def new_grad() -> Tensor:
-        return torch.zeros(shard, dtype=torch.float32) if registry is None else registry.empty(shard, torch.float32)
+        return torch.zeros(size, dtype=torch.float32) if registry is None else registry.empty(size, torch.float32)
 
-    owned = FlatGroup(params=pieces, offsets=offsets, master=padded[lo:hi], new_grad=new_grad)
-    return GroupShard(group, owned, padded, piece_param, piece_start)
+    owned = FlatGroup(params=pieces, offsets=offsets, master=owned_master, new_grad=new_grad)
+    return GroupShard(group, owned, padded, size, piece_param, piece_start)
 
 
 class ShardedState:
@@ -204,14 +247,15 @@ class ShardedState:
         ranks: the process group.
         registry: page-locked allocations (CUDA), or ``None``.
         names: ``id(parameter) -> name`` for every parameter of the module.
+        whole: the groups every rank keeps whole (the residents); the others are sharded.
     """
 
-    def __init__(
-        self, groups: list[FlatGroup], ranks: Ranks, registry: HostRegistry | None, names: dict[int, str]
-    ) -> None:
+    def __init__(self, groups: list[FlatGroup], ranks: Ranks, registry: HostRegistry | None, names: dict[int, str],
+                 whole: list[FlatGroup | None] = ()) -> None:
         self.ranks = ranks
         self.names = names  # id(parameter) -> its qualified name in the module, for checkpoints
-        self.shards = [shard_group(g, ranks, registry) for g in groups]
+        kept = {id(g) for g in whole if g is not None}
+        self.shards = [shard_group(g, ranks, registry, whole=id(g) in kept) for g in groups]
         self._by_group = {id(s.group): s for s in self.shards}
         # filled by engine/shard_states.py shard_optimizer: id(piece) -> (parameter name, start, end, piece shape),
         # and id(optimizer) -> each param group's parameter names before sharding
@@ -221,17 +265,34 @@ class ShardedState:
     def shard_of(self, group: FlatGroup) -> GroupShard:
         return self._by_group[id(group)]
 
+    def adopt(self, previous: ShardedState | None) -> None:
+        """Take the owned masters of ``previous`` (the last setup's shares of the same module: ``fit`` then
+        ``validate``/``test``/``fit`` on one Trainer) for every sharded group of the same parameters: the module's
+        layers are placeholders after the last teardown, so the masters packed from them at this setup are NaN."""
+        if previous is None or previous.ranks.world != self.ranks.world:
+            return
+        before = {tuple(id(p) for p in s.group.params): s for s in previous.shards if s.sharded}
+        for shard in self.shards:
+            old = before.get(tuple(id(p) for p in shard.group.params))
+            if shard.sharded and old is not None and old.size == shard.size:
+                shard.owned.master.copy_(old.owned.master)
+
     @property
     def owned_groups(self) -> list[FlatGroup]:
         """The owned shares, in the order of ``groups``: what the optimizer step clips and steps."""
         return [s.owned for s in self.shards]
+
+    @property
+    def sharded_params(self) -> list[nn.Parameter]:
+        """The parameters whose masters are sharded: NaN placeholders outside their layer's compute."""
+        return [p for s in self.shards if s.sharded for p in s.group.params]
 
     def reduce_grads(self, shard: GroupShard, grads: list[Tensor | None]) -> None:
         """Reduce-scatter one group's grads (one per parameter, ``None`` = none on this rank) over the ranks and add
         the mean into the owned grads (see the module note). A collective: every rank calls it for the same group."""
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
         group = shard.group
-        padded = torch.zeros(shard.padded.numel(), dtype=torch.float32, device=device)
+        padded = torch.zeros(self.ranks.world * shard.size, dtype=torch.float32, device=device)
         present = torch.zeros(len(group.params), dtype=torch.float32, device=device)
         for k, (p, offset, g) in enumerate(zip(group.params, group.offsets, grads)):
             if g is not None:
@@ -254,9 +315,29 @@ class ShardedState:
             p.grad = None
 
     def gather(self) -> None:
-        """Refresh every group's gathered copy from the owners (after an optimizer step or a load)."""
+        """Refresh the whole groups' gathered copy from the owners (after an optimizer step or a load); a sharded
+        group is gathered when its layer runs (engine/sharded_layers.py)."""
         for shard in self.shards:
-            self.ranks.all_gather_(shard.padded)
+            if not shard.sharded:
+                self.ranks.all_gather_(shard.padded)
+
+    def gather_whole(self, shard: GroupShard) -> Tensor:
+        """A new 1D fp32 host buffer ``[world * S]`` holding ``shard``'s group whole: its master is ``[:numel]``. A
+        collective on the host group."""
+        out = torch.empty(self.ranks.world * shard.size, dtype=torch.float32)
+        self.ranks.all_gather(out, shard.owned.master)
+        return out
+
+    def gathered_params(self) -> dict[str, Tensor]:
+        """Every parameter whole, by name, as new host tensors: a collective (every rank calls it), and 4 bytes per
+        parameter on each rank while the result lives. What ``module.state_dict()`` cannot give with several ranks
+        (a sharded layer's parameters are placeholders there)."""
+        out = {}
+        for shard in self.shards:
+            flat = shard.padded if not shard.sharded else self.gather_whole(shard)
+            for p, offset in zip(shard.group.params, shard.group.offsets):
+                out[self.names[id(p)]] = flat[offset : offset + p.numel()].view(p.shape).clone()
+        return out
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's part of ``optimizer``'s state for a checkpoint (engine/shard_states.py, [Note: sharded
@@ -272,73 +353,7 @@ class ShardedState:
         )
 
     def host_bytes(self) -> dict[str, int]:
-        """The owned grads allocated so far (the masters are counted by the engine, padded)."""
-        return {"owned_grads": sum(s.owned.grad_nbytes for s in self.shards)}
-
-
-class ShardedDrain:
-    """A transfer backend whose ``drain`` reduce-scatters each layer's grads into the owned grads instead of adding
-    them into host grads of the whole layer; everything else is the wrapped backend's (engine/transfer.py)."""
-
-    def __init__(self, inner: Any, state: ShardedState, layer_groups: list[FlatGroup]) -> None:
-        self._inner = inner
-        self._state = state
-        self._shards = [state.shard_of(g) for g in layer_groups]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def drain(self, index: int, grads: list[Tensor | None]) -> None:
-        self._state.reduce_grads(self._shards[index], grads)
-
-    def take_host_added(self) -> bool:
-        """The owned grads are host adds: clipping takes their norm on the host."""
-        return True
-
-
-class ShardedOptimizerStep(OptimizerStep):
-    """:class:`OptimizerStep` over the owned shares (engine/optimizer_step.py), with the residents' reduction, the
-    global norm and a skip decision every rank shares (see the module note).
-
-    Args:
-        state: the shards; the base class gets ``state.owned_groups`` as its groups.
-        resident_group: the residents' full group, whose grads are reduced at the end of backward (None: none).
-        others: the base class's remaining arguments (config, device, overlap=None, transfer, residents).
-    """
-
-    def __init__(self, state: ShardedState, resident_group: FlatGroup | None, config: EngineConfig,
-                 device: torch.device, transfer: Any, residents: Any) -> None:
-        super().__init__(config, device, state.owned_groups, None, transfer, residents)
-        self.state = state
-        self._resident = state.shard_of(resident_group) if resident_group is not None else None
-
-    def to_host_optimizers(self, optimizers, schedulers):
-        host = super().to_host_optimizers(optimizers, schedulers)
-        for optimizer in host:
-            shard_optimizer(optimizer, self.state)
-        return host
-
-    def finalize_gradients(self, grads_read: bool = True) -> None:
-        super().finalize_gradients(grads_read)
-        if self._resident is not None:
-            self.state.reduce_local_grads(self._resident)
-
-    def _host_norm_sq(self) -> Tensor:
-        """The squared global grad norm: the owned grads' squared norms summed over the ranks."""
-        return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
-
-    def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
-        if not super().clip_grad_norm_(params, max_norm, defer):
-            raise RuntimeError(
-                "MegaTrainStrategy with several ranks clips the global norm of the optimizer's whole shard only, but "
-                "the optimizer being clipped holds part of the model's parameters. HINT: one optimizer over "
-                "self.parameters(), or devices=1."
-            )
-        return True
-
-    def check_finite(self, loss: Tensor | None, index: int) -> bool:
-        # the same decision on every rank: the global norm (clipping's, or _host_norm_sq's) and the mean loss
-        if isinstance(loss, Tensor):
-            ranks = self.state.ranks
-            loss = ranks.all_reduce_(loss.detach().float().sum().reshape(1).cpu())[0] / ranks.world
-        return super().check_finite(loss, index)
+        """The masters this rank holds (the owned masters of the sharded groups, the whole groups padded) and the
+        owned grads allocated so far."""
+        masters = sum(s.owned.master.nbytes if s.sharded else s.padded.nbytes for s in self.shards)
+        return {"masters": masters, "owned_grads": sum(s.owned.grad_nbytes for s in self.shards)}

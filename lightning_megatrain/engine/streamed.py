@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from lightning_megatrain.engine.backward_updates import BackwardUpdates
 from lightning_megatrain.engine.compiled import compile_layer_forward
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
@@ -95,6 +96,9 @@ class StreamedLayers:
         # What transformers records inside the layers (MoE router logits), returned by each layer's node ([Note:
         # recorded outputs] in engine/recorded.py); the engine installs the recorders it finds.
         self.recorded = RecordedOutputs()
+        # Counts each layer's forwards with grad for the host updates during backward ([Note: updates during
+        # backward]); set by the engine when it speculates.
+        self.backward_updates: BackwardUpdates | None = None
         # The function each layer runs: its class's own ``forward``, or that function compiled once per class (see
         # [Note: compiled layers]).
         self.forwards: dict[type, Callable[..., Any]] = {}
@@ -214,6 +218,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         else:
             output, recorded = _forward_recomputable(ctx, owner, index, leaves)
         owner.stashed[index] = ctx.stashed
+        if owner.backward_updates is not None:
+            owner.backward_updates.forwarded(index)
         ctx.n_recorded = len(recorded)
 
         out_leaves, out_spec = pytree.tree_flatten(output)

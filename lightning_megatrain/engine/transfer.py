@@ -54,6 +54,9 @@ class Transfer(Protocol):
     # whether a device group's summed grad is copied to its host grads; set before each backward
     # (engine.set_grads_read); only device groups read it
     device_grads_to_host: bool
+    # told each layer index whose drain, issued while it was set, has landed in the host grads; any thread
+    # (engine/backward_updates.py)
+    landed_hook: Callable[[int], None] | None
 
     # - weights (see [Note: slot lifecycle])
     def prefetch(self, index: int) -> None:
@@ -114,6 +117,7 @@ class HostTransfer:
         self.compute_dtype = compute_dtype
         self.gate = gate or _no_gate
         self.device_grads_to_host = True  # no device groups on the host backend: nothing reads it
+        self.landed_hook: Callable[[int], None] | None = None  # told each drained layer (engine/backward_updates.py)
 
     def prefetch(self, index: int) -> None:
         """Nothing to prefetch: the host masters are already where compute runs."""
@@ -149,6 +153,8 @@ class HostTransfer:
 
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
         self.groups[index].accumulate(grads)
+        if self.landed_hook is not None:
+            self.landed_hook(index)
 
     def take_host_added(self) -> bool:
         """Every drain is a host add on the host backend."""
@@ -212,6 +218,9 @@ class CudaTransfer:
             compute = staging if compute_dtype == master_dtype else torch.empty_like(staging, dtype=compute_dtype)
             self.slots.append(_Slot(staging, compute, torch.cuda.Event(), torch.cuda.Event()))
         self._in_use: set[int] = set()  # layer indices acquired and not yet released
+        # fills a slot's staging with layer i whole on the H2D stream instead of copying its master (several ranks:
+        # engine/sharded_layers.py, [Note: sharded layer masters]); None: the master is whole on the host
+        self.upload: Callable[[int, Tensor], None] | None = None
         self.offload = ActivationOffload(device, self.h2d_stream, self.d2h_stream, registry)  # engine/offload.py
         self._clock = 0
         self.grad_drain = GradDrain(  # engine/drain.py
@@ -239,7 +248,10 @@ class CudaTransfer:
         n = group.numel
         with torch.cuda.stream(self.h2d_stream), torch.profiler.record_function("megatrain::h2d"):
             self.h2d_stream.wait_event(slot.free)
-            slot.staging[:n].copy_(group.master, non_blocking=True)
+            if self.upload is None:
+                slot.staging[:n].copy_(group.master, non_blocking=True)
+            else:
+                self.upload(index, slot.staging)
             if slot.compute is not slot.staging:
                 slot.compute[:n].copy_(slot.staging[:n])
             slot.ready.record(self.h2d_stream)
@@ -315,6 +327,15 @@ class CudaTransfer:
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
         """Send layer ``index``'s weight grads to the host fp32 grads (see engine/drain.py, [Note: gradient drain])."""
         self.grad_drain.drain(index, grads)
+
+    @property
+    def landed_hook(self) -> Callable[[int], None] | None:
+        """Told each layer whose drain, issued while the hook was set, has landed (engine/backward_updates.py)."""
+        return self.grad_drain.landed_hook
+
+    @landed_hook.setter
+    def landed_hook(self, hook: Callable[[int], None] | None) -> None:
+        self.grad_drain.landed_hook = hook
 
     def take_host_added(self) -> bool:
         """Whether a drain since the last call left host grads to a host add (engine/optimizer_step.py, [Note: late

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from functools import partial
 from typing import Any, Literal
@@ -10,7 +9,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -24,6 +22,8 @@ from lightning_megatrain.models.packed_attention import (
     is_packed,
     packed_batch_problem,
 )
+from lightning_megatrain.models.schedule import adamw_warmup_cosine
+from lightning_megatrain.models.schedule import warmup_cosine_factor as warmup_cosine_factor  # importable from here
 
 # Lightning warns whenever a LightningModule overriding on_before_batch_transfer is fitted with a LightningDataModule,
 # even one that does not override it (SFTDataModule): the module's hook is the one meant to run.
@@ -34,21 +34,6 @@ warnings.filterwarnings(
 # Config attributes of heads that rescale logits beyond soft-capping; the chunked loss does
 # not reproduce them, so such models are refused instead of being trained on a wrong loss.
 _UNSUPPORTED_LOGIT_SCALES = {"logit_scale": None, "logits_scaling": 1.0, "output_multiplier": 1.0}
-
-
-def warmup_cosine_factor(
-    step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float
-) -> float:
-    """Learning-rate multiplier: linear warmup, then cosine decay to ``min_lr_ratio``.
-
-    ``(step + 1) / warmup_steps`` for ``step < warmup_steps``; afterwards
-    ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2`` with
-    ``p = min(1, (step - warmup_steps) / max(1, total_steps - warmup_steps))``.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 TARGET_ROWS = "target_rows"  # batch key of the loss's host-computed target positions ([N], see loss.target_rows)
@@ -384,36 +369,10 @@ class CausalLMModule(LightningModule):
         self.tokens_trained = checkpoint.get("tokens_trained", 0)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW with decay / no-decay groups and a per-step warmup + cosine schedule."""
+        """AdamW with decay / no-decay groups and a per-step warmup + cosine schedule (models/schedule.py)."""
         hp = self.hparams
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if param.requires_grad:
-                (no_decay if param.ndim < 2 or name.endswith("bias") else decay).append(param)
-        groups = [
-            {"params": decay, "weight_decay": hp.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-        )
-        total_steps = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total_steps):
-            raise ValueError(
-                "The cosine schedule needs a finite number of optimizer steps, but "
-                f"trainer.estimated_stepping_batches={total_steps}; set Trainer(max_steps=...) "
-                "or max_epochs."
-            )
-        schedule = partial(
-            warmup_cosine_factor,
-            warmup_steps=hp.warmup_steps,
-            total_steps=int(total_steps),
+        return adamw_warmup_cosine(
+            self.named_parameters(), self.trainer.estimated_stepping_batches, learning_rate=hp.learning_rate,
+            weight_decay=hp.weight_decay, betas=tuple(hp.betas), eps=hp.eps, warmup_steps=hp.warmup_steps,
             min_lr_ratio=hp.min_lr_ratio,
         )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
-        }

@@ -15,6 +15,7 @@ from transformers.initialization import no_init_weights
 
 from lightning_megatrain._hardware import umask
 from lightning_megatrain.data.templates import end_of_turn_ids, resolve_chat_template
+from lightning_megatrain.engine.shard_states import load_shard_files, whole_params
 from lightning_megatrain.models.causal_lm import CausalLMModule
 from lightning_megatrain.models.packed_attention import hf_attn_implementation
 
@@ -54,6 +55,11 @@ def export_checkpoint(
         ``out_dir`` as a ``Path``.
     """
     ckpt_path, out_dir = Path(ckpt_path), Path(out_dir)
+    if ckpt_path.is_dir():  # checkpoint_format="sharded" (sharded_checkpoint.py)
+        raise FileNotFoundError(
+            f"ckpt_path={str(ckpt_path)!r} is not a file but a directory (a sharded checkpoint). HINT: `megatrain "
+            f"convert {ckpt_path} <file>.ckpt` makes it one file, then export that file."
+        )
     if not ckpt_path.is_file():
         raise FileNotFoundError(
             f"ckpt_path={str(ckpt_path)!r} is not a file; pass a single-file Lightning checkpoint."
@@ -66,6 +72,9 @@ def export_checkpoint(
         )
 
     checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    # saved by several ranks: the decoder layers are in the shard files beside it ([Note: checkpoints of several ranks])
+    checkpoint = {**checkpoint, "state_dict": {**checkpoint.get("state_dict", {}),
+                                               **whole_params(load_shard_files(checkpoint, ckpt_path))}}
     if "hyper_parameters" not in checkpoint:
         raise ValueError(
             f"{ckpt_path} has no 'hyper_parameters'; it was not saved from a CausalLMModule."

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_megatrain import mapped
 from lightning_megatrain.optim.rounding import (
     BLOCK,
     decode_signed,
@@ -271,15 +272,15 @@ class CompactAdamW(Optimizer):
                         f"CompactAdamW.load_state_dict: the state was saved with {key}={saved.get(key)!r}, this "
                         f"optimizer has {key}={own[key]!r}. HINT: resume with the format it was saved with."
                     )
-        super().load_state_dict(state_dict)
-        # torch casts every state tensor of a floating-point parameter to the parameter's dtype (the 8-bit codes and
-        # fp32 block scales of a bf16 parameter would come back bf16): put each saved tensor back in its own dtype
+        # torch would cast every state tensor of a floating-point parameter to the parameter's dtype (the 8-bit codes
+        # as fp32 or bf16: 4 or 2 transient bytes per code, all at once) and read a checkpoint's mapped states whole:
+        # the groups go through torch, each saved tensor straight into memory of its own, in its own dtype
+        super().load_state_dict({**state_dict, "state": {}})
         saved = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(saved, params):
             for key, value in state_dict["state"].get(i, {}).items():
-                if isinstance(value, Tensor):
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+                self.state[p][key] = _loaded(value, p.device) if isinstance(value, Tensor) else value
 
     def _check_param(self, p: Tensor, weights: str) -> None:
         want = HostStateLayout(weights, torch.float32, "fp32").weight_dtype
@@ -323,6 +324,14 @@ class CompactAdamW(Optimizer):
             moments=hyper["moments"], seed=mix_seed(hyper["seed"], int(state["step"]) + 1, index),
             grad_scale=grad_scale, compile=self.compile,
         )
+
+
+def _loaded(value: Tensor, device: torch.device) -> Tensor:
+    """A loaded state tensor in memory of its own on ``device``, its dtype kept: a checkpoint's mapped tensor read a
+    chunk at a time, its pages released ([Note: mapped checkpoint tensors] in mapped.py), any other copied."""
+    if device.type == "cpu" and mapped.is_mapped(value):
+        return mapped.own(value)
+    return value.to(device=device, copy=True)
 
 
 def state_nbytes(optimizer: Optimizer) -> int:

@@ -121,15 +121,8 @@ class CompactUpdate:
         Raises:
             RuntimeError: a parameter, gradient or state the kernel cannot update (named in the message).
         """
-        params = [p for group in groups for p in self._present(group)]
-        undo = allocate_states(self.optimizer, params,
-                               lambda p: new_state(p, self._h(p)["weights"], self._h(p)["moments"]))
-        try:
-            for p in params:
-                self._check(p)
-        except BaseException:
-            undo()
-            raise
+        allocate_states(self.optimizer, [p for group in groups for p in self._present(group)],
+                        lambda p: new_state(p, self._h(p)["weights"], self._h(p)["moments"]), check=self._check)
 
     def _check(self, p: Tensor) -> None:
         h = self._h(p)

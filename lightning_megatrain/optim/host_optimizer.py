@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as adam_functional  # what Adam/AdamW.step() call after _init_group
 
 from lightning_megatrain.config import CpuAdamMode
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.optim.deepspeed_adam import deepspeed_host_adam, deepspeed_update
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,19 @@ _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable", "bia
 
 def load_host_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     """``optimizer.load_state_dict(state_dict)`` across host implementations: hyperparameters, moments and step
-    counts from the checkpoint; the implementation flags (and the step counter's type) this optimizer's own."""
+    counts from the checkpoint; the implementation flags (and the step counter's type) this optimizer's own.
+
+    Raises:
+        ValueError: the state was saved in another ``host_state`` layout (its moments would not fit the kernel).
+    """
+    saved, wanted = _layout_name(state_dict["param_groups"]), _layout_name(optimizer.param_groups)
+    if saved != wanted:
+        raise ValueError(
+            f"The checkpoint's optimizer state was saved with MegaTrainStrategy(host_state={saved!r}), this run stores "
+            f"host_state={wanted!r}: its moments are in another format. HINT: resume with host_state={saved!r}, or "
+            "load only the weights (the module's load_state_dict on the checkpoint's 'state_dict') and start the "
+            "optimizer afresh."
+        )
     own = [{k: g[k] for k in _IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
     if hasattr(optimizer, "ds_opt_adam"):  # DeepSpeedCPUAdam counts steps in a Python int
         state = {k: {**v, "step": int(v["step"])} if "step" in v else v for k, v in state_dict["state"].items()}
@@ -105,6 +118,15 @@ def load_host_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     optimizer.load_state_dict(state_dict)
     for group, flags in zip(optimizer.param_groups, own):
         group.update(flags)
+
+
+def _layout_name(groups: Sequence[dict[str, Any]]) -> str:
+    """The ``host_state`` whose formats a CompactAdamW's param groups carry (``"fp32"`` for any other optimizer), or
+    its formats where no layout has them."""
+    formats = {(g.get("weights"), g.get("moments")) for g in groups}
+    names = [name for name, layout in HOST_STATE_LAYOUTS.items()
+             if name != "fp32" and {(layout.weights, layout.moments)} == formats]
+    return "fp32" if formats <= {(None, None)} else names[0] if names else f"formats {sorted(formats)}"
 
 
 def rebind_scheduler(scheduler: Any, optimizer: Optimizer) -> None:
@@ -182,10 +204,15 @@ def _new_state(p: Tensor, deepspeed: bool) -> dict[str, Any]:
 
 
 def allocate_states(
-    optimizer: Optimizer, params: Iterable[Tensor], new_state: Callable[[Tensor], dict[str, Any]] | None = None
+    optimizer: Optimizer,
+    params: Iterable[Tensor],
+    new_state: Callable[[Tensor], dict[str, Any]] | None = None,
+    check: Callable[[Tensor], None] | None = None,
 ) -> Callable[[], None]:
-    """Create the missing states of ``params`` (``new_state(p)``; default: Adam's, 8 bytes per parameter) and
-    return the undo, which removes them again; a failure undoes itself."""
+    """Create the missing states of ``params`` (``new_state(p)``; default: Adam's, 8 bytes per parameter), then
+    ``check(p)`` each parameter (raising for what its update cannot take), and return the undo, which removes the
+    created states again; a failure of either undoes itself."""
+    params = list(params)
     deepspeed = hasattr(optimizer, "ds_opt_adam")
     new_state = new_state or functools.partial(_new_state, deepspeed=deepspeed)
     created: list[tuple[Tensor, dict | None]] = []  # (parameter, its entry before: None or an empty dict)
@@ -203,6 +230,8 @@ def allocate_states(
             if not before:
                 created.append((p, before))
                 optimizer.state[p] = new_state(p)
+        for p in params if check is not None else ():
+            check(p)
     except BaseException:
         undo()
         raise
@@ -258,14 +287,7 @@ class HostUpdate:
             RuntimeError: a gradient or state that is not a dense tensor of its parameter's shape, dtype and device
                 (the kernel would fail on it).
         """
-        params = [p for group in groups for p in self._present(group)]
-        undo = allocate_states(self.optimizer, params)
-        try:
-            for p in params:
-                self._check(p)
-        except BaseException:
-            undo()
-            raise
+        allocate_states(self.optimizer, [p for group in groups for p in self._present(group)], check=self._check)
 
     def _check(self, p: Tensor) -> None:
         state = self.optimizer.state[p]

@@ -265,26 +265,24 @@ class MuonUpdate:
         Raises:
             RuntimeError: a gradient or state that is not a dense tensor of its parameter's shape, dtype and device.
         """
-        params = [p for group in groups for p in self._present(group)]
-        undo = allocate_states(self.optimizer, params, self._new_state)
-        try:
-            for p in params:
-                state = self.optimizer.state[p]
-                if self._h(p)["use_muon"]:
-                    check_like(p, {"gradient": self._grads[id(p)], "momentum_buffer": state["momentum_buffer"]},
-                               "Muon")
-                    device = self._ns_device(p)
-                    if device != p.device and device not in self._orthogonalizers:
-                        self._orthogonalizers[device] = self.optimizer.orthogonalizer(device)
-                    continue
-                check_like(p, {"gradient": self._grads[id(p)], "exp_avg": state["exp_avg"],
-                               "exp_avg_sq": state["exp_avg_sq"]}, "AdamW")
-                step = state["step"]
-                if not (isinstance(step, Tensor) and step.numel() == 1 and step.device == p.device):
-                    raise RuntimeError(f"the AdamW step count of a Muon optimizer's parameter is {step!r}")
-        except BaseException:
-            undo()
-            raise
+        allocate_states(self.optimizer, [p for group in groups for p in self._present(group)], self._new_state,
+                        check=self._check)
+
+    def _check(self, p: Tensor) -> None:
+        """Raise for a gradient or state of ``p`` its update cannot take; make its NS device's orthogonalizer."""
+        state = self.optimizer.state[p]
+        if self._h(p)["use_muon"]:
+            check_like(p, {"gradient": self._grads[id(p)], "momentum_buffer": state["momentum_buffer"]},
+                       "Muon")
+            device = self._ns_device(p)
+            if device != p.device and device not in self._orthogonalizers:
+                self._orthogonalizers[device] = self.optimizer.orthogonalizer(device)
+            return
+        check_like(p, {"gradient": self._grads[id(p)], "exp_avg": state["exp_avg"],
+                       "exp_avg_sq": state["exp_avg_sq"]}, "AdamW")
+        step = state["step"]
+        if not (isinstance(step, Tensor) and step.numel() == 1 and step.device == p.device):
+            raise RuntimeError(f"the AdamW step count of a Muon optimizer's parameter is {step!r}")
 
     def _new_state(self, p: Tensor) -> dict[str, Any]:
         zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -10,8 +10,12 @@ does, and models host RAM and GPU memory in bytes and the time of one optimizer 
 - ``timing.py``: seconds per step and the FLOPs counted (:func:`step_time`);
 - ``machine.py``: :class:`Machine`, the limits, cores and calibrated rates a plan is for;
 - ``long_context.py``: where the layer-input checkpoints go (``seq_tile``, ``segment_layers``,
-  ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`);
-- ``planning.py``: :func:`plan`, :class:`Plan`, :func:`place_checkpoints`, the searches and the warnings.
+  ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`, :func:`place_checkpoints`);
+- ``ranks.py``: several ranks (``devices``, ``num_nodes``): host RAM per host, GPU memory per rank, the collectives'
+  time ([Note: planning several ranks]);
+- ``planning.py``: :func:`plan` and :class:`Plan`;
+- ``search.py``: the largest micro-batch that fits, the fewest device groups that hide the host Adam;
+- ``plan_warnings.py``: a plan's warnings, each with its numbers and the fix.
 
 The ``megatrain plan`` command line is ``lightning_megatrain.planner.command.plan_main``.
 """
@@ -29,6 +33,8 @@ from lightning_megatrain.planner.constants import (
     HOST_OS_RESERVE_FRACTION,
     HOST_OS_RESERVE_MIN_GIB,
     HOST_REF_GIB,
+    INTER_HOST_GBPS,
+    NVLINK_GBPS,
     OPTIMIZERS,
     PCIE_D2H_GBPS,
     PCIE_DUPLEX_GBPS,
@@ -38,10 +44,10 @@ from lightning_megatrain.planner.constants import (
     PROCESS_GIB,
     TORCH_ADAM_GPARAMS,
 )
-from lightning_megatrain.planner.long_context import Placement, longest_seq_len
+from lightning_megatrain.planner.long_context import Placement, longest_seq_len, place_checkpoints
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES, gpu_bytes, host_bytes, layer_activation
-from lightning_megatrain.planner.planning import Plan, host_os_reserve, place_checkpoints, plan
+from lightning_megatrain.planner.planning import Plan, host_os_reserve, plan
 from lightning_megatrain.planner.shape import describe, load_config
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
@@ -59,6 +65,8 @@ __all__ = [
     "HOST_OS_RESERVE_FRACTION",
     "HOST_OS_RESERVE_MIN_GIB",
     "HOST_REF_GIB",
+    "INTER_HOST_GBPS",
+    "NVLINK_GBPS",
     "OPTIMIZERS",
     "PCIE_D2H_GBPS",
     "PCIE_DUPLEX_GBPS",

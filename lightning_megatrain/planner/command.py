@@ -15,6 +15,8 @@ from lightning_megatrain.planner import (
     HOST_OS_RESERVE_FRACTION,
     HOST_OS_RESERVE_MIN_GIB,
     HOST_STATE_BYTES,
+    INTER_HOST_GBPS,
+    NVLINK_GBPS,
     OPTIMIZERS,
     PRECISIONS,
     Machine,
@@ -65,6 +67,9 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     add("--num-slots", type=int, default=2)
     add("--overlap-optimizer", action="store_true",
         help="as MegaTrainStrategy(overlap_optimizer=True): Adam runs beside the next forward")
+    add("--update-during-backward", action="store_true",
+        help="as MegaTrainStrategy(update_during_backward=True), with --overlap-optimizer: the last layers' host Adam "
+        "starts during backward, their snapshots in the host memory left free")
     add("--gpu-optimizer-groups", type=_auto_int(), default=0, metavar="auto|N",
         help="as MegaTrainStrategy(gpu_optimizer_groups=N): the residents and N-1 layers step on the GPU; auto: as "
         "the strategy decides it, with the state split between host and GPU where the host cannot hold it all")
@@ -85,23 +90,33 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     add("--largest", action="store_true",
         help="instead of one plan: the deepest model of this shape that fits, for each host state, and with fp32 "
         "state in both memories (gpu_optimizer_groups=auto)")
+    add("--devices", type=int, default=1, help="ranks (GPUs) per host, as Trainer(devices=N); --host-ram and "
+        "--cpu-cores are the host's, shared by its ranks (docs/multi-gpu.md, Planning several ranks)")
+    add("--num-nodes", type=int, default=1, help="hosts, as Trainer(num_nodes=M)")
+    add("--nvlink-gbps", type=float, default=NVLINK_GBPS, help=f"GB/s between the GPUs of one host, per GPU and "
+        f"direction, as all-gather bus bandwidth (default {NVLINK_GBPS:g}, assumed: planner/constants.py)")
+    add("--inter-host-gbps", type=float, default=INTER_HOST_GBPS, help=f"GB/s (1e9 bytes/s, not Gbit/s) between "
+        f"hosts, per GPU and direction (default {INTER_HOST_GBPS:g}: a 400 Gb/s NIC per GPU at 80%%)")
     add("--json", action="store_true", help="print the plan as JSON")
     ns = parser.parse_args(list(argv))
     try:
         config = EngineConfig(num_slots=ns.num_slots, overlap_optimizer=ns.overlap_optimizer,
+                              update_during_backward=ns.update_during_backward,
                               gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers,
                               seq_tile=ns.seq_tile, segment_layers=ns.segment_layers,
                               device_checkpoints=ns.device_checkpoints)
         machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
-                          achieved_tflops=ns.tflops)
+                          achieved_tflops=ns.tflops, nvlink_gbps=ns.nvlink_gbps, inter_host_gbps=ns.inter_host_gbps)
         kwargs = dict(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,
                       precision=ns.precision, optimizer=ns.optimizer, loss=ns.loss, loss_chunk_size=ns.loss_chunk_size,
                       attn_implementation=ns.attn_implementation, offload_activations=not ns.no_offload,
                       config=config, machine=machine)
+        if ns.largest and ns.devices * ns.num_nodes > 1:
+            raise ValueError(f"--largest plans one rank; got --devices {ns.devices} --num-nodes {ns.num_nodes}")
         if ns.largest:
             capacities = largest_models(ns.model, **kwargs)
         else:
-            p = plan(ns.model, host_state=ns.host_state, **kwargs)
+            p = plan(ns.model, host_state=ns.host_state, devices=ns.devices, num_nodes=ns.num_nodes, **kwargs)
     except (ValueError, OSError) as err:  # OSError: a --model path that does not exist, a Hub name not reachable
         parser.error(str(err))
     if ns.largest:

@@ -48,6 +48,23 @@ GPU_RESERVE_GIB = 2.0  # GPU: CUDA context, cuBLAS workspaces, allocator fragmen
 HOST_OS_RESERVE_MIN_GIB = 2.0
 HOST_OS_RESERVE_FRACTION = 0.03
 
+# --- Several ranks (planner/ranks.py) -------------------------------------------------------------------------------
+# NVLink between the GPUs of one host, per GPU and direction: the H200 SXM's NVLink is 900 GB/s in total, both
+# directions (NVIDIA's H200 datasheet, 18 fourth-generation links as on the H100 SXM), so 450 each way.
+# ASSUMED achieved: 80% of it as NCCL's ring all-gather / reduce-scatter bus bandwidth (busbw, nccl-tests'
+# PERFORMANCE.md), with NVLink SHARP (NVLS) off as on the lent hosts (NCCL_NVLS_ENABLE=0); not measured here.
+NVLINK_GBPS = 360.0
+# Between hosts, per GPU and direction: ASSUMED one 400 Gb/s NIC per GPU (a DGX H200's ConnectX-7s) at 80% of its
+# 50 GB/s line rate. No two hosts were available to measure it; ``--inter-host-gbps`` overrides it.
+INTER_HOST_GBPS = 40.0
+# gloo over TCP between the ranks of one host (the residents' grads and masters, the host group): ASSUMED, not
+# measured (loopback TCP with a copy at each end runs at a few GB/s).
+GLOO_GBPS = 5.0
+# one small collective (the per-layer presence flags, the grad norm, the finite check): ASSUMED launch + sync latency
+COLLECTIVE_LATENCY_S = 50e-6
+# GPU memory of the NCCL communicator (its per-channel, per-peer buffers): ASSUMED, not measured
+NCCL_GPU_GIB = 1.0
+
 # optimizer -> (host state bytes/param, Gparam/s at CPU_REF_CORES). Adam moves 28 B/param (read p,g,m,v; write p,m,v);
 # SGD is assumed to run at the same bytes/s: 12 B/param (p,g,p), with momentum 20 B/param. Derived, not measured.
 OPTIMIZERS = {"adamw": (8, CPU_ADAM_GPARAMS), "adam": (8, CPU_ADAM_GPARAMS),

@@ -22,14 +22,18 @@ slack; else the smallest ``k`` that fits both (``P`` grows by ``S`` per replayed
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.tiling import tile_length
+from lightning_megatrain.planner.constants import PRECISIONS
+from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes
-from lightning_megatrain.planner.shape import _Shape
+from lightning_megatrain.planner.shape import _Shape, describe
 
 # The longest-sequence search: multiples of this many positions, up to LONGEST_CAP.
 SEQ_STEP = 1024
@@ -174,3 +178,49 @@ def longest_placeable(s: _Shape, micro_batch: int, *, config: EngineConfig, gkw:
     with ``config``'s options (``"auto"`` decided again at each length) and these limits."""
     return longest_seq_len(lambda t: place(s, micro_batch, t, config=config, gkw=gkw, host_free=host_free,
                                            gpu_limit=gpu_limit).fits)
+
+
+def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: int, host_free: int,
+                      precision: str = "bf16-mixed", loss: str = "chunked", loss_chunk_size: int = 4096,
+                      attn_implementation: str | None = None, config: EngineConfig = EngineConfig(),
+                      gpu_reserve_gib: float = Machine().gpu_reserve_gib) -> tuple[Placement, int | None]:
+    """The long-context options for one micro-batch (:func:`place`) on a GPU of ``gpu_limit`` bytes with
+    ``host_free`` bytes of host memory free for the offloaded checkpoints, and, where nothing fits, the longest
+    sequence (a multiple of 1024) that fits these limits at this micro-batch (else None).
+
+    ``config``'s ``num_slots``, ``gpu_optimizer_groups`` (an int; ``"auto"`` plans none) and the three long-context
+    options are read. Reads nothing of this machine.
+
+    Raises:
+        ValueError: an unknown precision or loss; ``seq_len`` or ``micro_batch`` below 1.
+    """
+    if precision not in PRECISIONS or loss not in ("chunked", "naive"):
+        raise ValueError(f"precision in {list(PRECISIONS)}, loss in ['chunked', 'naive']; got {precision!r}, {loss!r}")
+    if seq_len < 1 or micro_batch < 1:
+        raise ValueError(f"seq_len, micro_batch must be >= 1; got {seq_len}, {micro_batch}")
+    s = describe(model, attn_implementation=attn_implementation)
+    groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
+    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
+           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups}
+    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
+    longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
+                                                         gpu_limit=gpu_limit)
+    return placed, longest
+
+
+def planned_placement(s: _Shape, micro_batch: int, seq_len: int, config: EngineConfig, gkw: dict, host_free: int,
+                      gpu_limit: int, offload: bool) -> Placement:
+    """The long-context options :func:`~lightning_megatrain.planner.planning.plan` plans: decided by :func:`place`;
+    where nothing fits, ``"auto"`` as the engine was before them (one checkpoint per layer, none on the GPU) so the
+    tables show what that needs, explicit values as given. Without offload every checkpoint stays on the GPU."""
+    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free if offload else 1 << 62,
+                   gpu_limit=gpu_limit)
+    if not offload:
+        k = 1 if config.segment_layers == "auto" else config.segment_layers
+        return dataclasses.replace(placed, segment_layers=k, device_checkpoints=0, host_need=0,
+                                   why="no activation offload: every checkpoint stays on the GPU")
+    if placed.fits:
+        return placed
+    return dataclasses.replace(placed, segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
+                               device_checkpoints=0 if config.device_checkpoints == "auto"
+                               else config.device_checkpoints)

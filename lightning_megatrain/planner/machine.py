@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from lightning_megatrain.planner.constants import (
     GPU_RESERVE_GIB,
+    INTER_HOST_GBPS,
+    NVLINK_GBPS,
     PCIE_D2H_GBPS,
     PCIE_DUPLEX_GBPS,
     PCIE_H2D_GBPS,
@@ -38,6 +40,13 @@ class Machine:
     pcie_duplex_gbps: float = PCIE_DUPLEX_GBPS
     """Both directions at once, GB/s in total."""
 
+    nvlink_gbps: float = NVLINK_GBPS
+    """Bus bandwidth of an all-gather or reduce-scatter among the GPUs of one host, per GPU and direction, GB/s
+    (several ranks only, planner/ranks.py)."""
+
+    inter_host_gbps: float = INTER_HOST_GBPS
+    """Network bandwidth between hosts, per GPU and direction, GB/s (``num_nodes`` > 1 only; a 400 Gb/s NIC is 50)."""
+
     achieved_tflops: float | None = None
     """Sustained GPU rate on executed FLOPs. ``None``: ``ACHIEVED_TFLOPS`` under bf16, ``COMPILED_TFLOPS`` under
     bf16 with ``compile_layers``, ``FP32_TFLOPS`` under 32-true."""
@@ -68,7 +77,7 @@ class Machine:
                 out.append(f"{name}={value!r}: need a number > 0, or None (this machine's / the default)")
         if self.cpu_cores is not None and not (type(self.cpu_cores) is int and self.cpu_cores >= 1):
             out.append(f"cpu_cores={self.cpu_cores!r}: need an int >= 1, or None (the cores this process may use)")
-        for name in ("pcie_h2d_gbps", "pcie_d2h_gbps", "pcie_duplex_gbps"):
+        for name in ("pcie_h2d_gbps", "pcie_d2h_gbps", "pcie_duplex_gbps", "nvlink_gbps", "inter_host_gbps"):
             value = getattr(self, name)
             if not (number(value) and value > 0):
                 out.append(f"{name}={value!r}: need a rate in GB/s > 0")

@@ -42,6 +42,8 @@ saved and a backward peak of 274,248 = saved + transient - 4H + down_proj's grad
 from __future__ import annotations
 
 from lightning_megatrain._hardware import GIB
+from lightning_megatrain.engine.backward_updates import _RESERVE_BYTES as SNAPSHOT_RESERVE
+from lightning_megatrain.engine.backward_updates import _SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import OPTIMIZERS
@@ -258,3 +260,25 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
         "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
         "process": int(process_gib * GIB),
     }
+
+
+def speculated_layers(s: _Shape, host_free: int, gpu_groups: int = 0) -> int:
+    """The host layers, the last ones first, whose update starts during backward (engine/backward_updates.py,
+    [Note: updates during backward]): as many as their snapshots (12 bytes per parameter: the fp32 master and two
+    Adam moments) fit in ``host_free`` less the 4 GiB the snapshots always leave free (``snapshot_budget``); the
+    layers of ``gpu_optimizer_groups`` step on the GPU and are never speculated."""
+    budget, count = host_free - SNAPSHOT_RESERVE, 0
+    for layer in reversed(s.layers[len(_device_numels(s, gpu_groups)[1]):]):
+        budget -= SNAPSHOT_BYTES * layer.numel
+        if budget < 0:
+            break
+        count += 1
+    return count
+
+
+def transfer_bytes(host_state: str) -> dict[str, int]:
+    """Bytes per parameter that an upload reads from the host masters and a drain writes to the host grads: the
+    itemsize of the host_state layout's weights and grads (optim/compact_adam.py; a Kahan compensation stays on
+    the host)."""
+    layout = HOST_STATE_LAYOUTS[host_state]
+    return {"weight_bytes": layout.weight_dtype.itemsize, "grad_bytes": layout.grad_dtype.itemsize}

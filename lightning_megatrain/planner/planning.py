@@ -1,5 +1,6 @@
 """The plan: :func:`plan` models one model and batch shape with memory.py and timing.py, searches the largest
-micro-batch that fits, and warns about what limits the run; :class:`Plan` holds and prints the result.
+micro-batch that fits (search.py), and warns about what limits the run (plan_warnings.py); :class:`Plan` holds and
+prints the result.
 
 MFU follows shared/BENCHMARKS.md: 6 * (non-embedding active params incl. the LM head matmul) * tokens / time / the
 dense bf16 peak ``PEAK_TFLOPS`` (constants.py).
@@ -14,8 +15,8 @@ from typing import Any
 
 from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_gib
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
-from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
     COMPACT_ADAM_GPARAMS,
@@ -23,6 +24,7 @@ from lightning_megatrain.planner.constants import (
     CPU_REF_CORES,
     FP32_TFLOPS,
     GPU_REF_GIB,
+    HOST_COPY_GBPS,
     HOST_OS_RESERVE_FRACTION,
     HOST_OS_RESERVE_MIN_GIB,
     HOST_REF_GIB,
@@ -31,12 +33,30 @@ from lightning_megatrain.planner.constants import (
     PRECISIONS,
     TORCH_ADAM_GPARAMS,
 )
-from lightning_megatrain.planner.long_context import SEQ_STEP, Placement, longest_placeable, place
+from lightning_megatrain.planner.long_context import longest_placeable, planned_placement
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, checkpoints, gpu_bytes, host_bytes
+from lightning_megatrain.planner.memory import (
+    HOST_STATE_BYTES,
+    SNAPSHOT_BYTES,
+    _gpu_peak,
+    checkpoints,
+    gpu_bytes,
+    host_bytes,
+    speculated_layers,
+    transfer_bytes,
+)
+from lightning_megatrain.planner.plan_warnings import plan_warnings
 from lightning_megatrain.planner.pool import auto_split
+from lightning_megatrain.planner.ranks import (
+    rank_gpu_items,
+    rank_host_items,
+    rank_setup_bytes,
+    rank_summary,
+    rank_timing,
+)
 from lightning_megatrain.planner.report import render, verdict
-from lightning_megatrain.planner.shape import _Shape, describe
+from lightning_megatrain.planner.search import groups_to_hide_optimizer, largest
+from lightning_megatrain.planner.shape import describe
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
 
@@ -88,6 +108,9 @@ class Plan:
     # gpu_optimizer_groups="auto" where the host cannot hold every group's state (planner/pool.py, [Note: memory
     # pool]): the groups planned, the fewest the split needs, their parameters, whether it fits, why; None otherwise
     memory_pool: dict[str, Any] | None = None
+    # several ranks (planner/ranks.py, [Note: planning several ranks]): the layout, the per-rank host items, the
+    # setup peak, the collectives' seconds and their assumptions; None (and absent from to_dict and report) for one
+    ranks: dict[str, Any] | None = None
 
     @property
     def host_total(self) -> int:
@@ -116,11 +139,12 @@ class Plan:
         """The host RAM fits ``host_usable``, the GPU peak ``gpu_limit`` and, planned with the long-context options,
         some placement of the layer-input checkpoints fits both."""
         placed = self.long_context is None or self.long_context["fits"]
-        return self.host_total <= self.host_usable and self.gpu_total <= self.gpu_limit and placed
+        setup = self.ranks is None or self.ranks["setup_host_bytes"] <= self.host_usable
+        return self.host_total <= self.host_usable and self.gpu_total <= self.gpu_limit and placed and setup
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for optional in ("long_context", "memory_pool"):
+        for optional in ("long_context", "memory_pool", "ranks"):
             if d[optional] is None:
                 del d[optional]
         if d["host_state"] == "fp32":
@@ -148,7 +172,8 @@ def host_os_reserve(host_limit: int) -> int:
 def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",
          optimizer: str = "adamw", loss: str = "chunked", loss_chunk_size: int = 4096,
          attn_implementation: str | None = None, offload_activations: bool = True,
-         config: EngineConfig = EngineConfig(), machine: Machine = Machine(), host_state: str = "fp32") -> Plan:
+         config: EngineConfig = EngineConfig(), machine: Machine = Machine(), host_state: str = "fp32",
+         devices: int = 1, num_nodes: int = 1) -> Plan:
     """Plan host RAM, GPU memory and throughput of ``Trainer(strategy="megatrain")`` for one model and batch shape.
 
     Args:
@@ -166,6 +191,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             - ``num_slots``: that many slots of the largest layer on the GPU.
             - ``overlap_optimizer``: Adam (torch fused) runs beside the next step's forward and only the part that
               outlasts it counts; the plan then suggests the fewest ``gpu_optimizer_groups`` that hide it.
+            - ``update_during_backward`` (``"auto"`` or True, with ``overlap_optimizer``, the fp32 host Adam/AdamW
+              and one rank): the last layers whose snapshots fit the host memory the plan leaves free, less 4 GiB,
+              start their update during backward (timing.py ``host_after_backward``); host item "backward snapshots".
             - ``gpu_optimizer_groups``: the residents and the first ``gpu_optimizer_groups - 1`` layers keep their
               optimizer state on the GPU (engine/device_state.py).
             - ``compile_layers``: the bf16 rate becomes ``COMPILED_TFLOPS``. Memory stays planned for eager layers
@@ -196,16 +224,28 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             the engine runs CompactAdamW: Adam/AdamW only, no device groups (``"auto"`` plans none), the host step
             at ``COMPACT_ADAM_GPARAMS`` (constants.py), overlapped where ``overlap_optimizer`` says so, and with
             bf16 weights the uploads and grad drains move 2 bytes per parameter instead of 4.
+        devices, num_nodes: ranks per host and hosts, as ``Trainer(devices=..., num_nodes=...)``, planned as
+            planner/ranks.py says ([Note: planning several ranks]): host RAM per host (its ``devices`` ranks, and
+            the setup peak), GPU memory per rank, the step of one rank, tokens/s of the whole job (tokens per step
+            = ``devices * num_nodes`` micro-batches x accumulation) and MFU per GPU. ``machine`` is one host:
+            ``host_ram_gib`` and ``cpu_cores`` are the host's, shared by its ranks. One rank plans exactly as before.
 
     Raises:
         ValueError: an unknown precision, optimizer, loss or host_state; a seq_len, micro_batch or grad_accum below
             1; ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than
             Adam/AdamW; a host_state other than "fp32" with an optimizer other than Adam/AdamW or with
-            ``gpu_optimizer_groups`` > 0.
+            ``gpu_optimizer_groups`` > 0; ``devices`` or ``num_nodes`` not an int >= 1; with several ranks,
+            ``overlap_optimizer=True``, ``gpu_optimizer_groups`` > 0 or a host_state other than "fp32" (refused as
+            the strategy refuses them, engine/sharding.py ``sharded_config``).
     """
     m = machine
+    if not all(type(v) is int and v >= 1 for v in (devices, num_nodes)):
+        raise ValueError(f"devices and num_nodes must be ints >= 1; got devices={devices!r}, num_nodes={num_nodes!r}")
     if host_state not in HOST_STATE_BYTES:
         raise ValueError(f"host_state={host_state!r}: choose one of {list(HOST_STATE_BYTES)}")
+    world = devices * num_nodes
+    if world > 1:  # what the strategy runs with several ranks: the refusals, and "auto" off
+        config = sharded_config(config.replace(host_state=host_state), world).replace(host_state="fp32")
     if host_state != "fp32":
         if optimizer not in ("adamw", "adam") or config.gpu_optimizer_groups not in (0, "auto"):
             raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW) on the host only; "
@@ -219,7 +259,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
                       optimizer=optimizer, loss=loss, loss_chunk_size=loss_chunk_size,
                       attn_implementation=attn_implementation, offload_activations=offload_activations, machine=m,
-                      host_state=host_state)
+                      host_state=host_state, devices=devices, num_nodes=num_nodes)
         alone = plan(model, config=config.replace(gpu_optimizer_groups=0), **kwargs)
         groups, pooled = alone.suggested_gpu_optimizer_groups or 0, None
         if alone.host_total > alone.host_usable and optimizer in ("adamw", "adam") and host_state == "fp32":
@@ -250,6 +290,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     tflops = m.achieved_tflops or (
         FP32_TFLOPS if c >= 4 else COMPILED_TFLOPS if config.compile_layers else ACHIEVED_TFLOPS)
     cores = m.cpu_cores or cpu_cores()
+    rank_cores = max(1, cores // devices)  # Lightning's launcher: OMP_NUM_THREADS = cores // ranks per host
     host_limit = int((m.host_ram_gib or host_ram_gib() or HOST_REF_GIB) * GIB)
     host_usable = host_limit - host_os_reserve(host_limit)
     gpu_limit = int((m.gpu_mem_gib or gpu_mem_gib() or GPU_REF_GIB) * GIB)
@@ -260,37 +301,60 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     opt_rate = opt_rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
-           "opt_rate": opt_rate * cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
-           **_transfer_bytes(host_state)}
+           "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
+           **transfer_bytes(host_state)}
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups, "host_state": host_state}
+    gpu_extra: dict[str, int] = {}  # several ranks: the GPU items beyond one rank's (planner/ranks.py)
+
+    def host_of(b: int) -> dict[str, int]:  # per host: its ``devices`` ranks
+        one = host_bytes(s, b, seq_len, **hkw)
+        return one if world == 1 else rank_host_items(s, one, world=world, devices=devices, optimizer=optimizer)
+
+    if world > 1:
+        gpu_extra = rank_gpu_items(s, world=world)
+        tkw["ranks"] = rank_timing(s, devices=devices, num_nodes=num_nodes, nvlink_gbps=m.nvlink_gbps,
+                                   inter_host_gbps=m.inter_host_gbps, d2h_gbps=m.pcie_d2h_gbps, cores=cores)
     # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
-    # every other host item, which no sequence length changes
-    host_free = host_usable - sum(v for k, v in host_bytes(s, micro_batch, seq_len, **hkw).items()
-                                 if k != "activation offload")
-    placed = _placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit, offload_activations)
+    # every other host item, which no sequence length changes (per rank: a host's ranks share it evenly)
+    host_free = (host_usable - sum(v for k, v in host_of(micro_batch).items() if k != "activation offload")) // devices
+    placed = planned_placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit - sum(gpu_extra.values()),
+                               offload_activations)
     long_kw = {"segment": placed.segment_layers, "device_checkpoints": placed.device_checkpoints}
     gkw.update(tile=placed.seq_tile, **long_kw)
     hkw.update(long_kw)
     tkw.update(tile=placed.seq_tile, **long_kw)
     gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
-    host = host_bytes(s, micro_batch, seq_len, **hkw)
+    gpu = {**gpu, **gpu_extra} if gpu_extra else gpu
+    host = host_of(micro_batch)
+    # update_during_backward, as the engine runs it (the overlapped fp32 host Adam/AdamW of one rank): the snapshots
+    # of the last layers in the host memory the other items leave free with g groups (memory.py speculated_layers)
+    speculating = (config.update_during_backward is not False and host_state == "fp32" and world == 1
+                   and optimizer in ("adamw", "adam"))
+    speculated = speculated_layers(
+        s, host_usable - sum(host_bytes(s, micro_batch, seq_len, **{**hkw, "gpu_groups": groups}).values()), groups
+    ) if speculating else 0
+    tkw["speculated_layers"] = speculated if overlap else 0
+    tkw["copy_gbps"] = HOST_COPY_GBPS * min(1.0, rank_cores / CPU_REF_CORES)  # the snapshots' copy on these cores
+    if overlap and speculated:
+        host["backward snapshots"] = SNAPSHOT_BYTES * sum(ly.numel for ly in s.layers[len(s.layers) - speculated:])
     t = step_time(s, micro_batch, seq_len, **tkw)
-    max_host = _largest(lambda b: sum(host_bytes(s, b, seq_len, **hkw).values()) <= host_usable)
-    max_mb = _largest(lambda b: _gpu_peak(gpu_bytes(s, b, seq_len, **gkw)[0]) <= gpu_limit)
+    max_host = largest(lambda b: sum(host_of(b).values()) <= host_usable)
+    max_mb = largest(lambda b: _gpu_peak({**gpu_bytes(s, b, seq_len, **gkw)[0], **gpu_extra}) <= gpu_limit)
     exposed = lambda tb: tb["transfers exposed"] > 0.01 * tb["GPU compute"]
     min_hide = None
     if exposed(t):  # the smallest micro-batch whose transfers hide (None: none up to 2**16)
-        last = _largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
+        last = largest(lambda b: exposed(step_time(s, b, seq_len, **tkw)), 1 << 16)
         min_hide = last + 1 if last < 1 << 16 else None
     step = t["step total"] = _step_total(t)
     overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
-    if not overlap:
+    if not overlap and world == 1:
         rate = TORCH_ADAM_GPARAMS if optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
         rate = rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
-        overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{**tkw, "overlap_optimizer": True,
-                                                                             "opt_rate": rate * cores / CPU_REF_CORES}))
-    tokens = micro_batch * seq_len * grad_accum
+        overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{
+            **tkw, "overlap_optimizer": True, "opt_rate": rate * cores / CPU_REF_CORES,
+            "speculated_layers": speculated}))
+    tokens = micro_batch * seq_len * grad_accum * world
     active = sum(ly.active for ly in s.layers) + s.resident_params
     model_flops = 6 * (active - s.embedding_params + (s.vocab * s.hidden if s.tied else 0))  # non-embedding + head
     attn = 3 * sum(_attn_flops(s, ly, seq_len) for ly in s.layers)  # fwd + bwd, no recompute
@@ -304,13 +368,14 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         activation_per_token={"saved": act[0], "transient": act[1]}, time=t,
         transfers_hidden=not exposed(t), min_micro_batch_to_hide=min_hide, tokens_per_step=tokens,
         tokens_per_s=tokens / step, model_tflops=model_flops * tokens / step / 1e12,
-        mfu=model_flops * tokens / step / (PEAK_TFLOPS * 1e12),
-        mfu_with_attention=(model_flops + attn) * tokens / step / (PEAK_TFLOPS * 1e12),
+        mfu=model_flops * tokens / step / (world * PEAK_TFLOPS * 1e12),
+        mfu_with_attention=(model_flops + attn) * tokens / step / (world * PEAK_TFLOPS * 1e12),
         assumptions={"achieved_tflops": tflops, "pcie_h2d_gbps": m.pcie_h2d_gbps, "pcie_d2h_gbps": m.pcie_d2h_gbps,
                      "pcie_duplex_gbps": m.pcie_duplex_gbps, "cpu_cores": cores, "num_slots": config.num_slots,
                      "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
                      "optimizer_overlaps_gpu": overlap, "pinned_pow2_rounding": m.pinned_pow2_rounding,
-                     "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers})
+                     "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers,
+                     **({"layers_updated_during_backward": speculated} if overlap and speculating else {})})
     requested = {k: getattr(config, k) for k in ("seq_tile", "segment_layers", "device_checkpoints")}
     if (seq_len > AUTO_MIN_POSITIONS or placed.seq_tile is not None or placed.segment_layers > 1
             or placed.device_checkpoints > 0 or any(v != "auto" for v in requested.values())):
@@ -324,141 +389,20 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                                                  gpu_limit=gpu_limit) if offload_activations else None,
         }
     p.host_state = host_state
-    p.warnings = _warnings(p, s, overlapped_step)
+    if world > 1:
+        setup = rank_setup_bytes(s, devices=devices, process_bytes=int(m.process_gib * GIB))
+        p.ranks = rank_summary(s, devices=devices, num_nodes=num_nodes, host=host, setup=setup, time=t,
+                               nvlink_gbps=m.nvlink_gbps, inter_host_gbps=m.inter_host_gbps, cores=cores)
+    p.warnings = plan_warnings(p, s, overlapped_step)
     if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
-        p.suggested_gpu_optimizer_groups = _groups_to_hide_optimizer(s, micro_batch, seq_len, gkw, tkw, gpu_limit)
+        # counted without the updates during backward: the groups are placed once, and a step whose hooks or
+        # clipping stop the speculation must still not wait for the host
+        p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(
+            s, micro_batch, seq_len, gkw, {**tkw, "speculated_layers": 0}, gpu_limit)
     return p
-
-
-def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: int, host_free: int,
-                      precision: str = "bf16-mixed", loss: str = "chunked", loss_chunk_size: int = 4096,
-                      attn_implementation: str | None = None, config: EngineConfig = EngineConfig(),
-                      gpu_reserve_gib: float = Machine().gpu_reserve_gib) -> tuple[Placement, int | None]:
-    """The long-context options for one micro-batch (planner/long_context.py's ``place``) on a GPU of ``gpu_limit``
-    bytes with ``host_free`` bytes of host memory free for the offloaded checkpoints, and, where nothing fits, the
-    longest sequence (a multiple of 1024) that fits these limits at this micro-batch (else None).
-
-    ``config``'s ``num_slots``, ``gpu_optimizer_groups`` (an int; ``"auto"`` plans none) and the three long-context
-    options are read. Reads nothing of this machine.
-
-    Raises:
-        ValueError: an unknown precision or loss; ``seq_len`` or ``micro_batch`` below 1.
-    """
-    if precision not in PRECISIONS or loss not in ("chunked", "naive"):
-        raise ValueError(f"precision in {list(PRECISIONS)}, loss in ['chunked', 'naive']; got {precision!r}, {loss!r}")
-    if seq_len < 1 or micro_batch < 1:
-        raise ValueError(f"seq_len, micro_batch must be >= 1; got {seq_len}, {micro_batch}")
-    s = describe(model, attn_implementation=attn_implementation)
-    groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
-    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups}
-    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
-    longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
-                                                         gpu_limit=gpu_limit)
-    return placed, longest
-
-
-def _placement(s: _Shape, micro_batch: int, seq_len: int, config: EngineConfig, gkw: dict, host_free: int,
-               gpu_limit: int, offload: bool) -> Placement:
-    """The long-context options planned: decided by :func:`~lightning_megatrain.planner.long_context.place`; where
-    nothing fits, ``"auto"`` as the engine was before them (one checkpoint per layer, none on the GPU) so the tables
-    show what that needs, explicit values as given. Without offload every checkpoint stays on the GPU."""
-    placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free if offload else 1 << 62,
-                   gpu_limit=gpu_limit)
-    if not offload:
-        k = 1 if config.segment_layers == "auto" else config.segment_layers
-        return dataclasses.replace(placed, segment_layers=k, device_checkpoints=0, host_need=0,
-                                   why="no activation offload: every checkpoint stays on the GPU")
-    if placed.fits:
-        return placed
-    return dataclasses.replace(placed, segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
-                               device_checkpoints=0 if config.device_checkpoints == "auto"
-                               else config.device_checkpoints)
-
-
-def _groups_to_hide_optimizer(s: _Shape, micro_batch: int, seq_len: int, gkw: dict, tkw: dict,
-                              gpu_limit: int) -> int | None:
-    """The fewest ``gpu_optimizer_groups`` with which the overlapped host Adam no longer outlasts the next forward
-    and the GPU still fits one micro-batch; None when none does."""
-    for groups in range(len(s.layers) + 2):
-        hidden = step_time(s, micro_batch, seq_len, **{**tkw, "gpu_groups": groups})[
-            "CPU optimizer (beyond the next forward)"] <= 0.0
-        fits = _gpu_peak(gpu_bytes(s, micro_batch, seq_len, **{**gkw, "gpu_groups": groups})[0]) <= gpu_limit
-        if not fits:
-            return None
-        if hidden:
-            return groups
-    return None
-
-
-def _transfer_bytes(host_state: str) -> dict[str, int]:
-    """Bytes per parameter that an upload reads from the host masters and a drain writes to the host grads: the
-    itemsize of the host_state layout's weights and grads (optim/compact_adam.py; a Kahan compensation stays on
-    the host)."""
-    layout = HOST_STATE_LAYOUTS[host_state]
-    return {"weight_bytes": layout.weight_dtype.itemsize, "grad_bytes": layout.grad_dtype.itemsize}
 
 
 def _step_total(t: dict[str, float]) -> float:
     """Seconds per step from step_time's items: the serial ones (H2D and D2H busy overlap compute; "  of which" are
     parts)."""
     return sum(v for k, v in t.items() if not k.startswith(("  ", "H2D", "D2H")))
-
-
-def _warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:
-    """``overlapped_step``: the step planned with ``overlap_optimizer=True`` (None: the plan has it)."""
-    out, t = [], p.time
-    if not p.transfers_hidden:
-        need = f"micro-batch >= {p.min_micro_batch_to_hide}" if p.min_micro_batch_to_hide else "no micro-batch"
-        upload = _transfer_bytes(p.host_state)["weight_bytes"] * p.max_layer_params / p.assumptions["pcie_h2d_gbps"]
-        out.append(f"too few tokens per micro-batch ({p.micro_batch * p.seq_len:,}) to hide PCIe: "
-                   f"{t['transfers exposed'] * 1e3:.0f} ms of transfers exposed per step (uploading the largest "
-                   f"layer takes {upload / 1e6:.1f} ms); {need} hides them at seq {p.seq_len}")
-    if p.host_total > p.host_usable:
-        top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host.items() if v >= 0.05 * p.host_total)
-        out.append(f"host RAM too small: needs {p.host_total / GIB:.1f} GiB ({top} GiB; "
-                   f"{p.host_bytes_per_param:.1f} B/param) but {p.host_usable / GIB:.1f} GiB of the "
-                   f"{p.host_limit / GIB:.1f} GiB limit are usable ({p.host_reserve / GIB:.1f} GiB left to the OS)")
-    if p.gpu_total > p.gpu_limit:
-        fix = (f"largest micro-batch that fits: {p.max_micro_batch}" if p.max_micro_batch else
-               "not even micro-batch 1 fits: shorten the sequence, use loss='chunked' or a larger GPU")
-        out.append(f"GPU memory too small: micro-batch {p.micro_batch} x {p.seq_len} needs "
-                   f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
-    if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
-        step, cpu = t["step total"], t["CPU optimizer (serial)"]
-        how = (f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
-               f"instead of {step:.2f}; or raise" if overlapped_step < step else
-               f"overlap_optimizer=True does not help here: {overlapped_step:.2f} s per step planned with it instead "
-               f"of {step:.2f}, its host step outlasting the next forward; raise")
-        out.append(f"the CPU optimizer ({cpu:.2f} s on {p.assumptions['cpu_cores']} cores) is {cpu / step:.0%} of "
-                   f"the step: it does not overlap the GPU ({how} tokens per step to amortise it)")
-    if p.loss == "naive" and p.gpu["phase loss: head + loss"] > 0.25 * p.gpu_limit:
-        out.append(f"HF's loss materialises [B, T, V] logits ({p.gpu['phase loss: head + loss'] / GIB:.1f} GiB): "
-                   "use CausalLMModule's chunked loss")
-    lc = p.long_context
-    if lc is not None and not lc["fits"]:
-        longest = (f"the longest that fits at micro-batch {p.micro_batch} is {lc['longest_seq_len']:,} tokens"
-                   if lc["longest_seq_len"] else
-                   f"none of {SEQ_STEP:,} tokens or more fits at micro-batch {p.micro_batch}")
-        out.append(f"no placement of the layer-input checkpoints fits this machine at {p.seq_len:,} tokens (Long "
-                   f"context above; the tables show one per layer, offloaded): {longest}")
-    if s.attn == "eager":
-        out.append("eager attention keeps [heads, T, T] probabilities per layer: activations grow with seq_len^2")
-    if any(ly.linear for ly in s.layers):
-        out.append(f"{sum(ly.linear for ly in s.layers)} linear-attention (Gated DeltaNet) layers are modelled as "
-                   "transformers' PyTorch fallback of the chunked delta rule (used when flash-linear-attention is not "
-                   "installed): fla's kernels save fewer activations; the time assumes fused kernels throughout")
-    return out
-
-
-def _largest(ok, hi: int = 1 << 24) -> int:
-    """Largest b in [1, hi] with ok(b) for a monotone (True, then False) predicate; 0 if none. Doubling, then
-    bisection: O(log b) evaluations."""
-    lo, top = 0, 1
-    while top <= hi and ok(top):
-        lo, top = top, top * 2
-    top = min(top, hi + 1)
-    while top - lo > 1:
-        mid = (lo + top) // 2
-        lo, top = (mid, top) if ok(mid) else (lo, mid)
-    return lo

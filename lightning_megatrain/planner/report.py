@@ -23,7 +23,8 @@ def render(p: Plan) -> str:
         (f"  params {p.n_params / 1e9:.3f}B = {p.n_layers} layers x {p.max_layer_params / 1e6:.1f}M (max)"
         f" + {p.resident_params / 1e6:.1f}M resident; active per token {p.active_params / 1e9:.3f}B"),
         (f"  tokens/step {p.tokens_per_step:,} = micro-batch {p.micro_batch} x seq {p.seq_len} x accum "
-        f"{p.grad_accum}; activation offload {'on' if p.offload_activations else 'off'}"),
+        f"{p.grad_accum}" + (f" x {p.ranks['world']} ranks" if p.ranks else "")
+        + f"; activation offload {'on' if p.offload_activations else 'off'}"),
         "", "  Host RAM", *(f"    {k:<28}{g(v)}" for k, v in p.host.items()),
         (f"    {'total':<28}{g(p.host_total)}  of {p.host_usable / GIB:.1f} GiB usable  "
         f"({p.host_bytes_per_param:.2f} B/param; state {_per_param(p)} B/param)"),
@@ -45,6 +46,8 @@ def render(p: Plan) -> str:
     ]
     if p.long_context is not None:
         lines += _long_context_lines(p)
+    if p.ranks is not None:
+        lines += _ranks_lines(p)
     pool = p.memory_pool
     if pool is not None:  # planner/pool.py, [Note: memory pool]
         lines.append(f"  Both memories: gpu_optimizer_groups={pool['groups']} (auto; "
@@ -64,13 +67,15 @@ def verdict(p: Plan) -> str:
     """One line: FITS or DOES NOT FIT, each limit's use, and the binding one (the least spare) with its margin."""
     gib = lambda b: f"{b / GIB:.1f}"
     gpu_spare, host_spare = p.gpu_limit - p.gpu_total, p.host_usable - p.host_total
-    used = (f"GPU peak {gib(p.gpu_total)} of {gib(p.gpu_limit)} GiB, host RAM {gib(p.host_total)} of "
-            f"{gib(p.host_usable)} GiB usable")
+    used = (f"GPU peak {gib(p.gpu_total)} of {gib(p.gpu_limit)} GiB" + (" per rank" if p.ranks else "")
+            + f", host RAM {gib(p.host_total)} of {gib(p.host_usable)} GiB usable" + (" per host" if p.ranks else ""))
     if p.fits:
         binding, spare = min(("GPU memory", gpu_spare), ("host RAM", host_spare), key=lambda x: x[1])
         return f"FITS: {used}; the tighter is {binding}, {gib(spare)} GiB spare"
     over = [f"{name} by {gib(-spare)} GiB" for name, spare in (("GPU memory", gpu_spare), ("host RAM", host_spare))
             if spare < 0]
+    if p.ranks is not None and p.ranks["setup_host_bytes"] > p.host_usable:
+        over.append(f"host RAM at setup by {gib(p.ranks['setup_host_bytes'] - p.host_usable)} GiB")
     if p.long_context is not None and not p.long_context["fits"]:
         over.append("no placement of the layer-input checkpoints fits (Long context below)")
     return f"DOES NOT FIT: {used}; over: {', '.join(over)}"
@@ -102,4 +107,26 @@ def _long_context_lines(p: Plan) -> list[str]:
         f"{g(p.gpu_limit)}",
         (f"    longest sequence that fits this machine at micro-batch {p.micro_batch}: {longest:,} tokens" if longest
          else f"    no sequence of {SEQ_STEP:,} tokens or more fits this machine at micro-batch {p.micro_batch}"),
+    ]
+
+
+def _ranks_lines(p: Plan) -> list[str]:
+    """The several-ranks section (planner/ranks.py, [Note: planning several ranks])."""
+    rk, g = p.ranks, lambda b: f"{b / GIB:.2f} GiB"
+    a = rk["assumptions"]
+    hosts = f"{rk['num_nodes']} hosts" if rk["num_nodes"] > 1 else "one host"
+    return [
+        "", f"  Ranks: {rk['world']} ({rk['devices']} per host, {hosts}); Host RAM above is per host, GPU memory per "
+        "rank, time per step of one rank",
+        "    host RAM per rank: " + ", ".join(f"{k} {g(v)}" for k, v in rk["host_per_rank"].items() if v),
+        f"    host RAM at setup: {g(rk['setup_host_bytes'])} per host (each rank packs the whole model in fp32 "
+        "before cutting its share)",
+        f"    collectives per step: layer all-gathers {rk['gathers_s'] * 1e3:.1f} ms (on the H2D stream, behind "
+        f"compute), layer reduce-scatters + drains {rk['reduce_scatter_drains_s'] * 1e3:.1f} ms (serial), "
+        f"residents over gloo {rk['residents_gloo_s'] * 1e3:.1f} ms (serial)",
+        f"    host Adam on {rk['cores_per_rank']} cores per rank; throughput above is the whole job's, MFU per GPU",
+        f"    assumed: NVLink {a['nvlink_gbps']:g} GB/s" + (f", inter-host {a['inter_host_gbps']:g} GB/s" if
+        rk["num_nodes"] > 1 else "") + f" per GPU and direction (ring busbw), gloo {a['gloo_gbps']:g} GB/s, "
+        f"{a['collective_latency_s'] * 1e6:.0f} us per small collective, NCCL {a['nccl_gpu_gib']:g} GiB of GPU "
+        "memory; not modelled: NCCL's SMs taken from compute, shared PCIe or host memory bandwidth",
     ]

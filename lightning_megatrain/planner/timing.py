@@ -23,8 +23,14 @@ position-wise block runs its forward once more (2 * ``mlp_active`` per token and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from lightning_megatrain.engine.backward_updates import _SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
+
+if TYPE_CHECKING:
+    from lightning_megatrain.planner.ranks import RankTiming
 
 
 def _keys(seq_len: int, window: int | None) -> float:
@@ -44,10 +50,38 @@ def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
     return 4 * s.heads * s.head_dim * _keys(seq_len, layer.window)
 
 
+def host_after_backward(bwd: list[float], speculated: list[int], host_params: int, opt_rate: float,
+                        copy_gbps: float = HOST_COPY_GBPS) -> float:
+    """Host seconds of the optimizer step left when the last micro-batch's backward ends, where the layers of
+    ``speculated`` (their parameters, layer L-1 first, then L-2, ...) start their update during it (engine/
+    backward_updates.py, [Note: updates during backward]); ``bwd``: each layer's backward seconds, layer 0 first;
+    ``host_params``: every parameter the host steps, ``opt_rate``: its Gparam/s.
+
+    Layer i's grads are final t_i = bwd[L-1] + ... + bwd[i] after that backward starts (its drain, one layer's grads
+    over PCIe, ~15 ms for a 7B layer, is left out). One worker updates the speculated layers in that order, each
+    taking u_i = n_i / opt_rate (the update) + 2 * 12 * n_i / copy_gbps (its snapshot: the fp32 master and two
+    moments read and written; ``HOST_COPY_GBPS`` counts read + write bytes, shared/BENCHMARKS.md): layer i starts at
+    s_i = max(f_{i+1}, t_i) and ends f_i = s_i + u_i. A layer that would start at or after T_b = t_0 is not
+    speculated (the step closes the speculation when backward ends and updates it, without a snapshot). Left at T_b:
+    max(0, f - T_b) of the last one started, then the parameters not speculated (residents, the other layers) at
+    ``opt_rate``. No speculation: ``host_params / opt_rate``."""
+    end, t = sum(bwd), 0.0
+    f, started = 0.0, 0
+    for b, n in zip(reversed(bwd), speculated):
+        t += b
+        start = max(f, t)
+        if start >= end:
+            break
+        f, started = start + n / (opt_rate * 1e9) + 2 * SNAPSHOT_BYTES * n / (copy_gbps * 1e9), started + n
+    return max(0.0, f - end) + (host_params - started) / (opt_rate * 1e9)
+
+
 def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: int, offload: bool, tflops: float,
               h2d: float, d2h: float, duplex: float, num_slots: int, opt_rate: float,
               overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
-              device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4) -> dict[str, float]:
+              device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4,
+              ranks: RankTiming | None = None, speculated_layers: int = 0,
+              copy_gbps: float = HOST_COPY_GBPS) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
     when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
@@ -60,7 +94,17 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
 
     ``weight_bytes`` and ``grad_bytes``: bytes per parameter of the host masters each upload reads and of the host
     grads each drain writes (4 for fp32; 2 for the bf16 weights and grads of a compact ``host_state``, which the GPU
-    receives without an fp32 staging copy, docs/compact-state.md)."""
+    receives without an fp32 staging copy, docs/compact-state.md).
+
+    ``ranks``: one rank of several (planner/ranks.py, [Note: planning several ranks]): each upload is the rank's
+    shard followed by the layer's all-gather on the H2D stream; each layer's grads are reduce-scattered and drained
+    serially (no accumulation upload); the host optimizer steps the rank's shard; the residents' collectives add
+    serial seconds. ``None``: one rank, the model above.
+
+    ``speculated_layers`` (with ``overlap_optimizer``, one rank): that many host layers, the last ones, start their
+    update during the last micro-batch's backward (engine/backward_updates.py, [Note: updates during backward]);
+    :func:`host_after_backward` gives the host seconds left when backward ends, which then overlap the next forward.
+    ``copy_gbps``: the host's memory copy rate for their snapshots (read + write bytes per second)."""
     on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
@@ -77,6 +121,8 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     bwd = [b + sum(fwd[j] for j in r) for b, r in zip(bwd, replays)]
     wb, gb = weight_bytes, grad_bytes
     up = [wb * ly.numel / (h2d * 1e9) for ly in s.layers]  # host masters stream and are cast on the GPU
+    if ranks is not None:  # this rank's shard, then the all-gather of the layer, on the H2D stream
+        up = [wb * n / (h2d * 1e9) + g for n, g in zip(ranks.shard_numels, ranks.gather_s)]
     up = [0.0] * len(on_gpu_layers) + up[len(on_gpu_layers):]
     act = 4 * H * tok if offload else 0
     on_host = firsts[: max(len(firsts) - device_checkpoints, 0)] if offload else []
@@ -84,7 +130,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     # Grads go D2H (fp32, or bf16 for bf16 host grads) straight into the pinned host grads. The 1st micro-batch of a
     # step writes them; later ones first upload them (H2D) and write back the sum made on the device (engine/drain.py,
     # [Note: gradient drain]).
-    grads = [gb * ly.numel for ly in s.layers]
+    grads = [gb * ly.numel for ly in s.layers] if ranks is None else [0] * L  # several ranks: serial drain_s
     grads_up = [[0] * len(s.layers), [0] * len(on_gpu_layers) + grads[len(on_gpu_layers):]]  # device groups sum there
     exposed, fill = 0.0, 0.0
     for m in range(grad_accum):
@@ -95,12 +141,26 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
             load += stash[i - segment] if i - segment >= 0 else 0  # the segment below's checkpoint, prefetched
             load += sum(wb * s.layers[j].numel for j in replays[i] if j >= len(on_gpu_layers))  # replayed weights
             load += grads_up[min(m, 1)][i]
-            exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
+            if ranks is None:
+                exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
+            else:  # the upload and the restore behind the layer's backward and its serial drain
+                load = (up[i - 1] if 0 <= i - 1 < L - num_slots else 0) + sum(up[j] for j in replays[i])
+                load += (stash[i - segment] if i - segment >= 0 else 0) / (h2d * 1e9)
+                exposed += max(0.0, load - bwd[i] - (ranks.drain_s if m else ranks.drain_first_s)[i])
         fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
     head = 6 * s.vocab * H * tok / rate
     compute = sum(fwd) + sum(bwd) + head
     r = s.resident_params
+    speculated = [ly.numel for ly in s.layers[len(on_gpu_layers):]][::-1][:max(speculated_layers, 0)]  # L-1 first
     optimizer_s = (s.n_params - on_gpu_resident - sum(on_gpu_layers)) / (opt_rate * 1e9)
+    host_left = optimizer_s  # host seconds left when backward ends
+    if ranks is not None:
+        optimizer_s = host_left = ranks.optimizer_params / (opt_rate * 1e9)
+        gathers = sum(ranks.gather_s) + sum(ranks.gather_s[: max(L - num_slots, 0)])
+        gathers += sum(ranks.gather_s[j] for rep in replays for j in rep)
+    elif overlap_optimizer and speculated:
+        host_left = host_after_backward(bwd, speculated, s.n_params - on_gpu_resident - sum(on_gpu_layers),
+                                        opt_rate, copy_gbps)
     return {
         "GPU compute": grad_accum * compute,
         "  of which layers": grad_accum * (sum(fwd) + sum(bwd)),
@@ -108,11 +168,15 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         "H2D busy": grad_accum * (sum(up) + sum(up[: max(L - num_slots, 0)]) + sum(up[j] for r in replays for j in r)
                                   + sum(stash) / (h2d * 1e9))
         + (grad_accum - 1) * sum(grads) / (h2d * 1e9),
-        "D2H busy": grad_accum * (sum(grads) + sum(stash)) / (d2h * 1e9),
+        **({"  of which layer all-gathers": grad_accum * gathers} if ranks is not None else {}),
+        "D2H busy": grad_accum * (sum(grads) + sum(stash) + (4 * sum(ranks.shard_numels) if ranks else 0))
+        / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
         "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9)
         + r * 12 / (HOST_COPY_GBPS * 1e9),
-        **({"CPU optimizer (beyond the next forward)": max(0.0, optimizer_s - sum(fwd) - head / 3)}
+        **({"layer reduce-scatter + drain (serial)": sum(ranks.drain_first_s) + (grad_accum - 1) * sum(ranks.drain_s),
+            "residents' gloo collectives (serial)": ranks.residents_s} if ranks is not None else {}),
+        **({"CPU optimizer (beyond the next forward)": max(0.0, host_left - sum(fwd) - head / 3)}
            if overlap_optimizer else {"CPU optimizer (serial)": optimizer_s}),
     }

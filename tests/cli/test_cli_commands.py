@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -82,8 +83,9 @@ def test_plan_help_lists_every_flag(capsys):
     assert "usage: megatrain plan" in text
     for flag in ("--model", "--seq-len", "--micro-batch", "--grad-accum", "--precision", "--optimizer", "--loss",
                  "--attn-implementation", "--host-ram", "--gpu-mem", "--cpu-cores", "--tflops", "--no-offload",
-                 "--num-slots", "--overlap-optimizer", "--gpu-optimizer-groups", "--compile-layers",
-                 "--loss-chunk-size", "--seq-tile", "--segment-layers", "--device-checkpoints", "--json"):
+                 "--num-slots", "--overlap-optimizer", "--update-during-backward", "--gpu-optimizer-groups",
+                 "--compile-layers", "--loss-chunk-size", "--seq-tile", "--segment-layers", "--device-checkpoints",
+                 "--json"):
         assert flag in text, flag
 
 
@@ -103,3 +105,13 @@ def test_plan_runs_the_real_planner(capsys):
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
     assert main(["plan", "--model", json.dumps(config), "--seq-len", "256", "--micro-batch", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)
+
+
+def test_export_of_a_sharded_checkpoint_names_megatrain_convert(tmp_path, capsys):
+    """A checkpoint saved with checkpoint_format="sharded" is a directory: the usage error says how to export it."""
+    (tmp_path / "last.ckpt").mkdir()
+    with pytest.raises(SystemExit) as error:
+        main(["export", str(tmp_path / "last.ckpt"), str(tmp_path / "out")])
+    assert error.value.code == 2
+    assert re.search(r"a sharded checkpoint\)\. HINT: `megatrain\s+convert .*last\.ckpt <file>\.ckpt`",
+                     capsys.readouterr().err)

@@ -105,6 +105,19 @@ def test_a_first_arrival_is_attached_not_added(drain):
     assert drain._free_slabs.qsize() == 3
 
 
+def test_a_drain_tells_its_landed_hook_once_the_grads_are_attached(drain):
+    # the hook captured when the drain was issued ([Note: updates during backward]) is called by the worker after
+    # the grads are in place, with the layer's index; a drain issued without one tells nobody
+    group, told = drain.groups[0], []
+    drain._count_in_flight(0)
+    drain._pending.put(_Drain(0, [True] * 3, (), None, _Done(),
+                              lambda index: told.append((index, all(p.grad is not None for p in group.params)))))
+    drain._count_in_flight(0)
+    drain._pending.put(_Drain(0, [True] * 3, (), None, _Done()))
+    drain.wait_drained()
+    assert told == [(0, True)]
+
+
 def test_device_buffers_stay_referenced_until_the_copy_is_done(drain):
     # the structural invariant of [Note: gradient drain]: the allocator may not reuse what the D2H stream still reads
     packed = torch.randn(3)

@@ -124,7 +124,7 @@ def test_host_state_check_counts_each_optimizers_state(monkeypatch):
     # once the optimizers exist: the grads not yet allocated and the states to come, by optimizer (AdamW 8 B/param,
     # Muon's matrices 4 and AdamW's 8 for the rest, SGD without momentum none), the ones already there not again
     from lightning_megatrain.engine import host_store
-    from lightning_megatrain.engine.placement import host_bytes_to_come
+    from lightning_megatrain.engine.host_budget import host_bytes_to_come
     from lightning_megatrain.optim import Muon
 
     group, _ = _group((64, 32), (32,))

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine import engine as engine_module
-from lightning_megatrain.engine import host_store, placement
+from lightning_megatrain.engine import first_batch, host_budget, host_store, placement
 from lightning_megatrain.engine.engine import MegaTrainEngine
 from lightning_megatrain.optim.host_optimizer import overlappable
 from lightning_megatrain.planner import describe
@@ -135,7 +135,7 @@ def test_host_grads_wait_for_the_split_and_only_host_groups_allocate_them(monkey
         seen.update(none=kwargs["to_come"](0), every=kwargs["to_come"](len(forward)))
         return 3, "mocked"
 
-    monkeypatch.setattr(engine_module, "choose_gpu_optimizer_groups", choose)
+    monkeypatch.setattr(first_batch, "choose_gpu_optimizer_groups", choose)
     optimizer = torch.optim.AdamW(engine.module.parameters())
     with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
         engine.place_for_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, grad_accum=1,
@@ -149,24 +149,24 @@ def test_host_grads_wait_for_the_split_and_only_host_groups_allocate_them(monkey
 
 
 def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
-    """The setup's check with the split undecided (placement.check_split_possible): a host without room for the
+    """The setup's check with the split undecided (host_budget.check_split_possible): a host without room for the
     fewest groups' state, or a GPU without room for their device state, is refused before the first micro-batch."""
     engine = _tiny_engine(monkeypatch)
     forward = [engine.resident_group, *engine.groups]
     optimizer = torch.optim.AdamW(engine.module.parameters(), fused=True)  # as to_host_optimizers makes it
     assert overlappable(optimizer)
     total = 12 * sum(g.numel for g in forward)
-    for module in (placement, host_store):
+    for module in (host_budget, host_store):
         monkeypatch.setattr(module, "available_host_bytes", lambda: (total // 2, "MemAvailable"))
     # a CPU compute device cannot hold device groups: the host check's own refusal
     with pytest.raises(RuntimeError, match=r"needs about .* more host RAM for the grads and optimizer states"):
-        placement.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)
+        host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1024, 139 * GIB))
     with pytest.raises(RuntimeError, match=r"the host cannot hold every group's grads and optimizer states .* it "
                        r"would with \d groups \(0\.\d\dB params\) keeping theirs on cuda:0 \(gpu_optimizer_groups\), "
                        r"which need \d+\.\d GiB there before any activations, but 0\.0 GiB is free"):
-        placement.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)
+        host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 139 * GIB))
-    placement.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)  # the GPU holds them: no refusal
-    monkeypatch.setattr(placement, "available_host_bytes", lambda: (total, "MemAvailable"))
-    placement.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)  # the host holds all
+    host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)  # the GPU holds them: no refusal
+    monkeypatch.setattr(host_budget, "available_host_bytes", lambda: (total, "MemAvailable"))
+    host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)  # the host holds all

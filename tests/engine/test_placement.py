@@ -31,8 +31,22 @@ def test_auto_resolves_per_device_and_explicit_values_stay(monkeypatch, caplog):
     assert (cuda.compile_layers, cuda.overlap_optimizer, cuda.gpu_optimizer_groups) == (True, True, "auto")
     monkeypatch.setattr(placement, "_triton_usable", lambda: False)
     assert placement.resolve(EngineConfig(), CUDA).compile_layers is False
-    explicit = EngineConfig(compile_layers=False, overlap_optimizer=False, gpu_optimizer_groups=3)
+    explicit = EngineConfig(compile_layers=False, overlap_optimizer=False, gpu_optimizer_groups=3,
+                            update_during_backward=False)
     assert placement.resolve(explicit, CUDA) == explicit
+
+
+def test_update_during_backward_follows_the_overlapped_step(caplog):
+    """``"auto"`` stays "auto" (on, skipping the step after a clipped one) with the overlapped step on a GPU and fp32
+    host state, else False with the reason; ``True`` turns an "auto" overlapped step on, also on a CPU device."""
+    assert placement.resolve(EngineConfig(), CUDA).update_during_backward == "auto"
+    with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
+        assert placement.resolve(EngineConfig(), torch.device("cpu")).update_during_backward is False
+        assert placement.resolve(EngineConfig(host_state="compact"), CUDA).update_during_backward is False
+    assert "update_during_backward=False (auto: no overlapped step)" in caplog.text
+    assert "update_during_backward=False (auto: host_state='compact' steps CompactAdamW)" in caplog.text
+    forced = placement.resolve(EngineConfig(update_during_backward=True), torch.device("cpu"))
+    assert (forced.update_during_backward, forced.overlap_optimizer) == (True, True)
 
 
 def test_token_shape_of_common_batches():
@@ -191,6 +205,7 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
 
     from lightning_megatrain import MegaTrainStrategy
     from lightning_megatrain.engine import engine as engine_module
+    from lightning_megatrain.engine import first_batch
 
     from helpers.parity import ParityLM, make_data
     from helpers.trainers import cpu_trainer
@@ -201,7 +216,7 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
         calls.append((micro_batch, seq_len, config.segment_layers, config.device_checkpoints))
         return 2, 1, "stub"
 
-    monkeypatch.setattr(engine_module, "choose_checkpoints", choose)
+    monkeypatch.setattr(first_batch, "choose_checkpoints", choose)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))
     resolve = engine_module.resolve  # as on a GPU: a CPU compute device resolves them to 1 and 0
     monkeypatch.setattr(engine_module, "resolve", lambda config, device: resolve(config, device).replace(

@@ -9,23 +9,32 @@ from torch import nn
 
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.discovery import tensor_slots
-from lightning_megatrain.engine.host_store import pack_group
+from lightning_megatrain.engine.host_store import check_packed, pack_group
 from lightning_megatrain.engine.shard_states import (
     FORMAT,
+    PARAMS,
+    load_module_state,
     load_optimizer_state,
     load_shard_files,
     shard_optimizer,
+    shard_path,
+    sharded_params,
+    split_checkpoint,
     state_for,
+    whole_params,
 )
-from lightning_megatrain.engine.sharding import Ranks, ShardedOptimizerStep, ShardedState, sharded_config
+from lightning_megatrain.engine.sharded_step import ShardedOptimizerStep
+from lightning_megatrain.engine.sharding import Ranks, ShardedState, sharded_config
 from lightning_megatrain.engine.transfer import HostTransfer
 from lightning_megatrain.optim import Muon
 
 
-def _state(rank: int, world: int, module: nn.Module) -> ShardedState:
+def _state(rank: int, world: int, module: nn.Module, whole: bool = True) -> ShardedState:
+    """``module`` as one flat group on rank ``rank`` of ``world``: kept whole (as the residents) or sharded (as a
+    layer)."""
     group = pack_group(tensor_slots(module))
     names = {id(p): n for n, p in module.named_parameters()}
-    return ShardedState([group], Ranks(rank, world), None, names)
+    return ShardedState([group], Ranks(rank, world), None, names, whole=[group] if whole else [])
 
 
 def _layer() -> nn.Module:
@@ -33,24 +42,71 @@ def _layer() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))  # 12 + 3 + 3 + 3 = 21 parameters
 
 
+@pytest.mark.parametrize("whole", [True, False])
 @pytest.mark.parametrize("world", [2, 4, 5])
-def test_pieces_cover_every_parameter_once(world):
-    """Over the ranks, the pieces tile every parameter exactly, as views of the padded master; the padding is zero."""
+def test_pieces_cover_every_parameter_once(world, whole):
+    """Over the ranks, the pieces tile every parameter exactly with its values; the padding is zero. A whole group's
+    pieces are views of its padded master, which the parameters view; a sharded group's rank holds only its owned
+    master ``[S]``, and the parameters are NaN placeholders that refuse writes ([Note: sharded layer masters])."""
     seen: dict[str, list[tuple[int, int]]] = {}
+    size = -(-21 // world)
     for rank in range(world):
         module = _layer()
-        state = _state(rank, world, module)
+        values = {n: p.detach().clone() for n, p in module.named_parameters()}
+        state = _state(rank, world, module, whole)
         shard = state.shards[0]
-        assert shard.padded.numel() == world * -(-21 // world) and not shard.padded[21:].any()
+        assert shard.sharded is not whole and shard.owned.master.numel() == size
+        if whole:
+            assert shard.padded.numel() == world * size and not shard.padded[21:].any()
+        else:
+            assert not shard.owned.master[max(0, 21 - rank * size):].any()
+            assert state.host_bytes()["masters"] == 4 * size  # this rank's share only
+            assert all(p.isnan().all() and p.untyped_storage().nbytes() == 4 for p in module.parameters())
+            with pytest.raises(RuntimeError, match="more than one element"):
+                module[0].weight.detach().copy_(torch.zeros(3, 4))
+            check_packed([shard.group], module)  # placeholders count as packed
         for piece, k, start in zip(shard.owned.params, shard.piece_param, shard.piece_start):
             p = shard.group.params[k]
-            assert piece.data_ptr() == p.data_ptr() + start * 4  # the piece is the parameter's elements
-            torch.testing.assert_close(piece.detach(), p.detach().reshape(-1)[start : start + piece.numel()])
-            seen.setdefault(state.names[id(p)], []).append((start, start + piece.numel()))
+            name = state.names[id(p)]
+            if whole:
+                assert piece.data_ptr() == p.data_ptr() + start * 4  # the piece is the parameter's elements
+            torch.testing.assert_close(piece.detach(), values[name].reshape(-1)[start : start + piece.numel()])
+            seen.setdefault(name, []).append((start, start + piece.numel()))
     for name, p in _layer().named_parameters():
         ranges = sorted(seen[name])
         assert ranges[0][0] == 0 and ranges[-1][1] == p.numel()
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_sharded_masters_resume_on_another_world(tmp_path):
+    """The sharded masters saved by 2 ranks load on 3 (each rank its range), on one (whole, ``whole_params``), and a
+    one-rank ``state_dict`` loads on 3; a missing parameter or shard range is refused by name."""
+    values = {n: p.detach().clone() for n, p in _layer().named_parameters()}
+    path = tmp_path / "x.ckpt"
+    for rank in range(2):
+        state = _state(rank, 2, _layer(), whole=False)
+        main, shard = split_checkpoint({"epoch": 0, "global_step": 1, "state_dict": {}}, path, sharded_params(state))
+        torch.save(shard, shard_path(path, rank, 2))
+    assert main[PARAMS]["world_size"] == 2 and "slices" not in main[PARAMS]
+    loaded = load_shard_files(main, path)
+    torch.testing.assert_close(whole_params(loaded), values)
+    for source in (loaded, {"state_dict": values}):
+        for rank in range(3):
+            module = _layer()
+            state = _state(rank, 3, module, whole=False)
+            state.shards[0].owned.master.zero_()
+            rest = load_module_state(module, source, state)
+            assert rest["state_dict"] == {}
+            for piece, k, start in zip(state.shards[0].owned.params, state.shards[0].piece_param,
+                                       state.shards[0].piece_start):
+                name = state.names[id(state.shards[0].group.params[k])]
+                torch.testing.assert_close(piece.detach(), values[name].reshape(-1)[start : start + piece.numel()])
+    module = _layer()
+    with pytest.raises(RuntimeError, match=r"missing keys \['0.weight'\]"):
+        load_module_state(module, {"state_dict": {}}, _state(0, 2, module, whole=False))
+    gap = {**loaded, PARAMS: {**loaded[PARAMS], "slices": {}}}
+    with pytest.raises(ValueError, match=r"no values of '0.weight' \[0, 12\)(.|\n)*copy every"):
+        whole_params(gap)
 
 
 def test_options_several_ranks_refuse():
@@ -60,8 +116,15 @@ def test_options_several_ranks_refuse():
         sharded_config(EngineConfig(host_state="int8_moments"), 4)
     with pytest.raises(ValueError, match=r"checkpoint_format='sharded'(.|\n)*checkpoint_format='file'"):
         sharded_config(EngineConfig(checkpoint_format="sharded"), 2)
+    with pytest.raises(ValueError, match=r"with 2 ranks(.|\n)*update_during_backward=True: each rank steps its shard"):
+        sharded_config(EngineConfig(update_during_backward=True), 2)
     settled = sharded_config(EngineConfig(), 2)
     assert settled.overlap_optimizer is False and settled.gpu_optimizer_groups == 0
+    assert settled.update_during_backward is False
+    # decided alike on every rank: a per-rank "auto" would pair one rank's gather with another's reduce-scatter
+    assert (settled.keep_layers, settled.segment_layers) == (0, 1)
+    given = sharded_config(EngineConfig(keep_layers=3, segment_layers=2), 2)
+    assert (given.keep_layers, given.segment_layers) == (3, 2)
 
 
 def test_non_elementwise_optimizer_refused():
@@ -71,9 +134,10 @@ def test_non_elementwise_optimizer_refused():
         shard_optimizer(Muon([{"params": [module[0].weight], "use_muon": True}]), state)
 
 
-def test_partial_clipping_refused():
+def test_partial_clipping_refused(monkeypatch):
     module = _layer()
     state = _state(0, 2, module)
+    monkeypatch.setattr(state.ranks, "all_reduce_", lambda t, op=None: t)  # rank 1 agrees (test_ranks.py: both run)
     step = ShardedOptimizerStep(state, None, EngineConfig(), torch.device("cpu"),
                                 HostTransfer([state.shards[0].group], torch.float32), None)
     with pytest.raises(RuntimeError, match=r"several ranks clips(.|\n)*one optimizer over self.parameters"):
@@ -149,3 +213,24 @@ def test_checkpoint_errors(tmp_path):
                 "shards": ["x.ckpt-shard0-of-2", "x.ckpt-shard1-of-2"]}
     with pytest.raises(FileNotFoundError, match=r"saved by 2 ranks(.|\n)*x.ckpt-shard0-of-2(.|\n)*copy every"):
         load_shard_files({"optimizer_states": [manifest]}, tmp_path / "x.ckpt")
+
+
+def test_a_shard_file_of_another_save_is_refused(tmp_path):
+    """Rank 0 writes the checkpoint after its own shard file, with no barrier before: a save interrupted there leaves
+    the new checkpoint beside another rank's shard file of the previous save of that name. Loading it is refused
+    (its Adam moments and step counts would be a step behind the weights), not assembled silently."""
+    saved = _saved_adam(_layer(), 2)
+    path = tmp_path / "last.ckpt"
+    for step in (4, 5):
+        for rank in range(2):  # (both ranks write every slice here: only the files' agreement matters)
+            main, shard = split_checkpoint({"global_step": step, "epoch": 0, "optimizer_states": [saved]}, path)
+            if not (step == 5 and rank == 1):  # the kill: rank 1's shard file of step 5 never replaced step 4's
+                torch.save(shard, shard_path(path, rank, 2))
+        torch.save(main, path)
+    main = torch.load(path, weights_only=True)
+    with pytest.raises(ValueError, match=r"saved at \(epoch, global_step\) \(0, 5\), its shard file "
+                                         r".*last\.ckpt-shard1-of-2 at \(0, 4\): it is from another save"):
+        load_shard_files(main, path)
+    torch.save(split_checkpoint({"global_step": 5, "epoch": 0, "optimizer_states": [saved]}, path)[1],
+               shard_path(path, 1, 2))
+    assert load_shard_files(main, path)["optimizer_states"][0]["slices"]

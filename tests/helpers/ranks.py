@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -106,6 +109,10 @@ class Run:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # after training
     start_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # optimizer state at train start
     end_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # and at train end
+    host_bytes: dict[str, int] = field(default_factory=dict)  # the engine's host memory by kind, at train end
+    error: str = ""  # what fit raised (``launch(raises=True)``), as "Type: message"
+    warnings: list[str] = field(default_factory=list)  # every warning's message
+    after: Any = None  # what ``fit(after=...)`` returned
 
 
 def full_grads(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
@@ -116,7 +123,7 @@ def full_grads(trainer: Trainer, module: LightningModule) -> dict[str, torch.Ten
         return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     out = {}
     for shard in sharding.shards:
-        buf = torch.zeros_like(shard.padded)
+        buf = torch.zeros(sharding.ranks.world * shard.size)
         if shard.owned.grad_nbytes:
             buf.view(sharding.ranks.world, -1)[sharding.ranks.rank] = shard.owned.grad
         sharding.ranks.all_reduce_(buf)  # host tensors: the host group (gloo) also under NCCL
@@ -155,6 +162,15 @@ def full_optimizer_state(trainer: Trainer, module: LightningModule) -> dict[str,
     return out
 
 
+def whole_params(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
+    """Every parameter whole by name: the module's own on one rank, gathered on several (a collective: a sharded
+    layer's parameters are placeholders outside its compute)."""
+    sharding = getattr(getattr(trainer.strategy, "engine", None), "sharding", None)
+    if sharding is None:
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+    return sharding.gathered_params()
+
+
 class RankRecorder(Callback):
     def __init__(self, grads: bool) -> None:
         self.run = Run()
@@ -172,38 +188,60 @@ class RankRecorder(Callback):
             self.run.grads.append(full_grads(trainer, pl_module))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.run.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.run.params = whole_params(trainer, pl_module)
         self.run.end_state = full_optimizer_state(trainer, pl_module)
+        engine = getattr(trainer.strategy, "engine", None)
+        self.run.host_bytes = engine.host_bytes() if engine is not None else {}
 
 
 def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: int = 1, clip: float | None = None,
         grads: bool = True, ckpt_in: str | None = None, ckpt_out: str | None = None, accelerator: str = "cpu",
-        model: str = "stack", **strategy_args: Any) -> Run:
+        model: str = "stack", ckpt_dir: str | None = None, callbacks: Sequence[Callback] = (),
+        module: Callable[[int], LightningModule] | None = None,
+        after: Callable[[Trainer, LightningModule], Any] | None = None,
+        **strategy_args: Any) -> Run:
     """Train ``model`` (:func:`make_module`) on ``world`` ranks (this process is one of them, or the only one) with
-    ``GLOBAL_BATCH`` samples per micro-batch over all ranks; resume from ``ckpt_in``, save ``ckpt_out`` at the end."""
+    ``GLOBAL_BATCH`` samples per micro-batch over all ranks; resume from ``ckpt_in``, save ``ckpt_out`` at the end;
+    with ``ckpt_dir``, a ``ModelCheckpoint`` there saves every 2 steps (all kept) and ``last.ckpt``; ``module(world)``
+    builds the module instead of ``model``'s; ``after(trainer, module)`` runs after ``fit`` (and the save), its result
+    in ``Run.after``."""
     from lightning_megatrain import MegaTrainStrategy
 
     seed_everything(0, verbose=False)
-    module = make_module(model, world)
+    module = make_module(model, world) if module is None else module(world)
     if strategy == "megatrain":
         strategy = MegaTrainStrategy(cpu_adam="torch", **strategy_args)
     recorder = RankRecorder(grads)
+    saving = [] if ckpt_dir is None else [ModelCheckpoint(ckpt_dir, every_n_train_steps=2, save_top_k=-1,
+                                                          save_last=True)]
+    checkpointing = any(isinstance(c, Checkpoint) for c in [*saving, *callbacks])  # else Lightning refuses them
     trainer = Trainer(
         accelerator=accelerator, devices=world, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip, callbacks=[recorder], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        gradient_clip_val=clip, callbacks=[recorder, *saving, *callbacks], logger=False,
+        enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, ckpt_path=ckpt_in)
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
+    if after is not None:
+        recorder.run.after = after(trainer, module)
     return recorder.run
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, kwargs: dict) -> None:
+def _rank_main(rank: int, world: int, port: int, out: str, kwargs: dict, raises: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    run = fit(world, **kwargs)
+    torch.set_num_threads(1)  # [Note: forked children compute on one thread] in helpers/forked.py
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            run = fit(world, **kwargs)
+        except Exception as error:
+            if not raises:
+                raise
+            run = Run(error=f"{type(error).__name__}: {error}")
+    run.warnings = [str(w.message) for w in caught]
     torch.save(run.__dict__, Path(out) / f"rank{rank}.pt")
 
 
@@ -213,16 +251,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, out: Path, timeout: float = 120.0, start_method: str = "fork", **kwargs: Any) -> list[Run]:
+def launch(world: int, out: Path, timeout: float = 120.0, start_method: str = "fork", raises: bool = False,
+           **kwargs: Any) -> list[Run]:
     """Run :func:`fit` on ``world`` ranks (one process each, forked unless ``start_method``: CUDA needs "spawn")
-    and return each rank's :class:`Run`.
+    and return each rank's :class:`Run`; with ``raises``, a rank whose ``fit`` raises records the error in its run.
 
     Raises:
         TimeoutError: a rank still runs after ``timeout`` seconds (a collective one rank missed); all are killed.
     """
     out.mkdir(parents=True, exist_ok=True)
-    context = mp.start_processes(_rank_main, args=(world, free_port(), str(out), kwargs), nprocs=world, join=False,
-                                 start_method=start_method)
+    context = mp.start_processes(_rank_main, args=(world, free_port(), str(out), kwargs, raises), nprocs=world,
+                                 join=False, start_method=start_method)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

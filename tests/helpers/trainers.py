@@ -1,4 +1,4 @@
-"""A quiet one-step CPU ``Trainer`` for the strategy tests."""
+"""A quiet one-step CPU ``Trainer`` for the strategy tests, and a callback recording each step's loss."""
 
 from __future__ import annotations
 
@@ -18,3 +18,16 @@ def cpu_trainer(**kwargs) -> L.Trainer:
         enable_model_summary=False,
     )
     return L.Trainer(**{**defaults, **kwargs})
+
+
+class StepLosses(L.Callback):
+    """The loss after each optimizer step, by ``trainer.global_step`` (``by_step``); reads the loss only, so the
+    overlapped step stays overlapped (``megatrain_reads_state = False``)."""
+
+    megatrain_reads_state = False
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.by_step[trainer.global_step] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)

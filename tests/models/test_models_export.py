@@ -134,3 +134,37 @@ def test_export_stops_generation_at_the_templates_end_of_turn(fitted, tmp_path, 
     out_dir = export_checkpoint(tmp_path / "with_template.ckpt", tmp_path / "hf2")
     assert json.loads((out_dir / "generation_config.json").read_text())["eos_token_id"] == [2, 126]
     assert AutoTokenizer.from_pretrained(out_dir).chat_template == override.read_text()
+
+
+@pytest.mark.parametrize("fitted", ["llama"], indirect=True)
+def test_export_of_a_checkpoint_saved_by_two_ranks(fitted, tmp_path):
+    """A checkpoint of 2 ranks holds the decoder layers' masters in its shard files only ([Note: checkpoints of
+    several ranks]): export assembles them (it failed with the layers' keys missing from the state_dict). The files
+    are written as two ranks write them, each rank's element ranges of every layer parameter."""
+    from lightning_megatrain.engine.shard_states import shard_path, split_checkpoint
+
+    module, ckpt_path = fitted
+    whole = torch.load(ckpt_path, weights_only=False)
+    layers = {k: v for k, v in whole["state_dict"].items() if ".layers." in k}
+    assert layers
+    path = tmp_path / "two.ckpt"
+    for rank in range(2):
+        slices = {}
+        for name, value in layers.items():
+            half = -(-value.numel() // 2)
+            lo, hi = rank * half, min((rank + 1) * half, value.numel())
+            slices[name] = [[lo, hi, {"master": value.reshape(-1)[lo:hi].clone()}]]
+        params = {"world_size": 2, "shapes": {k: list(v.shape) for k, v in layers.items()}, "slices": slices}
+        checkpoint = {**whole, "state_dict": {k: v for k, v in whole["state_dict"].items() if k not in layers}}
+        main, shard = split_checkpoint(checkpoint, path, params)
+        torch.save(shard, shard_path(path, rank, 2))
+        if rank == 0:
+            torch.save(main, path)
+
+    exported = AutoModelForCausalLM.from_pretrained(
+        export_checkpoint(path, tmp_path / "hf"), attn_implementation=module.hparams.attn_implementation
+    )
+    input_ids = torch.randint(0, 128, (2, 10))  # [B, T]
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids).logits, module(input_ids), rtol=0, atol=1e-5)

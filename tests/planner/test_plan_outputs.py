@@ -1,7 +1,9 @@
 """Plans whose long-context options resolve to the engine before them (untiled, one segment per layer, every layer
 input offloaded) print what was pinned: ``report()`` and the JSON of ``to_dict()``, byte for byte, for the ready
-configs and the shapes the other planner tests use. Last regenerated for the host grads of ``gpu_optimizer_groups``,
-no longer counted (the engine allocates them only where code reads ``p.grad``, planner/pool.py [Note: memory pool]).
+configs and the shapes the other planner tests use. Last regenerated for the host updates during backward
+(``update_during_backward``, planner/timing.py ``host_after_backward``): the overlapped plans gain their snapshots
+and a shorter host step (the suggested device groups are counted without them), the serial ones a new overlapped
+step in their warning.
 
 The expected outputs are in ``plan_outputs.json`` beside this file. Regenerate them only for a change that is meant
 to change these plans: ``PYTHONPATH=. python tests/planner/test_plan_outputs.py`` from the repository root, and say

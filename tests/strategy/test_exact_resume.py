@@ -14,22 +14,13 @@ from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.data import SFTDataModule
 from lightning_megatrain.models import CausalLMModule
 
-from helpers.trainers import cpu_trainer
+from helpers.trainers import StepLosses, cpu_trainer
 
 STEPS = 5  # optimizer steps of the uninterrupted run: epochs of 3 batches (100 rows, micro-batches of 34)
 CONFIG = dict(model_type="llama", vocab_size=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32,
               intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               max_position_embeddings=64, tie_word_embeddings=False)  # no dropout: Lightning restores no RNG state
 
-
-class Losses(L.Callback):
-    megatrain_reads_state = False  # reads the loss only: keeps the overlapped step overlapped
-
-    def __init__(self) -> None:
-        self.by_step: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.by_step[trainer.global_step] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
 
 
 def _fit(root, cpu_adam, overlap, ckpt_path=None):
@@ -38,7 +29,7 @@ def _fit(root, cpu_adam, overlap, ckpt_path=None):
     # where the uninterrupted run took the other differs from step 3 on ([Note: DeepSpeed's beta powers])
     module = CausalLMModule(config=CONFIG, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, betas=(0.9, 0.999))
     data = SFTDataModule(dataset="demo_messages", cutoff_len=48, micro_batch_size=34, seed=3)
-    losses = Losses()
+    losses = StepLosses()
     every_step = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
                                  every_n_train_steps=1, save_top_k=-1, save_last=True)
     strategy = MegaTrainStrategy(cpu_adam=cpu_adam, overlap_optimizer=overlap)

@@ -20,6 +20,8 @@ from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.data import SFTDataModule
 from lightning_megatrain.models import CausalLMModule
 
+from helpers.trainers import StepLosses
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 STEPS = 5  # epochs of 3 batches: step 2 is mid-epoch
@@ -28,21 +30,12 @@ CONFIG = dict(model_type="llama", vocab_size=1024, pad_token_id=0, bos_token_id=
               max_position_embeddings=64, tie_word_embeddings=False)
 
 
-class Losses(L.Callback):
-    megatrain_reads_state = False  # reads the loss only: keeps the overlapped step overlapped
-
-    def __init__(self) -> None:
-        self.by_step: dict[int, float] = {}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.by_step[trainer.global_step] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
-
 
 def _fit(root, strategy, ckpt_path=None):
     L.seed_everything(0)
     module = CausalLMModule(config=CONFIG, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, betas=(0.9, 0.999))
     data = SFTDataModule(dataset="demo_messages", cutoff_len=48, micro_batch_size=34, seed=3)
-    losses = Losses()
+    losses = StepLosses()
     every_step = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
                                  every_n_train_steps=1, save_top_k=-1)
     trainer = L.Trainer(strategy=strategy(), accelerator="cuda", devices=1, precision="bf16-mixed",

@@ -1,6 +1,7 @@
 """Several ranks on the CPU (gloo): ``MegaTrainStrategy`` with ``devices=N`` trains as single-process training of
-the same global batch, and its sharded checkpoints resume on another number of ranks
-(engine/sharding.py, [Note: sharded host state]; engine/shard_states.py, [Note: checkpoints of several ranks]).
+the same global batch, and its sharded checkpoints resume on another number of ranks, every rank from the same one,
+none saved after an exception (engine/sharding.py, [Note: sharded host state]; engine/shard_states.py, [Note:
+checkpoints of several ranks]).
 
 Each test forks its ranks (tests/helpers/ranks.py). Tolerance: fp32, the parity tests' rule (helpers/parity.py
 ``assert_records_close``): per tensor ``||a - b|| <= 1e-5 ||b||`` (+1e-8 for zero references). The ranks sum the same
@@ -12,10 +13,16 @@ states are compared elementwise at ``rtol=1e-5, atol=1e-6``.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from torch.utils.data import DataLoader
 
-from helpers.ranks import GLOBAL_BATCH, fit, launch
+from helpers.ranks import GLOBAL_BATCH, SEQ, VOCAB, RankLM, fit, launch
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 RTOL = 1e-5
@@ -37,7 +44,8 @@ def _assert_train_as_reference(runs: list, reference) -> None:
         for step, want in enumerate(reference.grads):
             _assert_close(run.grads[step], want, f"rank {rank}, grads of step {step}")
         _assert_close(run.params, reference.params, f"rank {rank}, weights")
-        torch.testing.assert_close(run.params, runs[0].params, rtol=0, atol=0)  # gathered, not recomputed
+        # every rank's own whole residents agree to the bit (the layers are one all-gather: equal by construction)
+        torch.testing.assert_close(run.params, runs[0].params, rtol=0, atol=0)
 
 
 def _assert_states_close(got: dict, want: dict) -> None:
@@ -93,8 +101,11 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     saved = launch(2, tmp_path / "save", steps=2, grads=False, ckpt_out=str(ckpt))
     assert sorted(p.name for p in tmp_path.glob("two.ckpt*")) == ["two.ckpt", "two.ckpt-shard0-of-2",
                                                                     "two.ckpt-shard1-of-2"]
-    manifest = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    main = torch.load(ckpt, weights_only=False)
+    manifest = main["optimizer_states"][0]
     assert manifest["world_size"] == 2 and "slices" not in manifest
+    # the layers' masters are in the shard files only; the residents whole in the state_dict
+    assert not any(k.startswith("blocks.") for k in main["state_dict"]) and "head.weight" in main["state_dict"]
 
     one = fit(1, steps=4, grads=False, ckpt_in=str(ckpt))
     four = launch(4, tmp_path / "four", steps=4, grads=False, ckpt_in=str(ckpt))
@@ -109,3 +120,217 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_four(tmp_path):
     resumed = launch(2, tmp_path / "from-one", steps=3, grads=False, ckpt_in=str(single))
     for run in resumed:
         _assert_states_close(run.start_state, first.end_state)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_holds_its_share_of_the_layer_masters(tmp_path, world):
+    """Host masters per rank: the owned master of each layer (``ceil(305 / N)`` fp32 elements of each Block) and the
+    residents whole, padded (embed 512 + norm 32 + head 544 = 1088 parameters); owned grads likewise 1/N of every
+    group. One process holds 3 * 305 + 1088 = 2003 masters."""
+    runs = launch(world, tmp_path, steps=1, grads=False)
+    size = -(-305 // world)
+    resident = world * -(-1088 // world)
+    for run in runs:
+        assert run.host_bytes["masters"] == 4 * (3 * size + resident)
+        assert run.host_bytes["owned_grads"] == 4 * (3 * size + resident // world)
+    assert fit(1, steps=1, grads=False).host_bytes["masters"] == 4 * (3 * 305 + 1088)
+
+
+# - which checkpoint several ranks resume from, and none saved after an exception
+
+
+def test_ranks_resume_from_the_newest_checkpoint_that_loads_on_every_rank(tmp_path, monkeypatch):
+    """ckpt_path="last" where rank 1 cannot load last.ckpt nor step 4's (as a rank whose view of a shared directory
+    lags) and rank 0 can: both ranks resume from step 2's, the newest that loads on every rank, and train on alike."""
+    from lightning_megatrain import sharded_load
+
+    ckpts = tmp_path / "ckpts"
+    launch(2, tmp_path / "save", steps=4, grads=False, ckpt_dir=str(ckpts))
+    assert {"last.ckpt", "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"} <= {p.name for p in ckpts.iterdir()}
+    load_any = sharded_load.load_any
+
+    def lagging(path, load_file):
+        if os.environ["LOCAL_RANK"] == "1" and Path(path).name != "epoch=0-step=2.ckpt":
+            raise FileNotFoundError(f"{path}: not visible on rank 1 yet")
+        return load_any(path, load_file)
+
+    monkeypatch.setattr(sharded_load, "load_any", lagging)  # the forked ranks inherit the patch
+    runs = launch(2, tmp_path / "resume", timeout=30, steps=5, grads=False, ckpt_dir=str(ckpts), ckpt_in="last")
+    for rank, run in enumerate(runs):
+        assert float(run.start_state["head.weight"]["step"]) == 2, f"rank {rank}"
+        chose, = [w for w in run.warnings if "the newest checkpoint that loads on every rank" in w]
+        assert f"resuming from {ckpts / 'epoch=0-step=2.ckpt'}" in chose and "rank 1: FileNotFoundError" in chose
+    torch.testing.assert_close(runs[0].params, runs[1].params, rtol=0, atol=0)
+
+
+def test_a_checkpoint_named_by_path_that_one_rank_cannot_load_fails_on_every_rank(tmp_path, monkeypatch):
+    from lightning_megatrain import sharded_load
+
+    ckpt = tmp_path / "two.ckpt"
+    launch(2, tmp_path / "save", steps=2, grads=False, ckpt_out=str(ckpt))
+    load_any = sharded_load.load_any
+
+    def unreadable_on_rank_1(path, load_file):
+        if os.environ["LOCAL_RANK"] == "1":
+            raise OSError("Input/output error")
+        return load_any(path, load_file)
+
+    monkeypatch.setattr(sharded_load, "load_any", unreadable_on_rank_1)
+    runs = launch(2, tmp_path / "resume", timeout=30, raises=True, steps=3, grads=False, ckpt_in=str(ckpt))
+    assert runs[1].error == "OSError: Input/output error"
+    assert runs[0].error.startswith(f"RuntimeError: MegaTrainStrategy could not load the checkpoint {ckpt} on every "
+                                    "rank: rank 1: OSError: Input/output error. HINT")
+
+
+class FailOnRank(Callback):
+    """Raise on one rank only, at the start of one step: the other rank goes on into that step's collectives."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise ValueError(f"a failure on rank {self.rank} only")
+
+
+def test_no_checkpoint_is_saved_after_an_exception_on_several_ranks(tmp_path):
+    """OnExceptionCheckpoint with 2 ranks, rank 1 raising at step 3 while rank 0 trains on: neither rank saves (a
+    checkpoint of one rank's shard file never loads), each warns naming the last complete checkpoint, and neither
+    waits for the other: both end, rank 0 with the error of its broken collective."""
+    ckpts = tmp_path / "ckpts"
+    runs = launch(2, tmp_path / "run", timeout=30, raises=True, steps=6, grads=False, ckpt_dir=str(ckpts),
+                  callbacks=[OnExceptionCheckpoint(str(ckpts)), FailOnRank(1, 3)])
+    assert runs[1].error == "ValueError: a failure on rank 1 only"
+    assert runs[0].error  # its collective lost rank 1
+    assert not list(ckpts.glob("on_exception*"))
+    for rank, run in enumerate(runs):
+        unsaved, = [w for w in run.warnings if "after an exception" in w]
+        assert unsaved.startswith(f"MegaTrainStrategy with 2 ranks did not save {ckpts / 'on_exception.ckpt'} after "
+                                  "an exception"), unsaved
+        assert f"The last complete checkpoint of this run is {ckpts / 'last.ckpt'}." in unsaved
+
+
+def test_one_rank_still_saves_after_an_exception(tmp_path):
+    """With one rank the exception-time checkpoint is whole: OnExceptionCheckpoint saves as in Lightning."""
+    with pytest.raises(ValueError, match="a failure on rank 0 only"):
+        fit(1, steps=4, grads=False, callbacks=[OnExceptionCheckpoint(str(tmp_path)), FailOnRank(0, 2)])
+    assert torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["global_step"] == 2
+
+
+# - after fit, the placeholders; predict; manual optimization
+
+
+class EvalLM(RankLM):
+    """:class:`RankLM` with a validation and test loss over 8 fixed samples, a predict step (per-sample loss over
+    ``n_predict`` samples, one per batch) and, with ``manual``, manual optimization clipping its grads at 0.05."""
+
+    def __init__(self, micro_batch: int, n_predict: int = 8, manual: bool = False) -> None:
+        super().__init__(micro_batch)
+        self.n_predict = n_predict
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx)
+
+    def _eval_loader(self, n: int, batch_size: int) -> DataLoader:
+        data = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
+        return DataLoader(data, batch_size=batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(8, 2)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(8, 2)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.n_predict, 1)
+
+
+def _validate_and_test(trainer, module) -> tuple[float, float]:
+    val, = trainer.validate(module, verbose=False)
+    test, = trainer.test(module, verbose=False)
+    return val["val_loss"], test["test_loss"]
+
+
+def test_validate_and_test_after_fit_use_the_trained_weights(tmp_path):
+    """``trainer.fit(model)`` then ``trainer.validate(model)`` / ``trainer.test(model)`` on the same Trainer: the
+    layers are placeholders after fit's teardown, so the next setup packed NaN masters; it now takes the owned
+    masters fit left. The losses equal one process's."""
+    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world),
+                  after=_validate_and_test)
+    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH),
+                    after=_validate_and_test)
+    for run in runs:
+        torch.testing.assert_close(torch.tensor(run.after), torch.tensor(reference.after), **TOL)
+
+
+def test_manual_optimization_clips_the_residents_too(tmp_path):
+    """Manual optimization calls ``clip_gradients`` before ``optimizer.step()``, where the residents' grads were
+    still local (reduced only when the step finalized them): the global norm missed them and they were not clipped.
+    The weights after two clipped steps equal one process's."""
+    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world, manual=True))
+    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH, manual=True))
+    for rank, run in enumerate(runs):
+        _assert_close(run.params, reference.params, f"rank {rank}, weights")
+
+
+def _predict(trainer, module) -> list[float]:
+    return [float(loss) for loss in trainer.predict(module)]
+
+
+def test_predict_on_two_ranks(tmp_path):
+    """Lightning splits predict data without padding: 8 samples give each rank 4 batches and predict as one process
+    does; 5 samples gave rank 0 a third batch whose layers waited for rank 1, gone (gloo: "Connection closed by
+    peer"; NCCL: a hang): refused on both ranks, before any layer runs, naming the counts."""
+    runs = launch(2, tmp_path / "even", steps=1, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world),
+                  after=_predict)
+    reference = fit(1, strategy="auto", steps=1, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH),
+                    after=_predict)
+    torch.testing.assert_close(torch.tensor(runs[0].after + runs[1].after).sort().values,
+                               torch.tensor(reference.after).sort().values, **TOL)
+    runs = launch(2, tmp_path / "uneven", timeout=30, raises=True, steps=1, grads=False,
+                  module=lambda world: EvalLM(GLOBAL_BATCH // world, n_predict=5), after=_predict)
+    for run in runs:
+        assert run.error.startswith("ValueError: MegaTrainStrategy with 2 ranks runs each layer on every rank "
+                                    "together"), run.error
+        assert "differ: [[3], [2]]" in run.error
+
+
+class PartLM(RankLM):
+    """An optimizer over every parameter but the last block's gate, the last element of that block's flat buffer:
+    only the last rank's shard holds part of what the optimizer leaves out."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for n, p in self.named_parameters() if n != "blocks.2.gate"], lr=1e-2)
+
+
+def test_clipping_an_optimizer_over_part_of_the_parameters_fails_on_every_rank(tmp_path):
+    """Clipping needs the optimizer to hold every parameter; which rank sees that it does not depends on the shards.
+    Decided on one rank alone, that rank raised while the other went on into the norm's all-reduce (gloo: "Connection
+    closed by peer"; NCCL: a hang): every rank refuses, with the same message."""
+    runs = launch(2, tmp_path, timeout=60, raises=True, steps=1, grads=False, clip=1.0,
+                  module=lambda world: PartLM(GLOBAL_BATCH // world))
+    for run in runs:
+        assert run.error.startswith("RuntimeError: MegaTrainStrategy with several ranks clips the global norm of the "
+                                    "optimizer's whole shard only"), run.error

@@ -22,6 +22,8 @@ from lightning_megatrain.optim.compact_adam import n_blocks
 from lightning_megatrain.planner import HOST_STATE_BYTES
 
 from helpers.compact import LR, WD, WEIGHTS, bf16_loop, fit_engine, max_relative_error
+from helpers.forked import in_child
+from helpers.host_ram import MEASURABLE, LoadAndMeasure, SaveAndMeasure, Wide, exact_rss
 from helpers.parity import ParityLM, assert_records_close, run
 from helpers.trainers import cpu_trainer
 
@@ -147,6 +149,55 @@ def test_host_bytes_per_parameter_are_the_planners(host_state):
     left_out = sum(4 + (8 * n_blocks(p.numel()) - 8 * p.numel() / 256 if int8 else 0) for p in params)
     assert sizes.sizes["masters"] + sizes.sizes["optimizer_states"] == pytest.approx(
         (planned["masters"] + planned["optimizer states"]) * n + left_out, abs=1e-6)
+
+
+def _save_and_resume(root, host_state, fmt, send) -> None:
+    """The child: 2 steps of ``Wide`` (6.8M parameters) with ``host_state``, a ``fmt`` checkpoint, a resume from it;
+    sends the peak RSS the load added and the anonymous memory it left (the states the optimizer keeps)."""
+    exact_rss()
+    precision = "32-true" if host_state == "int8_moments" else "bf16-mixed"
+    save = SaveAndMeasure(root / fmt / "last.ckpt")
+    strategy = MegaTrainStrategy(layers="blocks", cpu_adam="torch", host_state=host_state, checkpoint_format=fmt)
+    cpu_trainer(strategy=strategy, max_steps=2, callbacks=[save], precision=precision).fit(Wide())
+    load = LoadAndMeasure()
+    strategy = MegaTrainStrategy(layers="blocks", cpu_adam="torch", host_state=host_state)
+    cpu_trainer(strategy=strategy, max_steps=3, callbacks=[load], precision=precision).fit(Wide(), ckpt_path=save.path)
+    send.send((load.extra, load.kept))
+
+
+@pytest.mark.skipif(not MEASURABLE, reason="needs Linux's /proc/self/clear_refs and glibc")
+@pytest.mark.parametrize(("host_state", "fmt"), [("int8_moments", "file"), ("compact", "sharded")])
+def test_a_resume_adds_only_the_states_it_keeps_to_host_ram(tmp_path, host_state, fmt):
+    """A resume of the compact layouts reads each 8-bit code, scale and compensation from the mapped checkpoint into
+    memory of its own in its own dtype, a chunk at a time ([Note: mapped checkpoint tensors]): the peak RSS rises
+    by the states the optimizer keeps and a few MiB more, as for fp32 states (the bound: 12 MiB, for the allocator's
+    noise after the tests before it in the same process). Torch's ``load_state_dict`` cast the
+    codes to the parameters' dtype first, all at once: 53 MiB more with ``int8_moments`` (fp32: 4 bytes per code),
+    26 MiB with ``compact`` (bf16), for 13 MiB kept."""
+    loaded, kept = in_child(_save_and_resume, tmp_path, host_state, fmt)
+    n_params = sum(p.numel() for p in Wide().parameters())
+    assert kept >= 0.9 * 2 * n_params, (loaded, kept)  # the 8-bit moments (and scales) the optimizer keeps
+    assert loaded < kept + 12 * 2**20, (loaded, kept)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("compact", "fp32"), ("int8_moments", "fp32"), ("fp32", "compact"),
+                                               ("compact", "compact_kahan")])
+def test_a_checkpoint_of_another_layout_is_refused_when_it_loads(tmp_path, saved, resumed):
+    """A checkpoint's optimizer state in another ``host_state`` layout is refused while it loads, naming both layouts
+    (the 8-bit codes loaded into fp32 AdamW used to fail only at the first step, as a kernel error on a [4096]
+    state, after the weights had been restored)."""
+    def fit(host_state, steps, ckpt_path=None):
+        L.seed_everything(0, verbose=False)
+        checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+        precision = "bf16-mixed" if host_state.startswith("compact") else "32-true"
+        cpu_trainer(strategy=MegaTrainStrategy(host_state=host_state, cpu_adam="torch"), max_steps=steps,
+                    limit_train_batches=1, precision=precision, enable_checkpointing=True,
+                    callbacks=[checkpoints]).fit(ParityLM("qwen3"), ckpt_path=ckpt_path)
+
+    fit(saved, 1)
+    with pytest.raises(ValueError, match=rf"saved with MegaTrainStrategy\(host_state='{saved}'\), this run stores "
+                                         rf"host_state='{resumed}'.* HINT: resume with host_state='{saved}'"):
+        fit(resumed, 2, ckpt_path=str(tmp_path / "last.ckpt"))
 
 
 def test_refusals():

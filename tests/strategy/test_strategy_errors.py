@@ -144,6 +144,20 @@ def test_too_little_gpu_memory_error():
             )
 
 
+def test_too_little_gpu_memory_counts_the_buffers_of_several_ranks():
+    """With several ranks a layer's fp32 gather buffer and its padded grad reduce-scatter (N x the largest share
+    each) come on top: 540 MB fit in 580, 620 MB do not."""
+    from lightning_megatrain.engine import MegaTrainEngine
+    from lightning_megatrain.engine.sharding import Ranks
+
+    sizes = dict(max_layer=10_000_000, n_resident=50_000_000, device_numel=[])
+    with mock.patch.object(torch.cuda, "mem_get_info", return_value=(580 * 10**6, 80 * 1024**3)):
+        MegaTrainEngine(nn.Linear(1, 1), torch.device("cuda", 0), torch.bfloat16)._check_gpu_memory(**sizes)
+        ranked = MegaTrainEngine(nn.Linear(1, 1), torch.device("cuda", 0), torch.bfloat16, ranks=Ranks(0, 2))
+        with pytest.raises(RuntimeError, match=r"needs 0\.6 GiB of GPU memory"):
+            ranked._check_gpu_memory(**sizes)
+
+
 def test_gpu_optimizer_groups_validated_up_front():
     with pytest.raises(ValueError, match=r"gpu_optimizer_groups=-1: need 'auto' or an int >= 0"):
         MegaTrainStrategy(gpu_optimizer_groups=-1)

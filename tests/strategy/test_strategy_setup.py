@@ -92,7 +92,8 @@ def test_arguments_become_one_engine_config():
     cpu_trainer(strategy=strategy, callbacks=[check]).validate(WithVal("llama_tied"), DataLoader(make_data()[:2]))
     # a CPU device refuses 1 when fitting; the "auto" options resolved for a CPU compute device
     assert check.config == strategy.config.replace(
-        gpu_optimizer_groups=0, overlap_optimizer=False, compile_layers=False, segment_layers=1, device_checkpoints=0
+        gpu_optimizer_groups=0, overlap_optimizer=False, compile_layers=False, segment_layers=1, device_checkpoints=0,
+        update_during_backward=False,
     )
 
 

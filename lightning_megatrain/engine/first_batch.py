@@ -1,0 +1,173 @@
+"""What the engine decides at the first training micro-batch, whose shape the decisions need: the split of the
+state between host and GPU (``gpu_optimizer_groups="auto"``) and where the layer-input checkpoints go
+(``segment_layers``, ``device_checkpoints``), placed again for any longer micro-batch; and what waits for that split
+(the host-state check, loaded optimizer states). The decisions themselves are engine/placement.py's ([Note: auto
+placement]); :class:`FirstBatchPlacement` applies them to the engine, which inherits it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.device_state import DeviceGroup, settle_states
+from lightning_megatrain.engine.host_budget import (
+    check_split_possible,
+    checkpoint_host_budget,
+    host_bytes_to_come,
+    host_bytes_to_come_split,
+    host_free_checked,
+)
+from lightning_megatrain.engine.host_store import FlatGroup, check_host_bytes_to_come
+from lightning_megatrain.engine.placement import (
+    choose_checkpoints,
+    choose_gpu_optimizer_groups,
+    module_hf_config,
+    token_shape,
+)
+from lightning_megatrain.optim.host_optimizer import overlappable
+
+if TYPE_CHECKING:
+    from lightning_megatrain.engine.sharding import ShardedState
+    from lightning_megatrain.engine.streamed import StreamedLayers
+    from lightning_megatrain.engine.transfer import Transfer
+
+log = logging.getLogger(__name__)
+
+
+class FirstBatchPlacement:
+    """The first-micro-batch decisions of :class:`~lightning_megatrain.engine.engine.MegaTrainEngine`, which
+    inherits them; the attributes below are the engine's (set in its ``__init__`` and ``setup``)."""
+
+    module: nn.Module
+    device: torch.device
+    compute_dtype: torch.dtype
+    config: EngineConfig
+    groups: list[FlatGroup]
+    resident_group: FlatGroup | None
+    device_groups: list[DeviceGroup]
+    sharding: ShardedState | None
+    transfer: Transfer | None
+    streamed: StreamedLayers | None
+    placement_pending: bool
+    _unsettled: list[torch.optim.Optimizer]
+    _grads_deferred: bool
+    _checkpoint_options: tuple[Any, Any]
+    _placed_tokens: int
+    on_cuda: bool
+    flat_groups: list[FlatGroup]
+    # and its methods _place_device_groups and wait_for_optimizer
+
+    def place_for_batch(
+        self,
+        batch: Any,
+        *,
+        grad_accum: int,
+        optimizers: Sequence[torch.optim.Optimizer],
+        custom_clipping: bool,
+        chunked_loss: bool,
+        grads_read: bool = False,
+    ) -> None:
+        """Decide ``gpu_optimizer_groups="auto"`` for the first training micro-batch and place them, then place (or
+        check) the layer-input checkpoints (engine/placement.py, [Note: auto placement]); logs each choice. Called
+        once, before that micro-batch's forward. ``grads_read``: code reads ``p.grad`` before the step (the device
+        groups' grads then reach the host too). Raises before any allocation of the micro-batch when no split of the
+        state between host and GPU, or no placement of its checkpoints, fits, with the numbers."""
+        self.placement_pending = False
+        if self.config.gpu_optimizer_groups == "auto":
+            self._choose_device_groups(batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read)
+            self.settle_loaded_states(self._unsettled)
+        if self.on_cuda:
+            self.place_checkpoints(batch, grad_accum, optimizers, chunked_loss)
+
+    def checkpoints_outgrown(self, batch: Any) -> bool:
+        """Whether ``batch`` has more tokens than the micro-batch the checkpoints were placed for (shapes only)."""
+        shape = token_shape(batch) if self._placed_tokens else None
+        return shape is not None and shape[0] * shape[1] > self._placed_tokens
+
+    def _choose_device_groups(self, batch, grad_accum, optimizers, custom_clipping, chunked_loss, grads_read) -> None:
+        forward = [self.resident_group, *self.groups]
+        free = host_free_checked()
+        n, why = choose_gpu_optimizer_groups(
+            self.module,
+            batch,
+            config=self.config,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            grad_accum=grad_accum,
+            adam_only=len(optimizers) == 1 and overlappable(optimizers[0]),
+            custom_clipping=custom_clipping,
+            chunked_loss=chunked_loss,
+            host_free=free,
+            to_come=lambda k: host_bytes_to_come_split(forward, optimizers, k, grads_read),
+        )
+        log.info("MegaTrain: gpu_optimizer_groups=%d (auto: %s)", n, why)
+        self.config = self.config.replace(gpu_optimizer_groups=n)
+        self._place_device_groups(n)
+        if self._grads_deferred:  # the host groups' grads, deferred at setup, now that the split is decided
+            self._grads_deferred = False
+            for group in forward[n:]:
+                group.grad  # noqa: B018  (allocates the buffer: FlatGroup.grad)
+
+    def settle_loaded_states(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Optimizer states just loaded from a checkpoint into their places (engine/device_state.py
+        ``settle_states``): now, or, while ``gpu_optimizer_groups="auto"`` is undecided, once :meth:`place_for_batch`
+        has placed the device groups, so that the host never holds theirs ([Note: mapped checkpoint tensors])."""
+        self._unsettled = list(optimizers) if self.config.gpu_optimizer_groups == "auto" else []
+        for optimizer in () if self._unsettled else optimizers:
+            settle_states(optimizer, self.device_groups)
+
+    def check_host_state(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Refuse before the first step when host RAM cannot hold the host groups' grads and the optimizers' states
+        still to come (the setup's check counted masters and grads only: the optimizers did not exist yet).
+
+        Raises:
+            RuntimeError: with the numbers (engine/host_store.py ``check_host_bytes_to_come``).
+        """
+        if self.placement_pending and self.config.gpu_optimizer_groups == "auto":  # split at the first micro-batch
+            check_split_possible([self.resident_group, *self.groups], optimizers, self.device, self.compute_dtype)
+            return
+        host_groups = self._host_groups()
+        check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
+
+    def _host_groups(self) -> list[FlatGroup]:
+        """The groups whose grads and optimizer states live in host memory: every flat group but the device groups;
+        with several ranks, this rank's shares of them ([Note: sharded host state])."""
+        if self.sharding is not None:
+            return self.sharding.owned_groups
+        return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
+
+    def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
+        """``segment_layers`` and ``device_checkpoints`` for the training micro-batch ``batch``: decided where "auto",
+        checked against the free host and GPU memory where given ([Note: recompute segments]). Runs at the first
+        micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
+        shape = token_shape(batch)
+        hf_config = module_hf_config(self.module)
+        given = dict(zip(("segment_layers", "device_checkpoints"), self._checkpoint_options))
+        auto = [name for name, value in given.items() if value == "auto"]
+        if shape is None or hf_config is None:
+            k, n = (1 if "segment_layers" in auto else given["segment_layers"],
+                    0 if "device_checkpoints" in auto else given["device_checkpoints"])
+            why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
+        else:
+            host_groups = self._host_groups()
+            if self._placed_tokens:
+                log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
+                         "were placed for: placing them again", *shape, self._placed_tokens)
+                self.wait_for_optimizer()  # an overlapped step may still be allocating host Adam states
+            self._placed_tokens = shape[0] * shape[1]
+            # the stash pool's pinned buffers, too small for a longer micro-batch, are freed before new ones are made
+            pool = self.transfer.host_bytes().get("offload_cache", 0)
+            k, n, why = choose_checkpoints(
+                hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
+                chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
+                host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool,
+            )
+        log.info("MegaTrain: segment_layers=%d, device_checkpoints=%d (%s: %s)", k, n,
+                 "auto" if auto else "as given, checked", why)
+        self.config = self.config.replace(segment_layers=k, device_checkpoints=n)
+        self.streamed.segments.configure(k, n)

@@ -1,0 +1,79 @@
+"""The optimizer step of one rank of several: :class:`OptimizerStep` over the rank's owned shares of the flat groups
+(engine/sharding.py, [Note: sharded host state]), with the decisions every rank must take alike made together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.grad_norm import host_norm_sq
+from lightning_megatrain.engine.host_store import FlatGroup
+from lightning_megatrain.engine.optimizer_step import OptimizerStep
+from lightning_megatrain.engine.shard_states import shard_optimizer
+from lightning_megatrain.engine.sharding import ShardedState
+
+
+class ShardedOptimizerStep(OptimizerStep):
+    """:class:`OptimizerStep` over the owned shares (engine/optimizer_step.py), with the residents' reduction, the
+    global norm and a skip decision every rank shares (see the module note).
+
+    Args:
+        state: the shards; the base class gets ``state.owned_groups`` as its groups.
+        resident_group: the residents' full group, whose grads are reduced at the end of backward (None: none).
+        others: the base class's remaining arguments (config, device, overlap=None, transfer, residents).
+    """
+
+    def __init__(self, state: ShardedState, resident_group: FlatGroup | None, config: EngineConfig,
+                 device: torch.device, transfer: Any, residents: Any) -> None:
+        super().__init__(config, device, state.owned_groups, None, transfer, residents)
+        self.state = state
+        self._resident = state.shard_of(resident_group) if resident_group is not None else None
+
+    def to_host_optimizers(self, optimizers, schedulers):
+        host = super().to_host_optimizers(optimizers, schedulers)
+        for optimizer in host:
+            shard_optimizer(optimizer, self.state)
+        return host
+
+    def finalize_gradients(self, grads_read: bool = True) -> None:
+        super().finalize_gradients(grads_read)
+        self._reduce_residents()
+
+    def _reduce_residents(self) -> None:
+        """Reduce the residents' local grads into the owned grads where some rank holds any: at the end of backward,
+        and before clipping, which manual optimization calls before ``optimizer.step()`` finalizes. Whether to is
+        one flag all-reduced (every rank takes the same branch); once reduced, no ``p.grad`` is left."""
+        if self._resident is None:
+            return
+        local = any(p.grad is not None for p in self._resident.group.params)
+        anywhere = self.state.ranks.all_reduce_(torch.tensor([float(local)]), op=dist.ReduceOp.MAX)
+        if anywhere[0]:
+            self.state.reduce_local_grads(self._resident)
+
+    def _host_norm_sq(self) -> Tensor:
+        """The squared global grad norm: the owned grads' squared norms summed over the ranks."""
+        return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
+
+    def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
+        self._reduce_residents()  # manual optimization clips before optimizer.step() finalizes the grads
+        # decided together: which rank's pieces show the optimizer missing a parameter depends on the shards, and a
+        # rank that raised alone would leave the others in the norm's all-reduce
+        whole = self.state.ranks.all_reduce_(torch.tensor([float(self.clips_whole(params))]), op=dist.ReduceOp.MIN)
+        if not whole[0] or not super().clip_grad_norm_(params, max_norm, defer):
+            raise RuntimeError(
+                "MegaTrainStrategy with several ranks clips the global norm of the optimizer's whole shard only, but "
+                "the optimizer being clipped holds part of the model's parameters. HINT: one optimizer over "
+                "self.parameters(), or devices=1."
+            )
+        return True
+
+    def check_finite(self, loss: Tensor | None, index: int) -> bool:
+        # the same decision on every rank: the global norm (clipping's, or _host_norm_sq's) and the mean loss
+        if isinstance(loss, Tensor):
+            ranks = self.state.ranks
+            loss = ranks.all_reduce_(loss.detach().float().sum().reshape(1).cpu())[0] / ranks.world
+        return super().check_finite(loss, index)
