@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import Callable, Generator
@@ -15,6 +16,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_megatrain.checkpoint_strategy import CheckpointStrategy
@@ -31,6 +33,7 @@ from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier, placement_hooks
 from lightning_megatrain.host_memory import host_memory_by_kind, log_host_memory
+from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.precision import MegaTrainPrecision, megatrain_precision
 from lightning_megatrain.sharded_checkpoint import layer_layout, strategy_checkpoint_io
@@ -311,6 +314,14 @@ class MegaTrainStrategy(CheckpointStrategy):
         """Optimizer steps skipped since setup for a non-finite loss or gradient norm (``nonfinite="skip"``); a step
         overlapped with the next forward counts once that forward has started."""
         return len(self._skipped)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        transfer = functools.partial(super().batch_to_device, device=device, dataloader_idx=dataloader_idx)
+        if self.lightning_module is None or is_overridden("transfer_batch_to_device", self.lightning_module):
+            return transfer(batch)  # a module that moves its own batches binds their documents itself, or not at all
+        # packed rows' documents read on the host ([Note: host document spans] in models/document_spans.py)
+        return transfer_binding_spans(batch, transfer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

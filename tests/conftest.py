@@ -1,9 +1,10 @@
-"""Fixtures for every test."""
+"""Fixtures for every test, and the failure log of GPU runs."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import pytest
 
@@ -23,3 +24,12 @@ def fast_cpuinfo(monkeypatch):
     """``cpuinfo.get_cpu_info`` (2 s of subprocesses, which every ``DeepSpeedCPUAdam`` calls) run once per test."""
     cpuinfo = pytest.importorskip("cpuinfo")
     monkeypatch.setattr(cpuinfo, "get_cpu_info", functools.lru_cache(cpuinfo.get_cpu_info))
+
+
+def pytest_runtest_logreport(report):
+    """With ``MEGATRAIN_FAILURE_LOG`` set, each failed test's error (with its traceback) is appended to that file as
+    soon as the test fails: a GPU run cut before pytest's summary still leaves the exception texts."""
+    path = os.environ.get("MEGATRAIN_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -20,7 +20,8 @@ from ``position_ids`` (``masking_utils.find_packed_sequence_indices``, used by `
 the 2D attention mask is ``None`` and no KV cache is passed, so call the model with ``use_cache=False``).
 The padding tail is its own pseudo-sequence with positions ``0..p-1``, so real tokens never attend to it.
 ``packed_sdpa`` attends within each sequence without building the mask (see [Note: packed attention] in
-``models/packed_attention.py``).
+``models/packed_attention.py``), with the sequences' starts read from these host ``position_ids`` when the batch moves
+to the device ([Note: host document spans] in ``models/document_spans.py``).
 """
 
 from __future__ import annotations

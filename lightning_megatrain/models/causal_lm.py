@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_forms import RouterAux, router_aux, router_aux_loss
 from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
 from lightning_megatrain.models.packed_attention import (
@@ -279,6 +281,14 @@ class CausalLMModule(LightningModule):
         if TARGET_ROWS not in batch:
             batch = {**batch, TARGET_ROWS: target_rows(_labels(batch))}
         return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's transfer, with the documents of packed rows read from the host ``position_ids`` and bound to
+        the moved tensor: the packed attention then reads nothing back from the device (see [Note: host document
+        spans] in ``models/document_spans.py``)."""
+        return transfer_binding_spans(
+            batch, partial(super().transfer_batch_to_device, device=device, dataloader_idx=dataloader_idx)
+        )
 
     def _check_packed(self, batch: dict[str, Tensor]) -> None:
         """Refuses a packed batch the model's attention implementation cannot take (see ``packed_batch_problem``)."""

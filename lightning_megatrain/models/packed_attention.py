@@ -17,13 +17,17 @@ models that support SDPA):
   against itself, the next token, the previous token, the first token of its document and the token before that. A
   token that cannot see the previous one starts a document. When every token sees itself and the first token of its
   document, none sees the next token nor the token before its document, the mask is causal within whole documents and
-  blocks everything else, and the builder returns ``DocumentSpans`` (each row's document starts, read to the host
-  once per forward). Every composition transformers makes for causal LMs out of index functions (causal, packed
-  documents, sliding windows, chunks) lets a query see an interval of keys ending at itself whose start never moves
-  back, so these pairs decide it exactly: a sliding window longer than every document passes, a shorter one fails;
-  chunk borders become document starts. Otherwise (a 2D ``attention_mask`` with padding, a window shorter than a
-  document, bidirectional overlays, custom ``or``/``and`` mask functions, KV-cache offsets) it returns ``sdpa_mask``'s
-  result, exactly what ``sdpa`` gets, and warns when that dense mask takes ``DENSE_MASK_LIMIT`` bytes or more.
+  blocks everything else, and the builder returns ``DocumentSpans`` (each row's document starts). Every composition
+  transformers makes for causal LMs out of index functions (causal, packed documents, sliding windows, chunks) lets a
+  query see an interval of keys ending at itself whose start never moves back, so these pairs decide it exactly: a
+  sliding window longer than every document passes, a shorter one fails; chunk borders become document starts.
+  Otherwise (a 2D ``attention_mask`` with padding, a window shorter than a document, bidirectional overlays, custom
+  ``or``/``and`` mask functions, KV-cache offsets) it returns ``sdpa_mask``'s result, exactly what ``sdpa`` gets, and
+  warns when that dense mask takes ``DENSE_MASK_LIMIT`` bytes or more. Where the transfer of the batch bound the
+  spans read from its host ``position_ids`` ([Note: host document spans] in ``document_spans.py``), the builder
+  returns those and checks the probes against them on the device, reading nothing back; without bound spans
+  (position_ids made on the device, a module with its own transfer hook) it reads the probes and the starts to the
+  host, once per forward.
 - ``packed_sdpa_attention_forward`` attends causally within each document, without a mask: rows of one document go
   to transformers' ``sdpa_attention_forward`` whole; packed rows on a GPU in fp16/bf16 go to torch's flash varlen
   kernel (``torch.nn.attention.varlen.varlen_attn``), all documents of the batch in one call; elsewhere (the CPU,
@@ -41,8 +45,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,6 +53,9 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+from lightning_megatrain.models import document_spans
+from lightning_megatrain.models.document_spans import DocumentSpans, take_bound_spans
 
 try:  # torch's flash varlen attention (CUDA, fp16/bf16), the GPU path for packed rows
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -69,36 +75,6 @@ DENSE_MASK_LIMIT = 1 << 30
 
 # Implementations whose transformers mask builder materialises the mask densely: sdpa (bool) and eager (float).
 _DENSE_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
-
-
-@dataclass(frozen=True)
-class DocumentSpans:
-    """The documents of each row of a batch, passed to the decoder layers in place of an attention mask.
-
-    ``starts[b]`` holds the first position of each document of row ``b`` (beginning with 0); a document runs to the
-    next start, the last one to ``length``. Attention is causal within a document and never crosses one.
-    ``cu_seqlens`` (int32 ``[N + 1]``, on the model's device) are the same documents as offsets into the ``B * T``
-    flattened tokens, for varlen kernels.
-    """
-
-    starts: tuple[tuple[int, ...], ...]
-    length: int
-    cu_seqlens: Tensor = field(compare=False, repr=False)
-
-    def spans(self, row: int) -> Iterator[tuple[int, int]]:
-        """``(start, end)`` of each document of ``row``."""
-        starts = self.starts[row]
-        yield from zip(starts, (*starts[1:], self.length))
-
-    @property
-    def whole_rows(self) -> bool:
-        """Every row is one document (plain causal attention)."""
-        return all(len(starts) == 1 for starts in self.starts)
-
-    @property
-    def max_length(self) -> int:
-        """Tokens in the longest document."""
-        return max(end - start for row in range(len(self.starts)) for start, end in self.spans(row))
 
 
 def _dense_fallback(reason: str, batch_size: int, q_length: int, kv_length: int, **kwargs: Any) -> Tensor | None:
@@ -125,6 +101,7 @@ def document_spans_mask(
 ) -> DocumentSpans | Tensor | None:
     """``packed_sdpa``'s mask builder (the ``sdpa_mask`` signature): ``DocumentSpans`` where the mask is causal
     within whole documents, else ``sdpa_mask``'s result. See [Note: packed attention]."""
+    bound = take_bound_spans()  # host spans of the position_ids this mask is built from ([Note: host document spans])
     dense = dict(q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                  allow_is_causal_skip=allow_is_causal_skip, use_vmap=use_vmap, device=device, **kwargs)
     if allow_is_causal_skip:  # transformers found no packed documents: exactly sdpa's mask (None for plain causal
@@ -137,25 +114,9 @@ def document_spans_mask(
     if use_vmap:  # custom or/and mask functions: not guaranteed to broadcast over index tensors
         return _dense_fallback("the model adds its own mask functions", batch_size, q_length, kv_length, **dense)
 
-    def allowed(q: Tensor, kv: Tensor) -> Tensor:  # [B, T] bool: may query q see key kv
-        return mask_function(rows, head, q, kv).expand(batch_size, q_length)
-
-    rows = torch.arange(batch_size, device=device)[:, None]  # [B, 1]
-    head = torch.zeros((1, 1), dtype=torch.long, device=device)
-    q = torch.arange(q_length, device=device)[None, :]  # [1, T]
-    prev = (q - 1).clamp(min=0)  # [1, T]
-    starts = ~allowed(q, prev)  # [B, T]: cannot see the previous token
-    starts[:, 0] = True
-    first = torch.where(starts, q, 0).cummax(dim=1).values  # [B, T] first position of each token's document
-    before = first - 1  # [B, T] the last token of the previous document, -1 in the first one
-    nxt = (q + 1).clamp(max=q_length - 1)  # [1, T]
-    not_last = q < q_length - 1  # [1, T]
-    causal_documents = (
-        allowed(q, q).all()
-        & allowed(q, first).all()
-        & ~(allowed(q, nxt) & not_last).any()
-        & ~(allowed(q, before.clamp(min=0)) & (before >= 0)).any()
-    )
+    starts, causal_documents = _probe(mask_function, batch_size, q_length, device)
+    if attention_mask is None and _bound_spans_apply(bound, batch_size, q_length, kwargs.get("config")):
+        return _checked_on_device(bound, starts, causal_documents)
     if not bool(causal_documents):
         return _dense_fallback("the mask is not causal within whole documents (a sliding window or chunk shorter than "
                                "a document, or bidirectional attention)", batch_size, q_length, kv_length, **dense)
@@ -166,6 +127,71 @@ def document_spans_mask(
     for row, start in zip(row_index.tolist(), position.tolist()):  # row-major, so starts come out sorted
         per_row[row].append(start)
     return DocumentSpans(tuple(tuple(starts) for starts in per_row), q_length, cu_seqlens)
+
+
+def _probe(mask_function: Callable, batch_size: int, length: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """``mask_function`` on the O(B*T) probe pairs of [Note: packed attention], on ``device``, read nowhere: the
+    document starts it implies ``[B, T]`` (bool) and whether it is causal within whole documents ``[]`` (bool)."""
+
+    def allowed(q: Tensor, kv: Tensor) -> Tensor:  # [B, T] bool: may query q see key kv
+        return mask_function(rows, head, q, kv).expand(batch_size, length)
+
+    rows = torch.arange(batch_size, device=device)[:, None]  # [B, 1]
+    head = torch.zeros((1, 1), dtype=torch.long, device=device)
+    q = torch.arange(length, device=device)[None, :]  # [1, T]
+    prev = (q - 1).clamp(min=0)  # [1, T]
+    starts = ~allowed(q, prev) | (q == 0)  # [B, T]: cannot see the previous token, or the first (no Python value
+    # written into a device tensor)
+    first = torch.where(starts, q, 0).cummax(dim=1).values  # [B, T] first position of each token's document
+    before = first - 1  # [B, T] the last token of the previous document, -1 in the first one
+    nxt = (q + 1).clamp(max=length - 1)  # [1, T]
+    not_last = q < length - 1  # [1, T]
+    causal_documents = (
+        allowed(q, q).all()
+        & allowed(q, first).all()
+        & ~(allowed(q, nxt) & not_last).any()
+        & ~(allowed(q, before.clamp(min=0)) & (before >= 0)).any()
+    )  # []
+    return starts, causal_documents
+
+
+def _bound_spans_apply(spans: DocumentSpans | None, batch_size: int, length: int, config: Any) -> bool:
+    """Whether there are bound ``spans`` and the host alone can tell that the mask is causal within their documents:
+    they cover the batch, and neither bidirectional attention nor a window or chunk of the ``config`` cuts a document
+    (the probes would find that: a sliding window shorter than a document gets the dense mask). See [Note: host
+    document spans]."""
+    if spans is None or config is None or not getattr(config, "is_causal", True):
+        return False
+    if len(spans.starts) != batch_size or spans.length != length:
+        return False
+    limits = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size")]
+    return all(not isinstance(limit, int) or limit >= spans.max_length for limit in limits)
+
+
+# torch's CUDA kernel of ``_assert_async`` copies its message into a 256-byte argument and raises on the host, before
+# launching, for a message of 255 bytes or more ("Message length must be smaller than 255",
+# aten/src/ATen/native/cuda/TensorCompare.cu, ``Msg::MAX_MSG_LENGTH``); the CPU kernel takes any length.
+DEVICE_ASSERT_MESSAGE_LIMIT = 255
+
+# What a failed check on the device means; on a GPU it surfaces as a device-side assert at the next sync. Shorter than
+# DEVICE_ASSERT_MESSAGE_LIMIT bytes.
+_SPANS_DISAGREE = (
+    f"{PACKED_SDPA}: transformers' mask is not causal within the documents read from the host position_ids "
+    "([Note: host document spans], lightning_megatrain/models/document_spans.py). "
+    "HINT: use attn_implementation='sdpa'."
+)
+
+
+def _checked_on_device(spans: DocumentSpans, starts: Tensor, causal_documents: Tensor) -> DocumentSpans:
+    """``spans``, with the probes' ``starts`` ``[B, T]`` and ``causal_documents`` ``[]`` checked against them on the
+    device without a read to the host (``torch._assert_async``)."""
+    batch_size, length = starts.shape
+    cu_seqlens = spans.cu_seqlens.to(starts.device)
+    expected = torch.zeros(batch_size * length, dtype=torch.bool, device=starts.device)  # [B*T]
+    expected.index_fill_(0, cu_seqlens[:-1].long(), True)
+    agree = causal_documents & (starts == expected.view(batch_size, length)).all()  # []
+    torch._assert_async(agree, _SPANS_DISAGREE)
+    return spans
 
 
 def _compute_dtype(query: Tensor) -> torch.dtype:
@@ -267,6 +293,7 @@ def register() -> None:
     """Register ``packed_sdpa`` with transformers (idempotent); importing ``lightning_megatrain`` calls it."""
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention_forward)
     AttentionMaskInterface.register(PACKED_SDPA, document_spans_mask)
+    document_spans.install()
 
 
 def hf_attn_implementation(requested: str) -> str | None:
