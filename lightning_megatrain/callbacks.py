@@ -58,8 +58,9 @@ class _PendingCount:
     def __init__(self, count: Tensor) -> None:
         self.host = torch.empty((), dtype=count.dtype, pin_memory=True)
         self.host.copy_(count, non_blocking=True)
-        self.copied = torch.cuda.Event()  # recorded by the current stream after the copy; value() waits for it
-        self.copied.record()
+        stream = torch.cuda.current_stream(count.device)  # the batch's work and the copy's
+        self.copied = torch.cuda.Event()  # recorded by that stream after the copy; value() waits for it
+        self.copied.record(stream)
 
     def value(self) -> int:
         self.copied.synchronize()

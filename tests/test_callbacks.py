@@ -114,8 +114,8 @@ def test_a_gpu_count_is_read_a_batch_later_without_waiting_for_the_device(monkey
             self.recorded = self.waited = False
             events.append(self)
 
-        def record(self):
-            self.recorded = True
+        def record(self, stream):
+            self.recorded = stream == "stream of cuda:0"
 
         def synchronize(self):
             self.waited = True
@@ -126,6 +126,7 @@ def test_a_gpu_count_is_read_a_batch_later_without_waiting_for_the_device(monkey
             return torch.device("cuda", 0)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: torch.zeros(*a, **k))
     mask = torch.ones(2, 5, dtype=torch.long).as_subclass(Count)
     pending = callbacks._pending({"input_ids": mask, "attention_mask": mask})
