@@ -190,8 +190,10 @@ class ThroughputLogger(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             metrics["gpu_max_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-        for name, value in metrics.items():
-            pl_module.log(name, float(value), prog_bar=self.prog_bar, on_step=True, on_epoch=False, batch_size=1)
+        for name, value in metrics.items():  # host tensors: a Python number would become a tensor on the
+            # module's device (LightningModule.log), a blocking copy behind the step's work
+            pl_module.log(name, torch.tensor(float(value)), prog_bar=self.prog_bar, on_step=True, on_epoch=False,
+                          batch_size=1)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._profiler is not None:  # training stopped inside the profiled step
