@@ -32,7 +32,8 @@ from lightning_megatrain.models.reference import (
 )
 from lightning_megatrain.models.sequence_logps import sequence_logps
 
-# Batch flag set on the host: the attention mask only marks right padding, so the decoder runs without it. Causal
+# Batch flag set on the host: the attention mask only marked right padding, so the decoder runs without it (the
+# batch carries host position_ids instead, which the transfer binds: [Note: host document spans]). Causal
 # attention never lets a real token see the padding after it, and the padding's own outputs are never targets, so the
 # log-probabilities are the same; no [2B, 1, T, T] mask is built (2.4 GiB at 146 rows of 4096 under sdpa).
 CAUSAL_ONLY = "causal_only"
@@ -266,7 +267,11 @@ class DPOModule(CausalLMModule):
         """
         batch = super().on_before_batch_transfer(batch, dataloader_idx)
         if isinstance(batch, dict) and _right_padded(batch.get("attention_mask")):
-            batch = {**batch, CAUSAL_ONLY: True}
+            # the mask goes and host position_ids come: bound at transfer, the attention reads nothing from the device
+            # to find documents (transformers would, from device position_ids it makes itself)
+            rows, length = batch["input_ids"].shape
+            batch = {k: v for k, v in batch.items() if k != "attention_mask"} | {CAUSAL_ONLY: True}
+            batch.setdefault("position_ids", torch.arange(length).expand(rows, length))
         trainer = self._trainer
         if (not self.needs_reference or self._computing_reference or not isinstance(batch, dict)
                 or REFERENCE_LOGPS in batch or (trainer is not None and trainer.predicting)):
