@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_megatrain.models.document_spans import transfer_binding_spans
+from lightning_megatrain.models.document_spans import CAUSAL_ONLY, transfer_binding_spans, without_padding_mask
 from lightning_megatrain.models.hf_forms import RouterAux, router_aux, router_aux_loss
 from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
 from lightning_megatrain.models.packed_attention import (
@@ -244,7 +244,7 @@ class CausalLMModule(LightningModule):
         router = {"output_router_logits": router_aux} if self.router_aux is not None else {}
         out = self._decoder()(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=None if batch.get(CAUSAL_ONLY) else attention_mask,
             position_ids=batch.get("position_ids"),
             use_cache=False,
             **router,
@@ -269,7 +269,10 @@ class CausalLMModule(LightningModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Adds the loss's target positions (``target_rows``), computed on the host: on a GPU the loss then
-        selects them without a device sync, and the token count is known without one.
+        selects them without a device sync, and the token count is known without one. A right-padded batch without
+        ``position_ids`` runs without its mask, with host ``position_ids`` bound at transfer (``CAUSAL_ONLY``: the
+        same outputs for every real token, no dense mask, no read of the device; [Note: host document spans]),
+        unless the MoE router loss reads the mask.
 
         Raises:
             ValueError: The batch is packed (restarting ``position_ids``, no ``attention_mask``) and the model's
@@ -280,6 +283,8 @@ class CausalLMModule(LightningModule):
         self._check_packed(batch)
         if TARGET_ROWS not in batch:
             batch = {**batch, TARGET_ROWS: target_rows(_labels(batch))}
+        if self.router_aux is None:  # the router loss leaves padding out of its statistics by the mask
+            batch = without_padding_mask(batch)
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
