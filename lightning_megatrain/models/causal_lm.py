@@ -9,7 +9,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightning_megatrain.models.document_spans import CAUSAL_ONLY, transfer_binding_spans, without_padding_mask
@@ -24,6 +23,7 @@ from lightning_megatrain.models.packed_attention import (
 )
 from lightning_megatrain.models.schedule import adamw_warmup_cosine
 from lightning_megatrain.models.schedule import warmup_cosine_factor as warmup_cosine_factor  # importable from here
+from lightning_megatrain.models.token_mean import TokenMean
 
 # Lightning warns whenever a LightningModule overriding on_before_batch_transfer is fitted with a LightningDataModule,
 # even one that does not override it (SFTDataModule): the module's hook is the one meant to run.
@@ -137,8 +137,8 @@ class CausalLMModule(LightningModule):
         self.hf_config = self._resolve_config()
         self.model: PreTrainedModel | None = None
         self.router_aux: RouterAux | None = None  # the MoE router loss training adds, set by configure_model
-        self.val_loss_mean = MeanMetric()
-        self.test_loss_mean = MeanMetric()
+        self.val_loss_mean = TokenMean()
+        self.test_loss_mean = TokenMean()
         self.tokens_trained = 0
 
     def _resolve_config(self) -> PretrainedConfig:
@@ -333,12 +333,12 @@ class CausalLMModule(LightningModule):
         self.log("train_tokens", tokens, batch_size=batch_size)
         return loss
 
-    def _eval_step(self, batch: dict[str, Tensor], metric: MeanMetric) -> None:
+    def _eval_step(self, batch: dict[str, Tensor], metric: TokenMean) -> None:
         """Adds a batch's mean loss to ``metric``, weighted by its target tokens."""
         loss, n_tokens = self._loss(batch)
-        metric.update(loss, weight=n_tokens)
+        metric.update(loss, n_tokens)
 
-    def _log_eval_epoch(self, metric: MeanMetric, prefix: str) -> None:
+    def _log_eval_epoch(self, metric: TokenMean, prefix: str) -> None:
         """Logs ``{prefix}_loss`` (token-weighted mean over the epoch) and ``{prefix}_ppl``."""
         loss = metric.compute()
         metric.reset()
