@@ -272,7 +272,7 @@ class CausalLMModule(LightningModule):
         selects them without a device sync, and the token count is known without one. A right-padded batch without
         ``position_ids`` runs without its mask, with host ``position_ids`` bound at transfer (``CAUSAL_ONLY``: the
         same outputs for every real token, no dense mask, no read of the device; [Note: host document spans]),
-        unless the MoE router loss reads the mask.
+        unless its labels train a target after padding.
 
         Raises:
             ValueError: The batch is packed (restarting ``position_ids``, no ``attention_mask``) and the model's
@@ -283,8 +283,7 @@ class CausalLMModule(LightningModule):
         self._check_packed(batch)
         if TARGET_ROWS not in batch:
             batch = {**batch, TARGET_ROWS: target_rows(_labels(batch))}
-        if self.router_aux is None:  # the router loss leaves padding out of its statistics by the mask
-            batch = without_padding_mask(batch)
+        batch = without_padding_mask(batch, IGNORE_INDEX)  # the router loss still reads the batch's mask
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:

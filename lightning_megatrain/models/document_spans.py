@@ -32,9 +32,10 @@ queued before it is done. The batch holds the same facts on the host before it i
   bound spans, which reads the probes to the host.
 - Right padding: a batch whose ``attention_mask`` only marks padding after each row's tokens (``right_padded``) runs
   without it where its module says so (``CAUSAL_ONLY``, set on the host by ``CausalLMModule`` and ``DPOModule``):
-  causal attention already keeps each real token from the padding after it and padding is never a target, so real
-  tokens' outputs are the same, transformers builds no dense ``[B, 1, T, T]`` mask (and does not read the mask back to
-  test it), and the batch's host ``position_ids`` (made there when it has none) are bound like a packed batch's.
+  causal attention already keeps each real token from the padding after it and no target is predicted from padding
+  (labels a batch brings that train such targets keep the mask), so real tokens' outputs and the loss are the same,
+  transformers builds no dense ``[B, 1, T, T]`` mask (and does not read the mask back to test it), and the batch's
+  host ``position_ids`` (made there when it has none) are bound like a packed batch's.
 - Recompute in backward, segments and sequence tiles reuse the ``DocumentSpans`` object the layers received in the
   forward (a non-tensor input of each layer, [Note: packed attention]); nothing is bound again for them.
 """
@@ -175,11 +176,16 @@ def right_padded(mask: Any) -> bool:
     return bool((mask.bool() == (positions < mask.sum(1, keepdim=True))).all())
 
 
-def without_padding_mask(batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` flagged ``CAUSAL_ONLY`` where its mask is right padding and it has no ``position_ids``, with host
-    ``position_ids`` ``[B, T]`` (0..T-1 in every row) for the transfer to bind; else ``batch``."""
+def without_padding_mask(batch: dict[str, Any], ignore_index: int = -100) -> dict[str, Any]:
+    """``batch`` flagged ``CAUSAL_ONLY`` where its mask is right padding, it has no ``position_ids`` and no target is
+    predicted from a padding position (``labels`` other than ``ignore_index`` after padding: a padding query attends
+    to other padding without the mask), with host ``position_ids`` ``[B, T]`` (0..T-1 in every row) for the transfer
+    to bind; else ``batch``."""
     mask = batch.get("attention_mask")
     if POSITION_IDS in batch or batch.get(CAUSAL_ONLY) or not right_padded(mask):
+        return batch
+    labels = batch.get("labels")
+    if isinstance(labels, Tensor) and bool(((labels[:, 1:] != ignore_index) & (mask[:, :-1] == 0)).any()):
         return batch
     rows, length = mask.shape
     return {**batch, CAUSAL_ONLY: True, POSITION_IDS: torch.arange(length).expand(rows, length)}

@@ -254,7 +254,7 @@ def test_a_right_padded_batch_runs_causal_only_and_reads_nothing_from_the_device
         torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_the_mask_stays_where_it_is_not_right_padding_or_the_router_loss_reads_it():
+def test_the_mask_stays_where_it_is_not_right_padding_or_labels_train_after_padding():
     module = CausalLMModule(config=CONFIGS["llama"])
     module.configure_model()
     batch = _right_padded_batch()
@@ -262,6 +262,24 @@ def test_the_mask_stays_where_it_is_not_right_padding_or_the_router_loss_reads_i
     assert ds.CAUSAL_ONLY not in module.on_before_batch_transfer(left, 0)
     given = {**batch, "position_ids": torch.arange(16).expand(3, 16)}  # the batch's own position_ids are kept as given
     assert ds.CAUSAL_ONLY not in module.on_before_batch_transfer(given, 0)
-    moe = CausalLMModule(config=with_router_aux(families.mixtral()).to_dict())
-    moe.configure_model()
-    assert moe.router_aux is not None and ds.CAUSAL_ONLY not in moe.on_before_batch_transfer(batch, 0)
+    # labels that train the padding (HF-style labels = input_ids): those targets are predicted from padding queries
+    trained = {**batch, "labels": batch["input_ids"].clone()}
+    assert ds.CAUSAL_ONLY not in module.on_before_batch_transfer(trained, 0)
+    # the first padding position's label is predicted from the last real token: no padding query reads it
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[1, 11] = 7
+    assert module.on_before_batch_transfer({**batch, "labels": labels}, 0)[ds.CAUSAL_ONLY] is True
+
+
+def test_the_router_loss_is_the_same_without_the_padding_mask():
+    torch.manual_seed(0)
+    module = CausalLMModule(config=with_router_aux(families.mixtral()).to_dict())
+    module.configure_model()
+    prepared = module.on_before_batch_transfer(_right_padded_batch(), 0)
+    assert module.router_aux is not None and prepared[ds.CAUSAL_ONLY] is True
+    batch = module.transfer_batch_to_device(prepared, torch.device("cpu"), 0)
+    with torch.no_grad():
+        causal = module._loss_terms(batch, router_aux=True)
+        masked = module._loss_terms({**batch, ds.CAUSAL_ONLY: False}, router_aux=True)
+    torch.testing.assert_close(causal[0], masked[0], rtol=1e-6, atol=0)  # the LM loss
+    torch.testing.assert_close(causal[2], masked[2], rtol=1e-6, atol=0)  # the router loss, over real tokens only
