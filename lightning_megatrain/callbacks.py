@@ -59,12 +59,15 @@ class _PendingCount:
         self.host = torch.empty((), dtype=count.dtype, pin_memory=True)
         self.host.copy_(count, non_blocking=True)
         stream = torch.cuda.current_stream(count.device)  # the batch's work and the copy's
-        self.copied = torch.cuda.Event()  # recorded by that stream after the copy; value() waits for it
+        self.copied: torch.cuda.Event | None = torch.cuda.Event()  # recorded by that stream; value() waits for it
         self.copied.record(stream)
+        self.count = 0  # the count, once value() has read it
 
     def value(self) -> int:
-        self.copied.synchronize()
-        return int(self.host)
+        if self.copied is not None:  # read once: each later window reuses it
+            self.copied.synchronize()
+            self.copied, self.count = None, int(self.host)
+        return self.count
 
 
 def _pending(batch: Any) -> int | _PendingCount:

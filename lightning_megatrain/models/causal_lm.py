@@ -11,7 +11,11 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_megatrain.models.document_spans import CAUSAL_ONLY, transfer_binding_spans, without_padding_mask
+from lightning_megatrain.models.document_spans import (
+    model_attention_mask,
+    transfer_binding_spans,
+    without_padding_mask,
+)
 from lightning_megatrain.models.hf_forms import RouterAux, router_aux, router_aux_loss
 from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
 from lightning_megatrain.models.packed_attention import (
@@ -244,7 +248,7 @@ class CausalLMModule(LightningModule):
         router = {"output_router_logits": router_aux} if self.router_aux is not None else {}
         out = self._decoder()(
             input_ids=input_ids,
-            attention_mask=None if batch.get(CAUSAL_ONLY) else attention_mask,
+            attention_mask=model_attention_mask(batch),
             position_ids=batch.get("position_ids"),
             use_cache=False,
             **router,
@@ -283,7 +287,7 @@ class CausalLMModule(LightningModule):
         self._check_packed(batch)
         if TARGET_ROWS not in batch:
             batch = {**batch, TARGET_ROWS: target_rows(_labels(batch))}
-        batch = without_padding_mask(batch, IGNORE_INDEX)  # the router loss still reads the batch's mask
+        batch = without_padding_mask(batch)  # the router loss still reads the batch's mask
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:

@@ -52,6 +52,8 @@ import torch
 from torch import Tensor
 from transformers import masking_utils
 
+from lightning_megatrain.models.loss import IGNORE_INDEX
+
 POSITION_IDS = "position_ids"  # the batch key whose host tensor the spans are read from
 CAUSAL_ONLY = "causal_only"  # batch flag, set on the host: the model runs without the batch's attention_mask
 
@@ -176,19 +178,24 @@ def right_padded(mask: Any) -> bool:
     return bool((mask.bool() == (positions < mask.sum(1, keepdim=True))).all())
 
 
-def without_padding_mask(batch: dict[str, Any], ignore_index: int = -100) -> dict[str, Any]:
+def without_padding_mask(batch: dict[str, Any]) -> dict[str, Any]:
     """``batch`` flagged ``CAUSAL_ONLY`` where its mask is right padding, it has no ``position_ids`` and no target is
-    predicted from a padding position (``labels`` other than ``ignore_index`` after padding: a padding query attends
+    predicted from a padding position (``labels`` other than ``IGNORE_INDEX`` after padding: a padding query attends
     to other padding without the mask), with host ``position_ids`` ``[B, T]`` (0..T-1 in every row) for the transfer
     to bind; else ``batch``."""
     mask = batch.get("attention_mask")
     if POSITION_IDS in batch or batch.get(CAUSAL_ONLY) or not right_padded(mask):
         return batch
     labels = batch.get("labels")
-    if isinstance(labels, Tensor) and bool(((labels[:, 1:] != ignore_index) & (mask[:, :-1] == 0)).any()):
+    if isinstance(labels, Tensor) and bool(((labels[:, 1:] != IGNORE_INDEX) & (mask[:, :-1] == 0)).any()):
         return batch
     rows, length = mask.shape
     return {**batch, CAUSAL_ONLY: True, POSITION_IDS: torch.arange(length).expand(rows, length)}
+
+
+def model_attention_mask(batch: Mapping[str, Any]) -> Tensor | None:
+    """The ``attention_mask`` to call the model with: the batch's, or None for a ``CAUSAL_ONLY`` batch."""
+    return None if batch.get(CAUSAL_ONLY) else batch.get("attention_mask")
 
 
 def take_bound_spans() -> DocumentSpans | None:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import PretrainedConfig
 
 from lightning_megatrain.models.causal_lm import TARGET_ROWS, CausalLMModule, _labels
-from lightning_megatrain.models.document_spans import CAUSAL_ONLY
+from lightning_megatrain.models.document_spans import model_attention_mask
 from lightning_megatrain.models.loss import IGNORE_INDEX
 from lightning_megatrain.models.preference_loss import (
     LOSS_TYPES,
@@ -174,7 +174,7 @@ class DPOModule(CausalLMModule):
         """Each row's summed response log-probability ``[2B]`` (fp32) and its target count ``[2B]``."""
         hidden = self._decoder()(
             input_ids=batch["input_ids"],
-            attention_mask=None if batch.get(CAUSAL_ONLY) else batch.get("attention_mask"),
+            attention_mask=model_attention_mask(batch),
             position_ids=batch.get("position_ids"),
             use_cache=False,
         ).last_hidden_state  # [2B, T, H]
