@@ -112,19 +112,21 @@ def new_state(p: Tensor, weights: str, moments: str) -> dict[str, Tensor]:
 
 def _chunk_update(
     w: Tensor, g: Tensor, m: Tensor, m_scale: Tensor | None, v: Tensor, v_scale: Tensor | None,
-    comp: Tensor | None, start: Tensor, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-    step_size: float, bc2_sqrt: float, grad_scale: float, weights: str, moments: str, decoupled: bool,
+    comp: Tensor | None, start: Tensor, neg_step_size: Tensor, bc2_sqrt: Tensor, decay: Tensor, grad_scale: Tensor,
+    beta1: float, beta2: float, eps: float, coupled_decay: float, weights: str, moments: str,
 ) -> None:
-    """AdamW on one chunk (1D views, updated in place), in torch's ``_single_tensor_adam`` op order."""
+    """AdamW on one chunk (1D views, updated in place), in torch's ``_single_tensor_adam`` op order.
+
+    The values that change from step to step (``neg_step_size`` = -lr / (1 - beta1^t), ``bc2_sqrt``, ``decay`` =
+    1 - lr * weight_decay, ``grad_scale``) are 0-dim fp32 tensors on the chunk's device: torch.compile guards on a
+    Python float's value as soon as anything specializes it, and the kernel recompiled every step until dynamo's
+    recompile limit sent it to eager ops (seen on the H200). No branch depends on a value: a decay or a scale of 1
+    is exact, so one graph serves every step and group. ``coupled_decay`` (Adam's L2 term, 0 for AdamW) stays a
+    float: a group's constant, and ``add``'s ``alpha`` (a fused multiply-add, as torch's Adam computes it)."""
     w32 = w.float() if comp is None else w.float() + comp.float()
-    g32 = g.float()
-    if grad_scale != 1.0:
-        g32 = g32 * grad_scale
-    if weight_decay != 0:
-        if decoupled:
-            w32 = w32 * (1 - lr * weight_decay)
-        else:
-            g32 = g32.add(w32, alpha=weight_decay)
+    g32 = g.float() * grad_scale
+    w32 = w32 * decay
+    g32 = g32.add(w32, alpha=coupled_decay)
     if moments == "fp32":
         m32, v32 = m, v
     else:
@@ -136,7 +138,7 @@ def _chunk_update(
         denom = (root / bc2_sqrt) + eps  # torch's order: with fp32 weights too, torch's AdamW bit for bit
     else:
         denom = root * (1.0 / bc2_sqrt) + eps
-    w32 = torch.addcdiv(w32, m32, denom, value=-step_size)
+    w32 = w32 + (neg_step_size * m32) / denom  # addcdiv's order: (value * tensor1) / tensor2, bit for bit
     if weights == "bf16_sr":
         w.copy_(round_stochastic(w32, start))  # exact: an fp32 holding a bf16 value
     elif weights == "bf16_kahan":
@@ -162,9 +164,9 @@ _compile_failure: str | None = None  # a failed build is tried and reported once
 
 
 def _kernel(compile: bool) -> Callable[..., None]:
-    """The chunk update, through ``torch.compile`` when asked and it builds (one graph per format pair and for zero
-    or non-zero weight decay; sizes and hyperparameters are dynamic, so neither recompiles, as long as every chunk
-    has more than one quantization block and whole blocks except at a tensor's end)."""
+    """The chunk update, through ``torch.compile`` when asked and it builds (one graph per format pair; sizes are
+    dynamic and step-dependent values tensors, so neither recompiles, as long as every chunk has more than one
+    quantization block and whole blocks except at a tensor's end)."""
     global _compiled
     if not compile or _compile_failure is not None:
         return _chunk_update
@@ -192,9 +194,12 @@ def adamw_update(
     state["step"] += 1
     step = float(state["step"])
     beta1, beta2 = betas
-    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                 step_size=lr / (1 - beta1**step), bc2_sqrt=(1 - beta2**step) ** 0.5, grad_scale=float(grad_scale),
-                 weights=weights, moments=moments, decoupled=decoupled)
+    # fills, not copies: no host-device sync when the parameter is on a GPU
+    scalars = tuple(torch.full((), value, dtype=torch.float32, device=w.device) for value in (
+        -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, 1 - lr * weight_decay if decoupled else 1.0,
+        float(grad_scale)))
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, coupled_decay=0.0 if decoupled else weight_decay, weights=weights,
+                 moments=moments)
     m, v, comp = state["exp_avg"], state["exp_avg_sq"], state.get("compensation")
     m_scale, v_scale = state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")
     n = w.numel()
@@ -210,14 +215,14 @@ def adamw_update(
             torch.full((), seed + start, dtype=torch.int64, device=w.device)))
         kernel = _kernel(compile)
         try:
-            kernel(*args, **hyper)
+            kernel(*args, *scalars, **hyper)
         except Exception as e:  # inductor could not build (no C++ compiler, ...): nothing was written yet
             if kernel is _chunk_update:
                 raise
             _compile_failure = f"{type(e).__name__}: {e}"
             log.warning("MegaTrain: the compiled compact AdamW kernel does not build (%s); running it eagerly "
                         "(several times slower)", _compile_failure.splitlines()[0])
-            _chunk_update(*args, **hyper)
+            _chunk_update(*args, *scalars, **hyper)
 
 
 def _check_format(name: str, value: str, allowed: tuple[str, ...]) -> None:

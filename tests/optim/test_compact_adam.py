@@ -294,21 +294,32 @@ def test_update_is_device_generic(weights):
 
 
 
-def test_compiled_kernel_is_one_graph_for_every_parameter_shape(monkeypatch):
+def test_compiled_kernel_is_one_graph_for_every_parameter_shape_and_step(monkeypatch):
     """The chunks reach the compiled kernel detached, so parameters of any shape, and chunks at any position, share
-    one graph per format pair and weight decay (as views, their bases' sizes were guarded: a graph per shape, and
-    past ``torch._dynamo.config.recompile_limit`` (8) the kernel ran eagerly). Whole blocks only: a partial block
-    is another graph (its padding), a chunk of one block too (torch.compile specializes size 1)."""
+    one graph per format pair (as views, their bases' sizes were guarded: a graph per shape, and past
+    ``torch._dynamo.config.recompile_limit`` (8) the kernel ran eagerly). Whole blocks only: a partial block is
+    another graph (its padding), a chunk of one block too (torch.compile specializes size 1). Nor do the values that
+    change between steps and groups recompile it: the bias corrections, a scheduled lr, weight decay 0 or not, a
+    clipping factor of 1 or not (Python floats there were guarded by value on the H200: a graph per step)."""
     monkeypatch.setattr(compact_adam, "CHUNK", 4 * BLOCK)
     monkeypatch.setattr(compact_adam, "_compiled", None)
     torch._dynamo.reset()
     # one chunk (square), three chunks (the last partial), two chunks of a 1D parameter
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(32, 32), (40, 64), (6 * BLOCK,)]]
-    opt = CompactAdamW(params, weights="fp32", moments="int8", compile=True)
+    opt = CompactAdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], weights="fp32",
+                       moments="int8", compile=True)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for _ in range(2):
+    for step in range(4):
+        for group in opt.param_groups:
+            group["lr"] = 1e-3 * (step + 1)
         for p in params:
             p.grad = torch.randn_like(p)
-        opt.step()
+        if step % 2:
+            opt.step()
+        else:  # the engine's form, with a clipping factor
+            for index, p in enumerate(params):
+                if not opt.state[p]:
+                    opt.state[p].update(new_state(p, "fp32", "int8"))
+                opt.update_param(p, p.grad, opt.param_groups[index // 2], index, grad_scale=0.5 + 0.1 * step)
     assert compact_adam._compile_failure is None
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
