@@ -1,5 +1,5 @@
 """Are repeated CUDA runs bitwise equal, and is a resumed run the uninterrupted one? One tiny Llama fitted several
-times per engine configuration (the setup of ``tests/strategy/test_gpu_exact_resume.py``: bf16-mixed, clipping,
+times per engine configuration (``tests/helpers/resume.py``, as the GPU exact-resume test: bf16-mixed, clipping,
 SDPA's math backend), printing per configuration whether every run's losses and weights equal the first run's, and
 (``--resume``) whether a run resumed from the step-2 checkpoint ends with the first run's losses and weights.
 ``--fresh`` clears dynamo's compiled graphs before each fit, as a new process would start.
@@ -10,28 +10,22 @@ Run on the GPU machine: ``python benchmarks/determinism.py --runs 3 --configs de
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import tempfile
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from lightning_megatrain import MegaTrainStrategy  # noqa: E402
-from lightning_megatrain.data import SFTDataModule  # noqa: E402
-from lightning_megatrain.models import CausalLMModule  # noqa: E402
 
-from helpers.trainers import StepLosses  # noqa: E402
+from helpers.resume import fit_tiny_llama  # noqa: E402
 
-CONFIG = dict(model_type="llama", vocab_size=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
-              intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, tie_word_embeddings=False)
 # name -> MegaTrainStrategy options (the rest are the defaults)
 CONFIGS = {
     "defaults": {},
@@ -42,23 +36,6 @@ CONFIGS = {
     "no_groups_no_bwd": dict(gpu_optimizer_groups=0, update_during_backward=False),
     "plain": dict(compile_layers=False, overlap_optimizer=False, gpu_optimizer_groups=0),
 }
-
-
-def fit(root: str, options: dict, steps: int, fresh: bool, ckpt_path: str | None = None) -> tuple[dict, dict]:
-    if fresh:
-        torch._dynamo.reset()
-    L.seed_everything(0)
-    module = CausalLMModule(config=CONFIG, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2, betas=(0.9, 0.999))
-    data = SFTDataModule(dataset="demo_messages", cutoff_len=48, micro_batch_size=34, seed=3)
-    losses = StepLosses()
-    every_step = ModelCheckpoint(dirpath=root, filename="step{step}", auto_insert_metric_name=False,
-                                 every_n_train_steps=1, save_top_k=-1)
-    trainer = L.Trainer(strategy=MegaTrainStrategy(**options), accelerator="cuda", devices=1,
-                        precision="bf16-mixed", max_steps=steps, max_epochs=-1, gradient_clip_val=1.0,
-                        default_root_dir=root, callbacks=[losses, every_step], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    return losses.by_step, {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
 
 
 def compare(runs: list[tuple[dict, dict]]) -> dict:
@@ -82,11 +59,12 @@ def main() -> None:
     with sdpa_kernel(SDPBackend.MATH), tempfile.TemporaryDirectory() as root:
         for name in args.configs.split(","):
             dirs = [os.path.join(root, f"{name}-{k}") for k in range(args.runs)]
-            runs = [fit(d, CONFIGS[name], args.steps, args.fresh) for d in dirs]
+            strategy = functools.partial(MegaTrainStrategy, **CONFIGS[name])
+            runs = [fit_tiny_llama(d, strategy, args.steps, fresh=args.fresh) for d in dirs]
             row = dict(config=name, options=CONFIGS[name], runs=args.runs, fresh=args.fresh, **compare(runs))
             if args.resume:
-                resumed = fit(dirs[0] + "-resumed", CONFIGS[name], args.steps, args.fresh,
-                              ckpt_path=os.path.join(dirs[0], "step2.ckpt"))
+                resumed = fit_tiny_llama(dirs[0] + "-resumed", strategy, args.steps,
+                                         os.path.join(dirs[0], "step2.ckpt"), fresh=args.fresh)
                 row["resumed"] = compare([runs[0], resumed])
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -46,7 +46,8 @@ class Row(NamedTuple):
 _3B, _7B, _MOE = ("2026-11-29-llama-3.2-3b-h200.json", "2026-11-29-llama-2-7b-h200.json",
                   "2026-11-29-qwen3-30b-a3b-4l-h200.json")
 _MT = "**megatrain**, `compile_layers`, `overlap_optimizer`"
-_3B_NOW, _7B_NOW = "2026-12-01-llama-3.2-3b-h200.json", "2026-12-01-llama-2-7b-h200.json"
+_3B_NOW, _7B_NOW = "2026-12-01-llama-3.2-3b-h200.json", "2026-12-02-llama-2-7b-h200-defaults-66386d7.json"
+_MOE_NOW = "2026-12-02-qwen3-30b-a3b-4l-h200-defaults-0cb704b.json"
 _DEFAULTS = '**megatrain**, `strategy="megatrain"` (no options)'
 _TUNED = "megatrain, hand-tuned: `compile_layers`, `overlap_optimizer`"
 
@@ -62,7 +63,10 @@ ROWS = [
     Row(f"{_TUNED}, `gpu_optimizer_groups=10`", _3B_NOW, "5dfbb39", "megatrain_overlap_gpu10_compiled", "hf", 65536),
     Row(_DEFAULTS, _3B_NOW, "5dfbb39", "megatrain", "hf", 65536, micro_batch=64, headline=True),
     Row(_DEFAULTS, _3B_NOW, "5dfbb39", "megatrain", "hf", 65536, micro_batch=32, headline=True),
-    Row(_DEFAULTS, _7B_NOW, "5dfbb39", "megatrain", "hf", 32768, headline=True),
+    Row(_DEFAULTS, _7B_NOW, "66386d7", "megatrain", "hf", 32768, headline=True),
+    Row("megatrain, defaults with `update_during_backward=False`", _7B_NOW, "66386d7",
+        "megatrain_no_backward_updates", "hf", 32768),
+    Row(_DEFAULTS, _MOE_NOW, "0cb704b", "megatrain", "hf", 32768, headline=True),
     # earlier engine, options set by hand
     Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _3B, "ac46662", "plain", "hf", 32768),
     Row("plain GPU Lightning, compiled layers", _3B, "72f8b74", "plain_compiled", "hf", 32768, PLAIN),
@@ -91,12 +95,14 @@ ROWS = [
 ]
 
 _MODELS = {_3B_NOW: "Llama-3.2-3B shape (3.21B)", _7B_NOW: "Llama-2-7B shape (6.74B)",
+           _MOE_NOW: "Qwen3-30B-A3B shape, 4 of 48 layers (3.11B, 0.85B active)",
            _3B: "Llama-3.2-3B shape (3.21B)", _7B: "Llama-2-7B shape (6.74B)",
            _MOE: "Qwen3-30B-A3B shape, 4 of 48 layers (3.11B, 0.85B active)"}
 
 
 def _find(row: Row) -> dict:
-    results = json.loads((RESULTS / row.results).read_text())["results"]
+    data = json.loads((RESULTS / row.results).read_text())
+    results = [{"git_commit": data["git_commit"], **r} for r in data["results"]]  # a merged file's rows carry theirs
     found = [r for r in results
              if r["git_commit"].startswith(row.commit) and r["system"] == row.system and r["loss"] == row.loss
              and r["tokens_per_step"] == row.tokens_per_step and r["error"] is None

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_megatrain._hardware import GIB, device_peak_flops, host_rss_gib
 
@@ -39,22 +39,49 @@ def batch_tokens(batch: Any) -> int:
     Packed batches (``SFTDataModule(packing=True)``) have no mask, so the padding at the end of a packed row counts.
     Batches that are not dicts with ``input_ids`` count 0.
     """
+    return int(_count(batch))
+
+
+def _count(batch: Any) -> int | Tensor:
+    """:func:`batch_tokens`, as a 0-dim tensor on the mask's device where there is a mask."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
         return 0
     mask = batch.get("attention_mask")
-    if mask is not None:
-        return int(mask.sum())
-    return int(batch["input_ids"].numel())
+    return mask.sum() if mask is not None else batch["input_ids"].numel()
+
+
+class _PendingCount:
+    """A batch's token count on its way from a CUDA device to pinned host memory: the copy is queued behind the batch's
+    work on the current stream, which records ``copied``; :meth:`value` waits for that event only (a batch later it
+    has long completed), never for the whole device as ``int(tensor)`` would."""
+
+    def __init__(self, count: Tensor) -> None:
+        self.host = torch.empty((), dtype=count.dtype, pin_memory=True)
+        self.host.copy_(count, non_blocking=True)
+        stream = torch.cuda.current_stream(count.device)  # the batch's work and the copy's
+        self.copied = torch.cuda.Event()  # recorded by that stream after the copy; value() waits for it
+        self.copied.record(stream)
+
+    def value(self) -> int:
+        self.copied.synchronize()
+        return int(self.host)
+
+
+def _pending(batch: Any) -> int | _PendingCount:
+    count = _count(batch)
+    if isinstance(count, Tensor) and count.device.type == "cuda":
+        return _PendingCount(count)
+    return int(count)
 
 
 class ThroughputLogger(Callback):
     """Logs training throughput and memory to the progress bar and the logger, and can profile one step.
 
-    Logged every training batch once ``window`` batches have been timed (the logger writes them every
+    Logged every training batch once ``window + 1`` batches have been timed (the logger writes them every
     ``Trainer(log_every_n_steps)``):
 
-    - ``tokens_per_s``: real tokens (``attention_mask`` sum, else ``input_ids`` numel) of the last ``window`` batches
-      divided by the wall time they took.
+    - ``tokens_per_s``: real tokens (``attention_mask`` sum, else ``input_ids`` numel) of the ``window`` batches
+      before the current one divided by the wall time they took (the current batch's count is still on the GPU).
     - ``mfu``: model FLOPs utilisation, ``6 * num_params * tokens_per_s / peak_flops``. 6N FLOPs per token is the
       forward (2N) plus backward (4N) matmul cost of a dense transformer with N non-embedding parameters (Kaplan et
       al. 2020, "Scaling Laws for Neural Language Models", sec. 2.1; PaLM, Chowdhery et al. 2022, appendix B);
@@ -63,14 +90,15 @@ class ThroughputLogger(Callback):
     - ``host_rss_gib``: resident memory of this process (``VmRSS`` of ``/proc/self/status``; Linux only).
     - ``gpu_max_mem_gib``: ``torch.cuda.max_memory_allocated`` of the training device, when it is a CUDA GPU.
 
-    Timing uses ``time.perf_counter`` at ``on_train_batch_end`` and never synchronizes the GPU. A single step's host
+    Timing uses ``time.perf_counter`` at ``on_train_batch_end`` and never synchronizes the GPU: a batch's token
+    count on the GPU comes to the host by a copy queued behind its work, read a batch later. A single step's host
     time can differ from its GPU time because kernels run asynchronously, but the host cannot run ahead of the GPU
     by more than a step (the optimizer step waits for the gradients), so the average over a window of several steps
     measures the real throughput.
 
     Args:
         window: Number of recent training batches the rates are averaged over. Larger is smoother but reacts
-            later. The first ``window`` batches (which include warm-up) are not reported.
+            later. The first ``window + 1`` batches (which include warm-up) are not reported.
         peak_flops: Peak FLOP/s of one device at the training precision, the MFU denominator. Default ``"auto"``: the
             dense bf16 peak of the training GPU when ``_hardware.GPU_BF16_PEAK_FLOPS`` knows it (989e12 for an
             H100/H200, 312e12 for an A100), else no ``mfu`` (a CPU or an unlisted GPU). A number is used as given;
@@ -111,8 +139,9 @@ class ThroughputLogger(Callback):
         self.profile_step = profile_step
         self.trace_path: Path | None = None  # set once the trace is written
         self._model_params = 0
-        self._ends: collections.deque[float] = collections.deque(maxlen=window + 1)  # batch-end times
-        self._tokens: collections.deque[int] = collections.deque(maxlen=window + 1)  # tokens of those batches
+        # batch-end times and the tokens of those batches: the window and the batch after it
+        self._ends: collections.deque[float] = collections.deque(maxlen=window + 2)
+        self._tokens: collections.deque[int | _PendingCount] = collections.deque(maxlen=window + 2)
         self._profiler: torch.profiler.profile | None = None
         self._peak_flops: float | None = None  # peak_flops with "auto" resolved for the training device
 
@@ -141,13 +170,15 @@ class ThroughputLogger(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._ends.append(perf_counter())
-        self._tokens.append(batch_tokens(batch))
+        self._tokens.append(_pending(batch))
         if self._profiler is not None and trainer.global_step > self.profile_step:
             self._write_trace(trainer)
-        if len(self._ends) <= self.window:
+        if len(self._ends) <= self.window + 1:
             return
-        elapsed = self._ends[-1] - self._ends[0]
-        tokens = sum(self._tokens) - self._tokens[0]  # tokens of the batches that ended after the first timestamp
+        # the window ends at the batch before this one, whose count has landed on the host (this one's is queued
+        # behind its backward): the tokens of the batches that ended after the window's first timestamp
+        elapsed = self._ends[-2] - self._ends[0]
+        tokens = sum(c if isinstance(c, int) else c.value() for c in list(self._tokens)[1:-1])
         metrics = {}
         if elapsed > 0:
             metrics["tokens_per_s"] = tokens / elapsed

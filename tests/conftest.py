@@ -26,6 +26,19 @@ def fast_cpuinfo(monkeypatch):
     monkeypatch.setattr(cpuinfo, "get_cpu_info", functools.lru_cache(cpuinfo.get_cpu_info))
 
 
+@pytest.fixture
+def transformers_finds(monkeypatch):
+    """Calls of transformers' own ``find_packed_sequence_indices``, the path that reads packed rows' document starts
+    from the device (models/document_spans.py binds them on the host instead)."""
+    from lightning_megatrain.models import document_spans
+
+    calls = []
+    original = document_spans._transformers_find
+    monkeypatch.setattr(document_spans, "_transformers_find",
+                        lambda position_ids: calls.append(1) or original(position_ids))
+    return calls
+
+
 def pytest_runtest_logreport(report):
     """With ``MEGATRAIN_FAILURE_LOG`` set, each failed test's error (with its traceback) is appended to that file as
     soon as the test fails: a GPU run cut before pytest's summary still leaves the exception texts."""

@@ -109,7 +109,7 @@ def test_readme_summary_quotes_the_generated_table():
     headline = [row.label for row in readme_table.ROWS if row.headline]
     rows = [line.split(" | ") for line in readme_table.table().splitlines()
             if any(line.startswith(f"| {label} |") for label in headline)]
-    assert len(rows) == len(headline) == 4
+    assert len(rows) == len(headline) == 5
     for cells in rows:
         tokens, zero3, plain, mfu, host = cells[3], cells[4], cells[5], cells[6], cells[8]
         assert f"**{tokens.strip('*')} tokens/s**" in summary, (tokens, cells[0])

@@ -88,7 +88,7 @@ def test_logs_throughput_mfu_and_memory(tmp_path, monkeypatch):
     ticks = iter(range(1000))
     monkeypatch.setattr(callbacks, "perf_counter", lambda: 2.0 * next(ticks))  # each batch "takes" 2 s
     callback = ThroughputLogger(window=2, peak_flops=1e9)
-    trainer, module = _fit(tmp_path, callback, max_steps=4, logger=CSVLogger(tmp_path))
+    trainer, module = _fit(tmp_path, callback, max_steps=5, logger=CSVLogger(tmp_path))
     metrics = trainer.callback_metrics
     tokens_per_s = BATCH * (SEQ - 4) / 2.0  # real tokens of one batch per 2 s
     assert float(metrics["tokens_per_s"]) == pytest.approx(tokens_per_s)
@@ -98,10 +98,42 @@ def test_logs_throughput_mfu_and_memory(tmp_path, monkeypatch):
     assert float(metrics["host_rss_gib"]) > 0
     assert "gpu_max_mem_gib" not in metrics  # CPU run
     assert "tokens_per_s" in trainer.progress_bar_metrics
-    # Steps 3 and 4 (after a window of 2 batches) reached the logger.
+    # Steps 4 and 5 (a window of 2 batches, then the batch whose end reports it) reached the logger.
     header, *rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
     column = header.split(",").index("tokens_per_s")
     assert sum(1 for row in rows if row.split(",")[column]) == 2
+
+
+def test_a_gpu_count_is_read_a_batch_later_without_waiting_for_the_device(monkeypatch):
+    # the CUDA path, with the device stood in for: the count's copy is queued and its event waited for only when a
+    # later batch reports the window; nothing reads a device tensor with int()
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.recorded = self.waited = False
+            events.append(self)
+
+        def record(self, stream):
+            self.recorded = stream == "stream of cuda:0"
+
+        def synchronize(self):
+            self.waited = True
+
+    class Count(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: torch.zeros(*a, **k))
+    mask = torch.ones(2, 5, dtype=torch.long).as_subclass(Count)
+    pending = callbacks._pending({"input_ids": mask, "attention_mask": mask})
+    assert isinstance(pending, callbacks._PendingCount)
+    assert events[0].recorded and not events[0].waited
+    assert pending.value() == 10 and events[0].waited
+    assert callbacks._pending({"input_ids": torch.ones(2, 3)}) == 6  # no mask: the shape, on the host
 
 
 def test_real_clock_gives_positive_throughput(tmp_path):

@@ -119,7 +119,7 @@ class RecomputePolicy:
         self._topping_up = True
         log.info(
             "MegaTrain: a layer's graph holds %.2f GiB at this micro-batch size, the recompute-all peak is %.1f GiB: "
-            "keeping the graphs of %d layers per micro-batch from the next one on, recomputing the rest",
+            "keeping the graphs of up to %d layers per micro-batch from the next one on, recomputing the rest",
             self._ratio * self.input_bytes / GIB,
             self.peak_bytes / GIB,
             self.limit(self.input_bytes),

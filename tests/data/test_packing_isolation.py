@@ -17,7 +17,6 @@ from transformers import AttentionInterface
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.data.encoding import IGNORE_INDEX
-from lightning_megatrain.models import document_spans as ds
 from lightning_megatrain.models import packed_attention as pa
 
 from helpers.packing import COLLATE, CONFIGS, document, isolation, probe
@@ -55,17 +54,8 @@ def test_a_document_loss_and_gradient_ignore_the_rest_of_its_row(arch, mask_spy)
     assert result.worst_grad_error() <= 1e-5
 
 
-@pytest.fixture
-def device_reads(monkeypatch):
-    """Calls of transformers' own ``find_packed_sequence_indices``, the path that reads the starts from the device."""
-    calls = []
-    original = ds._transformers_find
-    monkeypatch.setattr(ds, "_transformers_find", lambda position_ids: calls.append(1) or original(position_ids))
-    return calls
-
-
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_packed_loss_equals_each_document_alone(arch, mask_spy, device_reads):
+def test_packed_loss_equals_each_document_alone(arch, mask_spy, transformers_finds):
     """Every document of a packed row (not only X) scores as it does alone, and the packed row's mean loss is the
     token-weighted mean of theirs. Control: the same row without restarting positions scores differently. Every
     batch's documents come bound from the transfer ([Note: host document spans]), none is read from the device."""
@@ -81,7 +71,7 @@ def test_packed_loss_equals_each_document_alone(arch, mask_spy, device_reads):
     # control row, where transformers finds nothing packed, gets sdpa's own mask (None: plain causal attention)
     expected = [((0, 7, 19, 22, 31),), *[((0, len(example)),) for example in row], None]
     assert [getattr(mask, "starts", mask) for mask in mask_spy[::2]] == expected
-    assert device_reads == []
+    assert transformers_finds == []
     start, total, count = 0, 0.0, 0
     for example, loss in zip(row, losses[1:]):
         n = len(example)

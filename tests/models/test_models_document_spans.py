@@ -45,15 +45,6 @@ def _run(model: torch.nn.Module, batch: dict) -> list[torch.Tensor]:
     return [logits.detach(), *(p.grad.clone() for p in model.parameters())]
 
 
-@pytest.fixture
-def transformers_finds(monkeypatch):
-    """Calls of transformers' own ``find_packed_sequence_indices`` (the one that reads the device)."""
-    calls = []
-    original = ds._transformers_find
-    monkeypatch.setattr(ds, "_transformers_find", lambda position_ids: calls.append(1) or original(position_ids))
-    return calls
-
-
 @pytest.mark.parametrize("lengths", [[7, 12, 3, 2], [24], [1, 1, 22], [5, 5, 5, 9]])
 def test_host_starts_follow_transformers_rule(lengths):
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, T]
