@@ -59,12 +59,15 @@ class _PendingCount:
         self.host = torch.empty((), dtype=count.dtype, pin_memory=True)
         self.host.copy_(count, non_blocking=True)
         stream = torch.cuda.current_stream(count.device)  # the batch's work and the copy's
-        self.copied = torch.cuda.Event()  # recorded by that stream after the copy; value() waits for it
+        self.copied: torch.cuda.Event | None = torch.cuda.Event()  # recorded by that stream; value() waits for it
         self.copied.record(stream)
+        self.count = 0  # the count, once value() has read it
 
     def value(self) -> int:
-        self.copied.synchronize()
-        return int(self.host)
+        if self.copied is not None:  # read once: each later window reuses it
+            self.copied.synchronize()
+            self.copied, self.count = None, int(self.host)
+        return self.count
 
 
 def _pending(batch: Any) -> int | _PendingCount:
@@ -190,8 +193,10 @@ class ThroughputLogger(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             metrics["gpu_max_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-        for name, value in metrics.items():
-            pl_module.log(name, float(value), prog_bar=self.prog_bar, on_step=True, on_epoch=False, batch_size=1)
+        for name, value in metrics.items():  # host tensors: a Python number would become a tensor on the
+            # module's device (LightningModule.log), a blocking copy behind the step's work
+            pl_module.log(name, torch.tensor(float(value)), prog_bar=self.prog_bar, on_step=True, on_epoch=False,
+                          batch_size=1)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._profiler is not None:  # training stopped inside the profiled step

@@ -336,8 +336,9 @@ class MegaTrainStrategy(CheckpointStrategy):
         with self._step_context():
             output = super().training_step(*args, **kwargs)
         if self._skipped:  # the steps before this one are decided by now (an overlapped one during the forward)
-            self.lightning_module.log(
-                "skipped_steps", float(len(self._skipped)), prog_bar=True, on_step=True, on_epoch=False, batch_size=1
+            self.lightning_module.log(  # a host tensor: a number would be copied to the device, a sync
+                "skipped_steps", torch.tensor(float(len(self._skipped))), prog_bar=True, on_step=True, on_epoch=False,
+                batch_size=1,
             )
         return output
 

@@ -136,6 +136,18 @@ def test_a_gpu_count_is_read_a_batch_later_without_waiting_for_the_device(monkey
     assert callbacks._pending({"input_ids": torch.ones(2, 3)}) == 6  # no mask: the shape, on the host
 
 
+def test_metrics_are_logged_as_host_tensors(tmp_path, monkeypatch):
+    # LightningModule.log turns a Python number into a tensor on the module's device: on a GPU a blocking copy
+    logged = []
+    log = L.LightningModule.log
+    monkeypatch.setattr(L.LightningModule, "log", lambda self, name, value, *a, **k: (
+        logged.append((name, value)), log(self, name, value, *a, **k))[1])
+    _fit(tmp_path, ThroughputLogger(window=1, peak_flops=1e12), max_steps=3)
+    mine = [(name, value) for name, value in logged if name in ("tokens_per_s", "mfu", "host_rss_gib")]
+    assert {name for name, _ in mine} == {"tokens_per_s", "mfu", "host_rss_gib"}
+    assert all(isinstance(value, torch.Tensor) and value.device.type == "cpu" for _, value in mine)
+
+
 def test_real_clock_gives_positive_throughput(tmp_path):
     trainer, _ = _fit(tmp_path, ThroughputLogger(window=1, peak_flops=1e12), max_steps=3)
     assert float(trainer.callback_metrics["tokens_per_s"]) > 0

@@ -220,7 +220,9 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
             self._flag_on_device(loss)
             return True
         norm_sq = self._norm_sq if self._norm_sq is not None else self._host_norm_sq()
-        host_loss = None if loss is None else loss.cpu()  # the compute stream is idle here: drains were waited for
+        # waits for everything queued on the compute stream: the drained layers' backward has finished (their drains
+        # were waited for), the device groups' and residents' may not have
+        host_loss = None if loss is None else loss.cpu()
         if bool(torch.isfinite(torch.stack([norm_sq] + ([host_loss] if host_loss is not None else []))).all()):
             return True
         self._decide_speculation(self._take_speculation(), keep=False)

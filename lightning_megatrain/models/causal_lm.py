@@ -9,10 +9,13 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from lightning_megatrain.models.document_spans import transfer_binding_spans
+from lightning_megatrain.models.document_spans import (
+    model_attention_mask,
+    transfer_binding_spans,
+    without_padding_mask,
+)
 from lightning_megatrain.models.hf_forms import RouterAux, router_aux, router_aux_loss
 from lightning_megatrain.models.loss import IGNORE_INDEX, causal_lm_loss, target_rows
 from lightning_megatrain.models.packed_attention import (
@@ -24,6 +27,7 @@ from lightning_megatrain.models.packed_attention import (
 )
 from lightning_megatrain.models.schedule import adamw_warmup_cosine
 from lightning_megatrain.models.schedule import warmup_cosine_factor as warmup_cosine_factor  # importable from here
+from lightning_megatrain.models.token_mean import TokenMean
 
 # Lightning warns whenever a LightningModule overriding on_before_batch_transfer is fitted with a LightningDataModule,
 # even one that does not override it (SFTDataModule): the module's hook is the one meant to run.
@@ -137,8 +141,8 @@ class CausalLMModule(LightningModule):
         self.hf_config = self._resolve_config()
         self.model: PreTrainedModel | None = None
         self.router_aux: RouterAux | None = None  # the MoE router loss training adds, set by configure_model
-        self.val_loss_mean = MeanMetric()
-        self.test_loss_mean = MeanMetric()
+        self.val_loss_mean = TokenMean()
+        self.test_loss_mean = TokenMean()
         self.tokens_trained = 0
 
     def _resolve_config(self) -> PretrainedConfig:
@@ -244,7 +248,7 @@ class CausalLMModule(LightningModule):
         router = {"output_router_logits": router_aux} if self.router_aux is not None else {}
         out = self._decoder()(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=model_attention_mask(batch),
             position_ids=batch.get("position_ids"),
             use_cache=False,
             **router,
@@ -269,7 +273,10 @@ class CausalLMModule(LightningModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Adds the loss's target positions (``target_rows``), computed on the host: on a GPU the loss then
-        selects them without a device sync, and the token count is known without one.
+        selects them without a device sync, and the token count is known without one. A right-padded batch without
+        ``position_ids`` runs without its mask, with host ``position_ids`` bound at transfer (``CAUSAL_ONLY``: the
+        same outputs for every real token, no dense mask, no read of the device; [Note: host document spans]),
+        unless its labels train a target after padding.
 
         Raises:
             ValueError: The batch is packed (restarting ``position_ids``, no ``attention_mask``) and the model's
@@ -280,6 +287,7 @@ class CausalLMModule(LightningModule):
         self._check_packed(batch)
         if TARGET_ROWS not in batch:
             batch = {**batch, TARGET_ROWS: target_rows(_labels(batch))}
+        batch = without_padding_mask(batch)  # the router loss still reads the batch's mask
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -328,12 +336,12 @@ class CausalLMModule(LightningModule):
         self.log("train_tokens", tokens, batch_size=batch_size)
         return loss
 
-    def _eval_step(self, batch: dict[str, Tensor], metric: MeanMetric) -> None:
+    def _eval_step(self, batch: dict[str, Tensor], metric: TokenMean) -> None:
         """Adds a batch's mean loss to ``metric``, weighted by its target tokens."""
         loss, n_tokens = self._loss(batch)
-        metric.update(loss, weight=n_tokens)
+        metric.update(loss, n_tokens)
 
-    def _log_eval_epoch(self, metric: MeanMetric, prefix: str) -> None:
+    def _log_eval_epoch(self, metric: TokenMean, prefix: str) -> None:
         """Logs ``{prefix}_loss`` (token-weighted mean over the epoch) and ``{prefix}_ppl``."""
         loss = metric.compute()
         metric.reset()

@@ -30,6 +30,12 @@ queued before it is done. The batch holds the same facts on the host before it i
   one). Every op between the transfer and the attention is one that queues on the device without waiting for it (no
   ``bool``/``item``/``nonzero``, no Python value written into a device tensor). Anything else takes the path without
   bound spans, which reads the probes to the host.
+- Right padding: a batch whose ``attention_mask`` only marks padding after each row's tokens (``right_padded``) runs
+  without it where its module says so (``CAUSAL_ONLY``, set on the host by ``CausalLMModule`` and ``DPOModule``):
+  causal attention already keeps each real token from the padding after it and no target is predicted from padding
+  (labels a batch brings that train such targets keep the mask), so real tokens' outputs and the loss are the same,
+  transformers builds no dense ``[B, 1, T, T]`` mask (and does not read the mask back to test it), and the batch's
+  host ``position_ids`` (made there when it has none) are bound like a packed batch's.
 - Recompute in backward, segments and sequence tiles reuse the ``DocumentSpans`` object the layers received in the
   forward (a non-tensor input of each layer, [Note: packed attention]); nothing is bound again for them.
 """
@@ -46,7 +52,10 @@ import torch
 from torch import Tensor
 from transformers import masking_utils
 
+from lightning_megatrain.models.loss import IGNORE_INDEX
+
 POSITION_IDS = "position_ids"  # the batch key whose host tensor the spans are read from
+CAUSAL_ONLY = "causal_only"  # batch flag, set on the host: the model runs without the batch's attention_mask
 
 
 @dataclass(frozen=True)
@@ -141,12 +150,13 @@ def bound_spans(position_ids: Any) -> DocumentSpans | None:
 
 def transfer_binding_spans(batch: Any, transfer: Callable[[Any], Any]) -> Any:
     """``transfer(batch)``, with the spans of ``batch``'s host ``position_ids`` bound to the moved tensor where the
-    batch is packed-eligible: a mapping with 2D integer ``position_ids`` on the CPU and no ``attention_mask`` (with a
-    mask transformers finds no packed documents). See [Note: host document spans]."""
+    batch is packed-eligible: a mapping with 2D integer ``position_ids`` on the CPU and no ``attention_mask``, or one
+    the model does not read (``CAUSAL_ONLY``; with a mask transformers finds no packed documents). See [Note: host
+    document spans]."""
     position_ids = batch.get(POSITION_IDS) if isinstance(batch, Mapping) else None
     eligible = (
         isinstance(position_ids, Tensor)
-        and batch.get("attention_mask") is None
+        and (batch.get("attention_mask") is None or bool(batch.get(CAUSAL_ONLY)))
         and position_ids.device.type == "cpu"
         and position_ids.dim() == 2
         and position_ids.numel() > 0
@@ -158,6 +168,34 @@ def transfer_binding_spans(batch: Any, transfer: Callable[[Any], Any]) -> Any:
     if starts is not None and isinstance(moved_ids, Tensor) and moved_ids.shape == position_ids.shape:
         bind(moved_ids, starts)
     return moved
+
+
+def right_padded(mask: Any) -> bool:
+    """Whether ``mask`` ``[R, T]`` (on the host) is each row's real tokens then padding, as the collators pad."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.device.type != "cpu":
+        return False
+    positions = torch.arange(mask.shape[1])  # [T]
+    return bool((mask.bool() == (positions < mask.sum(1, keepdim=True))).all())
+
+
+def without_padding_mask(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` flagged ``CAUSAL_ONLY`` where its mask is right padding, it has no ``position_ids`` and no target is
+    predicted from a padding position (``labels`` other than ``IGNORE_INDEX`` after padding: a padding query attends
+    to other padding without the mask), with host ``position_ids`` ``[B, T]`` (0..T-1 in every row) for the transfer
+    to bind; else ``batch``."""
+    mask = batch.get("attention_mask")
+    if POSITION_IDS in batch or batch.get(CAUSAL_ONLY) or not right_padded(mask):
+        return batch
+    labels = batch.get("labels")
+    if isinstance(labels, Tensor) and bool(((labels[:, 1:] != IGNORE_INDEX) & (mask[:, :-1] == 0)).any()):
+        return batch
+    rows, length = mask.shape
+    return {**batch, CAUSAL_ONLY: True, POSITION_IDS: torch.arange(length).expand(rows, length)}
+
+
+def model_attention_mask(batch: Mapping[str, Any]) -> Tensor | None:
+    """The ``attention_mask`` to call the model with: the batch's, or None for a ``CAUSAL_ONLY`` batch."""
+    return None if batch.get(CAUSAL_ONLY) else batch.get("attention_mask")
 
 
 def take_bound_spans() -> DocumentSpans | None:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import PretrainedConfig
 
 from lightning_megatrain.models.causal_lm import TARGET_ROWS, CausalLMModule, _labels
+from lightning_megatrain.models.document_spans import model_attention_mask
 from lightning_megatrain.models.loss import IGNORE_INDEX
 from lightning_megatrain.models.preference_loss import (
     LOSS_TYPES,
@@ -32,10 +33,6 @@ from lightning_megatrain.models.reference import (
 )
 from lightning_megatrain.models.sequence_logps import sequence_logps
 
-# Batch flag set on the host: the attention mask only marks right padding, so the decoder runs without it. Causal
-# attention never lets a real token see the padding after it, and the padding's own outputs are never targets, so the
-# log-probabilities are the same; no [2B, 1, T, T] mask is built (2.4 GiB at 146 rows of 4096 under sdpa).
-CAUSAL_ONLY = "causal_only"
 REFERENCE_FINGERPRINTS = "reference_fingerprints"  # checkpoint key: split -> fingerprint() of the pairs of its table
 
 
@@ -52,21 +49,13 @@ def _zero_dropout(config: PretrainedConfig) -> None:
                 setattr(part, name, 0.0)
 
 
-def _right_padded(mask: Any) -> bool:
-    """Whether ``mask`` ``[R, T]`` (on the host) is each row's real tokens then padding, as ``PairCollator`` pads."""
-    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.device.type != "cpu":
-        return False
-    positions = torch.arange(mask.shape[1])  # [T]
-    return bool((mask.bool() == (positions < mask.sum(1, keepdim=True))).all())
-
-
 class DPOModule(CausalLMModule):
     """A causal LM trained on preference pairs: DPO (``loss_type="sigmoid"``), IPO, SimPO or ORPO.
 
     Batches are ``PreferenceDataModule``'s: ``input_ids``, ``attention_mask``, ``labels`` ``[2B, T]`` with the ``B``
     chosen sequences first and the ``B`` rejected ones after them (one forward for both), labels ``-100`` outside
     the responses, and ``pair_index`` ``[B]``. A right-padded batch runs without its attention mask (causal attention
-    keeps real tokens from the padding after them; see ``CAUSAL_ONLY``). The decoder runs once over the ``2B`` rows
+    keeps real tokens from the padding after them, as in ``CausalLMModule``). The decoder runs once over the ``2B`` rows
     and each sequence's summed response log-probability comes from the chunked LM head (``models/sequence_logps.py``:
     no ``[2B, T, V]`` logits, the head's matmul once more than in SFT). The losses are in
     ``models/preference_loss.py``.
@@ -185,7 +174,7 @@ class DPOModule(CausalLMModule):
         """Each row's summed response log-probability ``[2B]`` (fp32) and its target count ``[2B]``."""
         hidden = self._decoder()(
             input_ids=batch["input_ids"],
-            attention_mask=None if batch.get(CAUSAL_ONLY) else batch.get("attention_mask"),
+            attention_mask=model_attention_mask(batch),
             position_ids=batch.get("position_ids"),
             use_cache=False,
         ).last_hidden_state  # [2B, T, H]
@@ -265,8 +254,6 @@ class DPOModule(CausalLMModule):
             ValueError: The batch has no ``pair_index`` to look up, or no table exists for its split.
         """
         batch = super().on_before_batch_transfer(batch, dataloader_idx)
-        if isinstance(batch, dict) and _right_padded(batch.get("attention_mask")):
-            batch = {**batch, CAUSAL_ONLY: True}
         trainer = self._trainer
         if (not self.needs_reference or self._computing_reference or not isinstance(batch, dict)
                 or REFERENCE_LOGPS in batch or (trainer is not None and trainer.predicting)):

@@ -107,12 +107,12 @@ def document_spans_mask(
     if allow_is_causal_skip:  # transformers found no packed documents: exactly sdpa's mask (None for plain causal
         # rows), without the probes below and their reads to the host on every forward
         return _dense_fallback("no packed documents", batch_size, q_length, kv_length, **dense)
-    if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):
-        return _dense_fallback("the batch has padding", batch_size, q_length, kv_length, **dense)
     if q_length != kv_length or not (isinstance(q_offset, int) and isinstance(kv_offset, int)) or q_offset or kv_offset:
         return _dense_fallback("queries and keys are offset (KV cache)", batch_size, q_length, kv_length, **dense)
     if use_vmap:  # custom or/and mask functions: not guaranteed to broadcast over index tensors
         return _dense_fallback("the model adds its own mask functions", batch_size, q_length, kv_length, **dense)
+    if attention_mask is not None and not bool(attention_mask[:, -kv_length:].all()):  # reads the device
+        return _dense_fallback("the batch has padding", batch_size, q_length, kv_length, **dense)
 
     starts, causal_documents = _probe(mask_function, batch_size, q_length, device)
     if attention_mask is None and _bound_spans_apply(bound, batch_size, q_length, kwargs.get("config")):

@@ -87,13 +87,16 @@ def compute_reference(module: LightningModule, loaders: Mapping[str, DataLoader]
         with torch.inference_mode(False), torch.no_grad():
             for split, loader in loaders.items():
                 table = torch.full((len(loader.dataset), 2), float("nan"))  # [N, 2]
+                rows, found = [], []  # each batch's pair indices (host) and [B, 2] values (device): read at the end
                 for batch_idx, batch in enumerate(loader):
                     if PAIR_INDEX not in batch:
                         raise ValueError(f"reference log-probabilities: the {split!r} loader's batches have no "
                                          f"{PAIR_INDEX!r}; collate pairs with PairCollator (PreferenceDataModule)")
                     output = strategy.predict_step(strategy.batch_to_device(batch), batch_idx)
-                    values = torch.stack([output["chosen_logps"], output["rejected_logps"]], dim=1)  # [B, 2]
-                    table[batch[PAIR_INDEX]] = values.float().cpu()
+                    rows.append(batch[PAIR_INDEX])
+                    found.append(torch.stack([output["chosen_logps"], output["rejected_logps"]], dim=1).float())
+                if found:  # one read of the device for the split, not one per batch (8 bytes per pair)
+                    table[torch.cat(rows)] = torch.cat(found).cpu()
                 missing = int(table.isnan().any(1).sum())
                 if missing:
                     raise ValueError(f"reference log-probabilities: {missing} of {len(table)} {split!r} pairs got "

@@ -364,7 +364,7 @@ def device_update(
     group_of, hyper = hyper_snapshot(optimizer)
     decoupled = is_decoupled(optimizer)
     unscale = _unscale(grad_scale)
-    on_device: dict[torch.device, Tensor] = {}  # a host factor: one (pageable) copy per step, not one per group
+    on_device: dict[torch.device, Tensor] = {}  # the factor on the mirrors' device: once per step, not per group
 
     def update(params: list[Tensor], mirrors: list[Tensor], grads: list[Tensor | None]) -> None:
         by_group: dict[int, list[int]] = {}
@@ -375,7 +375,10 @@ def device_update(
         if unscale is not None and mirrors:
             device = mirrors[0].device
             if device not in on_device:
-                on_device[device] = unscale.to(device)
+                # a host factor becomes a fill queued on the stream (.to(device) would be a blocking copy from
+                # pageable memory); a device one (late grads) is used as it is
+                on_device[device] = (torch.full((), float(unscale), dtype=torch.float32, device=device)
+                                     if unscale.device.type == "cpu" else unscale.to(device))
             device_unscale = on_device[device]
         for key, ks in by_group.items():
             _fused_adam(

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_causal_lm_module_validates_on_the_gpu(tmp_path):
-    # CausalLMModule's torchmetrics MeanMetric states must follow the loss to the GPU (the module stays on the host)
+    # CausalLMModule's TokenMean states must follow the loss to the GPU (the module stays on the host)
     from lightning_megatrain.models import CausalLMModule
 
     config = dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -161,7 +161,7 @@ def test_validation_and_test_metrics_are_separate(tiny_archs):
     with torch.no_grad():
         module.validation_step({"input_ids": input_ids, "labels": labels})
     assert module.test_loss_mean is not module.val_loss_mean
-    assert module.val_loss_mean.weight.item() > 0 and module.test_loss_mean.weight.item() == 0
+    assert module.val_loss_mean.tokens.item() > 0 and module.test_loss_mean.tokens.item() == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])

@@ -20,6 +20,8 @@ from lightning_megatrain.models import CausalLMModule
 from lightning_megatrain.models import document_spans as ds
 from lightning_megatrain.models import packed_attention as pa
 
+from helpers import families
+from helpers.families import with_router_aux
 from helpers.packing import CONFIGS, document
 
 ROWS = [[document(7, 1), document(12, 2), document(3, 3)], [document(9, 4), document(4, 5)], [document(20, 6)]]
@@ -224,3 +226,60 @@ def test_the_transfer_binds_the_moved_position_ids(module, binds):
             0, 7, 19, 22, 24, 33, 37, 48, 68, 72]
     padded = {**COLLATE(ROWS), "attention_mask": torch.ones(3, 24, dtype=torch.long)}
     assert ds.bound_spans(strategy.batch_to_device(padded, torch.device("cpu"))["position_ids"]) is None
+
+
+def _right_padded_batch() -> dict:
+    ids = torch.randint(3, 100, (3, 16), generator=torch.Generator().manual_seed(1))  # [3, 16]
+    mask = (torch.arange(16) < torch.tensor([[16], [11], [5]])).long()  # rows of 16, 11 and 5 tokens, then padding
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_a_right_padded_batch_runs_causal_only_and_reads_nothing_from_the_device(arch, transformers_finds):
+    module = CausalLMModule(config=CONFIGS[arch])
+    module.configure_model()
+    prepared = module.on_before_batch_transfer(_right_padded_batch(), 0)
+    assert prepared[ds.CAUSAL_ONLY] is True and torch.equal(prepared["position_ids"], torch.arange(16).expand(3, 16))
+    batch = module.transfer_batch_to_device(prepared, torch.device("cpu"), 0)
+    with _reads() as seen:
+        loss, _ = module._loss(batch)
+        loss.backward()
+    assert seen == [] and transformers_finds == []
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    masked, _ = module._loss({**batch, ds.CAUSAL_ONLY: False})  # the mask read: the same loss, the same gradients
+    masked.backward()
+    torch.testing.assert_close(loss, masked, rtol=1e-6, atol=0)
+    for grad, p in zip(grads, module.parameters()):
+        torch.testing.assert_close(grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_mask_stays_where_it_is_not_right_padding_or_labels_train_after_padding():
+    module = CausalLMModule(config=CONFIGS["llama"])
+    module.configure_model()
+    batch = _right_padded_batch()
+    left = {**batch, "attention_mask": batch["attention_mask"].flip(1)}
+    assert ds.CAUSAL_ONLY not in module.on_before_batch_transfer(left, 0)
+    given = {**batch, "position_ids": torch.arange(16).expand(3, 16)}  # the batch's own position_ids are kept as given
+    assert ds.CAUSAL_ONLY not in module.on_before_batch_transfer(given, 0)
+    # labels that train the padding (HF-style labels = input_ids): those targets are predicted from padding queries
+    trained = {**batch, "labels": batch["input_ids"].clone()}
+    assert ds.CAUSAL_ONLY not in module.on_before_batch_transfer(trained, 0)
+    # the first padding position's label is predicted from the last real token: no padding query reads it
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[1, 11] = 7
+    assert module.on_before_batch_transfer({**batch, "labels": labels}, 0)[ds.CAUSAL_ONLY] is True
+
+
+def test_the_router_loss_is_the_same_without_the_padding_mask():
+    torch.manual_seed(0)
+    module = CausalLMModule(config=with_router_aux(families.mixtral()).to_dict())
+    module.configure_model()
+    prepared = module.on_before_batch_transfer(_right_padded_batch(), 0)
+    assert module.router_aux is not None and prepared[ds.CAUSAL_ONLY] is True
+    batch = module.transfer_batch_to_device(prepared, torch.device("cpu"), 0)
+    with torch.no_grad():
+        causal = module._loss_terms(batch, router_aux=True)
+        masked = module._loss_terms({**batch, ds.CAUSAL_ONLY: False}, router_aux=True)
+    torch.testing.assert_close(causal[0], masked[0], rtol=1e-6, atol=0)  # the LM loss
+    torch.testing.assert_close(causal[2], masked[2], rtol=1e-6, atol=0)  # the router loss, over real tokens only

@@ -223,14 +223,18 @@ def test_bad_arguments_are_reported_together():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "packed_sdpa"])
-def test_right_padded_batches_run_without_their_mask(attn, tiny_archs):
+def test_right_padded_batches_run_without_their_mask(attn, tiny_archs, transformers_finds):
     config, _ = tiny_archs["llama"]
     module = build(config, attn)
     batch = pair_batch(pairs=3)  # right-padded rows of different lengths
     prepared = module.on_before_batch_transfer({**batch, "reference_logps": torch.zeros(3, 2)}, 0)
     assert prepared["causal_only"] is True
+    rows, length = batch["input_ids"].shape
+    assert torch.equal(prepared["position_ids"], torch.arange(length).expand(rows, length))  # host, bound at transfer
+    moved = module.transfer_batch_to_device(prepared, torch.device("cpu"), 0)
     with torch.no_grad():
-        without_mask = module._sequence_logps(prepared)
+        without_mask = module._sequence_logps(moved)
+        assert transformers_finds == [], "the bound position_ids must not reach transformers' own finder"
         with_mask = module._sequence_logps(batch)
     torch.testing.assert_close(without_mask, with_mask, rtol=1e-6, atol=0)
     left_padded = {**batch, "attention_mask": batch["attention_mask"].flip(1)}
