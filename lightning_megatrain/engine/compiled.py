@@ -22,16 +22,32 @@ one holds. Where dynamo cannot trace the layer whole (Mixtral's routing on the G
 it saves the same outputs and re-runs the layer's own code inside backward, which therefore binds the layer's
 weights again around ``autograd.grad``. A layer whose MLP or MoE block runs in sequence tiles compiles them into the
 same graph, and the policy leaves a tile's matmuls to the tile's own checkpoint (see [Note: sequence tiles]).
+
+The batch and sequence dims of the layer's tensor arguments are marked dynamic on every call (``_TOKEN_DIMS`` names
+them per argument), so the first call already compiles the graph that serves every shape. Left to dynamo's
+automatic dynamic shapes, the first shape compiled a static graph and the first other shape a dynamic one: the
+kernels that ran a batch depended on the shapes seen before it, and a run resumed mid-epoch (whose first batch has
+another shape) or a second run in the same process differed from the uninterrupted run (on the H200: losses from the
+first resumed step, 9e-4 in the weights after 3 steps). Hidden and head dims stay static; a dim of size 0 or 1 is
+not marked (dynamo specializes it, the same way whatever came before). The marking is ``maybe_mark_dynamic``: code
+that specializes a marked dim (sequence tiles loop over T's tiles) gets a graph per size of it, where
+``mark_dynamic`` would raise. What the marking leaves to the first call are inductor's size hints: its guards on them
+(the CPU's ``B*T > 4096``) split the shapes into graphs, each still chosen by the shape alone, but its unguarded
+choices (block sizes, split reductions) and Triton's autotuning see the first batch of a graph. Pinning the hints
+(``mark_dynamic(hint_override=)``) does not help: dynamo guards on the pinned hint too, and a batch on the other side
+of such a guard fails the graph compiled for it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_megatrain.engine.tiling import inside_tile
@@ -68,9 +84,39 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_BATCH, _SEQUENCE = 0, 1  # indices into a call's (B, T)
+# Per argument of a decoder layer's forward: (dim, what it counts) of its tensors' batch and sequence dims
+_TOKEN_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
+    "hidden_states": ((0, _BATCH), (1, _SEQUENCE)),  # [B, T, hidden]
+    "position_embeddings": ((0, _BATCH), (1, _SEQUENCE)),  # (cos, sin), each [B or 1, T, head_dim]
+    "position_ids": ((0, _BATCH), (1, _SEQUENCE)),  # [B or 1, T]
+    "cache_position": ((0, _SEQUENCE),),  # [T]
+    "attention_mask": ((0, _BATCH), (-2, _SEQUENCE), (-1, _SEQUENCE)),  # [B, 1, T, T] (or [B, T])
+}
+
+
+def _mark_token_dims(arguments: dict[str, Any]) -> None:
+    """Mark the batch and sequence dims of a layer call's tensor ``arguments`` dynamic (see [Note: compiled
+    layers]): those of ``_TOKEN_DIMS`` whose size is the call's B or T, 2 or more."""
+    hidden_states = arguments.get("hidden_states")
+    if not isinstance(hidden_states, Tensor):
+        return
+    sizes = hidden_states.shape[:2]  # (B, T)
+    for name, dims in _TOKEN_DIMS.items():
+        for t in pytree.tree_leaves(arguments.get(name)):
+            if not isinstance(t, Tensor):
+                continue
+            marked: set[int] = set()
+            for d, role in dims:
+                if -t.dim() <= d < t.dim() and d % t.dim() not in marked and t.shape[d] == sizes[role] >= 2:
+                    marked.add(d % t.dim())
+                    torch._dynamo.maybe_mark_dynamic(t, d % t.dim())
+
+
 def compile_layer_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile`` a layer class's ``forward``, saving only matmul and attention outputs for backward (see
-    [Note: compiled layers])."""
+    """``torch.compile`` a layer class's ``forward``, saving only matmul and attention outputs for backward, with
+    the batch and sequence dims of its arguments dynamic from the first call (see [Note: compiled layers])."""
+    names = list(inspect.signature(forward).parameters)[1:]  # after the layer
 
     def selective(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -80,7 +126,13 @@ def compile_layer_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
             context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls), **kwargs,
         )
 
-    return torch.compile(selective, options={"fallback_random": True})
+    compiled = torch.compile(selective, options={"fallback_random": True})
+
+    def marked(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        _mark_token_dims(dict(zip(names, args)) | kwargs)
+        return compiled(layer, *args, **kwargs)
+
+    return marked
 
 
 def _probe(x: Tensor) -> Tensor:

@@ -1,14 +1,7 @@
 """CUDA: exact resume. A run resumed mid-epoch from a checkpoint gives bitwise the losses and weights of the
-uninterrupted run, in bf16-mixed with clipping, with every engine choice left to the engine (the overlapped host
-step and its default host Adam, updates during backward, ``keep_layers`` and ``gpu_optimizer_groups``) but eager
-layers, and with DeepSpeedCPUAdam asked for by name.
-
-Compiled layers (the default on CUDA) are deterministic run to run but not bitwise across a resume: dynamo compiles
-a layer's first shape statically and, at the first new shape, a dynamic graph, so which kernels run a batch depends
-on the shapes the process has seen (a resumed run starts at another batch). Its case asserts the runs agree bitwise
-from the same start and the resumed run to within what those kernels' rounding makes of a few Adam steps (max
-weight difference 9e-4 measured on the H200, against 1e-2 for one lost update at this learning rate:
-benchmarks/results/2026-12-02-determinism-h200.json). See docs/reliability.md.
+uninterrupted run, in bf16-mixed with clipping, with every engine choice left to the engine (compiled layers, the
+overlapped host step and its default host Adam, updates during backward, ``keep_layers`` and
+``gpu_optimizer_groups``), with eager layers, and with DeepSpeedCPUAdam asked for by name.
 
 SDPA runs its math backend here: the fused attention backwards may add in a varying order, and then two
 uninterrupted runs would differ as well. Skipped without CUDA (CI); run on the GPU machine with
@@ -51,17 +44,16 @@ def test_resume_mid_epoch_is_bitwise_the_uninterrupted_run(tmp_path, strategy):
         assert torch.equal(resumed_weights[name], w), name
 
 
-def test_compiled_layers_resume_to_within_their_kernels_rounding(tmp_path):
+def test_compiled_layers_resume_bitwise(tmp_path):
+    # compiled layers mark their batch and sequence dims dynamic from the first call, so one graph serves every
+    # shape whatever the process saw before: a resumed run (its first batch has another shape) runs the same kernels
     with sdpa_kernel(SDPBackend.MATH):
         losses, weights = _fit(tmp_path / "a", lambda: "megatrain")
         again_losses, again_weights = _fit(tmp_path / "b", lambda: "megatrain")
-        assert again_losses == losses  # from the same start, the same kernels: bitwise
+        assert again_losses == losses
         assert all(torch.equal(again_weights[n], w) for n, w in weights.items())
         resumed_losses, resumed_weights = _fit(tmp_path / "c", lambda: "megatrain",
                                                ckpt_path=tmp_path / "a" / "step2.ckpt")
-    assert sorted(resumed_losses) == [3, 4, 5]
-    for step, loss in resumed_losses.items():
-        assert loss == pytest.approx(losses[step], rel=1e-3), step
-    # a lost or repeated Adam update moves weights by about the learning rate, 1e-2
+    assert resumed_losses == {k: v for k, v in losses.items() if k > 2}
     worst = max(float((resumed_weights[n] - w).abs().max()) for n, w in weights.items())
-    assert worst < 3e-3, worst
+    assert worst == 0.0, worst
