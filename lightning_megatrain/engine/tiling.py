@@ -1,5 +1,5 @@
-"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block) run a tile of positions at a
-time, in forward and in the recompute.
+"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block), and where allowed the norm
+before it, run a tile of positions at a time, in forward and in the recompute.
 
 [Note: sequence tiles]
 What: the block a decoder layer applies to each position alone (``mlp``, ``block_sparse_moe``, ``feed_forward`` or
@@ -14,13 +14,24 @@ tile runs under a non-reentrant ``torch.utils.checkpoint``, which saves only the
 input) and re-runs the tile inside backward, so one tile's intermediates are alive at a time, in the engine's recompute
 and its backward alike (engine/streamed.py, [Note: streamed layer]).
 
+The norm before the block (``post_attention_layernorm``; Gemma2/3's ``pre_feedforward_layernorm``, whose
+``post_attention_layernorm`` normalises the attention output before the residual add) is folded into the tiles where
+the layer feeds its output only to the block: in the families of ``FOLDED_NORMS``, where the norm is not reused
+anywhere else in the stack (:func:`folded_norms`). Its ``forward`` then returns its input itself where the block
+runs tiled, and each tile computes ``block(norm(x))`` on its slice of the residual stream; both decide from their
+own input's T by one function (``_tile``), so they cannot disagree, and where the block runs untiled the norm runs
+as itself. Other families keep the norm untiled before the tiled block.
+
 Memory: an eager Llama MLP with grad holds 4 tensors of [B, T, I] until backward (gate and up projections, SiLU of
 gate, their product) and about 3 more at once in backward (their grads): at the 7B shape (H 4096, I 11008), B = 1
 and T = 512K in bf16 each is T * I * 2 bytes = 10.8 GiB, 43 GiB held. Tiled, the same counts apply to [B, t, I]:
 about 7 * B * t * I * bytes at the peak, 2.3 GiB for t = 16,384 (344 MiB per tensor), whatever T. What stays
 [B, T, H]: the block's input (kept alive by the tiles' views of it), its output, and while ``torch.cat`` runs a
-second copy of the output (the tiles' outputs), 4 GiB each at 512K. An MoE block's intermediates are those of the
-routed copies, B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
+second copy of the output (the tiles' outputs), 4 GiB each at 512K. With the norm folded the block's input is the
+residual stream, which the layer keeps anyway, and the norm's fp32 normalised value (4H bytes per token, + 4 for
+its rsqrt) and fp32 output (4H) exist for one tile instead of all T: 32 KB per token less at the 7B shape, 16 GiB
+per layer at 512K (planner/memory.py's ``_tiled``). An MoE block's intermediates are those of the routed copies,
+B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
 
 Compute: a tile under a checkpoint runs its forward twice with grad, so the block's forward runs once more per
 step: three times instead of two in a recomputed layer (forward without grad, the recompute, the re-run in
@@ -36,7 +47,10 @@ Equality: the tiles compute each position as the untiled block does. Measured in
 tests/engine/test_tiling.py): a dense MLP's output and input grad are bitwise those of the untiled block (a
 position's row is the same GEMM row; a GPU's GEMM may pick other kernels per shape, so there only within rounding);
 weight grads add the tiles' partial sums, another summation order: ~2e-7 relative. An MoE block groups each tile's
-tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise.
+tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise. A
+folded norm computes each row as the untiled norm: outputs bitwise those of the unfolded tiles; the residual's grad
+adds the norm's paths per tile before the residual add's grad (another order, ~1e-7), and the norm's weight grad
+sums tile partial sums.
 
 Randomness: the checkpoint saves the RNG state (the CPU's, and the device's of a CUDA tile) before each tile and
 restores it when re-running the tile in backward, and the engine's recompute restores the layer's, so dropout inside
@@ -44,18 +58,19 @@ a block replays the forward's masks. Such a block (dropout, Mixtral's ``router_j
 its random numbers tile by tile, though: its masks are not the untiled run's, only from the same distribution. No
 family the tests train draws any inside the block (Phi-3's ``resid_mlp_dropout`` is applied outside it).
 
-Compiled layers ([Note: compiled layers] in engine/compiled.py): dynamo traces the tiles into the layer's graph, each
-as a nested checkpoint region, without a graph break. The regions' tags override the layer's selective policy, so
-the graph saves the block's input, not every tile's matmul outputs, and inductor's backward re-runs each tile just
-before that tile's backward, reusing the tile's buffers (read off the generated code on the CPU, 8 tiles: peak of
-the backward's own buffers 0.84 * T * I values instead of 4.0). Results: output and input grad bitwise those of the
-untiled compiled layer, weight grads within 2e-7 (CPU). The tiled forward is a method all blocks share (bound per
-block, with its state in block attributes), so dynamo guards on one function and one graph per grad mode serves
-every layer and tile. The number of tiles is part of the graph, though: a row length with another number of tiles
-compiles again (once per grad mode; within a count T stays dynamic), and past dynamo's ``recompile_limit`` (8 per
-function) new counts run eagerly. Packed rows of one length compile once. Where the layer runs eagerly (dynamo could
-not trace it, or the limit), the selective checkpoint's cache would keep every tile's matmul outputs until the
-layer's backward; its policy asks :func:`inside_tile` and leaves a tile's ops to the tile's own checkpoint.
+Compiled layers ([Note: compiled layers] in engine/compiled.py): dynamo traces the tiles into the layer's graph,
+each as a nested checkpoint region, without a graph break. The regions' tags override the layer's selective policy,
+so the graph saves the block's input, not every tile's matmul outputs, and inductor's backward re-runs each tile
+just before that tile's backward, reusing the tile's buffers (read off the generated code on the CPU, 8 tiles: peak
+of the backward's own buffers 0.84 * T * I values instead of 4.0). Results (measured with the norm untiled): output
+and input grad bitwise those of the untiled compiled layer, weight grads within 2e-7 (CPU). The tiled forward is a
+method all blocks share (bound per block, with its state in block attributes), and so is the folded norm's, so
+dynamo guards on one function each and one graph per grad mode serves every layer and tile. The number of tiles is
+part of the graph, though: a row length with another number of tiles compiles again (once per grad mode; within a
+count T stays dynamic), and past dynamo's ``recompile_limit`` (8 per function) new counts run eagerly. Packed rows
+of one length compile once. Where the layer runs eagerly (dynamo could not trace it, or the limit), the selective
+checkpoint's cache would keep every tile's matmul outputs until the layer's backward; its policy asks
+:func:`inside_tile` and leaves a tile's ops to the tile's own checkpoint.
 """
 
 from __future__ import annotations
@@ -91,8 +106,9 @@ BLOCK_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")
 # Decoder layers (transformers' classes) whose norm before the position-wise block (``mlp`` in all of them) feeds only
 # that block: its output is read by nothing else in the layer's forward (read off transformers 5.24's modeling code),
 # so it can run inside each tile instead ([Note: sequence tiles]). Gemma2/3 apply ``post_attention_layernorm`` to the
-# attention output before the residual add: theirs is ``pre_feedforward_layernorm``. Not listed, so untouched: layers
-# that use one norm's output for both attention and MLP (Cohere), norm after the block only (OLMo-2), or not read.
+# attention output before the residual add: theirs is ``pre_feedforward_layernorm``. Every other family keeps its norm
+# untiled, among them Cohere (one norm's output feeds attention and MLP) and OLMo-2 (its ``post_attention_layernorm``
+# normalises the attention output; none before the MLP).
 FOLDED_NORMS = {
     **dict.fromkeys(
         ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer",
@@ -126,8 +142,8 @@ def _tile(seq_tile: int | Auto | None, hidden: Tensor) -> int | None:
 
 def folded_norms(stack: nn.ModuleList) -> list[tuple[str, nn.Module] | None]:
     """Per layer of ``stack``, the norm folded into its tiled block as ``(attribute, module)``, or None: the layer is
-    a transformers decoder layer of a family in ``FOLDED_NORMS`` with that attribute, and the norm appears nowhere
-    else in the stack (not shared between layers, not reused under another name)."""
+    a transformers decoder layer of a family in ``FOLDED_NORMS`` with that attribute and a block (:func:`find_block`),
+    and the norm appears nowhere else in the stack (not shared between layers, not reused under another name)."""
     seen: dict[int, int] = {}
     for _, module in stack.named_modules(remove_duplicate=False):
         seen[id(module)] = seen.get(id(module), 0) + 1
@@ -136,7 +152,8 @@ def folded_norms(stack: nn.ModuleList) -> list[tuple[str, nn.Module] | None]:
         name = FOLDED_NORMS.get(type(layer).__name__)
         norm = getattr(layer, name, None) if name else None
         own = type(layer).__module__.startswith("transformers.models.")  # not a user's class of the same name
-        found.append((name, norm) if own and isinstance(norm, nn.Module) and seen[id(norm)] == 1 else None)
+        fold = own and isinstance(norm, nn.Module) and seen[id(norm)] == 1 and find_block(layer) is not None
+        found.append((name, norm) if fold else None)
     return found
 
 
