@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
+from lightning_megatrain.engine.tiling import folded_norms
 
 # Names of Linear modules that write back to the stream (not readers of it); the MLP ones give the intermediate width.
 _DOWN_PROJ = ("down_proj", "fc2", "w2", "dense_4h_to_h", "c_proj")
@@ -37,6 +38,7 @@ class _Layer:
     # the position-wise block (MLP or MoE), which seq_tile runs a tile of positions at a time (engine/tiling.py)
     mlp_readers: int = 0  # of ``readers``, those in that block (gate, up; a MoE router)
     mlp_active: int = 0  # parameters a token passes through in that block (MoE: shared + router + k/E of the experts)
+    folded_norm: bool = False  # the norm before that block runs inside its tiles (engine/tiling.py, folded_norms)
 
 
 @dataclass
@@ -154,7 +156,7 @@ def describe(model: Any, name: str = "", attn_implementation: str | None = None)
         linear_attn = _LinearAttn(k_heads=text.linear_num_key_heads, v_heads=text.linear_num_value_heads,
                                   k_dim=text.linear_key_head_dim, v_dim=text.linear_value_head_dim,
                                   conv=text.linear_conv_kernel_dim)
-    layers = []
+    layers, folded = [], folded_norms(stack)
     for i, layer in enumerate(stack):
         numel = _unique_numel(layer.parameters())
         expert = _unique_numel(p for n, p in layer.named_parameters() if ".experts." in f".{n}")
@@ -181,7 +183,7 @@ def describe(model: Any, name: str = "", attn_implementation: str | None = None)
             linear=i < len(layer_types) and layer_types[i] == "linear_attention",
             out_gate=q_proj is not None and q_proj.out_features == 2 * heads * head_dim,
             mlp_readers=sum(1 for n, _ in readers if not mixer(n)),
-            mlp_active=mlp_dense + (expert * top_k // experts if experts else 0)))
+            mlp_active=mlp_dense + (expert * top_k // experts if experts else 0), folded_norm=folded[i] is not None))
     embeddings, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     return _Shape(
         name=name or getattr(config, "name_or_path", "") or config.model_type,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain.engine import tiling
 from lightning_megatrain.engine.compiled import _save_matmuls
 from lightning_megatrain.engine.tiling import AUTO_TILE, SequenceTiles, find_block, run_tiled, tile_length
 
@@ -73,6 +74,47 @@ def test_tiled_block_equals_untiled(family):
         assert torch.equal(outs[1], ref_outs[1])  # router scores [B * T, k]: the same rows, in the same order
 
 
+# The layers with their norm folded into the tiles ([Note: sequence tiles]) against the same tiles with the norm
+# untiled (FOLDED_NORMS emptied) and against the untiled model: B = 2, T = 16 in tiles of 5, 5, 5 and 1, through
+# every layer (inputs_embeds in, logits out). The folded norm computes each row as the untiled norm does and the block
+# gets the same tile inputs, so the logits are bitwise the unfolded tiles' (MoE too). Grads within 1e-6 of the
+# untiled model's (7e-8 input grad, 2e-7 weights measured): the residual stream's grad now adds the norm's two paths
+# per tile before the residual add's grad, another summation order, and the folded norms' weight grads sum tile
+# partial sums. (Tiles alone are not bitwise at this shape: the CPU GEMM of 10 rows rounds otherwise than that of 32.)
+# Gemma2 folds its pre_feedforward_layernorm; its post_attention_layernorm (on the attention output) runs as itself.
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3", "qwen3_moe", "gemma2"])
+def test_folded_norm_equals_unfolded(family, monkeypatch):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family]())
+    layers = model.model.layers
+    folded = "pre_feedforward_layernorm" if family == "gemma2" else "post_attention_layernorm"
+    x0 = torch.randn(2, SEQ, model.config.hidden_size)
+    grad_out = torch.randn(2, SEQ, model.config.vocab_size)
+    results = []
+    for tile, fold in ((None, False), (TILE, False), (TILE, True)):
+        tiles = SequenceTiles(layers, tile) if tile else None
+        if tiles:
+            with monkeypatch.context() as m:
+                if not fold:
+                    m.setattr(tiling, "FOLDED_NORMS", {})
+                tiles.install()
+            assert [n for n, _ in tiles.norms] == ([getattr(layer, folded) for layer in layers] if fold else [])
+        x = x0.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        logits = model(inputs_embeds=x).logits
+        logits.backward(grad_out)
+        results.append((logits, x.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        if tiles:
+            tiles.uninstall()
+    (ref_out, ref_dx, ref_dw), (un_out, _, _), (out, dx, dw) = results
+    assert torch.equal(out, un_out)
+    assert dw.keys() == ref_dw.keys() and any(folded in n for n in dw)
+    assert _rel(out, ref_out) < 1e-6 and _rel(dx, ref_dx) < 1e-6
+    for n, ref in ref_dw.items():
+        if ref.norm() > 0:  # an expert without tokens has an all-zero grad on both sides
+            assert _rel(dw[n], ref) < 1e-6, n
+
+
 def test_tiles_put_flattened_outputs_back_in_order_and_refuse_scalars():
     class Block(nn.Module):
         def __init__(self, aux: bool = False):
@@ -90,36 +132,73 @@ def test_tiles_put_flattened_outputs_back_in_order_and_refuse_scalars():
         run_tiled(Block(aux=True).forward, x, 3)
 
 
-def test_install_shadows_each_block_and_uninstall_restores_it(caplog):
+# Install and uninstall, blocks and folded norms alike: an instance forward set before ours comes back; a norm
+# reachable under another name too (here layer 2's post_attention_layernorm is layer 0's input_layernorm) is not
+# folded, so layer 2's block runs tiled after its norm ran whole.
+def test_install_shadows_each_block_and_norm_and_uninstall_restores_them(caplog):
     class Plain(nn.Module):  # a layer without a position-wise block: logged once, runs untiled
         def forward(self, x):
             return x
 
     model = AutoModelForCausalLM.from_config(FAMILIES["mixtral"]())
     layers = model.model.layers
-    custom = layers[1].mlp.forward
-    layers[1].mlp.forward = custom  # an instance forward set before ours
+    custom, custom_norm = layers[1].mlp.forward, layers[1].post_attention_layernorm.forward
+    layers[1].mlp.forward = custom  # instance forwards set before ours
+    layers[1].post_attention_layernorm.forward = custom_norm
+    layers[2].post_attention_layernorm = layers[0].input_layernorm
     stack = nn.ModuleList([*layers, Plain(), Plain()])
     tiles = SequenceTiles(stack, TILE)
     with caplog.at_level(logging.INFO, logger="lightning_megatrain.engine.tiling"):
         tiles.install()
+    norms = [layer.post_attention_layernorm for layer in layers]
     assert [b for b, _ in tiles.blocks] == [layer.mlp for layer in layers]
-    assert all("forward" in layer.mlp.__dict__ for layer in layers)
+    assert [n for n, _ in tiles.norms] == norms[:2]
+    assert all("forward" in m.__dict__ for m in [*(layer.mlp for layer in layers), *norms[:2]])
+    assert "forward" not in norms[2].__dict__ and layers[2].mlp._megatrain_norm is None
     assert caplog.text.count("no position-wise block") == 1 and "Plain" in caplog.text
+    assert caplog.text.count("runs inside each tile") == 1 and "('post_attention_layernorm') of 2 layers" in caplog.text
     tiles.uninstall()
     assert "forward" not in layers[0].mlp.__dict__ and layers[1].mlp.__dict__["forward"] is custom
-    assert not [k for layer in layers for k in layer.mlp.__dict__ if k.startswith("_megatrain")]
+    assert "forward" not in norms[0].__dict__ and norms[1].__dict__["forward"] is custom_norm
+    modules = [m for layer in layers for m in (layer.mlp, layer.post_attention_layernorm)]
+    assert not [k for m in modules for k in m.__dict__ if k.startswith("_megatrain")]
+
+
+# Rows no longer than a tile run as without tiles: the norm runs as itself (and the block untiled on its output),
+# bitwise the uninstalled model's logits and grads; on a longer row the norm returns its input itself.
+def test_folded_norm_runs_itself_on_short_rows():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES["llama_tied"]())
+    norm = model.model.layers[0].post_attention_layernorm
+    x0 = torch.randn(2, TILE, model.config.hidden_size)
+    results = []
+    for tile in (None, TILE):
+        tiles = SequenceTiles(model.model.layers, tile) if tile else None
+        if tiles:
+            tiles.install()
+            assert len(tiles.norms) == len(model.model.layers)
+            assert torch.equal(norm(x0), type(norm).forward(norm, x0))
+            long = torch.randn(2, TILE + 1, model.config.hidden_size)
+            assert norm(long) is long
+        x = x0.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        model(inputs_embeds=x).logits.sum().backward()
+        results.append([x.grad, *(p.grad for p in model.parameters())])
+        if tiles:
+            tiles.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.fixture
 def block_inputs(monkeypatch):
-    """The sequence lengths every LlamaMLP, Qwen3MLP and MixtralSparseMoeBlock forward receives."""
+    """The sequence lengths every LlamaMLP, Qwen3MLP, MixtralSparseMoeBlock and Gemma2MLP forward receives."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
     from transformers.models.llama.modeling_llama import LlamaMLP
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
     lengths: list[int] = []
-    for cls in (LlamaMLP, Qwen3MLP, MixtralSparseMoeBlock):
+    for cls in (LlamaMLP, Qwen3MLP, MixtralSparseMoeBlock, Gemma2MLP):
 
         def recording(self, x, _forward=cls.forward):
             lengths.append(x.shape[1])
@@ -140,11 +219,13 @@ def _global_norm(grads: dict) -> float:
 
 # Through the Trainer against plain Lightning, with accumulation (2 micro-batches per step) and clipping that fires;
 # llama_untied has attention dropout (outside the block), whose masks the tiles' own checkpoints must not disturb;
-# qwen3 keeps layer 0's graph (tiles with grad in forward), the others recompute every layer. Untiled, these records
-# are bitwise plain Lightning's up to the first update; tiles change the summation order of weight grads: the first
-# step within 1e-6 (2.4e-7 measured), later ones within 1e-4 (1.3e-5 measured, in a Mixtral expert's grad after an
-# Adam update, which normalises rounding noise in small grads).
-@pytest.mark.parametrize(("family", "seed", "keep"), [("llama_untied", 1, 0), ("qwen3", 0, 1), ("mixtral", 0, 0)])
+# qwen3 keeps layer 0's graph (tiles with grad in forward), the others recompute every layer; the norm before the
+# block runs in the tiles (folded: gemma2's pre_feedforward_layernorm, the others' post_attention_layernorm).
+# Untiled, these records are bitwise plain Lightning's up to the first update; tiles change the summation order of
+# grads: the first step within 1e-6 (2.4e-7 measured), later ones within 1e-4 (1.3e-5 measured, in a Mixtral
+# expert's grad after an Adam update, which normalises rounding noise in small grads).
+@pytest.mark.parametrize(("family", "seed", "keep"),
+                         [("llama_untied", 1, 0), ("qwen3", 0, 1), ("mixtral", 0, 0), ("gemma2", 0, 0)])
 def test_tiled_training_parity(family, seed, keep, block_inputs):
     ref = _reference(family, seed)
     assert all(_global_norm(g) > 1.0 for g in ref.grads)  # clipping bites
@@ -216,6 +297,32 @@ def test_eager_selective_checkpoint_leaves_tiles_to_their_checkpoint():
             tiles.uninstall()
     tile_projections = 2 * seq * config.intermediate_size * 4  # gate and up, fp32
     assert alive[0] - alive[1] > 0.9 * tile_projections, alive
+
+
+# What the folded norm no longer keeps ([Note: sequence tiles], planner/memory.py's _tiled): a Llama layer with grad,
+# tiled with the norm folded against the same tiles with it untiled (FOLDED_NORMS emptied); alive after forward: the
+# unfolded norm's fp32 normalised value (4H per token) and rsqrt (4), and its output (4H), which the tiles keep as
+# their input, all [B, T, *]. Folded, the tiles keep views of the residual stream, alive either way.
+def test_folded_norm_keeps_no_activations(monkeypatch):
+    config, layer = _layer()
+    batch, seq, H = 2, 256, config.hidden_size
+    x0 = torch.randn(batch, seq, H)
+    cos, sin = LlamaRotaryEmbedding(config)(x0, torch.arange(seq)[None])
+    alive = []
+    for fold in (False, True):
+        with monkeypatch.context() as m:
+            if not fold:
+                m.setattr(tiling, "FOLDED_NORMS", {})
+            tiles = SequenceTiles(nn.ModuleList([layer]), 32)
+            tiles.install()
+        assert len(tiles.norms) == fold
+        x = x0.clone().requires_grad_(True)
+        with _Alive() as mode:
+            out = layer(x, position_embeddings=(cos, sin), attention_mask=None)
+        alive.append(mode.alive())
+        out.sum().backward()
+        tiles.uninstall()
+    assert alive[0] - alive[1] == (8 * H + 4) * batch * seq, alive
 
 
 def _saved_widths(strategy: MegaTrainStrategy) -> set[int]:
