@@ -21,8 +21,8 @@ bounded by a chunk whatever the tensor's size. The new bf16 weight is rounded st
 rounding]) or to nearest with the rounding error kept in a bf16 *compensation* buffer that the next update adds
 back (Kahan summation: weight + compensation carries about 16 significant bits). With every format fp32 the kernel
 is torch's AdamW bit for bit on the CPU (tests/optim/test_compact_adam.py). Gradients are read in whatever dtype
-they arrive and summed across micro-batches in that dtype by whoever writes them. Nothing is tied to the CPU: the state lives
-on the parameter's device (the step count on the CPU, as in torch's AdamW), so the same kernel runs on GPU
+they arrive and summed across micro-batches in that dtype by whoever writes them. Nothing is tied to the CPU: the
+state lives on the parameter's device (the step count on the CPU, as in torch's AdamW), so the same kernel runs on GPU
 parameters (benchmarks/compact_quality.py trains with it there).
 
 Speed: the kernel runs through ``torch.compile`` (inductor's C++/OpenMP backend fuses the chunk into one or two
