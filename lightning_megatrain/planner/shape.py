@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
-from lightning_megatrain.engine.tiling import folded_norms
+from lightning_megatrain.engine.folded_norms import folded_norms
 
 # Names of Linear modules that write back to the stream (not readers of it); the MLP ones give the intermediate width.
 _DOWN_PROJ = ("down_proj", "fc2", "w2", "dense_4h_to_h", "c_proj")
