@@ -261,8 +261,8 @@ def _global_norm(grads: dict) -> float:
 # block runs in the tiles (folded: gemma2's pre_feedforward_layernorm, the others' post_attention_layernorm), and so
 # does the norm before attention, in the tiles of q, k and v (the installs' log lines say so).
 # Untiled, these records are bitwise plain Lightning's up to the first update; tiles change the summation order of
-# grads: the first step within 1e-6 (2.4e-7 measured), later ones within 1e-4 (1.3e-5 measured, in a Mixtral
-# expert's grad after an Adam update, which normalises rounding noise in small grads).
+# grads: the first step within 1e-6 (2.4e-7 measured), later ones within 3e-4 (1.3e-4 measured, in Qwen3's k_norm
+# weight grad after two Adam updates, which normalise rounding noise in small grads; the tiled q, k and v add it).
 @pytest.mark.parametrize(("family", "seed", "keep"),
                          [("llama_untied", 1, 0), ("qwen3", 0, 1), ("mixtral", 0, 0), ("gemma2", 0, 0)])
 def test_tiled_training_parity(family, seed, keep, block_inputs, caplog):
@@ -272,7 +272,7 @@ def test_tiled_training_parity(family, seed, keep, block_inputs, caplog):
     strategy = MegaTrainStrategy(cpu_adam="torch", seq_tile=TILE, keep_layers=keep)
     with caplog.at_level(logging.INFO, logger="lightning_megatrain.engine.tiling"):
         rec = run(strategy, family, accumulate=2, clip=1.0, seed=seed)
-    assert_records_close(rec, ref, rtol=1e-6, rtol_updated=1e-4)
+    assert_records_close(rec, ref, rtol=1e-6, rtol_updated=3e-4)
     # per micro-batch (3 steps x 2) each block in 4 tiles, never the whole row: a recomputed layer's block runs them
     # three times (in forward without grad, in the layer's recompute, and each tile once more by its checkpoint in
     # backward), a kept layer's twice (forward with grad, the re-run in backward)
