@@ -20,7 +20,9 @@ the layer feeds its output only to the block: in the families of ``FOLDED_NORMS`
 anywhere else in the stack (:func:`folded_norms`). Its ``forward`` then returns its input itself where the block
 runs tiled, and each tile computes ``block(norm(x))`` on its slice of the residual stream; both decide from their
 own input's T by one function (``_tile``), so they cannot disagree, and where the block runs untiled the norm runs
-as itself. Other families keep the norm untiled before the tiled block.
+as itself. Other families keep the norm untiled before the tiled block. While the tiles are installed, a folded
+norm called on a long row anywhere returns its input: a forward hook on it (or code calling it outside the layer, a
+logit lens) sees the residual stream, not the normalised values.
 
 Memory: an eager Llama MLP with grad holds 4 tensors of [B, T, I] until backward (gate and up projections, SiLU of
 gate, their product) and about 3 more at once in backward (their grads): at the 7B shape (H 4096, I 11008), B = 1
