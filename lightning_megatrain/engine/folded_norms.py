@@ -21,6 +21,10 @@ Either fold is decided per layer, only where the norm and its readers appear now
 between layers, not reused under another name), and the attention fold only in layers whose attention module holds
 all the projections (not Qwen3.5's linear-attention layers). Other families keep their norms untiled.
 
+Hooks: while the tiles are installed, a folded norm (either fold) called on a long row anywhere returns its input: a
+forward hook on it (or code calling it outside the layer, a logit lens) sees the residual stream, not the normalised
+values, and a forward hook on a projection it feeds sees the residual stream as that projection's input.
+
 Memory (per token, H hidden, the 7B shape H = 4096): untiled, a norm saves its fp32 normalised value and rsqrt (4H
 + 4), and each Linear reading its fp32 output saves what it reads: under bf16 autocast its own bf16 copy (2H per
 Linear, autocast caches only weights' casts), in fp32 the norm's output itself (4H, one tensor for all readers).

@@ -1,5 +1,5 @@
-"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block), and where allowed the norm
-before it, run a tile of positions at a time, in forward and in the recompute.
+"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block), and where allowed the norms
+folded into tiles (engine/folded_norms.py), run a tile of positions at a time, in forward and in the recompute.
 
 [Note: sequence tiles]
 What: the block a decoder layer applies to each position alone (``mlp``, ``block_sparse_moe``, ``feed_forward`` or
@@ -14,26 +14,18 @@ tile runs under a non-reentrant ``torch.utils.checkpoint``, which saves only the
 input) and re-runs the tile inside backward, so one tile's intermediates are alive at a time, in the engine's recompute
 and its backward alike (engine/streamed.py, [Note: streamed layer]).
 
-The norm before the block (``post_attention_layernorm``; Gemma2/3's ``pre_feedforward_layernorm``, whose
-``post_attention_layernorm`` normalises the attention output before the residual add) is folded into the tiles where
-the layer feeds its output only to the block: in the families of ``FOLDED_NORMS``, where the norm is not reused
-anywhere else in the stack (:func:`folded_norms`). Its ``forward`` then returns its input itself where the block
-runs tiled, and each tile computes ``block(norm(x))`` on its slice of the residual stream; both decide from their
-own input's T by one function (``_tile``), so they cannot disagree, and where the block runs untiled the norm runs
-as itself. Other families keep the norm untiled before the tiled block. While the tiles are installed, a folded
-norm called on a long row anywhere returns its input: a forward hook on it (or code calling it outside the layer, a
-logit lens) sees the residual stream, not the normalised values.
+The norm before the block, and the norm before attention in the tiles of the attention's input projections, are
+folded into tiles where the family allows it: which, how, what that saves and costs, and what a folded norm's hooks
+then see are in [Note: folded norms] (engine/folded_norms.py). Other families keep their norms untiled.
 
 Memory: an eager Llama MLP with grad holds 4 tensors of [B, T, I] until backward (gate and up projections, SiLU of
 gate, their product) and about 3 more at once in backward (their grads): at the 7B shape (H 4096, I 11008), B = 1
 and T = 512K in bf16 each is T * I * 2 bytes = 10.8 GiB, 43 GiB held. Tiled, the same counts apply to [B, t, I]:
 about 7 * B * t * I * bytes at the peak, 2.3 GiB for t = 16,384 (344 MiB per tensor), whatever T. What stays
 [B, T, H]: the block's input (kept alive by the tiles' views of it), its output, and while ``torch.cat`` runs a
-second copy of the output (the tiles' outputs), 4 GiB each at 512K. With the norm folded the block's input is the
-residual stream, which the layer keeps anyway, and the norm's fp32 normalised value (4H bytes per token, + 4 for
-its rsqrt) and fp32 output (4H) exist for one tile instead of all T: 32 KB per token less at the 7B shape, 16 GiB
-per layer at 512K (planner/memory.py's ``_tiled``). An MoE block's intermediates are those of the routed copies,
-B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
+second copy of the output (the tiles' outputs), 4 GiB each at 512K (with the norm before it folded, the block's
+input is the residual stream, which the layer keeps anyway: [Note: folded norms]). An MoE block's intermediates are
+those of the routed copies, B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
 
 Compute: a tile under a checkpoint runs its forward twice with grad, so the block's forward runs once more per
 step: three times instead of two in a recomputed layer (forward without grad, the recompute, the re-run in
@@ -49,10 +41,8 @@ Equality: the tiles compute each position as the untiled block does. Measured in
 tests/engine/test_tiling.py): a dense MLP's output and input grad are bitwise those of the untiled block (a
 position's row is the same GEMM row; a GPU's GEMM may pick other kernels per shape, so there only within rounding);
 weight grads add the tiles' partial sums, another summation order: ~2e-7 relative. An MoE block groups each tile's
-tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise. A
-folded norm computes each row as the untiled norm: outputs bitwise those of the unfolded tiles; the residual's grad
-adds the norm's paths per tile before the residual add's grad (another order, ~1e-7), and the norm's weight grad
-sums tile partial sums.
+tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise.
+Folded norms: [Note: folded norms].
 
 Randomness: the checkpoint saves the RNG state (the CPU's, and the device's of a CUDA tile) before each tile and
 restores it when re-running the tile in backward, and the engine's recompute restores the layer's, so dropout inside

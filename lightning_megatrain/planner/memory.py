@@ -105,9 +105,10 @@ def _tiled(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int) -> tuple[f
     checkpoint, so the block keeps only its input from its forward, and in backward runs each tile's forward again
     with grad, then that tile's backward. Its activations and intermediate grads then exist for one tile at a time
     (``f = tile / seq_len`` of the tokens); the token mixer is untiled. Where the norm before the block is folded into
-    the tiles (``layer.folded_norm``: the families of ``FOLDED_NORMS``) the block's input is the residual stream,
-    saved anyway (the ``4H`` of the module docstring, now by the tiles instead of the norm), and the norm's own saved
-    values (``4H + 4``) exist for one tile; otherwise the block's input is the norm's fp32 output, one more ``4H``.
+    the tiles (``layer.folded_norm``: engine/folded_norms.py's ``FOLDED_NORMS``) the block's input is the residual
+    stream, saved anyway (the ``4H`` of the module docstring, now by the tiles instead of the norm), and the norm's own
+    saved values (``4H + 4``) exist for one tile; otherwise the block's input is the norm's fp32 output, one more
+    ``4H``.
     Where the norm before attention is folded into the tiles of the attention's input projections too
     (``layer.folded_attn`` of them: q, k, v, or Phi-3's qkv; engine/folded_norms.py, [Note: folded norms]), its saved
     values and the projections' autocast copies of its output exist for one tile as well::
