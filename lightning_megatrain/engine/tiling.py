@@ -1,5 +1,5 @@
-"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block), and where allowed the norm
-before it, run a tile of positions at a time, in forward and in the recompute.
+"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block), and where allowed the norms
+folded into tiles (engine/folded_norms.py), run a tile of positions at a time, in forward and in the recompute.
 
 [Note: sequence tiles]
 What: the block a decoder layer applies to each position alone (``mlp``, ``block_sparse_moe``, ``feed_forward`` or
@@ -14,26 +14,18 @@ tile runs under a non-reentrant ``torch.utils.checkpoint``, which saves only the
 input) and re-runs the tile inside backward, so one tile's intermediates are alive at a time, in the engine's recompute
 and its backward alike (engine/streamed.py, [Note: streamed layer]).
 
-The norm before the block (``post_attention_layernorm``; Gemma2/3's ``pre_feedforward_layernorm``, whose
-``post_attention_layernorm`` normalises the attention output before the residual add) is folded into the tiles where
-the layer feeds its output only to the block: in the families of ``FOLDED_NORMS``, where the norm is not reused
-anywhere else in the stack (:func:`folded_norms`). Its ``forward`` then returns its input itself where the block
-runs tiled, and each tile computes ``block(norm(x))`` on its slice of the residual stream; both decide from their
-own input's T by one function (``_tile``), so they cannot disagree, and where the block runs untiled the norm runs
-as itself. Other families keep the norm untiled before the tiled block. While the tiles are installed, a folded
-norm called on a long row anywhere returns its input: a forward hook on it (or code calling it outside the layer, a
-logit lens) sees the residual stream, not the normalised values.
+The norm before the block, and the norm before attention in the tiles of the attention's input projections, are
+folded into tiles where the family allows it: which, how, what that saves and costs, and what a folded norm's hooks
+then see are in [Note: folded norms] (engine/folded_norms.py). Other families keep their norms untiled.
 
 Memory: an eager Llama MLP with grad holds 4 tensors of [B, T, I] until backward (gate and up projections, SiLU of
 gate, their product) and about 3 more at once in backward (their grads): at the 7B shape (H 4096, I 11008), B = 1
 and T = 512K in bf16 each is T * I * 2 bytes = 10.8 GiB, 43 GiB held. Tiled, the same counts apply to [B, t, I]:
 about 7 * B * t * I * bytes at the peak, 2.3 GiB for t = 16,384 (344 MiB per tensor), whatever T. What stays
 [B, T, H]: the block's input (kept alive by the tiles' views of it), its output, and while ``torch.cat`` runs a
-second copy of the output (the tiles' outputs), 4 GiB each at 512K. With the norm folded the block's input is the
-residual stream, which the layer keeps anyway, and the norm's fp32 normalised value (4H bytes per token, + 4 for
-its rsqrt) and fp32 output (4H) exist for one tile instead of all T: 32 KB per token less at the 7B shape, 16 GiB
-per layer at 512K (planner/memory.py's ``_tiled``). An MoE block's intermediates are those of the routed copies,
-B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
+second copy of the output (the tiles' outputs), 4 GiB each at 512K (with the norm before it folded, the block's
+input is the residual stream, which the layer keeps anyway: [Note: folded norms]). An MoE block's intermediates are
+those of the routed copies, B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
 
 Compute: a tile under a checkpoint runs its forward twice with grad, so the block's forward runs once more per
 step: three times instead of two in a recomputed layer (forward without grad, the recompute, the re-run in
@@ -49,10 +41,8 @@ Equality: the tiles compute each position as the untiled block does. Measured in
 tests/engine/test_tiling.py): a dense MLP's output and input grad are bitwise those of the untiled block (a
 position's row is the same GEMM row; a GPU's GEMM may pick other kernels per shape, so there only within rounding);
 weight grads add the tiles' partial sums, another summation order: ~2e-7 relative. An MoE block groups each tile's
-tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise. A
-folded norm computes each row as the untiled norm: outputs bitwise those of the unfolded tiles; the residual's grad
-adds the norm's paths per tile before the residual add's grad (another order, ~1e-7), and the norm's weight grad
-sums tile partial sums.
+tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise.
+Folded norms: [Note: folded norms].
 
 Randomness: the checkpoint saves the RNG state (the CPU's, and the device's of a CUDA tile) before each tile and
 restores it when re-running the tile in backward, and the engine's recompute restores the layer's, so dropout inside
@@ -105,23 +95,6 @@ AUTO_TILE = 16_384
 # (Mixtral and Granite-MoE in older transformers), ``feed_forward`` (Llama 4, Jamba), ``ffn`` (DBRX).
 BLOCK_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")
 
-# Decoder layers (transformers' classes) whose norm before the position-wise block (``mlp`` in all of them) feeds only
-# that block: its output is read by nothing else in the layer's forward (read off transformers 5.24's modeling code),
-# so it can run inside each tile instead ([Note: sequence tiles]). Gemma2/3 apply ``post_attention_layernorm`` to the
-# attention output before the residual add: theirs is ``pre_feedforward_layernorm``. Every other family keeps its norm
-# untiled, among them Cohere (one norm's output feeds attention and MLP) and OLMo-2 (its ``post_attention_layernorm``
-# normalises the attention output; none before the MLP).
-FOLDED_NORMS = {
-    **dict.fromkeys(
-        ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "Qwen3MoeDecoderLayer",
-         "MixtralDecoderLayer", "Phi3DecoderLayer", "GptOssDecoderLayer", "Qwen3_5DecoderLayer",
-         "Qwen3_5MoeDecoderLayer", "Qwen3NextDecoderLayer"),
-        "post_attention_layernorm",
-    ),
-    "Gemma2DecoderLayer": "pre_feedforward_layernorm",
-    "Gemma3DecoderLayer": "pre_feedforward_layernorm",
-}
-
 # Tiles running eagerly on this thread (``depth``): the compiled layer's selective checkpoint policy
 # (engine/streamed.py) reads it and leaves their ops to the tiles' own checkpoints (see [Note: sequence tiles]).
 _running = threading.local()
@@ -140,23 +113,6 @@ def _tile(seq_tile: int | Auto | None, hidden: Tensor) -> int | None:
     """Positions per tile for a call on ``hidden`` [B, T, H] (None: untiled). The one decision the tiled block and
     its folded norm both take, each from its own input (the same T), so they cannot disagree."""
     return tile_length(seq_tile, hidden.shape[1]) if hidden.dim() == 3 else None
-
-
-def folded_norms(stack: nn.ModuleList) -> list[tuple[str, nn.Module] | None]:
-    """Per layer of ``stack``, the norm folded into its tiled block as ``(attribute, module)``, or None: the layer is
-    a transformers decoder layer of a family in ``FOLDED_NORMS`` with that attribute and a block (:func:`find_block`),
-    and the norm appears nowhere else in the stack (not shared between layers, not reused under another name)."""
-    seen: dict[int, int] = {}
-    for _, module in stack.named_modules(remove_duplicate=False):
-        seen[id(module)] = seen.get(id(module), 0) + 1
-    found: list[tuple[str, nn.Module] | None] = []
-    for layer in stack:
-        name = FOLDED_NORMS.get(type(layer).__name__)
-        norm = getattr(layer, name, None) if name else None
-        own = type(layer).__module__.startswith("transformers.models.")  # not a user's class of the same name
-        fold = own and isinstance(norm, nn.Module) and seen[id(norm)] == 1 and find_block(layer) is not None
-        found.append((name, norm) if fold else None)
-    return found
 
 
 def find_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
@@ -265,41 +221,45 @@ def _after_norm(norm: Callable[[Tensor], Tensor], block: Callable[[Tensor], Any]
     return block(norm(x))
 
 
-def _folded_norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
-    """A folded norm's ``forward``: its input unchanged where the block after it runs tiled (:func:`_tile`, from the
-    same T), which then applies the norm's own forward in each tile; the norm itself otherwise. Shared by all norms
-    and bound per norm, as :func:`_tiled_forward`."""
-    if _tile(self._megatrain_seq_tile, hidden_states) is not None:
-        return hidden_states
-    return self._megatrain_unfolded_forward(hidden_states)
-
-
 class SequenceTiles:
-    """Installs the tiled forward on the position-wise block of every layer of ``stack``, and the folded forward on
-    the norm before it where :func:`folded_norms` allows; :meth:`uninstall` restores each module's own ``forward``."""
+    """Installs the tiled forward on the position-wise block of every layer of ``stack``, and the folds of
+    engine/folded_norms.py ([Note: folded norms]): the folded forward on the norm before the block and on the norm
+    before attention, the tiled forward on the attention's input projections, where that module allows;
+    :meth:`uninstall` restores each module's own ``forward``."""
 
     def __init__(self, stack: nn.ModuleList, seq_tile: int | Auto) -> None:
         self.stack = stack
         self.seq_tile = seq_tile
-        # the blocks and norms our forwards are installed on, each with the instance ``forward`` it shadows (or None)
-        self.blocks: list[tuple[nn.Module, Any]] = []
-        self.norms: list[tuple[nn.Module, Any]] = []
+        # the modules our forwards are installed on, each as (module, the instance ``forward`` it shadows or None,
+        # ours, the attributes we set): the blocks, the norms before them, the norms before attention, the projections
+        self.blocks: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
+        self.norms: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
+        self.input_norms: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
+        self.projections: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
 
     def install(self) -> None:
-        missing, names, norm_names = set(), set(), set()
-        for layer, folded in zip(self.stack, folded_norms(self.stack)):
+        from lightning_megatrain.engine.folded_norms import _folded_norm_forward, folded_attention, folded_norms
+
+        missing, names, norm_names, projection_names = set(), set(), set(), set()
+        folds = zip(self.stack, folded_norms(self.stack), folded_attention(self.stack))
+        for layer, folded, attention in folds:
             found = find_block(layer)
             if found is None:
                 missing.add(type(layer).__name__)
                 continue
             name, block = found
             names.add(name)
-            block._megatrain_norm = None  # what _tiled_forward reads; removed by uninstall
+            norm = None
             if folded is not None:
-                norm_name, norm = folded
-                norm_names.add(norm_name)
-                block._megatrain_norm = self._shadow(norm, _folded_norm_forward, self.norms, "unfolded")
-            block._megatrain_untiled_forward = self._shadow(block, _tiled_forward, self.blocks, "untiled")
+                norm_names.add(folded[0])
+                norm = self._shadow(folded[1], _folded_norm_forward, self.norms, "unfolded")
+            self._shadow(block, _tiled_forward, self.blocks, "untiled", norm=norm)
+            if attention is not None:
+                _, input_norm, projections = attention
+                input_norm = self._shadow(input_norm, _folded_norm_forward, self.input_norms, "unfolded")
+                for path, projection in projections:
+                    projection_names.add(path)
+                    self._shadow(projection, _tiled_forward, self.projections, "untiled", norm=input_norm)
         if self.blocks:
             when = (
                 f"tiles of {AUTO_TILE} positions for rows longer than {AUTO_MIN_POSITIONS}"
@@ -320,6 +280,14 @@ class SequenceTiles:
                 "', '".join(sorted(norm_names)),
                 len(self.norms),
             )
+        if self.input_norms:
+            log.info(
+                "MegaTrain: seq_tile=%r: the norm before attention ('input_layernorm') of %d layers runs inside the "
+                "tiles of its projections ('%s'), which run tiled",
+                self.seq_tile,
+                len(self.input_norms),
+                "', '".join(sorted(projection_names)),
+            )
         if missing:
             log.info(
                 "MegaTrain: seq_tile=%r: no position-wise block (an attribute named one of %s) in %s; those layers "
@@ -329,24 +297,26 @@ class SequenceTiles:
                 ", ".join(sorted(missing)),
             )
 
-    def _shadow(self, module: nn.Module, forward: Callable, installed: list, own: str) -> Callable:
+    def _shadow(self, module: nn.Module, forward: Callable, installed: list, own: str, **more: Any) -> Callable:
         """Install ``forward`` bound to ``module`` (an instance attribute shadows the class method), keeping its own
-        ``forward`` as ``_megatrain_{own}_forward`` and ``seq_tile``; returns that own forward."""
-        installed.append((module, module.__dict__.get("forward")))
+        ``forward`` as ``_megatrain_{own}_forward``, ``seq_tile`` and ``more`` (a tiled forward's ``norm``: the folded
+        norm's own forward, or None) as ``_megatrain_*`` attributes; returns the module's own forward."""
         previous = module.forward
-        setattr(module, f"_megatrain_{own}_forward", previous)
-        module._megatrain_seq_tile = self.seq_tile
-        module.forward = types.MethodType(forward, module)
+        state = {f"_megatrain_{own}_forward": previous, "_megatrain_seq_tile": self.seq_tile}
+        state.update({f"_megatrain_{key}": value for key, value in more.items()})
+        for key, value in state.items():
+            setattr(module, key, value)
+        ours = types.MethodType(forward, module)
+        installed.append((module, module.__dict__.get("forward"), ours, tuple(state)))
+        module.forward = ours
         return previous
 
     def uninstall(self) -> None:
-        for installed, forward, own in ((self.blocks, _tiled_forward, ("untiled_forward", "norm")),
-                                        (self.norms, _folded_norm_forward, ("unfolded_forward",))):
-            for module, shadowed in installed:
-                if getattr(module.__dict__.get("forward"), "__func__", None) is forward:
-                    del module.forward, module._megatrain_seq_tile
-                    for key in own:
-                        delattr(module, f"_megatrain_{key}")
-                    if shadowed is not None:
-                        module.forward = shadowed
-        self.blocks, self.norms = [], []
+        for module, shadowed, ours, state in [*self.blocks, *self.norms, *self.input_norms, *self.projections]:
+            if module.__dict__.get("forward") is ours:
+                del module.forward
+                for key in state:
+                    delattr(module, key)
+                if shadowed is not None:
+                    module.forward = shadowed
+        self.blocks, self.norms, self.input_norms, self.projections = [], [], [], []
