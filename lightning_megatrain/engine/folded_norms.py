@@ -57,8 +57,6 @@ function each and one graph per grad mode still serves every layer.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor, nn
 
 from lightning_megatrain.engine.tiling import _tile, find_block
@@ -142,7 +140,7 @@ def _own(layer: nn.Module) -> bool:
     return type(layer).__module__.startswith("transformers.models.") and find_block(layer) is not None
 
 
-def _folded_norm_forward(self: nn.Module, hidden_states: Tensor) -> Any:
+def _folded_norm_forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
     """A folded norm's ``forward``: its input unchanged where its readers run tiled (:func:`_tile`, from the same T),
     which then apply the norm's own forward in each tile; the norm itself otherwise. Shared by all folded norms and
     bound per norm, as the tiled forward (engine/tiling.py)."""

@@ -238,6 +238,7 @@ class SequenceTiles:
         self.projections: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
 
     def install(self) -> None:
+        # here, not at the top: folded_norms.py builds on this module's find_block and _tile
         from lightning_megatrain.engine.folded_norms import _folded_norm_forward, folded_attention, folded_norms
 
         missing, names, norm_names, projection_names = set(), set(), set(), set()

@@ -140,11 +140,10 @@ def _tiled(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int) -> tuple[f
     test_folded_norm_keeps_no_activations: (8H + 4) B/token less alive after forward in fp32 for each norm, (10H +
     4) for the norm before attention under bf16 autocast; in fp32 that norm's fp32 output, which q, k and v save,
     leaves too, 4H this formula does not count untiled). The transient's attention term for a folded attention is
-    an estimate, not measured. A mechanism that writes
-    each tile's input grad into one buffer instead saves 4H of the 14H. Untiled, the block's intermediate grads
-    (``2c * I`` per token) exceed the attention backward's for every shape measured, so ``transient`` there has no
-    attention term. Eager attention adds the grads of its [heads, T, T] scores and probabilities
-    (``nh * T * (4 + c)``, not measured)."""
+    an estimate, not measured. A mechanism that writes each tile's input grad into one buffer instead saves 4H of the
+    14H. Untiled, the block's intermediate grads (``2c * I`` per token) exceed the attention backward's for every
+    shape measured, so ``transient`` there has no attention term. Eager attention adds the grads of its [heads, T, T]
+    scores and probabilities (``nh * T * (4 + c)``, not measured)."""
     H, A, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     saved, _ = layer_activation(s, layer, seq_len, c)
     block = _block_saved(s, layer, c)
