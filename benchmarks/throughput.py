@@ -294,6 +294,7 @@ def make_recorder(profile_step: int | None, sync: bool):
             self._step: dict | None = None  # the optimizer step in progress
             self._prof = None
             self._prof_kernels_only = False
+            self._resume = 0.0  # perf_counter when the last profile's analysis ended
             self.late_steps = 0  # megatrain optimizer steps whose host grads landed late
 
         def _now(self) -> float:
@@ -310,8 +311,9 @@ def make_recorder(profile_step: int | None, sync: bool):
                 if profile_step == 0:
                     self._start_profile()
                     t = self._now()
-                # a step starts where the previous one ended: data loading and Lightning between them count
-                start = self.steps[-1]["end"] if self.steps else t
+                # a step starts where the previous one ended: data loading and Lightning between them count (not
+                # the analysis of a profile that ended there: ``_resume``)
+                start = max(self.steps[-1]["end"], self._resume) if self.steps else t
                 self._step = {"start": start, "global_step": trainer.global_step, "losses": [],
                               **dict.fromkeys(PHASES[:-1], 0.0)}
             self._mark = t
@@ -404,6 +406,7 @@ def make_recorder(profile_step: int | None, sync: bool):
                 self._start_profile()  # from where the profiled step starts: the time between steps is in it
             elif profile_step is not None and len(self.steps) == profile_step + 1 and torch.cuda.is_available():
                 self._start_profile(kernels_only=True)  # the step after the full profile
+                self._resume = time.perf_counter()
 
     if not sync:
         # No mark between backward and the optimizer step: a module or callback with this hook may read p.grad, so
