@@ -117,10 +117,12 @@ class Residents:
         # [n_present] as the masters, on the compute stream; never empty (some grad is present), though a zero-numel
         # parameter's grad adds nothing to it
         present = torch.cat([g.reshape(-1) for g in grads if g is not None])
-        # host grads will equal the device grads exactly when they start empty and all are present
-        exact = all(mask) and all(p.grad is None for p in self.group.params)
-        # otherwise the host add makes the grads differ from ``present``: clipping takes a host pass after landing
-        self.group.device_norm_sq = norm_sq(present) if exact else None
+        host_empty = all(p.grad is None for p in self.group.params)
+        # one copy into the host grads when they start empty and every grad is present
+        exact = all(mask) and host_empty
+        # into empty host grads the host add is a copy too: the device norm of ``present`` is theirs, and clipping
+        # (the late norm included) reads it without waiting; an add onto held grads leaves it to a host pass
+        self.group.device_norm_sq = norm_sq(present) if host_empty else None
         if exact:
             target = self.group.grad  # one D2H straight into the pinned host grads: no staging buffer, no host pass
         else:
@@ -141,10 +143,10 @@ class Residents:
             self.wait_landed()
 
     @property
-    def adds_on_host(self) -> bool:
-        """Whether the grads in flight land through a host add (:meth:`wait_landed`), so their norm is taken on the
-        host once they have landed (``device_norm_sq`` is None)."""
-        return self._landed is not None and self._add_mask is not None
+    def norm_after_landing(self) -> bool:
+        """Whether grads are in flight whose norm only the host can take once they landed: an add onto host grads
+        that held some already (``device_norm_sq`` is None)."""
+        return self._landed is not None and self.group.device_norm_sq is None
 
     def wait_landed(self) -> None:
         """Block until the grads :meth:`drain` sent have landed, then put them in the host grads: attach them as

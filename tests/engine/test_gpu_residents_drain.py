@@ -186,11 +186,13 @@ def test_cuda_residents_host_add_is_deferred_and_never_overwritten():
             assert calls[0]["host_add"] and calls[0]["stream"] == calls[0]["device"] == 0
             # the first drain did not wait at all; the second landed the first (its event: that one sync) only
             assert calls[0]["event"] == k
-            assert residents.adds_on_host and not residents._landed.query()  # still in flight behind the sleep
+            assert residents._landed is not None and not residents._landed.query()  # in flight behind the sleep
+            # the first lands into empty host grads (its device norm stands), the second adds onto the first's
+            assert residents.norm_after_landing == (k == 1)
             assert all(c.grad is None for c in residents._copies)  # cleared at once: the copy reads ``present``
             reference.loss(x).backward()
         residents.wait_landed()
-        assert not residents.adds_on_host
+        assert residents._landed is None
         assert module.a.grad is None
         torch.testing.assert_close(module.b.grad, reference.b.grad, rtol=1e-5, atol=1e-6)  # GPU vs CPU kernels
         torch.testing.assert_close(module.c.grad, reference.c.grad, rtol=1e-5, atol=1e-6)

@@ -113,12 +113,16 @@ def test_host_add_waits_for_no_stream_and_lands_later():
         assert compute.syncs == 0 and d2h.syncs == 0  # the old path synchronized the compute stream here
         packed, landed = _Event.made
         assert packed.recorded_on is compute and d2h.waited == [packed] and landed.recorded_on is d2h
-        assert landed.syncs == 0 and residents.adds_on_host
-        assert residents.group.device_norm_sq is None  # the host add's norm is taken on the host
+        assert landed.syncs == 0 and residents._landed is landed  # in flight
+        # into empty host grads the add is a copy: the device norm stands for them, clipping need not wait
+        assert not residents.norm_after_landing
+        expected = reference.b.grad.square().sum() + reference.c.grad.square().sum()
+        torch.testing.assert_close(residents.group.device_norm_sq, expected)
         assert all(c.grad is None for c in residents._copies)  # cleared: the copy read the packed grads
         assert all(p.grad is None for p in (module.a, module.b, module.c))  # the add waits for wait_landed
         residents.wait_landed()
-        assert landed.syncs == 1 and not residents.adds_on_host
+        assert landed.syncs == 1 and residents._landed is None
+        torch.testing.assert_close(residents.group.grad_norm_sq(), expected)  # the landed grads' own norm
         residents.wait_landed()  # a no-op now
         assert landed.syncs == 1
     assert module.a.grad is None
@@ -136,7 +140,7 @@ def test_a_second_drain_lands_the_first_before_reusing_the_staging_buffer():
         _backward(module, reference, residents, torch.randn(4))
         residents.drain(wait=False)  # no landing between: the first add runs before the second copy
         assert first_landed.syncs == 1 and compute.syncs == 0
-        assert residents.adds_on_host  # host grads hold the first drain's: the second adds to them
+        assert residents.norm_after_landing  # host grads hold the first drain's: the second adds to them
         residents.wait_landed()
     assert module.a.grad is None
     torch.testing.assert_close(module.b.grad, reference.b.grad)
@@ -149,13 +153,13 @@ def test_exact_drain_attaches_and_wait_lands_at_once():
         residents.d2h_stream = d2h
         _backward(module, reference, residents, torch.randn(4))
         residents.drain(wait=True)
-        assert compute.syncs == 0 and not residents.adds_on_host
+        assert compute.syncs == 0 and not residents.norm_after_landing
         assert residents.group.device_norm_sq is not None and _Event.made[-1].syncs == 1
         assert residents.group.grads_are_views()  # straight into the host grads, attached
         # a second one with host grads holding some: the host add, landed before drain returns
         _backward(module, reference, residents, torch.randn(4))
         residents.drain(wait=True)
-        assert compute.syncs == 0 and residents.group.device_norm_sq is None and not residents.adds_on_host
+        assert compute.syncs == 0 and residents.group.device_norm_sq is None and not residents.norm_after_landing
     for name in "abc":
         torch.testing.assert_close(getattr(module, name).grad, getattr(reference, name).grad)
 
@@ -163,12 +167,12 @@ def test_exact_drain_attaches_and_wait_lands_at_once():
 def test_late_grads_land_a_residents_host_add_before_the_norm():
     # [Note: late grads]: the norm is read on the training thread before the worker lands the grads; a residents'
     # host add leaves no device norm, so finalize_gradients lands it at once (an exact copy stays in flight)
-    for adds_on_host in (True, False):
-        residents = mock.Mock(adds_on_host=adds_on_host)
+    for norm_after_landing in (True, False):
+        residents = mock.Mock(norm_after_landing=norm_after_landing)
         overlap = SimpleNamespace(wait_all=mock.Mock())
         transfer = SimpleNamespace(take_host_added=lambda: False, wait_drained=mock.Mock())
         step = OptimizerStep(EngineConfig(), torch.device("cpu"), [], overlap, transfer, residents)
         step.finalize_gradients(grads_read=False)
         residents.drain.assert_called_once_with(wait=False)
-        assert residents.wait_landed.call_count == int(adds_on_host)
+        assert residents.wait_landed.call_count == int(norm_after_landing)
         transfer.wait_drained.assert_not_called()  # the layers' grads stay landing either way
