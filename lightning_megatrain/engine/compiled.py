@@ -30,12 +30,16 @@ kernels that ran a batch depended on the shapes seen before it, and a run resume
 another shape) or a second run in the same process differed from the uninterrupted run (on the H200: losses from the
 first resumed step, 9e-4 in the weights after 3 steps). Hidden and head dims stay static; a dim of size 0 or 1 is
 not marked (dynamo specializes it, the same way whatever came before). The marking is ``maybe_mark_dynamic``: code
-that specializes a marked dim (sequence tiles loop over T's tiles) gets a graph per size of it, where
+that specializes a marked dim (sequence tiles loop over T's tiles) gets a graph per value it depends on (per number
+of tiles), where
 ``mark_dynamic`` would raise. What the marking leaves to the first call are inductor's size hints: its guards on them
 (the CPU's ``B*T > 4096``) split the shapes into graphs, each still chosen by the shape alone, but its unguarded
 choices (block sizes, split reductions) and Triton's autotuning see the first batch of a graph. Pinning the hints
 (``mark_dynamic(hint_override=)``) does not help: dynamo guards on the pinned hint too, and a batch on the other side
-of such a guard fails the graph compiled for it.
+of such a guard fails the graph compiled for it. Only the layer's own frame is marked: where dynamo breaks the
+graph inside a layer (packed rows' attention with a document mask, Mixtral's routing on the GPU), the code after the
+break gets tensors it did not mark, which fall back to automatic dynamic shapes (a static graph first), so such
+layers are not guaranteed bitwise across a resume.
 """
 
 from __future__ import annotations

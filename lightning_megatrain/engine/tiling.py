@@ -1,5 +1,5 @@
-"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block) run a tile of positions at a
-time, in forward and in the recompute.
+"""Sequence tiles: the position-wise block of each decoder layer (its MLP or MoE block), and where allowed the norms
+folded into tiles (engine/folded_norms.py), run a tile of positions at a time, in forward and in the recompute.
 
 [Note: sequence tiles]
 What: the block a decoder layer applies to each position alone (``mlp``, ``block_sparse_moe``, ``feed_forward`` or
@@ -14,13 +14,18 @@ tile runs under a non-reentrant ``torch.utils.checkpoint``, which saves only the
 input) and re-runs the tile inside backward, so one tile's intermediates are alive at a time, in the engine's recompute
 and its backward alike (engine/streamed.py, [Note: streamed layer]).
 
+The norm before the block, and the norm before attention in the tiles of the attention's input projections, are
+folded into tiles where the family allows it: which, how, what that saves and costs, and what a folded norm's hooks
+then see are in [Note: folded norms] (engine/folded_norms.py). Other families keep their norms untiled.
+
 Memory: an eager Llama MLP with grad holds 4 tensors of [B, T, I] until backward (gate and up projections, SiLU of
 gate, their product) and about 3 more at once in backward (their grads): at the 7B shape (H 4096, I 11008), B = 1
 and T = 512K in bf16 each is T * I * 2 bytes = 10.8 GiB, 43 GiB held. Tiled, the same counts apply to [B, t, I]:
 about 7 * B * t * I * bytes at the peak, 2.3 GiB for t = 16,384 (344 MiB per tensor), whatever T. What stays
 [B, T, H]: the block's input (kept alive by the tiles' views of it), its output, and while ``torch.cat`` runs a
-second copy of the output (the tiles' outputs), 4 GiB each at 512K. An MoE block's intermediates are those of the
-routed copies, B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
+second copy of the output (the tiles' outputs), 4 GiB each at 512K (with the norm before it folded, the block's
+input is the residual stream, which the layer keeps anyway: [Note: folded norms]). An MoE block's intermediates are
+those of the routed copies, B * t * top_k rows of each expert's width; its router logits [B * T, E] are kept whole.
 
 Compute: a tile under a checkpoint runs its forward twice with grad, so the block's forward runs once more per
 step: three times instead of two in a recomputed layer (forward without grad, the recompute, the re-run in
@@ -37,6 +42,7 @@ tests/engine/test_tiling.py): a dense MLP's output and input grad are bitwise th
 position's row is the same GEMM row; a GPU's GEMM may pick other kernels per shape, so there only within rounding);
 weight grads add the tiles' partial sums, another summation order: ~2e-7 relative. An MoE block groups each tile's
 tokens by expert (other GEMM shapes, another order): output and grads within ~1e-7; its router outputs bitwise.
+Folded norms: [Note: folded norms].
 
 Randomness: the checkpoint saves the RNG state (the CPU's, and the device's of a CUDA tile) before each tile and
 restores it when re-running the tile in backward, and the engine's recompute restores the layer's, so dropout inside
@@ -44,22 +50,24 @@ a block replays the forward's masks. Such a block (dropout, Mixtral's ``router_j
 its random numbers tile by tile, though: its masks are not the untiled run's, only from the same distribution. No
 family the tests train draws any inside the block (Phi-3's ``resid_mlp_dropout`` is applied outside it).
 
-Compiled layers ([Note: compiled layers] in engine/compiled.py): dynamo traces the tiles into the layer's graph, each
-as a nested checkpoint region, without a graph break. The regions' tags override the layer's selective policy, so
-the graph saves the block's input, not every tile's matmul outputs, and inductor's backward re-runs each tile just
-before that tile's backward, reusing the tile's buffers (read off the generated code on the CPU, 8 tiles: peak of
-the backward's own buffers 0.84 * T * I values instead of 4.0). Results: output and input grad bitwise those of the
-untiled compiled layer, weight grads within 2e-7 (CPU). The tiled forward is a method all blocks share (bound per
-block, with its state in block attributes), so dynamo guards on one function and one graph per grad mode serves
-every layer and tile. The number of tiles is part of the graph, though: a row length with another number of tiles
-compiles again (once per grad mode; within a count T stays dynamic), and past dynamo's ``recompile_limit`` (8 per
-function) new counts run eagerly. Packed rows of one length compile once. Where the layer runs eagerly (dynamo could
-not trace it, or the limit), the selective checkpoint's cache would keep every tile's matmul outputs until the
-layer's backward; its policy asks :func:`inside_tile` and leaves a tile's ops to the tile's own checkpoint.
+Compiled layers ([Note: compiled layers] in engine/compiled.py): dynamo traces the tiles into the layer's graph,
+each as a nested checkpoint region, without a graph break. The regions' tags override the layer's selective policy,
+so the graph saves the block's input, not every tile's matmul outputs, and inductor's backward re-runs each tile
+just before that tile's backward, reusing the tile's buffers (read off the generated code on the CPU, 8 tiles: peak
+of the backward's own buffers 0.84 * T * I values instead of 4.0). Results (measured with the norm untiled): output
+and input grad bitwise those of the untiled compiled layer, weight grads within 2e-7 (CPU). The tiled forward is a
+method all blocks share (bound per block, with its state in block attributes), and so is the folded norm's, so
+dynamo guards on one function each and one graph per grad mode serves every layer and tile. The number of tiles is
+part of the graph, though: a row length with another number of tiles compiles again (once per grad mode; within a
+count T stays dynamic), and past dynamo's ``recompile_limit`` (8 per function) new counts run eagerly. Packed rows
+of one length compile once. Where the layer runs eagerly (dynamo could not trace it, or the limit), the selective
+checkpoint's cache would keep every tile's matmul outputs until the layer's backward; its policy asks
+:func:`inside_tile` and leaves a tile's ops to the tile's own checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import types
@@ -99,6 +107,12 @@ def tile_length(seq_tile: int | Auto | None, seq_len: int) -> int | None:
     if seq_tile == "auto":
         return AUTO_TILE if seq_len > AUTO_MIN_POSITIONS else None
     return seq_tile if seq_len > seq_tile else None
+
+
+def _tile(seq_tile: int | Auto | None, hidden: Tensor) -> int | None:
+    """Positions per tile for a call on ``hidden`` [B, T, H] (None: untiled). The one decision the tiled block and
+    its folded norm both take, each from its own input (the same T), so they cannot disagree."""
+    return tile_length(seq_tile, hidden.shape[1]) if hidden.dim() == 3 else None
 
 
 def find_block(layer: nn.Module) -> tuple[str, nn.Module] | None:
@@ -185,44 +199,68 @@ def _cannot_merge(leaf: Any) -> str:
 
 
 def _tiled_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
-    """A block's ``forward``, tiled along T when :func:`tile_length` says so for the actual sequence length.
+    """A block's ``forward``, tiled along T when :func:`tile_length` says so for the actual sequence length; a block
+    with a folded norm then gets the norm's input and applies the norm in each tile.
 
-    Installed as a method bound to each block, reading the block's own forward and ``seq_tile`` from attributes, not
-    as a callable object per block: dynamo guards on the function, which all blocks share, so one compiled layer
-    serves every layer (see [Note: compiled layers] in engine/compiled.py). A call with more than the hidden states
-    (no HF block takes any) runs untiled.
+    Installed as a method bound to each block, reading the block's own forward, ``seq_tile`` and the folded norm's
+    own forward (or None) from attributes, not as a callable object per block: dynamo guards on the function, which
+    all blocks share, so one compiled layer serves every layer (see [Note: compiled layers] in engine/compiled.py). A
+    call with more than the hidden states (no HF block takes any) runs untiled.
     """
-    untiled = self._megatrain_untiled_forward
-    tile = tile_length(self._megatrain_seq_tile, hidden_states.shape[1]) if hidden_states.dim() == 3 else None
-    if tile is None or args or kwargs:
+    untiled, norm = self._megatrain_untiled_forward, self._megatrain_norm
+    tile = _tile(self._megatrain_seq_tile, hidden_states)
+    if tile is None:
         return untiled(hidden_states, *args, **kwargs)
-    return run_tiled(untiled, hidden_states, tile)
+    if args or kwargs:  # untiled, but the folded norm returned its input: it runs here
+        return untiled(hidden_states if norm is None else norm(hidden_states), *args, **kwargs)
+    return run_tiled(untiled if norm is None else functools.partial(_after_norm, norm, untiled), hidden_states, tile)
+
+
+def _after_norm(norm: Callable[[Tensor], Tensor], block: Callable[[Tensor], Any], x: Tensor) -> Any:
+    """One tile of a block with a folded norm: [B, t, H] residual stream -> the block's outputs."""
+    return block(norm(x))
 
 
 class SequenceTiles:
-    """Installs the tiled forward on the position-wise block of every layer of ``stack``; :meth:`uninstall` restores
-    each block's own ``forward``."""
+    """Installs the tiled forward on the position-wise block of every layer of ``stack``, and the folds of
+    engine/folded_norms.py ([Note: folded norms]): the folded forward on the norm before the block and on the norm
+    before attention, the tiled forward on the attention's input projections, where that module allows;
+    :meth:`uninstall` restores each module's own ``forward``."""
 
     def __init__(self, stack: nn.ModuleList, seq_tile: int | Auto) -> None:
         self.stack = stack
         self.seq_tile = seq_tile
-        # the blocks the tiled forward is installed on, each with the instance ``forward`` it shadows (or None)
-        self.blocks: list[tuple[nn.Module, Any]] = []
+        # the modules our forwards are installed on, each as (module, the instance ``forward`` it shadows or None,
+        # ours, the attributes we set): the blocks, the norms before them, the norms before attention, the projections
+        self.blocks: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
+        self.norms: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
+        self.input_norms: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
+        self.projections: list[tuple[nn.Module, Any, Any, tuple[str, ...]]] = []
 
     def install(self) -> None:
-        missing, names = set(), set()
-        for layer in self.stack:
+        # here, not at the top: folded_norms.py builds on this module's find_block and _tile
+        from lightning_megatrain.engine.folded_norms import _folded_norm_forward, folded_attention, folded_norms
+
+        missing, names, norm_names, projection_names = set(), set(), set(), set()
+        folds = zip(self.stack, folded_norms(self.stack), folded_attention(self.stack))
+        for layer, folded, attention in folds:
             found = find_block(layer)
             if found is None:
                 missing.add(type(layer).__name__)
                 continue
             name, block = found
             names.add(name)
-            self.blocks.append((block, block.__dict__.get("forward")))
-            # what _tiled_forward reads; removed by uninstall
-            block._megatrain_untiled_forward = block.forward
-            block._megatrain_seq_tile = self.seq_tile
-            block.forward = types.MethodType(_tiled_forward, block)  # instance attribute shadows the class method
+            norm = None
+            if folded is not None:
+                norm_names.add(folded[0])
+                norm = self._shadow(folded[1], _folded_norm_forward, self.norms, "unfolded")
+            self._shadow(block, _tiled_forward, self.blocks, "untiled", norm=norm)
+            if attention is not None:
+                _, input_norm, projections = attention
+                input_norm = self._shadow(input_norm, _folded_norm_forward, self.input_norms, "unfolded")
+                for path, projection in projections:
+                    projection_names.add(path)
+                    self._shadow(projection, _tiled_forward, self.projections, "untiled", norm=input_norm)
         if self.blocks:
             when = (
                 f"tiles of {AUTO_TILE} positions for rows longer than {AUTO_MIN_POSITIONS}"
@@ -236,6 +274,21 @@ class SequenceTiles:
                 len(self.blocks),
                 when,
             )
+        if self.norms:
+            log.info(
+                "MegaTrain: seq_tile=%r: the norm before the block ('%s') of %d layers runs inside each tile",
+                self.seq_tile,
+                "', '".join(sorted(norm_names)),
+                len(self.norms),
+            )
+        if self.input_norms:
+            log.info(
+                "MegaTrain: seq_tile=%r: the norm before attention ('input_layernorm') of %d layers runs inside the "
+                "tiles of its projections ('%s'), which run tiled",
+                self.seq_tile,
+                len(self.input_norms),
+                "', '".join(sorted(projection_names)),
+            )
         if missing:
             log.info(
                 "MegaTrain: seq_tile=%r: no position-wise block (an attribute named one of %s) in %s; those layers "
@@ -245,10 +298,26 @@ class SequenceTiles:
                 ", ".join(sorted(missing)),
             )
 
+    def _shadow(self, module: nn.Module, forward: Callable, installed: list, own: str, **more: Any) -> Callable:
+        """Install ``forward`` bound to ``module`` (an instance attribute shadows the class method), keeping its own
+        ``forward`` as ``_megatrain_{own}_forward``, ``seq_tile`` and ``more`` (a tiled forward's ``norm``: the folded
+        norm's own forward, or None) as ``_megatrain_*`` attributes; returns the module's own forward."""
+        previous = module.forward
+        state = {f"_megatrain_{own}_forward": previous, "_megatrain_seq_tile": self.seq_tile}
+        state.update({f"_megatrain_{key}": value for key, value in more.items()})
+        for key, value in state.items():
+            setattr(module, key, value)
+        ours = types.MethodType(forward, module)
+        installed.append((module, module.__dict__.get("forward"), ours, tuple(state)))
+        module.forward = ours
+        return previous
+
     def uninstall(self) -> None:
-        for block, shadowed in self.blocks:
-            if getattr(block.__dict__.get("forward"), "__func__", None) is _tiled_forward:
-                del block.forward, block._megatrain_untiled_forward, block._megatrain_seq_tile
+        for module, shadowed, ours, state in [*self.blocks, *self.norms, *self.input_norms, *self.projections]:
+            if module.__dict__.get("forward") is ours:
+                del module.forward
+                for key in state:
+                    delattr(module, key)
                 if shadowed is not None:
-                    block.forward = shadowed
-        self.blocks = []
+                    module.forward = shadowed
+        self.blocks, self.norms, self.input_norms, self.projections = [], [], [], []

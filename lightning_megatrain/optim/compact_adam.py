@@ -20,9 +20,9 @@ and gradient are widened to fp32, updated, and written back in their storage for
 bounded by a chunk whatever the tensor's size. The new bf16 weight is rounded stochastically ([Note: stochastic
 rounding]) or to nearest with the rounding error kept in a bf16 *compensation* buffer that the next update adds
 back (Kahan summation: weight + compensation carries about 16 significant bits). With every format fp32 the kernel
-is torch's AdamW bit for bit (tests/optim/test_compact_adam.py). Gradients are read in whatever dtype they arrive
-and summed across micro-batches in that dtype by whoever writes them. Nothing is tied to the CPU: the state lives
-on the parameter's device (the step count on the CPU, as in torch's AdamW), so the same kernel runs on GPU
+is torch's AdamW bit for bit on the CPU (tests/optim/test_compact_adam.py). Gradients are read in whatever dtype
+they arrive and summed across micro-batches in that dtype by whoever writes them. Nothing is tied to the CPU: the
+state lives on the parameter's device (the step count on the CPU, as in torch's AdamW), so the same kernel runs on GPU
 parameters (benchmarks/compact_quality.py trains with it there).
 
 Speed: the kernel runs through ``torch.compile`` (inductor's C++/OpenMP backend fuses the chunk into one or two
@@ -112,32 +112,38 @@ def new_state(p: Tensor, weights: str, moments: str) -> dict[str, Tensor]:
 
 def _chunk_update(
     w: Tensor, g: Tensor, m: Tensor, m_scale: Tensor | None, v: Tensor, v_scale: Tensor | None,
-    comp: Tensor | None, start: Tensor, neg_step_size: Tensor, bc2_sqrt: Tensor, decay: Tensor, grad_scale: Tensor,
-    beta1: float, beta2: float, eps: float, coupled_decay: float, weights: str, moments: str,
+    comp: Tensor | None, start: Tensor, neg_step_size: Tensor, bc2_sqrt: Tensor, inv_bc2_sqrt: Tensor, decay: Tensor,
+    grad_scale: Tensor, one_minus_beta1: Tensor, beta2: float, eps: float, coupled_decay: float | None, weights: str,
+    moments: str,
 ) -> None:
     """AdamW on one chunk (1D views, updated in place), in torch's ``_single_tensor_adam`` op order.
 
-    The values that change from step to step (``neg_step_size`` = -lr / (1 - beta1^t), ``bc2_sqrt``, ``decay`` =
-    1 - lr * weight_decay, ``grad_scale``) are 0-dim fp32 tensors on the chunk's device: torch.compile guards on a
-    Python float's value as soon as anything specializes it, and the kernel recompiled every step until dynamo's
-    recompile limit sent it to eager ops (seen on the H200). No branch depends on a value: a decay or a scale of 1
-    is exact, so one graph serves every step and group. ``coupled_decay`` (Adam's L2 term, 0 for AdamW) stays a
-    float: a group's constant, and ``add``'s ``alpha`` (a fused multiply-add, as torch's Adam computes it)."""
+    Values a step or a scheduler may change (``neg_step_size`` = -lr / (1 - beta1^t), ``bc2_sqrt`` and its
+    reciprocal, ``decay`` = 1 - lr * weight_decay, ``grad_scale``, and 1 - beta1, which ``OneCycleLR`` cycles) are
+    0-dim fp32 tensors on the chunk's device: torch.compile guards on a Python float's value as soon as anything
+    specializes it, and the kernel recompiled every step until dynamo's recompile limit sent it to eager ops (seen on
+    the H200). Multiplying by a decay or a scale of 1 is exact, so no branch depends on them and one graph serves
+    every step. What stays a Python value is a group's constant: ``beta2`` (``addcmul``'s ``value``, a fused
+    multiply-add on the CPU that a tensor product does not reproduce), ``eps``, and ``coupled_decay``, Adam's L2 weight
+    decay (None: AdamW, or a decay of 0), added as ``add``'s ``alpha`` (a fused multiply-add, as torch's Adam
+    computes it) only where torch adds it, so a non-finite weight does not reach the gradient where torch's would not:
+    a graph per format and per coupled decay value."""
     w32 = w.float() if comp is None else w.float() + comp.float()
     g32 = g.float() * grad_scale
     w32 = w32 * decay
-    g32 = g32.add(w32, alpha=coupled_decay)
+    if coupled_decay is not None:
+        g32 = g32.add(w32, alpha=coupled_decay)
     if moments == "fp32":
         m32, v32 = m, v
     else:
         m32, v32 = decode_signed(m, m_scale), decode_unsigned(v, v_scale)
-    m32 = torch.lerp(m32, g32, 1 - beta1)
+    m32 = torch.lerp(m32, g32, one_minus_beta1)
     v32 = torch.addcmul(v32 * beta2, g32, g32, value=1 - beta2)
     root = v32.sqrt()
     if moments == "fp32":
         denom = (root / bc2_sqrt) + eps  # torch's order: with fp32 weights too, torch's AdamW bit for bit
     else:
-        denom = root * (1.0 / bc2_sqrt) + eps
+        denom = root * inv_bc2_sqrt + eps
     w32 = w32 + (neg_step_size * m32) / denom  # addcdiv's order: (value * tensor1) / tensor2, bit for bit
     if weights == "bf16_sr":
         w.copy_(round_stochastic(w32, start))  # exact: an fp32 holding a bf16 value
@@ -195,11 +201,12 @@ def adamw_update(
     step = float(state["step"])
     beta1, beta2 = betas
     # fills, not copies: no host-device sync when the parameter is on a GPU
+    bc2_sqrt = (1 - beta2**step) ** 0.5
     scalars = tuple(torch.full((), value, dtype=torch.float32, device=w.device) for value in (
-        -lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, 1 - lr * weight_decay if decoupled else 1.0,
-        float(grad_scale)))
-    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, coupled_decay=0.0 if decoupled else weight_decay, weights=weights,
-                 moments=moments)
+        -lr / (1 - beta1**step), bc2_sqrt, 1.0 / bc2_sqrt, 1 - lr * weight_decay if decoupled else 1.0,
+        float(grad_scale), 1 - beta1))
+    coupled = None if decoupled or weight_decay == 0 else weight_decay
+    hyper = dict(beta2=beta2, eps=eps, coupled_decay=coupled, weights=weights, moments=moments)
     m, v, comp = state["exp_avg"], state["exp_avg_sq"], state.get("compensation")
     m_scale, v_scale = state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")
     n = w.numel()

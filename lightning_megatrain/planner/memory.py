@@ -9,8 +9,9 @@
   larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and the
   loss. Every layer is recomputed (``keep_layers=0``): the floor that must fit.
 - Long context (``gpu_bytes``' docstring): layer-input checkpoints kept on the GPU, the inputs a recompute segment
-  regenerates (backward phase), and a tiled position-wise block's activations (:func:`_tiled`); on the host, only
-  the checkpoints not kept on the GPU are offloaded.
+  regenerates (backward phase), and a tiled position-wise block's activations, with the norm before it, and the
+  norm before attention (in the tiles of its projections), where those are folded into the tiles (:func:`_tiled`);
+  on the host, only the checkpoints not kept on the GPU are offloaded.
 
 Activation bytes per token of one decoder layer recomputed with grad (``c`` = compute itemsize, 2 under bf16-mixed,
 4 under 32-true; the residual stream is fp32 because embeddings and norms are fp32 residents under autocast). Derived
@@ -88,7 +89,7 @@ def layer_activation(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int |
 def _block_saved(s: _Shape, layer: _Layer, c: int) -> float:
     """Bytes per token of :func:`layer_activation`'s ``saved`` that the position-wise block (the MLP or MoE module)
     saves: the autocast copies its Linears read, its intermediates, the MoE terms. The norm before it is not part of
-    it (its saved values stay over all T)."""
+    it (:func:`_tiled` takes a folded norm's values out apart)."""
     H = s.hidden
     saved = layer.mlp_readers * 2 * H if c < 4 else 0
     saved += (4 if layer.gated else 2) * c * layer.dense_i
@@ -101,29 +102,47 @@ def _block_saved(s: _Shape, layer: _Layer, c: int) -> float:
 def _tiled(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int) -> tuple[float, float]:
     """(saved, transient) bytes per token of one recomputed layer whose position-wise block (the MLP or MoE module)
     runs ``tile`` positions at a time (engine/tiling.py, [Note: sequence tiles]): each tile under its own
-    checkpoint, so the block keeps only its input (the fp32 output of the norm before it) from its forward, and in
-    backward runs each tile's forward again with grad, then that tile's backward. Its activations and intermediate
-    grads then exist for one tile at a time (``f = tile / seq_len`` of the tokens); the token mixer is untiled::
+    checkpoint, so the block keeps only its input from its forward, and in backward runs each tile's forward again
+    with grad, then that tile's backward. Its activations and intermediate grads then exist for one tile at a time
+    (``f = tile / seq_len`` of the tokens); the token mixer is untiled. Where the norm before the block is folded into
+    the tiles (``layer.folded_norm``: engine/folded_norms.py's ``FOLDED_NORMS``) the block's input is the residual
+    stream, saved anyway (the ``4H`` of the module docstring, now by the tiles instead of the norm), and the norm's own
+    saved values (``4H + 4``) exist for one tile; otherwise the block's input is the norm's fp32 output, one more
+    ``4H``.
+    Where the norm before attention is folded into the tiles of the attention's input projections too
+    (``layer.folded_attn`` of them: q, k, v, or Phi-3's qkv; engine/folded_norms.py, [Note: folded norms]), its saved
+    values and the projections' autocast copies of its output exist for one tile as well::
 
-        saved     = layer_activation(...).saved - block + 4H       all but the block's own saved values, + its input
-        transient = max(14H + f * (block + 2c * max(I, k*I_e)),     the block's backward, one tile at a time: the
+        saved     = layer_activation(...).saved - block + 4H        all but the block's own saved values, + its input
+                    [folded norm: - block - (4H + 4)]                 and the norm's, whose input the tiles keep
+                    [folded attention: - (4H + 4) - n_attn * 2H]      the norm before attention's values and the
+                                                                    projections' autocast copies (c = 2; 0 in fp32)
+        transient = max(14H + f * (block + norm + 2c * max(I, k*I_e)),  the block's backward, one tile at a time: the
                                                                     incoming grad (fp32) and its copy in c for the
                                                                     block's output, the block input's grad (fp32)
                                                                     and each tile's, sliced into a full-size fp32
-                                                                    tensor before it is added
-                        8H + c*(2A + 2K) + 4A)                      then the attention's: the incoming grad and the
+                                                                    tensor before it is added; norm = 8H + 4 for a
+                                                                    folded norm's values in a tile (its normalised
+                                                                    value, rsqrt and output), else 0
+                        8H + c*(2A + 2K) + 4A                       then the attention's: the incoming grad and the
                                                                     grad of the residual after attention (fp32), the
-                                                                    grads of q, k, v, out and flash's fp32 dq
+                                                                    grads of q, k, v, out and flash's fp32 dq,
+                        [folded attention: + f * (8H + 4 + n_attn*2H)]) + a tile of the norm before attention and of
+                                                                    the copies, recomputed in each projection's tile
 
-    (``block``: :func:`_block_saved`.) Measured on the H200 with the tiles under ``torch.utils.checkpoint``
-    (benchmarks/planner_long_context_check.py, 2026-12-01, torch 2.11, flash sdpa; results in
+    (``block``: :func:`_block_saved`.) Measured on the H200 with the tiles under ``torch.utils.checkpoint`` and the
+    norm untiled (benchmarks/planner_long_context_check.py, 2026-12-01, torch 2.11, flash sdpa; results in
     benchmarks/results/2026-12-01-planner-long-context-h200.json): ``saved`` to the byte for the Llama-2-7B shape at
     32,768 and 131,072 tokens and the Llama-3.2-3B shape at 65,536; backward peak = saved + transient - 4H (the
     incoming grad, allocated before) + the block's three weight grads, to the byte where the block's phase is the
     larger (7B at tiles of 8,192 of 32,768; 3B at 16,384 of 65,536), 4 B/token above where the attention's is (7B at
-    16,384 of 131,072). A mechanism that writes each tile's input grad into one buffer instead saves 4H of the 14H.
-    Untiled, the block's intermediate grads (``2c * I`` per token) exceed the attention backward's for every shape
-    measured, so ``transient`` there has no attention term. Eager attention adds the grads of its [heads, T, T]
+    16,384 of 131,072). The folded norms' terms are derived, checked on the CPU only (tests/engine/test_tiling.py,
+    test_folded_norm_keeps_no_activations: (8H + 4) B/token less alive after forward in fp32 for each norm, (10H +
+    4) for the norm before attention under bf16 autocast; in fp32 that norm's fp32 output, which q, k and v save,
+    leaves too, 4H this formula does not count untiled). The transient's attention term for a folded attention is
+    an estimate, not measured. A mechanism that writes each tile's input grad into one buffer instead saves 4H of the
+    14H. Untiled, the block's intermediate grads (``2c * I`` per token) exceed the attention backward's for every
+    shape measured, so ``transient`` there has no attention term. Eager attention adds the grads of its [heads, T, T]
     scores and probabilities (``nh * T * (4 + c)``, not measured)."""
     H, A, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     saved, _ = layer_activation(s, layer, seq_len, c)
@@ -132,8 +151,16 @@ def _tiled(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int) -> tuple[f
     attention = 8 * H + c * (2 * A + 2 * K) + 4 * A
     if s.attn == "eager" and not layer.linear:
         attention += s.heads * seq_len * (4 + c)
-    per_tile = 14 * H + min(tile, seq_len) / seq_len * (block + 2 * c * widest)
-    return saved - block + 4 * H, max(per_tile, attention)
+    # folded: the norm's normalised value and rsqrt leave (its input, the residual, stays as the tiles' input), and a
+    # tile holds them and the norm's output; unfolded: the block's input, the norm's output, stays
+    kept, norm = (-(4 * H + 4), 8 * H + 4) if layer.folded_norm else (4 * H, 0)
+    f = min(tile, seq_len) / seq_len
+    per_tile = 14 * H + f * (block + norm + 2 * c * widest)
+    if layer.folded_attn:  # the norm before attention's values and the projections' copies of its output leave; a
+        copies = layer.folded_attn * 2 * H if c < 4 else 0  # tile of them is recomputed in the attention's backward
+        kept -= 4 * H + 4 + copies
+        attention += f * (8 * H + 4 + copies)
+    return saved - block + kept, max(per_tile, attention)
 
 
 def _linear_attn_saved(la: _LinearAttn, seq_len: int, c: int) -> float:

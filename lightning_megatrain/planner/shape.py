@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.engine.discovery import check_layers_independent, find_layer_stack, tensor_slots
+from lightning_megatrain.engine.folded_norms import folded_attention, folded_norms
 
 # Names of Linear modules that write back to the stream (not readers of it); the MLP ones give the intermediate width.
 _DOWN_PROJ = ("down_proj", "fc2", "w2", "dense_4h_to_h", "c_proj")
@@ -37,6 +38,11 @@ class _Layer:
     # the position-wise block (MLP or MoE), which seq_tile runs a tile of positions at a time (engine/tiling.py)
     mlp_readers: int = 0  # of ``readers``, those in that block (gate, up; a MoE router)
     mlp_active: int = 0  # parameters a token passes through in that block (MoE: shared + router + k/E of the experts)
+    folded_norm: bool = False  # the norm before that block runs inside its tiles (engine/folded_norms.py)
+    # the norm before attention runs inside the tiles of the attention's input projections (folded_attention): how
+    # many projections (of ``readers``: q, k, v or Phi-3's qkv; 0 where unfolded) and their parameters
+    folded_attn: int = 0
+    folded_attn_params: int = 0
 
 
 @dataclass
@@ -154,7 +160,7 @@ def describe(model: Any, name: str = "", attn_implementation: str | None = None)
         linear_attn = _LinearAttn(k_heads=text.linear_num_key_heads, v_heads=text.linear_num_value_heads,
                                   k_dim=text.linear_key_head_dim, v_dim=text.linear_value_head_dim,
                                   conv=text.linear_conv_kernel_dim)
-    layers = []
+    layers, folded, attention = [], folded_norms(stack), folded_attention(stack)
     for i, layer in enumerate(stack):
         numel = _unique_numel(layer.parameters())
         expert = _unique_numel(p for n, p in layer.named_parameters() if ".experts." in f".{n}")
@@ -167,6 +173,7 @@ def describe(model: Any, name: str = "", attn_implementation: str | None = None)
         else:
             sliding = bool(window) and getattr(text, "use_sliding_window", True) is not False
         q_proj = next((m for n, m in linears if n.endswith("q_proj")), None)
+        projections = attention[i][2] if attention[i] is not None else []
         mixer = lambda n: "attn" in n or "attention" in n  # the token mixer's modules; norms are neither block's
         mlp_dense = sum(p.numel() for n, p in layer.named_parameters()
                         if ".experts." not in f".{n}" and not mixer(n) and "norm" not in n)
@@ -181,7 +188,9 @@ def describe(model: Any, name: str = "", attn_implementation: str | None = None)
             linear=i < len(layer_types) and layer_types[i] == "linear_attention",
             out_gate=q_proj is not None and q_proj.out_features == 2 * heads * head_dim,
             mlp_readers=sum(1 for n, _ in readers if not mixer(n)),
-            mlp_active=mlp_dense + (expert * top_k // experts if experts else 0)))
+            mlp_active=mlp_dense + (expert * top_k // experts if experts else 0), folded_norm=folded[i] is not None,
+            folded_attn=len(projections),
+            folded_attn_params=_unique_numel(p for _, m in projections for p in m.parameters())))
     embeddings, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     return _Shape(
         name=name or getattr(config, "name_or_path", "") or config.model_type,

@@ -18,7 +18,8 @@ causal flash attention alone 556 and 463 (benchmarks/results/2026-12-01-planner-
 ACHIEVED_TFLOPS = 450.
 
 Long context (``step_time``'s docstring): segments replay ``L - ceil(L/k)`` layer forwards per micro-batch, a tiled
-position-wise block runs its forward once more (2 * ``mlp_active`` per token and layer).
+position-wise block runs its forward once more (2 * ``mlp_active`` per token and layer), and so do the attention's
+input projections where the norm before them is folded into their tiles (2 * ``folded_attn_params``).
 """
 
 from __future__ import annotations
@@ -89,9 +90,11 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     nor step on the host (their GPU step, ~28 B/param at HBM speed, is not counted).
 
     Long context (planner/memory.py's ``gpu_bytes`` names the options): a tiled position-wise block runs its forward
-    once more in backward (``2 * mlp_active`` FLOPs per token); a segment's last layer first replays the forward of
-    the segment's other layers (attention included), each uploading its weights once more; only checkpoints move
-    over PCIe, and only those not kept on the GPU (the last ``device_checkpoints``).
+    once more in backward (``2 * mlp_active`` FLOPs per token, + ``2 * folded_attn_params`` for projections tiled with
+    the norm before attention, engine/folded_norms.py; the norm's own passes are memory-bound, not counted); a
+    segment's last layer first replays the forward of the segment's other layers (attention included), each
+    uploading its weights once more; only checkpoints move over PCIe, and only those not kept on the GPU (the last
+    ``device_checkpoints``).
 
     ``weight_bytes`` and ``grad_bytes``: bytes per parameter of the host masters each upload reads and of the host
     grads each drain writes (4 for fp32; 2 for the bf16 weights and grads of a compact ``host_state``, which the GPU
@@ -111,8 +114,8 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
     bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
-    if tile is not None:  # the tiled block's forward again, tile by tile, before its backward
-        bwd = [b + 2 * ly.mlp_active * tok / rate for b, ly in zip(bwd, s.layers)]
+    if tile is not None:  # the tiled block's forward again, tile by tile, before its backward (and the projections')
+        bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)
     firsts = list(range(0, L, segment))  # the layers whose input is a checkpoint
     replays: list[list[int]] = [[] for _ in range(L)]  # at a segment's last layer: the others, replayed first

@@ -35,11 +35,13 @@ def _grads(shapes, steps, seed=0):
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_fp32_formats_are_torch_adamw_bit_for_bit(monkeypatch, decoupled):
     """weights="fp32", moments="fp32" is torch's single-tensor Adam/AdamW exactly, over two param groups, with a
-    chunk boundary and a partial last block inside a parameter."""
+    chunk boundary and a partial last block inside a parameter; an infinite weight in the group without weight decay
+    stays infinite with finite moments, as in torch (which adds no decay term there to turn it into NaN)."""
     monkeypatch.setattr(compact_adam, "CHUNK", 2 * BLOCK)
     shapes = [(7, 150), (33,)]  # 1050 elements: chunks of 512, 512, 26
     torch.manual_seed(0)
     ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref[1].data[0] = float("inf")
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     kind = torch.optim.AdamW if decoupled else torch.optim.Adam
     groups = lambda ps: [{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0, "lr": 3e-3}]
@@ -300,7 +302,8 @@ def test_compiled_kernel_is_one_graph_for_every_parameter_shape_and_step(monkeyp
     ``torch._dynamo.config.recompile_limit`` (8) the kernel ran eagerly). Whole blocks only: a partial block is
     another graph (its padding), a chunk of one block too (torch.compile specializes size 1). Nor do the values that
     change between steps and groups recompile it: the bias corrections, a scheduled lr, weight decay 0 or not, a
-    clipping factor of 1 or not (Python floats there were guarded by value on the H200: a graph per step)."""
+    clipping factor of 1 or not, a cycled beta1 (Python floats there were guarded by value on the H200: a graph per
+    step)."""
     monkeypatch.setattr(compact_adam, "CHUNK", 4 * BLOCK)
     monkeypatch.setattr(compact_adam, "_compiled", None)
     torch._dynamo.reset()
@@ -312,6 +315,7 @@ def test_compiled_kernel_is_one_graph_for_every_parameter_shape_and_step(monkeyp
     for step in range(4):
         for group in opt.param_groups:
             group["lr"] = 1e-3 * (step + 1)
+            group["betas"] = (0.95 - 0.01 * step, 0.999)  # OneCycleLR's cycle_momentum changes beta1 each step
         for p in params:
             p.grad = torch.randn_like(p)
         if step % 2:
