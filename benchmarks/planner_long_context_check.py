@@ -2,15 +2,14 @@
 ``tile``) and its attention FLOP count (planner/timing.py) against one GPU (one device call).
 
 One HF Llama decoder layer recomputed with grad the way engine/streamed.py does it (bf16 weights as in a slot, fp32
-input, autocast without cache, sdpa): bytes saved by its forward and the peak of its backward, untiled and with its
-MLP run in tiles of positions through engine/tiling.py's ``run_tiled`` (each tile under a checkpoint: the MLP's
-forward runs once more in backward, one tile at a time; its saved input is the post-attention norm's output). The
-committed results were measured with an equivalent ``torch.utils.checkpoint`` per tile written before ``run_tiled``
-existed, in a compact copy of this script run on the device; this version has not run on the GPU yet.
+input, autocast without cache, sdpa): bytes saved by its forward and the peak of its backward, untiled and tiled by
+engine/tiling.py's ``SequenceTiles`` as the engine installs it (the MLP and the q/k/v projections in tiles of
+positions, each tile under a checkpoint, with the norms before them folded into the tiles), up to the 524,288-token
+row of the Llama-2-7B shape. The results of 2026-12-01 were measured before the folds, with the MLP alone tiled.
 Then the time of the layer's forward and of its recompute + backward at a long sequence, and of causal flash
 attention alone, against the FLOPs the planner counts.
 Usage: python benchmarks/planner_long_context_check.py --out DIR   (writes DIR/planner_long_context_check.json)
-Results: benchmarks/results/2026-12-01-planner-long-context-h200.json.
+Results: benchmarks/results/2026-12-01-planner-long-context-h200.json (MLP alone tiled).
 """
 
 from __future__ import annotations
@@ -21,12 +20,13 @@ import time
 
 import torch
 from planner_gpu_check import saved_and_peak
+from torch import nn
 from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from lightning_megatrain import planner
-from lightning_megatrain.engine.tiling import run_tiled
+from lightning_megatrain.engine.tiling import SequenceTiles
 
 SHAPES = {
     "llama2-7b": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -42,11 +42,8 @@ def _layer(shape: dict, seq: int, tile: int | None):
     cfg = LlamaConfig(**{k: v for k, v in shape.items() if k != "model_type"}, max_position_embeddings=seq,
                       attn_implementation="sdpa")
     layer = LlamaDecoderLayer(cfg, 0).to(dev, torch.bfloat16).train()
-    if tile is not None:
-        mlp_forward = layer.mlp.forward
-
-        # [B, T, H] -> [B, T, H] a tile of positions at a time, recomputed in backward: the engine's own tiling
-        layer.mlp.forward = lambda x: run_tiled(mlp_forward, x, tile)
+    if tile is not None:  # the engine's own tiling: the MLP in tiles, the norms before it and before attention folded
+        SequenceTiles(nn.ModuleList([layer]), tile).install()  # into them, q/k/v in tiles ([Note: folded norms])
     return cfg, layer
 
 
@@ -155,7 +152,7 @@ if __name__ == "__main__":
     if "memory" in parts:
         res["memory"] = [memory("llama2-7b", 32768, None), memory("llama2-7b", 32768, 8192),
                          memory("llama2-7b", 131072, 16384), memory("llama3.2-3b", 65536, 16384),
-                         memory("llama3.2-3b", 65536, None)]
+                         memory("llama3.2-3b", 65536, None), memory("llama2-7b", 524288, 16384)]
         print(json.dumps(res["memory"], indent=1), flush=True)
     if "time" in parts:
         res["time"] = [layer_time("llama2-7b", 131072, None), layer_time("llama2-7b", 131072, 16384)]

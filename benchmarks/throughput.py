@@ -7,7 +7,7 @@ no padding, seq 1024, 32K or 64K tokens per optimizer step, reached with gradien
 that size does not fit (rows give micro_batch and accumulate; a CUDA OOM is retried once at half the micro-batch).
 Weights are drawn like HF's init (normal(0, 0.02) matrices, ones for norms) on the GPU: HF's CPU init of 3.2B
 parameters takes ~40 s. Loss: HF `labels=` (parts 32k, 64k) or our CausalLMModule chunked loss (32k-chunked,
-64k-chunked). 2 warm-up optimizer steps, 5 measured (median), then 1 profiled step that is not in the median.
+64k-chunked). 2 warm-up optimizer steps, 5 measured (median), then 1 profiled step (2 on a GPU) not in the median.
 Row keys: system, model, micro_batch, seq_len, tokens_per_step, tokens_per_s, mfu, peak_gpu_gib, peak_host_gib,
 host_bytes_per_param, breakdown, error (null on success); plus accumulate, loss, params, mfu_attn, notes, ...; a row
 with an error keeps the step_times_s its run printed before it ended (a run killed after its measured steps).
@@ -32,6 +32,10 @@ with an error keeps the step_times_s its run printed before it ended (a run kill
                kernels sums that step's kernel seconds by kind (matmul, attention, other) and lists the top kernels;
                kernel_gaps (since session 10) sums that step's stretches with no kernel running and names what the
                training thread was doing in each (kernel_gaps()).
+  gpu_only_profile  (breakdown key, GPU runs since 2026-12-02) the same busy fractions of the step after the profiled
+               one, profiled with CUDA activity only: recording every host op (the profiled step) adds host time, 39 ms
+               to the 0.28 s MoE step, which the GPU shows as idle; without host recording the step runs at its
+               unprofiled length (compare profiled_step_s with the median) and gpu_idle is the GPU's own.
 
 Seconds per run on the lent H200, estimated (fixed = start-up, build, pinning, first-step extra; steps at 32K / 64K
 tokens; from benchmarks/results/2026-11-29-core-*-h200.json and shared/BENCHMARKS.md; 8 optimizer steps a run):
@@ -135,7 +139,7 @@ def estimate_s(run: dict, params: int, jit: bool) -> float:
     fixed, host, gpu = _EST[base]
     fixed += _COMPILE_S if compiled else 0.0
     scale = params / _REF_PARAMS
-    steps = run["warmup"] + run["measured"] + run["profile"] + 1  # +1: the first step's extra cost
+    steps = run["warmup"] + run["measured"] + 2 * run["profile"] + 1  # +1: the first step's extra cost
     step_s = host * scale + gpu * scale * run["tokens_per_step"] / 32768
     return fixed * max(scale, 0.5) + steps * step_s + (_JIT_S if jit else 0.0)
 
@@ -289,6 +293,7 @@ def make_recorder(profile_step: int | None, sync: bool):
             self.first_batch_t = None  # perf_counter at the first micro-batch's start
             self._step: dict | None = None  # the optimizer step in progress
             self._prof = None
+            self._prof_kernels_only = False
             self.late_steps = 0  # megatrain optimizer steps whose host grads landed late
 
         def _now(self) -> float:
@@ -311,11 +316,14 @@ def make_recorder(profile_step: int | None, sync: bool):
                               **dict.fromkeys(PHASES[:-1], 0.0)}
             self._mark = t
 
-        def _start_profile(self) -> None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
+        def _start_profile(self, kernels_only: bool = False) -> None:
+            # kernels_only: CUDA activity alone, no host-op recording, whose cost stretches a short step (see
+            # gpu_only_profile in the module docstring)
+            activities = [] if kernels_only else [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=activities)
+            self._prof_kernels_only = kernels_only
             self._prof.__enter__()
 
         def _phase(self, name: str) -> None:
@@ -383,13 +391,19 @@ def make_recorder(profile_step: int | None, sync: bool):
                 try:  # the profile is a bonus: the timing rows stand without it
                     kineto = prof.profiler.kineto_results.events()
                     events = gpu_events(kineto)
-                    self.busy = {**busy_fractions(events, step["step_s"]), "profiled_step_s": step["step_s"],
-                                 "kernels": kernel_seconds(events), "annotations_excluded": True,
-                                 "kernel_gaps": kernel_gaps(events, cpu_spans(kineto))}
+                    if self._prof_kernels_only:
+                        self.busy["gpu_only_profile"] = {**busy_fractions(events, step["step_s"]),
+                                                         "profiled_step_s": step["step_s"]}
+                    else:
+                        self.busy = {**busy_fractions(events, step["step_s"]), "profiled_step_s": step["step_s"],
+                                     "kernels": kernel_seconds(events), "annotations_excluded": True,
+                                     "kernel_gaps": kernel_gaps(events, cpu_spans(kineto))}
                 except Exception as e:  # noqa: BLE001
                     self.busy = {"profile_error": f"{type(e).__name__}: {e}"}
             if profile_step is not None and len(self.steps) == profile_step:
                 self._start_profile()  # from where the profiled step starts: the time between steps is in it
+            elif profile_step is not None and len(self.steps) == profile_step + 1 and torch.cuda.is_available():
+                self._start_profile(kernels_only=True)  # the step after the full profile
 
     if not sync:
         # No mark between backward and the optimizer step: a module or callback with this hook may read p.grad, so
@@ -431,8 +445,10 @@ def train(spec: dict) -> dict:
                          compile_layers=compiled and not base.startswith("megatrain"))
     mb, acc, seq = spec["micro_batch"], spec["accumulate"], spec["seq_len"]
     # real runs profile one extra step after the measured ones; dry runs profile their last step
-    total_steps = spec["warmup"] + spec["measured"] + (spec["profile"] and not spec["dry_run"])
-    profile_step = total_steps - 1 if spec["profile"] else None
+    # (a GPU run also profiles the step after that one, kernels only: gpu_only_profile)
+    extra = 1 + on_cuda if spec["profile"] and not spec["dry_run"] else 0
+    total_steps = spec["warmup"] + spec["measured"] + extra
+    profile_step = total_steps - max(extra, 1) if spec["profile"] else None
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, config["vocab_size"], (mb * acc * total_steps, seq), generator=g)  # [N, T], no padding
     recorder = make_recorder(profile_step, spec["sync"])
@@ -722,6 +738,8 @@ def summarize(rows: list[dict], header: bool = True) -> str:
         b = r["breakdown"]
         # busy fractions profiled before gpu_events() counted record_function ranges: not shown (kept in the JSON)
         busy = [f"{k}={b[k]:.0%}" for k in BUSY if k in b and b.get("annotations_excluded")]
+        if "gpu_idle" in b.get("gpu_only_profile", {}):
+            busy.append(f"gpu_idle(kernels-only profile)={b['gpu_only_profile']['gpu_idle']:.0%}")
         text = " ".join([f"{k[:-2]}={b[k]:.2f}" for k in PHASES if k in b] + busy)
         gpu = "" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.1f}"
         vs = "" if ref is None else f"{r['tokens_per_s'] / ref:.2f}"

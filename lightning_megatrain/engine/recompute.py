@@ -91,8 +91,10 @@ class RecomputePolicy:
         """Layers to keep in a micro-batch whose layer inputs are ``input_bytes`` each."""
         if self.fixed is not None:
             return self.fixed
-        if self.graph_bytes_per_input_byte is None:
-            return 0  # CPU, or CUDA before calibration
+        if self.graph_bytes_per_input_byte is None or input_bytes <= 0:
+            # CPU, or CUDA before calibration; or a layer with no input on the activation path (frozen embeddings
+            # before it), which the per-input-byte model cannot size: recomputed
+            return 0
         scale = max(1.0, input_bytes / self.input_bytes)
         free = self.budget - self.peak_bytes * scale
         # the graph and the input it saves (not offloaded when kept), plus a private weight copy past the persistent

@@ -22,7 +22,8 @@ def test_tiles_equal_untiled_on_cuda(family, compile_layers):
     options = {"keep_layers": 0, "compile_layers": compile_layers, "cpu_adam": "torch"}
     untiled, _ = fit_cuda(gpu_strategy(seq_tile=None, **options), lambda: ParityLM(family), **kw)
     tiled, _ = fit_cuda(gpu_strategy(seq_tile=4, **options), lambda: ParityLM(family), **kw)  # 16 positions: 4 tiles
-    # compiled: inductor builds other kernels for a 4-position tile, which sum in another order; Adam's first steps
-    # turn those last-bit grad differences into update differences where |grad| ~ sqrt(v) (measured on the H200:
-    # qwen3_moe's post-step weights within 1.4e-4, its grads within 1e-4)
-    assert_records_close(tiled, untiled, rtol=1e-4, rtol_updated=5e-4 if compile_layers else 1e-4)
+    # a 4-position tile's matmuls (the MLP's, and q/k/v's since the norm before attention is folded) run other
+    # kernels, eager and compiled, which sum in another order; Adam's first steps turn those last-bit grad
+    # differences into update differences where |grad| ~ sqrt(v) (measured on the H200: qwen3_moe's post-step
+    # weights within 1.4e-4 compiled, 1.03e-4 eager at o_proj; its grads within 1e-4)
+    assert_records_close(tiled, untiled, rtol=1e-4, rtol_updated=5e-4)

@@ -61,6 +61,21 @@ def test_auto_calibrates_on_the_first_micro_batch_then_fills_the_budget():
         assert policy.limit(2 * x) < want
 
 
+def test_auto_recomputes_a_layer_with_no_input_on_the_activation_path():
+    # frozen embeddings: the first layer's input needs no grad, so it stashes nothing (0 input bytes); the per-byte
+    # model cannot size its graph and divided by zero on the H200 before: it is recomputed, the next layers kept
+    peak = [10 * GIB]
+    patches = _cuda_counters(peak)
+    with patches[0], patches[1]:
+        policy = RecomputePolicy("auto", torch.device("cuda", 0), layer_weight_bytes=GIB // 2)
+        policy.start_forward()
+        policy.measure_recompute(graph_bytes=GIB, input_bytes=GIB // 4)
+        policy.end_backward()
+        policy.start_forward()
+        assert policy.limit(0) == 0 and not policy.keep(0)
+        assert policy.keep(GIB // 4)
+
+
 def test_auto_never_plans_past_the_device():
     peak = [95 * GIB]
     patches = _cuda_counters(peak)
