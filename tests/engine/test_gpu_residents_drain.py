@@ -34,7 +34,8 @@ class FrozenEmbeddingsLM(ParityLM):
 
 @contextlib.contextmanager
 def drain_log():
-    """Record every ``Residents.drain`` call: its ``wait``, whether it took the host-add path (no device norm), and
+    """Record every ``Residents.drain`` call: its ``wait``, whether it took the host-add path (a grad missing or host
+    grads held), and
     the host-device synchronizations the thread running it made inside it (other threads' are not counted: the
     layer drains' worker and the overlapped step's worker synchronize their own events meanwhile).
 
@@ -49,12 +50,16 @@ def drain_log():
     drain = Residents.drain
 
     def logged_drain(self, wait: bool = True) -> None:
+        # the host-add path: some grad missing (a frozen parameter) or host grads held already; read before the call,
+        # as drain decides (the device norm no longer tells: it stands for an add into empty host grads)
+        copies = self._copies or []
+        host_add = any(c.grad is None for c in copies) or any(p.grad is not None for p in self.group.params)
         local.counts = counts = {"stream": 0, "event": 0, "device": 0}
         try:
             drain(self, wait)
         finally:
             local.counts = None
-        calls.append({"wait": wait, "host_add": self.group.device_norm_sq is None, **counts})
+        calls.append({"wait": wait, "host_add": host_add, **counts})
 
     def counting(kind, original):
         def wrapper(*args, **kwargs):
