@@ -397,7 +397,9 @@ class MegaTrainEngine(FirstBatchPlacement):
             if self.backward_updates is not None:
                 self.backward_updates.shutdown()
             if self.transfer is not None:
-                self.transfer.close()
+                self.transfer.close()  # the layers' queued drains land in their host grads
+            if self.residents is not None:
+                self.residents.wait_landed()  # and so does a residents' drain no optimizer step landed
             if self.registry is not None:
                 torch.cuda.synchronize(self.device)  # no copy may still touch a region being unregistered
                 self.registry.release()

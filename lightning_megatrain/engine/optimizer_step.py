@@ -27,7 +27,9 @@ benchmarks/results kernel_gaps) and then the host queues the next forward into a
 ``configure_gradient_clipping`` of its own: hooks.py, [Note: user hooks]) and the host step is overlapped,
 :meth:`OptimizerStep.finalize_gradients` leaves them landing instead:
 
-- the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``);
+- the residents' D2H stays in flight on the D2H stream (its event: ``Residents.wait_landed``), a frozen resident's
+  host add included (its norm is measured on the device), unless it adds onto host grads that held some already:
+  that one lands at once, on the training thread, since only the host can take its norm;
 - clipping takes the global norm from the per-layer norms measured on the device and computes the factor there;
   the device groups' step reads it on the device, and one 12-byte D2H into pinned memory (its event
   ``_stats_copied``, recorded by the compute stream) hands it to the host step, with the norm and the loss that
@@ -148,6 +150,9 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         self._late_grads = self.overlap is not None and not grads_read and not host_added
         if self.residents is not None:
             self.residents.drain(wait=not self._late_grads)
+            if self._late_grads and self.residents.norm_after_landing:
+                # an add onto held host grads leaves no device norm: the late norm reads the host grads (grad_norm.py)
+                self.residents.wait_landed()
         if not self._late_grads:
             self.transfer.wait_drained()
 

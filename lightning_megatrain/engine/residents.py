@@ -51,12 +51,19 @@ class Residents:
         self._copies: list[Tensor] | None = None
         self._buffers = [(slot, slot.get().to(device)) for slot in buffer_slots]
         self._registry = registry
-        # pinned landing buffer for grads that must be *added* to host grads; allocated on first need (rare)
+        # pinned landing buffer for grads that must be *added* to host grads (some resident without a grad, or host
+        # grads already holding some); allocated on first need. Written only by a drain's D2H copy and read only by
+        # the host add in :meth:`wait_landed`; a drain lands the previous one first, so one add at most is pending
         self._grad_staging: Tensor | None = None
         # whether a device group's grads are copied to the host grads (engine.set_grads_read); others always are
         self.grads_to_host = True
+        # the presence mask of the grads waiting in ``_grad_staging`` for :meth:`wait_landed`'s host add; None when
+        # the copy in flight went straight into the host grads (or none is in flight)
+        self._add_mask: list[bool] | None = None
         # - CUDA event for stream synchronization
-        self._landed: torch.cuda.Event | None = None  # recorded by D2H after the grads' copy; waited on by the host
+        # recorded by the D2H stream after the grads' copy (into the host grads or the staging buffer); waited on by
+        # the thread that lands them (:meth:`wait_landed`: the training thread, or the overlapped step's worker)
+        self._landed: torch.cuda.Event | None = None
 
     def set_device_group(self, device_group: DeviceGroup | None) -> None:
         """The residents became a device group (engine/device_state.py): their compute copies are views of its
@@ -86,9 +93,11 @@ class Residents:
         """Add the compute copies' grads into the host fp32 grads and clear them (once per optimizer step); a device
         group's grads only get their norm when no code reads them before the step (``grads_to_host`` False).
 
-        Usually (every parameter has a gradient, the host grads are empty) that is one D2H on the D2H stream
-        straight into the pinned host grads; ``wait=False`` leaves it in flight for :meth:`wait_landed`. Otherwise
-        the grads are added on the host, which waits for the copy.
+        One D2H on the D2H stream, behind the layers' drains: straight into the pinned host grads when every
+        parameter has a gradient and the host grads are empty, else into the pinned staging buffer, which
+        :meth:`wait_landed` then adds into the host grads (a frozen embedding, an unused vision tower). The host never
+        waits for the device here: ``wait=False`` leaves the copy in flight for :meth:`wait_landed` (whose caller
+        owns the host side from then on), ``wait=True`` lands it before returning.
         """
         if self._copies is None or not self.group.numel:
             return
@@ -99,40 +108,62 @@ class Residents:
             flats = [g.reshape(-1) for g in grads if g is not None]
             self.group.device_norm_sq = torch.stack([torch.dot(g, g) for g in flats]).sum()
             return
+        # A drain no optimizer step landed (an exception between them, a drain without a step) lands first: its
+        # grads are host grads the new ones add to, and its host add reads the staging buffer this copy may write.
+        # In the training loop none is left: the step lands each drain, and gradient finalization waits for the step.
+        self.wait_landed()
         compute = torch.cuda.current_stream(self.device)
-        present = torch.cat([g.reshape(-1) for g in grads if g is not None])  # [n_present] as the masters, on device
-        # host grads will equal the device grads exactly when they start empty and all are present
-        exact = all(g is not None for g in grads) and all(p.grad is None for p in self.group.params)
-        self.group.device_norm_sq = norm_sq(present) if exact else None
-        if exact:  # one D2H straight into the pinned host grads: no staging buffer, no host pass
-            packed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
-            packed.record(compute)
-            self._landed = torch.cuda.Event()
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(packed)
-                self.group.grad.copy_(present, non_blocking=True)
-                self._landed.record(self.d2h_stream)
-            present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
-            self._after_drain()  # the copy reads ``present``: the device step may change the grads meanwhile
-            if wait:
-                self.wait_landed()
-            return
-        if self._grad_staging is None:
-            self._grad_staging = self._registry.empty(self.group.numel, self.group.grad_dtype)
-        host = self._grad_staging[: present.numel()]
-        host.copy_(present, non_blocking=True)
-        compute.synchronize()
-        add_packed(self.group, [g is not None for g in grads], host)
-        self._after_drain()
+        mask = [g is not None for g in grads]
+        # [n_present] as the masters, on the compute stream; never empty (some grad is present), though a zero-numel
+        # parameter's grad adds nothing to it
+        present = torch.cat([g.reshape(-1) for g in grads if g is not None])
+        host_empty = all(p.grad is None for p in self.group.params)
+        # one copy into the host grads when they start empty and every grad is present
+        exact = all(mask) and host_empty
+        # into empty host grads the host add is a copy too: the device norm of ``present`` is theirs, and clipping
+        # (the late norm included) reads it without waiting; an add onto held grads leaves it to a host pass
+        self.group.device_norm_sq = norm_sq(present) if host_empty else None
+        if exact:
+            target = self.group.grad  # one D2H straight into the pinned host grads: no staging buffer, no host pass
+        else:
+            if self._grad_staging is None:
+                self._grad_staging = self._registry.empty(self.group.numel, self.group.grad_dtype)
+            target = self._grad_staging[: present.numel()]
+        packed = torch.cuda.Event()  # recorded by the compute stream after ``present``; waited on by the D2H stream
+        packed.record(compute)
+        landed = torch.cuda.Event()  # recorded by the D2H stream after the copy; waited on in wait_landed
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(packed)
+            target.copy_(present, non_blocking=True)
+            landed.record(self.d2h_stream)
+        present.record_stream(self.d2h_stream)  # the allocator reuses the block only after the copy
+        self._landed, self._add_mask = landed, None if exact else mask
+        self._after_drain()  # the copy reads ``present``, not the grads: they may be cleared or stepped meanwhile
+        if wait:
+            self.wait_landed()
+
+    @property
+    def norm_after_landing(self) -> bool:
+        """Whether grads are in flight whose norm only the host can take once they landed: an add onto host grads
+        that held some already (``device_norm_sq`` is None)."""
+        return self._landed is not None and self.group.device_norm_sq is None
 
     def wait_landed(self) -> None:
-        """Block until the grads :meth:`drain` sent are in the host grads, and attach them as ``p.grad`` (a no-op
-        when none are in flight). Called by the thread that reads them next."""
-        if self._landed is None:
+        """Block until the grads :meth:`drain` sent have landed, then put them in the host grads: attach them as
+        ``p.grad`` (a copy straight into the host grads) or add the staging buffer into them. A no-op when none are
+        in flight. Called by the thread that reads them next (never two at once: the training thread waits for the
+        overlapped step's worker before it drains again)."""
+        landed, mask = self._landed, self._add_mask
+        if landed is None:
             return
-        self._landed.synchronize()
-        self._landed = None
-        self.group.attach_grads()
+        # taken first: a failure below (a CUDA error) drops these grads, and never adds them twice
+        self._landed = self._add_mask = None
+        landed.synchronize()
+        if mask is None:
+            self.group.attach_grads()
+            return
+        assert self._grad_staging is not None
+        add_packed(self.group, mask, self._grad_staging)  # the D2H wrote the staging buffer: host-side add, no copy
 
     def _after_drain(self) -> None:
         if self.device_group is None:

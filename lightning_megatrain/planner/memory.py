@@ -281,7 +281,8 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
         "grads": round(state["grads"] * on_host),
         "optimizer states": round(moments * on_host),
         "grad slabs": 3 * max_layer * c,
-        # the residents' grads go straight into their host grads; a staging buffer exists only in the old engine
+        # the residents' grads go straight into their host grads; a frozen resident adds a pinned staging buffer of
+        # the residents' size (4 B/param under fp32), not counted here
         "resident grad staging": 4 * s.resident_params if pinned_pow2 else 0,
         "activation offload": stash * offloaded,
         "pinned pow2 rounding": sum(pow2(b) - b for b in rounded),
