@@ -68,6 +68,13 @@ class EngineConfig:
     (engine/segments.py, [Note: recompute segments]). ``"auto"``: ``1`` unless the checkpoints fit neither GPU nor
     host memory, then the smallest ``k`` that fits (engine/placement.py)."""
 
+    sub_segment_layers: int | Auto = "auto"
+    """Nested recompute inside a segment of ``segment_layers``: a replay keeps only every ``m``-th regenerated layer
+    input (and those of the sub-segment it replays into), each lower sub-segment replayed again from its
+    sub-checkpoint, so a segment holds fewer inputs at once for more replayed forwards (engine/segments.py, [Note:
+    recompute segments]). ``1``: keep them all (flat segments). ``"auto"``: ``1`` unless no flat placement fits, then
+    the one of fewest replayed forwards that fits (engine/placement.py)."""
+
     device_checkpoints: int | Auto = "auto"
     """Layer-input checkpoints kept in GPU memory instead of offloaded to pinned host memory, the last layers' first
     (backward restores them first). ``"auto"``: 0 unless the host cannot hold them all, then the fewest with which
@@ -135,6 +142,9 @@ class EngineConfig:
             out.append(f"seq_tile={tile!r}: need 'auto', None (untiled) or an int >= 1 (positions per tile)")
         if not (self.segment_layers == "auto" or (type(self.segment_layers) is int and self.segment_layers >= 1)):
             out.append(f"segment_layers={self.segment_layers!r}: need 'auto' or an int >= 1 (layers per segment)")
+        sub = self.sub_segment_layers
+        if not (sub == "auto" or (type(sub) is int and sub >= 1)):
+            out.append(f"sub_segment_layers={sub!r}: need 'auto' or an int >= 1 (layers per sub-segment; 1: flat)")
         checkpoints = self.device_checkpoints
         if not (checkpoints == "auto" or (type(checkpoints) is int and checkpoints >= 0)):
             out.append(f"device_checkpoints={checkpoints!r}: need 'auto' or an int >= 0")

@@ -136,6 +136,8 @@ class MegaTrainStrategy(CheckpointStrategy):
         segment_layers: layers per recompute segment: ``1`` saves every recomputed layer's input; ``k > 1`` saves
             the first input of every ``k`` layers and replays the rest in backward (engine/segments.py, [Note:
             recompute segments]); ``"auto"`` (default): 1 unless the checkpoints fit neither memory.
+        sub_segment_layers: nested recompute: a segment's replay keeps every ``m``-th regenerated input, fewer held
+            at once for more replayed forwards; ``1`` flat; ``"auto"`` (default): 1 unless no flat placement fits.
         device_checkpoints: saved layer inputs that stay in GPU memory instead of pinned host memory, the last
             layers' first; ``"auto"`` (default): 0 unless the host cannot hold them, then the fewest with which the
             rest fit the host (engine/placement.py).
@@ -202,6 +204,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         compile_layers: bool | Auto = "auto",
         seq_tile: int | Auto | None = "auto",
         segment_layers: int | Auto = "auto",
+        sub_segment_layers: int | Auto = "auto",
         device_checkpoints: int | Auto = "auto",
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
@@ -222,6 +225,7 @@ class MegaTrainStrategy(CheckpointStrategy):
             compile_layers=compile_layers,
             seq_tile=seq_tile,
             segment_layers=segment_layers,
+            sub_segment_layers=sub_segment_layers,
             device_checkpoints=device_checkpoints,
             chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,

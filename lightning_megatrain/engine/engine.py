@@ -213,11 +213,14 @@ class MegaTrainEngine(FirstBatchPlacement):
         self.streamed.install(self.device.type)
         # "auto" starts as one checkpoint per layer, all offloaded ([Note: recompute segments]); placed (and
         # checked) for the first training micro-batch's tokens, again for any longer one
-        self._checkpoint_options = (self.config.segment_layers, self.config.device_checkpoints)
+        self._checkpoint_options = (
+            self.config.segment_layers, self.config.device_checkpoints, self.config.sub_segment_layers
+        )
         self._placed_tokens = 0
         self.streamed.segments.configure(
             self.config.segment_layers if isinstance(self.config.segment_layers, int) else 1,
             self.config.device_checkpoints if isinstance(self.config.device_checkpoints, int) else 0,
+            self.config.sub_segment_layers if isinstance(self.config.sub_segment_layers, int) else 1,
         )
         if self.config.seq_tile is not None:  # tiled per call, from each row's length ([Note: sequence tiles])
             self.tiles = SequenceTiles(stack, self.config.seq_tile)

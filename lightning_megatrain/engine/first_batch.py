@@ -144,16 +144,18 @@ class FirstBatchPlacement:
         return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
 
     def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
-        """``segment_layers`` and ``device_checkpoints`` for the training micro-batch ``batch``: decided where "auto",
+        """``segment_layers``, ``device_checkpoints`` and ``sub_segment_layers`` for the training micro-batch ``batch``:
+        decided where "auto",
         checked against the free host and GPU memory where given ([Note: recompute segments]). Runs at the first
         micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
         shape = token_shape(batch)
         hf_config = module_hf_config(self.module)
-        given = dict(zip(("segment_layers", "device_checkpoints"), self._checkpoint_options))
+        given = dict(zip(("segment_layers", "device_checkpoints", "sub_segment_layers"), self._checkpoint_options))
         auto = [name for name, value in given.items() if value == "auto"]
         if shape is None or hf_config is None:
-            k, n = (1 if "segment_layers" in auto else given["segment_layers"],
-                    0 if "device_checkpoints" in auto else given["device_checkpoints"])
+            k, n, m = (1 if "segment_layers" in auto else given["segment_layers"],
+                       0 if "device_checkpoints" in auto else given["device_checkpoints"],
+                       1 if "sub_segment_layers" in auto else given["sub_segment_layers"])
             why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
         else:
             host_groups = self._host_groups()
@@ -167,12 +169,12 @@ class FirstBatchPlacement:
             pool = self.transfer.host_bytes().get("offload_cache", 0)
             if self.backward_updates is not None:
                 pool += self.backward_updates.release()
-            k, n, why = choose_checkpoints(
+            k, n, m, why = choose_checkpoints(
                 hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
                 chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
                 host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool,
             )
-        log.info("MegaTrain: segment_layers=%d, device_checkpoints=%d (%s: %s)", k, n,
+        log.info("MegaTrain: segment_layers=%d, sub_segment_layers=%d, device_checkpoints=%d (%s: %s)", k, m, n,
                  "auto" if auto else "as given, checked", why)
-        self.config = self.config.replace(segment_layers=k, device_checkpoints=n)
-        self.streamed.segments.configure(k, n)
+        self.config = self.config.replace(segment_layers=k, device_checkpoints=n, sub_segment_layers=m)
+        self.streamed.segments.configure(k, n, m)

@@ -29,7 +29,8 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   (planner/pool.py, [Note: memory pool]); the host grads wait for that decision (setup allocates none while it is
   pending), and where no split fits, or device groups cannot run, it is refused with both memories' numbers.
 
-- ``segment_layers`` and ``device_checkpoints``: where the layer-input checkpoints go (config.py), decided at the first
+- ``segment_layers``, ``sub_segment_layers`` and ``device_checkpoints``: where the layer-input checkpoints go
+  (config.py), decided at the first
   training micro-batch, whose ``B x T`` sizes them (:func:`choose_checkpoints`), after ``gpu_optimizer_groups`` and
   before ``keep_layers="auto"`` measures what is left. Each checkpoint is the fp32 residual stream of one micro-batch
   (``4 * H * B * T`` bytes: 8 GiB for Llama-2-7B at 524,288 tokens), one per segment of recomputed layers, and the
@@ -37,8 +38,9 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   host memory, where they fit there (what the engine did before these options, and what short sequences get); else the
   last ones on the GPU, the fewest with which the rest fit the host (the GPU memory beyond them stays with
   ``keep_layers="auto"`` and the allocator's slack, not filled with checkpoints), where the planned peak holds them;
-  else the smallest segment length with which both fit (each replays ``k - 1`` layer forwards per ``k`` in backward),
-  again with the fewest on the GPU the host needs. Explicit ints are checked the same way. Nothing fitting is an error,
+  else the segments with which both fit that replay the fewest layer forwards in backward (flat ones replay ``k - 1``
+  per ``k``; nested ones, ``sub_segment_layers > 1``, more, and hold fewer inputs at once), again with the fewest
+  on the GPU the host needs. Explicit ints are checked the same way. Nothing fitting is an error,
   raised before the micro-batch allocates anything, with the bytes needed and free on the host and the GPU and the
   longest sequence that fits this machine at this micro-batch. This is also the host-memory check of the checkpoints:
   the setup preflight (engine/host_store.py, ``check_host_memory``, then ``check_host_bytes_to_come`` once the
@@ -120,7 +122,7 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: host_state=%r steps CompactAdamW on the host; the device "
                  "groups hold fp32 state)", config.host_state)
-    for name, value in (("segment_layers", 1), ("device_checkpoints", 0)):
+    for name, value in (("segment_layers", 1), ("device_checkpoints", 0), ("sub_segment_layers", 1)):
         if getattr(config, name) == "auto" and not on_cuda:
             changes[name] = value
             log.info("MegaTrain: %s=%d (auto: CPU compute device, layer inputs stay in host memory)", name, value)
@@ -257,10 +259,10 @@ def choose_checkpoints(
     chunked_loss: bool,
     gpu_bytes: int,
     host_bytes: int,
-) -> tuple[int, int, str]:
-    """``segment_layers`` and ``device_checkpoints`` for the first training micro-batch: ``(segment_layers,
-    device_checkpoints, why)``, ``"auto"`` decided and explicit ints checked (see [Note: auto placement]; the rule
-    and the memory it counts: planner/long_context.py).
+) -> tuple[int, int, int, str]:
+    """``segment_layers``, ``device_checkpoints`` and ``sub_segment_layers`` for the first training micro-batch:
+    ``(segment_layers, device_checkpoints, sub_segment_layers, why)``, ``"auto"`` decided and explicit ints checked
+    (see [Note: auto placement]; the rule and the memory it counts: planner/long_context.py).
 
     Call it on a CUDA compute device, once, at the first training micro-batch, before its forward: after
     ``gpu_optimizer_groups`` is decided (pass ``config`` with that int: the plan counts those groups' GPU memory) and
@@ -273,7 +275,8 @@ def choose_checkpoints(
         grad_accum: micro-batches per step; not in the decision (each checkpoint lives for one micro-batch and the
             pinned buffers are reused by the next), named in ``why``.
         config: the strategy's options after :func:`resolve`: ``seq_tile`` (its tiles lower the planned peak),
-            ``segment_layers``, ``device_checkpoints``, ``num_slots`` and ``gpu_optimizer_groups`` are read.
+            ``segment_layers``, ``sub_segment_layers``, ``device_checkpoints``, ``num_slots`` and
+            ``gpu_optimizer_groups`` are read.
         compute_dtype: ``torch.bfloat16`` plans bf16-mixed, anything else 32-true.
         chunked_loss: the loss runs chunked (models/hf_loss.py, models/loss.py), else the plan counts full logits.
         gpu_bytes: the device's total memory (``torch.cuda.mem_get_info(device)[1]``): the plan counts the slots,
@@ -286,9 +289,10 @@ def choose_checkpoints(
             ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
 
     Returns:
-        ``(segment_layers, device_checkpoints, why)``: ints for the engine (``device_checkpoints`` at most the
-        number of checkpoints), and the reason with the bytes. Where the planner cannot build the model from
-        ``hf_config``, the engine as before these options for ``"auto"`` (``1``, ``0``) and explicit ints as given,
+        ``(segment_layers, device_checkpoints, sub_segment_layers, why)``: ints for the engine
+        (``device_checkpoints`` at most the number of checkpoints), and the reason with the bytes. Where the planner
+        cannot build the model from ``hf_config``, the engine as before these options for ``"auto"`` (``1``, ``0``,
+        ``1``) and explicit ints as given,
         unchecked, with that reason.
 
     Raises:
@@ -298,6 +302,7 @@ def choose_checkpoints(
     """
     k = 1 if config.segment_layers == "auto" else config.segment_layers
     n = 0 if config.device_checkpoints == "auto" else config.device_checkpoints
+    m = 1 if config.sub_segment_layers == "auto" else config.sub_segment_layers
     try:
         placed, longest = place_checkpoints(
             hf_config,
@@ -309,7 +314,7 @@ def choose_checkpoints(
             config=config,
         )
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
-        return k, n, f"the planner cannot describe this model ({type(e).__name__}: {e}): placed unchecked"
+        return k, n, m, f"the planner cannot describe this model ({type(e).__name__}: {e}): placed unchecked"
     tokens = f"{micro_batch} x {seq_len} tokens"
     if not placed.fits:
         hint = (f"the longest sequence that fits this machine at micro-batch {micro_batch} is {longest:,} tokens"
@@ -317,8 +322,9 @@ def choose_checkpoints(
         raise RuntimeError(
             f"MegaTrainStrategy cannot place the first training micro-batch ({tokens}): {placed.why}. HINT: {hint} "
             f"(planned with seq_tile={config.seq_tile!r}, segment_layers={config.segment_layers!r}, "
+            f"sub_segment_layers={config.sub_segment_layers!r}, "
             f"device_checkpoints={config.device_checkpoints!r}; `megatrain plan --seq-len N` prints the placement); "
             "else shorten the sequences, lower the micro-batch, or use more host RAM or a larger GPU."
         )
     why = f"{placed.why}; planned for {tokens} x {grad_accum} micro-batches"
-    return placed.segment_layers, placed.device_checkpoints, why
+    return placed.segment_layers, placed.device_checkpoints, placed.sub_segment_layers, why

@@ -106,6 +106,7 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
         gpu_optimizer_groups=0,
         keep_layers=0 if config.keep_layers == "auto" else config.keep_layers,
         segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
+        sub_segment_layers=1 if config.sub_segment_layers == "auto" else config.sub_segment_layers,
     )
 
 

@@ -82,6 +82,9 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     add("--segment-layers", type=_auto_int(), default="auto", metavar="auto|K",
         help="as MegaTrainStrategy(segment_layers=K): one layer-input checkpoint per K recomputed layers "
         "(default auto)")
+    add("--sub-segment-layers", type=_auto_int(), default="auto", metavar="auto|M",
+        help="as MegaTrainStrategy(sub_segment_layers=M): nested recompute, a segment's replay keeps every M-th "
+        "input (1: flat; default auto)")
     add("--device-checkpoints", type=_auto_int(), default="auto", metavar="auto|N",
         help="as MegaTrainStrategy(device_checkpoints=N): the last N checkpoints stay on the GPU (default auto)")
     add("--host-state", choices=list(HOST_STATE_BYTES), default="fp32",
@@ -104,7 +107,7 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
                               update_during_backward=ns.update_during_backward,
                               gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers,
                               seq_tile=ns.seq_tile, segment_layers=ns.segment_layers,
-                              device_checkpoints=ns.device_checkpoints)
+                              sub_segment_layers=ns.sub_segment_layers, device_checkpoints=ns.device_checkpoints)
         machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
                           achieved_tflops=ns.tflops, nvlink_gbps=ns.nvlink_gbps, inter_host_gbps=ns.inter_host_gbps)
         kwargs = dict(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,

@@ -16,13 +16,17 @@ checkpoint there beyond the first), so the GPU memory left stays with ``keep_lay
 slack; else the smallest ``k`` that fits both (``P`` grows by ``S`` per replayed input held), each ``k`` again with
 ``n = 0`` first, then the fewest the host needs. (Filling the GPU instead planned Llama-3-8B at 262,144 tokens at
 138.2 of 139 GiB with 19 checkpoints on it where 1 was needed.) An explicit int is taken as given and checked.
-``seq_tile`` is not searched: engine/tiling.py's ``tile_length`` resolves it. Every layer is planned recomputed
-(``keep_layers=0``).
+Where no flat segment length fits, nested ones (``sub_segment_layers = m``, engine/segments.py: a segment's replay
+keeps every ``m``-th regenerated input, so it holds fewer at once and replays more): ``"auto"`` tries every
+``(k, m)`` in the order of the layer forwards they replay (memory.py ``replayed_forwards``), flat ones included, and
+takes the first that fits. ``seq_tile`` is not searched: engine/tiling.py's ``tile_length`` resolves it. Every
+layer is planned recomputed (``keep_layers=0``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +36,7 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.tiling import tile_length
 from lightning_megatrain.planner.constants import PRECISIONS
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes
+from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes, regenerated, replayed_forwards
 from lightning_megatrain.planner.shape import _Shape, describe
 
 # The longest-sequence search: multiples of this many positions, up to LONGEST_CAP.
@@ -46,6 +50,7 @@ class Placement:
 
     seq_tile: int | None  # positions per tile of the position-wise block; None: untiled
     segment_layers: int
+    sub_segment_layers: int  # 1: flat segments
     device_checkpoints: int  # at most ``checkpoints``
     checkpoints: int  # ceil(layers / segment_layers)
     checkpoint_bytes: int  # one: 4 * hidden * micro-batch * seq (fp32 residual stream)
@@ -68,18 +73,20 @@ def _size(nbytes: float) -> str:
 
 def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gkw: dict, host_free: int,
           gpu_limit: int) -> Placement:
-    """Decide ``segment_layers`` and ``device_checkpoints`` (``"auto"`` as the module docstring says; ints checked)
-    for one micro-batch of ``seq_len`` positions. ``gkw``: memory.py ``gpu_bytes``'s keyword arguments, without the
-    long-context ones. Never raises for a shape that fits nothing: ``fits`` is False and ``why`` has the numbers."""
+    """Decide ``segment_layers``, ``sub_segment_layers`` and ``device_checkpoints`` (``"auto"`` as the module
+    docstring says; ints checked) for one micro-batch of ``seq_len`` positions. ``gkw``: memory.py ``gpu_bytes``'s
+    keyword arguments, without the long-context ones. Never raises for a shape that fits nothing: ``fits`` is False
+    and ``why`` has the numbers."""
     tile = tile_length(config.seq_tile, seq_len)
     S, L = 4 * s.hidden * micro_batch * seq_len, len(s.layers)
-    peaks: dict[tuple[int, int], int] = {}
+    peaks: dict[tuple[int, int, int], int] = {}
 
-    def gpu(k: int, n: int) -> int:
-        if (k, n) not in peaks:
-            items, _ = gpu_bytes(s, micro_batch, seq_len, **gkw, tile=tile, segment=k, device_checkpoints=n)
-            peaks[k, n] = _gpu_peak(items)
-        return peaks[k, n]
+    def gpu(k: int, m: int, n: int) -> int:
+        key = (k, regenerated(L, k, m), n)  # the peak depends on the sub-segments only through what they hold
+        if key not in peaks:
+            items, _ = gpu_bytes(s, micro_batch, seq_len, **gkw, tile=tile, segment=k, device_checkpoints=n, sub=m)
+            peaks[key] = _gpu_peak(items)
+        return peaks[key]
 
     def host(k: int, n: int) -> int:
         return (checkpoints(s, k) - n) * S
@@ -89,22 +96,24 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
         C = checkpoints(s, k)
         return min(C, max(0, C - host_free // S))
 
-    def result(k: int, n: int, fits: bool, why: str) -> Placement:
-        return Placement(seq_tile=tile, segment_layers=k, device_checkpoints=n, checkpoints=checkpoints(s, k),
-                         checkpoint_bytes=S, host_need=host(k, n), host_free=host_free, gpu_peak=gpu(k, n),
-                         gpu_limit=gpu_limit, fits=fits, why=why)
+    def result(k: int, m: int, n: int, fits: bool, why: str) -> Placement:
+        return Placement(seq_tile=tile, segment_layers=k, sub_segment_layers=m, device_checkpoints=n,
+                         checkpoints=checkpoints(s, k), checkpoint_bytes=S, host_need=host(k, n),
+                         host_free=host_free, gpu_peak=gpu(k, m, n), gpu_limit=gpu_limit, fits=fits, why=why)
 
     auto_k, auto_n = config.segment_layers == "auto", config.device_checkpoints == "auto"
+    auto_m = config.sub_segment_layers == "auto"
     each = f"of {_size(S)} (4 B x hidden {s.hidden} x {micro_batch} x {seq_len:,} tokens)"
     free = f"{_size(host_free)} of pinned host memory free"
 
     def offloaded(k: int, n: int) -> str:
         return f"{checkpoints(s, k) - n} offloaded ({_size(host(k, n))} of {_size(host_free)} free)"
 
-    closest: tuple[int, int, int] | None = None  # (larger shortfall, k, n) of the candidate nearest to fitting
-    for k in range(1, L + 1) if auto_k else [config.segment_layers]:
+    closest: tuple[int, int, int, int] | None = None  # (larger shortfall, k, m, n) of the one nearest to fitting
+    given_k = None if auto_k else config.segment_layers
+    for replays, k, m in _candidates(L, given_k, None if auto_m else config.sub_segment_layers):
         C = checkpoints(s, k)
-        if auto_n and host(k, 0) <= host_free and gpu(k, 0) <= gpu_limit:
+        if auto_n and host(k, 0) <= host_free and gpu(k, m, 0) <= gpu_limit:
             n, why = 0, f"all {_count(C)} {each} fit pinned host memory: {offloaded(k, 0)}"
         elif auto_n:
             n = fewest_on_gpu(k)
@@ -113,25 +122,24 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
         else:
             n = min(config.device_checkpoints, C)
             why = f"{_count(C)} {each}: {n} on the GPU as given, {offloaded(k, n)}"
-        if n >= 0 and host(k, n) <= host_free and gpu(k, n) <= gpu_limit:
-            if k > 1 and auto_k:
-                replayed = f"{k - 1} layer forward{'s' if k > 2 else ''} replayed per {k}"
+        if host(k, n) <= host_free and gpu(k, m, n) <= gpu_limit:
+            if k > 1 and (auto_k or auto_m):
                 on_gpu = "the fewest on the GPU" if auto_n else f"device_checkpoints={config.device_checkpoints}"
-                why = f"one checkpoint per layer does not fit with {on_gpu}; segments of {k} layers ({replayed}): {why}"
-            return result(k, n, True, why)
-        miss = max(host(k, n) - host_free, gpu(k, n) - gpu_limit)  # the larger shortfall, in bytes
+                nested = (f", nested in sub-segments of {m} ({regenerated(L, k, m)} regenerated inputs held at once "
+                          f"instead of {k - 1})" if m > 1 and m < k else "")
+                why = (f"one checkpoint per layer does not fit with {on_gpu}; segments of {k} layers{nested}, "
+                       f"{replays} layer forwards replayed per micro-batch: {why}")
+            return result(k, m, n, True, why)
+        miss = max(host(k, n) - host_free, gpu(k, m, n) - gpu_limit)  # the larger shortfall, in bytes
         if closest is None or miss < closest[0]:
-            closest = (miss, k, n)
-        # longer segments hold more replayed inputs: the peak at a given n only rises with k. Under "auto" the
-        # lowest peak of a k is at n = 0 (the fewest the host needs fall as k grows, so a k whose fewest overflow the
-        # GPU does not end the search)
-        if gpu(k, 0 if auto_n else n) > gpu_limit:
-            break
+            closest = (miss, k, m, n)
     # nothing fits: the numbers of the floor (one checkpoint per layer, none on the GPU) and of the closest candidate
     k0 = 1 if auto_k else config.segment_layers
+    m0 = 1 if auto_m else config.sub_segment_layers
     n0 = 0 if auto_n else min(config.device_checkpoints, checkpoints(s, k0))
-    given = "" if auto_k and auto_n else f" with segment_layers={config.segment_layers!r}, device_checkpoints=" \
-        f"{config.device_checkpoints!r}"
+    given = "" if auto_k and auto_n and auto_m else (
+        f" with segment_layers={config.segment_layers!r}, sub_segment_layers={config.sub_segment_layers!r}, "
+        f"device_checkpoints={config.device_checkpoints!r}")
     lines = [f"the layer-input checkpoints of micro-batch {micro_batch} x {seq_len:,} tokens fit neither host nor "
              f"GPU{given}: {checkpoints(s, k0)} {each}, {_size(host(k0, 0))} in all; the host holds "
              f"{max(host_free, 0) // S} ({free})"]
@@ -139,20 +147,39 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
         lines[0] = (f"no host memory is left for the layer-input checkpoints of micro-batch {micro_batch} x "
                     f"{seq_len:,} tokens ({_count(checkpoints(s, k0))} {each}): what else it holds already exceeds "
                     f"it by {_size(-host_free)}")
-    elif gpu(k0, n0) > gpu_limit:
-        lines.append(f"the GPU peak is {_size(gpu(k0, n0))} of {_size(gpu_limit)} at segment_layers={k0}, "
+    elif gpu(k0, m0, n0) > gpu_limit:
+        lines.append(f"the GPU peak is {_size(gpu(k0, m0, n0))} of {_size(gpu_limit)} at segment_layers={k0}, "
                      f"device_checkpoints={n0}, and longer segments or more checkpoints on the GPU only raise it")
     else:
-        spare = gpu_limit - gpu(k0, n0)
-        lines.append(f"the GPU's {_size(gpu_limit)} leave {_size(spare)} beside its {_size(gpu(k0, n0))} peak: "
+        spare = gpu_limit - gpu(k0, m0, n0)
+        lines.append(f"the GPU's {_size(gpu_limit)} leave {_size(spare)} beside its {_size(gpu(k0, m0, n0))} peak: "
                      f"{spare // S} more inputs; segments of k layers leave ceil({L}/k) - n checkpoints on the "
-                     "host and put k - 1 replayed inputs and all but one of the n device checkpoints on the GPU")
+                     "host and put the inputs a segment regenerates (k - 1, fewer in sub-segments) and all but one "
+                     "of the n device checkpoints on the GPU")
         if closest is not None and (auto_k or auto_n):
-            _, k, n = closest
-            lines.append(f"the closest, segment_layers={k} with device_checkpoints={n}, needs {_size(host(k, n))} "
-                         f"of host and a GPU peak of {_size(gpu(k, n))}")
+            _, k, m, n = closest
+            lines.append(f"the closest, segment_layers={k}, sub_segment_layers={m} with device_checkpoints={n}, "
+                         f"needs {_size(host(k, n))} of host and a GPU peak of {_size(gpu(k, m, n))}")
     tiled = f"seq_tile={tile}" if tile is not None else "untiled (seq_tile=None)"
-    return result(k0, n0, False, "; ".join(lines) + f" ({tiled})")
+    return result(k0, m0, n0, False, "; ".join(lines) + f" ({tiled})")
+
+
+@functools.cache
+def _candidates(L: int, k: int | None, m: int | None) -> tuple[tuple[int, int, int], ...]:
+    """``(replayed forwards, segment_layers, sub_segment_layers)`` for ``L`` recomputed layers in the order
+    :func:`place` tries them: every ``k`` (or the given one) with every ``m`` (or the given one), fewest replays first
+    (flat before nested at equal cost). Left out: any that another candidate beats on all three of replays, inputs
+    held at once and checkpoints (the GPU peak and host need rise with the last two), which cannot fit where that
+    one does not."""
+    every = []
+    for k_ in range(1, L + 1) if k is None else [k]:
+        for m_ in [1, *range(2, k_)] if m is None else [m]:
+            every.append((replayed_forwards(L, k_, m_), regenerated(L, k_, m_), -(-L // k_), k_, m_))
+    kept = [c for c in every
+            if not any(o[:3] != c[:3] and all(a <= b for a, b in zip(o[:3], c[:3])) for o in every)]
+    # at equal replays, inputs held and checkpoints, the shortest segments, flat first: one of each
+    unique = {c[:3]: c for c in sorted(kept, key=lambda c: (c[:3], c[3], c[4]))[::-1]}
+    return tuple(sorted((r, k_, m_) for r, _, _, k_, m_ in unique.values()))
 
 
 def longest_seq_len(fits: Callable[[int], bool], step: int = SEQ_STEP, cap: int = LONGEST_CAP) -> int:
@@ -215,12 +242,13 @@ def planned_placement(s: _Shape, micro_batch: int, seq_len: int, config: EngineC
     tables show what that needs, explicit values as given. Without offload every checkpoint stays on the GPU."""
     placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free if offload else 1 << 62,
                    gpu_limit=gpu_limit)
+    m = 1 if config.sub_segment_layers == "auto" else config.sub_segment_layers
     if not offload:
         k = 1 if config.segment_layers == "auto" else config.segment_layers
-        return dataclasses.replace(placed, segment_layers=k, device_checkpoints=0, host_need=0,
+        return dataclasses.replace(placed, segment_layers=k, sub_segment_layers=m, device_checkpoints=0, host_need=0,
                                    why="no activation offload: every checkpoint stays on the GPU")
     if placed.fits:
         return placed
     return dataclasses.replace(placed, segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
-                               device_checkpoints=0 if config.device_checkpoints == "auto"
+                               sub_segment_layers=m, device_checkpoints=0 if config.device_checkpoints == "auto"
                                else config.device_checkpoints)

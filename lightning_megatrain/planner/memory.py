@@ -46,6 +46,7 @@ from lightning_megatrain._hardware import GIB
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_RESERVE_BYTES as SNAPSHOT_RESERVE
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
+from lightning_megatrain.engine.segments import replay_schedule
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import OPTIMIZERS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _LinearAttn, _Shape
@@ -205,6 +206,20 @@ def _gpu_peak(gpu: dict[str, int]) -> int:
     return persistent + max(backward, loss)
 
 
+def regenerated(L: int, segment: int, sub: int = 1) -> int:
+    """The most regenerated layer inputs a segment holds at once in backward (its checkpoint aside), for ``L``
+    recomputed layers: ``segment - 1`` flat, fewer nested with sub-segments of ``sub`` (engine/segments.py's
+    ``replay_schedule``, [Note: recompute segments]); the segments are ``segment`` layers each, the last what is
+    left."""
+    return max(replay_schedule(min(segment, L - first), sub)[0] for first in range(0, L, segment))
+
+
+def replayed_forwards(L: int, segment: int, sub: int = 1) -> int:
+    """Layer forwards the backward of ``L`` recomputed layers replays: ``L - ceil(L / segment)`` flat, more
+    nested."""
+    return sum(sum(map(len, replay_schedule(min(segment, L - first), sub)[1])) for first in range(0, L, segment))
+
+
 def checkpoints(s: _Shape, segment: int) -> int:
     """Layer-input checkpoints per micro-batch: one per segment of ``segment`` recomputed layers (every layer is
     planned recomputed, ``keep_layers=0``)."""
@@ -213,16 +228,17 @@ def checkpoints(s: _Shape, segment: int) -> int:
 
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
               num_slots: int, reserve_gib: float, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
-              device_checkpoints: int = 0) -> tuple[dict[str, int], tuple[float, float]]:
+              device_checkpoints: int = 0, sub: int = 1) -> tuple[dict[str, int], tuple[float, float]]:
     """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token.
 
     Long context (engine/tiling.py, [Note: recompute segments]; each item appears only where it is not zero):
     ``tile`` positions per tile of the position-wise block (:func:`_tiled`); ``segment`` recomputed layers per
     checkpoint: backward replays a segment's forward from its checkpoint and holds the ``segment - 1`` regenerated
-    layer inputs while the segment's layers run backward; the last ``device_checkpoints`` checkpoints (at most
-    :func:`checkpoints`) stay on the GPU. The backward then starts from the top one, which needs no restore, so the
-    stream it would have been restored into is not needed: saved layer inputs are one stream plus the checkpoints
-    (the same peak for one checkpoint on the GPU as for none)."""
+    layer inputs while the segment's layers run backward (fewer with sub-segments of ``sub``: :func:`regenerated`);
+    the last ``device_checkpoints`` checkpoints (at most :func:`checkpoints`) stay on the GPU. The backward then
+    starts from the top one, which needs no restore, so the stream it would have been restored into is not needed:
+    saved layer inputs are one stream plus the checkpoints (the same peak for one checkpoint on the GPU as for
+    none)."""
     tokens, H, V = micro_batch * seq_len, s.hidden, s.vocab
     max_layer = max(layer.numel for layer in s.layers)
     act = max((layer_activation(s, layer, seq_len, c, tile) for layer in s.layers), key=sum)
@@ -247,7 +263,8 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
         **({"layer-input checkpoints on the GPU": on_gpu * stream} if on_gpu else {}),
         "runtime reserve": int(reserve_gib * GIB),
         "phase backward: one layer's activations": int(sum(act) * tokens),
-        **({"phase backward: the segment's regenerated inputs": (segment - 1) * stream} if segment > 1 else {}),
+        **({"phase backward: the segment's regenerated inputs": regenerated(len(s.layers), segment, sub) * stream}
+           if segment > 1 else {}),
         # autograd's per-parameter grads + the torch.cat pack + its fp32 cast (direct D2H into the host grads)
         "phase backward: one layer's weight grads": max_layer * (2 * c + (4 if c < 4 else 0)),
         # final norm saves 8H, its output 4H, dL/dh kept in ctx 4H (+ its scaled copy in backward)

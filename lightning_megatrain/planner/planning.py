@@ -321,9 +321,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     placed = planned_placement(s, micro_batch, seq_len, config, gkw, host_free, gpu_limit - sum(gpu_extra.values()),
                                offload_activations)
     long_kw = {"segment": placed.segment_layers, "device_checkpoints": placed.device_checkpoints}
-    gkw.update(tile=placed.seq_tile, **long_kw)
+    gkw.update(tile=placed.seq_tile, sub=placed.sub_segment_layers, **long_kw)
     hkw.update(long_kw)
-    tkw.update(tile=placed.seq_tile, **long_kw)
+    tkw.update(tile=placed.seq_tile, sub=placed.sub_segment_layers, **long_kw)
     gpu, act = gpu_bytes(s, micro_batch, seq_len, **gkw)
     gpu = {**gpu, **gpu_extra} if gpu_extra else gpu
     host = host_of(micro_batch)
@@ -376,12 +376,14 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                      "optimizer_overlaps_gpu": overlap, "pinned_pow2_rounding": m.pinned_pow2_rounding,
                      "gpu_optimizer_groups": groups, "compile_layers": config.compile_layers,
                      **({"layers_updated_during_backward": speculated} if overlap and speculating else {})})
-    requested = {k: getattr(config, k) for k in ("seq_tile", "segment_layers", "device_checkpoints")}
+    requested = {k: getattr(config, k) for k in ("seq_tile", "segment_layers", "sub_segment_layers",
+                                                 "device_checkpoints")}
     if (seq_len > AUTO_MIN_POSITIONS or placed.seq_tile is not None or placed.segment_layers > 1
             or placed.device_checkpoints > 0 or any(v != "auto" for v in requested.values())):
-        base = {k: v for k, v in gkw.items() if k not in ("tile", "segment", "device_checkpoints")}
+        base = {k: v for k, v in gkw.items() if k not in ("tile", "segment", "device_checkpoints", "sub")}
         p.long_context = {
             "requested": requested, "seq_tile": placed.seq_tile, "segment_layers": placed.segment_layers,
+            "sub_segment_layers": placed.sub_segment_layers,
             "device_checkpoints": placed.device_checkpoints, "checkpoints": checkpoints(s, placed.segment_layers),
             "checkpoint_bytes": placed.checkpoint_bytes, "checkpoints_host_bytes": host["activation offload"],
             "host_free_for_checkpoints": host_free, "fits": placed.fits, "why": placed.why,

@@ -98,7 +98,8 @@ def _long_context_lines(p: Plan) -> list[str]:
     longest = lc["longest_seq_len"]
     return [
         "", f"  Long context ({asked})",
-        f"    seq_tile: {tile}; segment_layers {lc['segment_layers']}; device_checkpoints {lc['device_checkpoints']}",
+        f"    seq_tile: {tile}; segment_layers {lc['segment_layers']}; sub_segment_layers "
+        f"{lc['sub_segment_layers']}; device_checkpoints {lc['device_checkpoints']}",
         (f"    layer-input checkpoints: {lc['checkpoints']} x {g(lc['checkpoint_bytes'])}: "
          + (f"{lc['device_checkpoints']} on the GPU, {lc['checkpoints'] - lc['device_checkpoints']} in pinned host "
             f"memory ({g(lc['checkpoints_host_bytes'])})" if p.offload_activations else "all on the GPU (no offload)")),

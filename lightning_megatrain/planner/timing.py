@@ -17,7 +17,8 @@ one 7B layer at 131,072 tokens on the H200 ran 517 (forward) and 463 (recompute 
 causal flash attention alone 556 and 463 (benchmarks/results/2026-12-01-planner-long-context-h200.json), against
 ACHIEVED_TFLOPS = 450.
 
-Long context (``step_time``'s docstring): segments replay ``L - ceil(L/k)`` layer forwards per micro-batch, a tiled
+Long context (``step_time``'s docstring): segments replay ``L - ceil(L/k)`` layer forwards per micro-batch (more
+nested: memory.py ``replayed_forwards``), a tiled
 position-wise block runs its forward once more (2 * ``mlp_active`` per token and layer), and so do the attention's
 input projections where the norm before them is folded into their tiles (2 * ``folded_attn_params``).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
+from lightning_megatrain.engine.segments import replay_schedule
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
 
@@ -83,7 +85,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
               overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
               device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4,
               ranks: RankTiming | None = None, speculated_layers: int = 0,
-              copy_gbps: float = HOST_COPY_GBPS) -> dict[str, float]:
+              copy_gbps: float = HOST_COPY_GBPS, sub: int = 1) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
     when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
@@ -93,8 +95,9 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     once more in backward (``2 * mlp_active`` FLOPs per token, + ``2 * folded_attn_params`` for projections tiled with
     the norm before attention, engine/folded_norms.py; the norm's own passes are memory-bound, not counted); a
     segment's last layer first replays the forward of the segment's other layers (attention included), each
-    uploading its weights once more; only checkpoints move over PCIe, and only those not kept on the GPU (the last
-    ``device_checkpoints``).
+    uploading its weights once more (nested, ``sub`` > 1: each lower sub-segment's last layer replays its
+    sub-segment again, engine/segments.py's ``replay_schedule``); only checkpoints move over PCIe, and only those not
+    kept on the GPU (the last ``device_checkpoints``).
 
     ``weight_bytes`` and ``grad_bytes``: bytes per parameter of the host masters each upload reads and of the host
     grads each drain writes (4 for fp32; 2 for the bf16 weights and grads of a compact ``host_state``, which the GPU
@@ -118,10 +121,10 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)
     firsts = list(range(0, L, segment))  # the layers whose input is a checkpoint
-    replays: list[list[int]] = [[] for _ in range(L)]  # at a segment's last layer: the others, replayed first
+    replays: list[list[int]] = [[] for _ in range(L)]  # per layer: the layers replayed just before its backward
     for first in firsts:
-        last = min(first + segment, L) - 1
-        replays[last] = list(range(first, last))
+        for i, replayed in enumerate(replay_schedule(min(segment, L - first), sub)[1]):
+            replays[first + i] = [first + j for j in replayed]
     bwd = [b + sum(fwd[j] for j in r) for b, r in zip(bwd, replays)]
     wb, gb = weight_bytes, grad_bytes
     up = [wb * ly.numel / (h2d * 1e9) for ly in s.layers]  # host masters stream and are cast on the GPU

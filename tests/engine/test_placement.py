@@ -128,8 +128,8 @@ def _checkpoints(shape, seq_len, gpu_gib, host_gib, **options):
 
 
 def test_auto_checkpoints_one_per_layer_on_the_host_where_they_fit():
-    k, n, why = _checkpoints(LLAMA_3B, 4096, 139, 50)
-    assert (k, n) == (1, 0)
+    k, n, m, why = _checkpoints(LLAMA_3B, 4096, 139, 50)
+    assert (k, n, m) == (1, 0, 1)
     assert why == ("all 28 layer-input checkpoints of 48.0 MiB (4 B x hidden 3072 x 1 x 4,096 tokens) fit pinned "
                    "host memory: 28 offloaded (1.3 GiB of 50.0 GiB free); planned for 1 x 4096 tokens x 2 "
                    "micro-batches")
@@ -139,7 +139,7 @@ def test_auto_checkpoints_go_to_the_gpu_when_the_host_is_short():
     # 28 x 3 GiB do not fit 60 GiB: the fewest on the GPU with which the rest fit the host, 8, on 139 GiB and 110 alike
     # (as many as fit beside the planned peak put all 28 there on 139 GiB, 22 on 110)
     for gpu_gib in (139, 110):
-        k, n, why = _checkpoints(LLAMA_3B, 262_144, gpu_gib, 60)
+        k, n, _, why = _checkpoints(LLAMA_3B, 262_144, gpu_gib, 60)
         assert (k, n) == (1, 8)
         assert ("exceed the 60.0 GiB of pinned host memory free: the last 8 stay on the GPU, the fewest the host "
                 "needs; 20 offloaded (60.0 GiB of 60.0 GiB free)") in why
@@ -150,26 +150,33 @@ def test_auto_checkpoints_go_to_the_gpu_when_the_host_is_short():
 
 
 def test_auto_checkpoints_take_segments_when_neither_holds_one_per_layer():
-    k, n, why = _checkpoints(LLAMA_7B, 262_144, 141, 20.5)
-    assert (k, n) == (2, 11)  # 5 of the 16 on the host, the rest on the GPU (all 16 before)
+    k, n, m, why = _checkpoints(LLAMA_7B, 262_144, 141, 20.5)
+    assert (k, n, m) == (2, 11, 1)  # 5 of the 16 on the host, the rest on the GPU (all 16 before)
     assert why.startswith("one checkpoint per layer does not fit with the fewest on the GPU; segments of 2 layers")
-    # the longest (445,440 and (4, 5) with the norm before attention untiled, 404,480 with neither norm folded)
-    assert _checkpoints(LLAMA_7B, 479_232, 141, 20.5)[:2] == (4, 6)
+    # the longest flat (445,440 and (4, 5) with the norm before attention untiled, 404,480 with neither norm folded)
+    assert _checkpoints(LLAMA_7B, 479_232, 141, 20.5)[:3] == (4, 6, 1)
+    # past it, nested: segments of 6 layers in sub-segments of 2 hold 3 regenerated inputs at once, not 5
+    k, n, m, why = _checkpoints(LLAMA_7B, 524_288, 141, 20.5)
+    assert (k, n, m) == (6, 4, 2) and "nested in sub-segments of 2" in why
 
 
 def test_explicit_checkpoint_options_are_checked():
     assert _checkpoints(LLAMA_7B, 404_480, 141, 20.5, segment_layers=4, device_checkpoints=5)[:2] == (4, 5)
     assert _checkpoints(LLAMA_7B, 131_072, 141, 20.5, segment_layers=32, device_checkpoints=100)[:2] == (32, 1)
     assert _checkpoints(LLAMA_7B, 131_072, 141, 20.5, device_checkpoints=3)[:2] == (3, 3)
-    with pytest.raises(RuntimeError, match=r"fit neither host nor GPU with segment_layers=4, device_checkpoints=0: "
-                       r"8 of 6\.2 GiB .*HINT: the longest sequence that fits this machine at micro-batch 1 is "
-                       r"167,936 tokens \(planned with seq_tile='auto', segment_layers=4, device_checkpoints=0"):
+    assert _checkpoints(LLAMA_7B, 524_288, 141, 20.5, segment_layers=8, sub_segment_layers=3,
+                        device_checkpoints=2)[:3] == (8, 2, 3)
+    with pytest.raises(RuntimeError, match=r"fit neither host nor GPU with segment_layers=4, "
+                       r"sub_segment_layers='auto', device_checkpoints=0: 8 of 6\.2 GiB .*HINT: the longest "
+                       r"sequence that fits this machine at micro-batch 1 is 167,936 tokens \(planned with "
+                       r"seq_tile='auto', segment_layers=4, "
+                       r"sub_segment_layers='auto', device_checkpoints=0"):
         _checkpoints(LLAMA_7B, 404_480, 141, 20.5, segment_layers=4, device_checkpoints=0)
 
 
 def test_no_checkpoint_placement_fits_raises_with_the_numbers():
     with pytest.raises(RuntimeError) as error:
-        _checkpoints(LLAMA_7B, 524_288, 141, 20.5)
+        _checkpoints(LLAMA_7B, 524_288, 141, 20.5, sub_segment_layers=1)  # flat segments only
     text = str(error.value)
     for part in ("MegaTrainStrategy cannot place the first training micro-batch (1 x 524288 tokens)",
                  "32 of 8.0 GiB (4 B x hidden 4096 x 1 x 524,288 tokens), 256.0 GiB in all",
@@ -184,16 +191,16 @@ def test_no_checkpoint_placement_fits_raises_with_the_numbers():
 def test_checkpoints_unchecked_where_the_planner_cannot_build_the_model():
     from transformers import T5Config
 
-    k, n, why = placement.choose_checkpoints(T5Config(), 1, 4096, 1, config=EngineConfig(device_checkpoints=2),
+    k, n, m, why = placement.choose_checkpoints(T5Config(), 1, 4096, 1, config=EngineConfig(device_checkpoints=2),
                                              compute_dtype=torch.bfloat16, chunked_loss=True, gpu_bytes=139 * GIB,
                                              host_bytes=100 * GIB)
-    assert (k, n) == (1, 2) and why.startswith("the planner cannot describe this model (ValueError")
+    assert (k, n, m) == (1, 2, 1) and why.startswith("the planner cannot describe this model (ValueError")
 
 
 def test_checkpoint_options_resolve_on_a_cpu_compute_device(caplog):
     with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
         cpu = placement.resolve(EngineConfig(), torch.device("cpu"))
-    assert (cpu.segment_layers, cpu.device_checkpoints, cpu.seq_tile) == (1, 0, "auto")
+    assert (cpu.segment_layers, cpu.device_checkpoints, cpu.sub_segment_layers, cpu.seq_tile) == (1, 0, 1, "auto")
     assert "segment_layers=1 (auto: CPU compute device, layer inputs stay in host memory)" in caplog.text
     assert placement.resolve(EngineConfig(segment_layers=3), torch.device("cpu")).segment_layers == 3
     cuda = placement.resolve(EngineConfig(), CUDA)
@@ -216,14 +223,15 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
     calls = []
 
     def choose(hf_config, micro_batch, seq_len, grad_accum, *, config, **kwargs):
-        calls.append((micro_batch, seq_len, config.segment_layers, config.device_checkpoints))
-        return 2, 1, "stub"
+        calls.append((micro_batch, seq_len, config.segment_layers, config.device_checkpoints,
+                      config.sub_segment_layers))
+        return 2, 1, 3, "stub"
 
     monkeypatch.setattr(first_batch, "choose_checkpoints", choose)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))
     resolve = engine_module.resolve  # as on a GPU: a CPU compute device resolves them to 1 and 0
     monkeypatch.setattr(engine_module, "resolve", lambda config, device: resolve(config, device).replace(
-        segment_layers="auto", device_checkpoints="auto"))
+        segment_layers="auto", device_checkpoints="auto", sub_segment_layers="auto"))
 
     class Drive(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -233,12 +241,13 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
             engine.place_checkpoints(first, 1, trainer.strategy.optimizers, True)
             self.outgrown = [engine.checkpoints_outgrown(b) for b in (short, first, longer)]
             engine.place_checkpoints(longer, 1, trainer.strategy.optimizers, True)
-            self.segments = (engine.streamed.segments.layers, engine.streamed.segments.device_checkpoints)
+            segments = engine.streamed.segments
+            self.segments = (segments.layers, segments.device_checkpoints, segments.sub)
 
     drive = Drive()
     cpu_trainer(strategy=MegaTrainStrategy(cpu_adam="torch"), max_steps=1, callbacks=[drive]).fit(
         ParityLM("llama_tied"), torch.utils.data.DataLoader(make_data()[:2], batch_size=2)
     )
     assert drive.outgrown == [False, False, True]
-    assert calls == [(2, 16, "auto", "auto"), (2, 32, "auto", "auto")]
-    assert drive.segments == (2, 1)
+    assert calls == [(2, 16, "auto", "auto", "auto"), (2, 32, "auto", "auto", "auto")]
+    assert drive.segments == (2, 1, 3)

@@ -98,3 +98,72 @@ def test_segments_are_let_go_after_backward():
     run(MegaTrainStrategy(cpu_adam="torch", keep_layers=0, segment_layers=2), "llama_tied", steps=1,
         callbacks=[check])
     assert check.held == {}
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3_moe"])
+def test_nested_segments_match_flat_ones_bitwise_and_plain_lightning(family, replays):
+    """Segments of 3 in sub-segments of 2: the replay toward layer 2 keeps only its input (a sub-checkpoint), so
+    layer 1's input is replayed again from the checkpoint: layer 0 replays twice per micro-batch, layer 1 once.
+    The replays regenerate the forward's inputs bitwise, so everything equals flat segments' to the bit, and plain
+    Lightning's within fp32 re-association (accumulation, clipping that fires)."""
+    kw = {"steps": 2, "accumulate": 2, "clip": 0.05}
+    reference = run("auto", family, optimizer="adamw_fused", **kw)
+    flat = run(MegaTrainStrategy(cpu_adam="torch", keep_layers=0, segment_layers=3, sub_segment_layers=1), family,
+               **kw)
+    assert replays == {0: 4, 1: 4}, replays
+    replays.clear()
+    nested = run(MegaTrainStrategy(cpu_adam="torch", keep_layers=0, segment_layers=3, sub_segment_layers=2), family,
+                 **kw)
+    assert replays == {0: 8, 1: 4}, replays  # 2 steps x 2 micro-batches
+    assert nested.losses == flat.losses
+    for name, p in flat.params.items():
+        assert torch.equal(p, nested.params[name]), name
+    for step, grads in enumerate(flat.grads):
+        for name, g in grads.items():
+            assert torch.equal(g, nested.grads[step][name]), (step, name)
+    assert_records_close(nested, reference, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("k", "sub"), [(8, 1), (8, 3), (8, 2), (16, 4), (11, 3), (5, 7)])
+def test_nested_replay_runs_and_holds_what_the_schedule_says(k, sub):
+    """Segment.input directly, on a stand-in layer (x -> x + 1): the layers replayed before each layer's backward and
+    the most regenerated inputs held at once are replay_schedule's (which the planner reads), and each layer gets
+    its own input."""
+
+    class Transfer:
+        device = torch.device("cpu")
+
+        def unstash(self, handle):
+            return handle.clone()
+
+    from torch.utils import _pytree as pytree
+
+    _, spec = pytree.tree_flatten(((torch.zeros(1),), {}))
+    state = (torch.get_rng_state(), None), (False, torch.bfloat16)
+    segment = segments_module.Segment(0, torch.zeros(1), sub)
+    segment.records = [segments_module.LayerRecord(i, spec, [None], 0, *state) for i in range(k)]
+    ran: list[int] = []
+
+    def layer(i, args, kwargs):
+        ran.append(i)
+        return args[0] + 1
+
+    peak, schedule = segments_module.replay_schedule(k, sub)
+    held = 0
+    for target in reversed(range(k)):
+        ran.clear()
+        x = segment.input(target, Transfer(), layer)
+        assert ran == list(schedule[target]), (target, ran)
+        assert float(x) == target  # the checkpoint (0) plus one per layer below
+        if target:  # what the segment still holds besides its checkpoint, and this layer's input
+            held = max(held, 1 + sum(j != 0 for j in segment.inputs))
+    assert held == peak
+    assert segment.inputs == {}
+
+
+def test_schedule_of_nested_segments():
+    # flat: the segment's last layer replays the others, held at once; nested: fewer held, more replayed
+    assert segments_module.replay_schedule(8, 1) == (7, ((),) * 7 + (tuple(range(7)),))
+    peak, replays = segments_module.replay_schedule(8, 3)
+    assert peak == 3 and replays == ((), (), (0, 1), (), (), (3, 4), (), tuple(range(7)))
+    assert [segments_module.replay_schedule(16, m)[0] for m in (1, 2, 3, 4, 5, 15, 16)] == [15, 8, 6, 6, 6, 14, 15]

@@ -150,11 +150,19 @@ def test_place_decides_auto_in_order(s7):
     p = _place(s7, 262_144, 20.5)
     assert (p.segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (2, 11, 16, True)  # was 16 of 16
     assert p.host_need == 5 * 4 * GIB and round(p.gpu_peak / GIB, 2) == 92.88  # all 16 on the GPU: 112.88
-    assert "does not fit with the fewest on the GPU; segments of 2 layers (1 layer forward replayed per 2)" in p.why
-    # where the host holds only what the GPU leaves room for, the fewest are also as many as fit (the longest)
+    assert "does not fit with the fewest on the GPU; segments of 2 layers, 16 layer forwards replayed per " in p.why
+    # where the host holds only what the GPU leaves room for, the fewest are also as many as fit (the longest flat
+    # one); nested segments fit too, but replay more (36 layer forwards against 24): the flat ones are taken
     p = _place(s7, 479_232, 20.5)
-    assert (p.segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (4, 6, 8, True)
+    assert (p.segment_layers, p.sub_segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (4, 1, 6, 8, True)
     assert p.gpu_peak <= p.gpu_limit and p.host_need <= p.host_free
+    # no flat placement fits: nested segments. 6 of 6 layers hold 3 regenerated inputs of 8 GiB at once, not 5; the
+    # host holds 2 of the 6 checkpoints, the GPU the last 4 (the peak 137.2 GiB: flat, the closest needed 153.2)
+    p = _place(s7, 524_288, 20.5)
+    assert (p.segment_layers, p.sub_segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (6, 2, 4, 6, True)
+    assert round(p.gpu_peak / GIB, 2) == 137.16 and p.host_need == 2 * 8 * GIB
+    assert ("segments of 6 layers, nested in sub-segments of 2 (3 regenerated inputs held at once instead of 5), 36 "
+            "layer forwards replayed per micro-batch" in p.why)
 
 
 def test_place_checks_explicit_values(s7):
@@ -165,12 +173,12 @@ def test_place_checks_explicit_values(s7):
     p = _place(s7, 131_072, 20.5, device_checkpoints=3)  # the smallest segment length with 3 on the GPU
     assert (p.segment_layers, p.device_checkpoints, p.fits) == (3, 3, True)
     p = _place(s7, 404_480, 20.5, segment_layers=4, device_checkpoints=0)
-    assert not p.fits and "with segment_layers=4, device_checkpoints=0: 8 of 6.2 GiB" in p.why
+    assert not p.fits and "with segment_layers=4, sub_segment_layers='auto', device_checkpoints=0: 8 of 6.2" in p.why
     assert "the host holds 3 (20.5 GiB of pinned host memory free)" in p.why and "closest" not in p.why
 
 
 def test_place_says_why_nothing_fits(s7):
-    p = _place(s7, 524_288, 20.5)
+    p = _place(s7, 524_288, 20.5, sub_segment_layers=1)  # flat segments only
     assert not p.fits and (p.segment_layers, p.device_checkpoints) == (1, 0)
     # the closest: the candidate with the smallest larger shortfall, here the GPU's 12.2 GiB at segments of 4 with 6
     # on the GPU (the last searched: longer ones overflow the GPU with none on it); the old rule's closest, segments
@@ -178,9 +186,12 @@ def test_place_says_why_nothing_fits(s7):
     for text in ("micro-batch 1 x 524,288 tokens fit neither host nor GPU", "32 of 8.0 GiB", "256.0 GiB in all",
                  "the host holds 2 (20.5 GiB of pinned host memory free)",
                  "the GPU's 141.0 GiB leave 51.8 GiB beside its 89.2 GiB peak: 6 more inputs",
-                 "the closest, segment_layers=4 with device_checkpoints=6, needs 16.0 GiB of host and a GPU peak of "
-                 "153.2 GiB", "(seq_tile=16384)"):
+                 "the closest, segment_layers=4, sub_segment_layers=1 with device_checkpoints=6, needs 16.0 GiB of "
+                 "host and a GPU peak of 153.2 GiB", "(seq_tile=16384)"):
         assert text in p.why, text
+    # nested ones too: past the longest, the closest is nested
+    p = _place(s7, 700_000, 20.5)
+    assert not p.fits and "the closest, segment_layers=8, sub_segment_layers=3 with device_checkpoints=3" in p.why
     # the host state alone does not fit: no memory left for any checkpoint
     p = _place(s7, 131_072, -1.5)
     assert not p.fits and p.why.startswith("no host memory is left for the layer-input checkpoints of micro-batch 1 x "
@@ -205,13 +216,26 @@ def test_longest_seq_len_search():
 def test_longest_placeable_is_the_boundary(s7):
     gkw, limits = GKW | {"gpu_groups": 0}, dict(host_free=int(20.5 * GIB), gpu_limit=141 * GIB)
     longest = longest_placeable(s7, 1, config=EngineConfig(), gkw=gkw, **limits)
-    assert longest == 479_232  # 445,440 with the norm before attention untiled, 404,480 with neither norm folded
+    assert longest == 616_448  # with nested segments
+    # flat ones: 479,232 (445,440 with the norm before attention untiled, 404,480 with neither norm folded)
+    assert longest_placeable(s7, 1, config=EngineConfig(sub_segment_layers=1), gkw=gkw, **limits) == 479_232
     assert place(s7, 1, longest, config=EngineConfig(), gkw=gkw, **limits).fits
     assert not place(s7, 1, longest + 1024, config=EngineConfig(), gkw=gkw, **limits).fits
 
 
-def test_plan_7b_at_512k_says_why_not_and_how_long():
+def test_plan_7b_at_512k_fits_with_nested_segments():
     p = planner.plan(LLAMA_7B, seq_len=524_288, config=EngineConfig(), machine=H200)
+    lc = p.long_context
+    assert (lc["segment_layers"], lc["sub_segment_layers"], lc["device_checkpoints"], lc["fits"]) == (6, 2, 4, True)
+    assert p.fits and p.host_total <= p.host_usable and p.gpu_total <= p.gpu_limit
+    assert p.host["activation offload"] == 2 * 8 * GIB and p.gpu["layer-input checkpoints on the GPU"] == 4 * 8 * GIB
+    assert p.gpu["phase backward: the segment's regenerated inputs"] == 3 * 8 * GIB  # 5 flat
+    assert round(p.gpu_total / GIB, 2) == 137.16 and lc["longest_seq_len"] == 575_488  # 616,448 at 20.5 GiB free
+    assert "segments of 6 layers, nested in sub-segments of 2" in p.report()
+
+
+def test_plan_7b_at_512k_flat_says_why_not_and_how_long():
+    p = planner.plan(LLAMA_7B, seq_len=524_288, config=EngineConfig(sub_segment_layers=1), machine=H200)
     lc = p.long_context
     assert (lc["seq_tile"], lc["segment_layers"], lc["device_checkpoints"], lc["fits"]) == (16_384, 1, 0, False)
     # the host RAM usable (the limit less what is left to the OS) less every other host item
@@ -219,12 +243,13 @@ def test_plan_7b_at_512k_says_why_not_and_how_long():
     assert lc["host_free_for_checkpoints"] == p.host_usable - (p.host_total - p.host["activation offload"])
     assert round(p.host_total / GIB, 2) == 360.54 and round(p.gpu_total / GIB, 2) == 89.16  # untiled 164.79
     report = p.report()
-    assert "Long context (seq_tile='auto', segment_layers='auto', device_checkpoints='auto')" in report
+    assert ("Long context (seq_tile='auto', segment_layers='auto', sub_segment_layers=1, device_checkpoints='auto')"
+            in report)
     assert "NOTHING FITS" in report and "longest sequence that fits this machine at micro-batch 1: 479,232" in report
     assert any("the longest that fits at micro-batch 1 is 479,232 tokens" in w for w in p.warnings)
     assert json.loads(json.dumps(p.to_dict()))["long_context"]["longest_seq_len"] == 479_232
     # at the longest, a placement fits and the tables are planned with it
-    p = planner.plan(LLAMA_7B, seq_len=479_232, config=EngineConfig(), machine=H200)
+    p = planner.plan(LLAMA_7B, seq_len=479_232, config=EngineConfig(sub_segment_layers=1), machine=H200)
     lc = p.long_context
     assert (lc["segment_layers"], lc["device_checkpoints"], lc["fits"]) == (4, 6, True)
     assert p.host["activation offload"] == 2 * 4 * 4096 * 479_232
@@ -244,7 +269,8 @@ def test_plan_3b_at_256k_keeps_on_the_gpu_what_the_host_cannot_hold():
     # was 51.44 and 127.59 before these options, 58.59 with the norm before the MLP untiled, 52.59 with the norm
     # before attention untiled: one layer's backward (20.68 GiB + 0.75 of weight grads) is now below the loss's 21.85
     assert round(p.host_total / GIB, 2) == 120.44 and round(p.gpu_total / GIB, 2) == 46.16
-    assert lc["longest_seq_len"] == 992_256  # 822,272 with the norm before attention untiled, 720,896 unfolded
+    assert lc["longest_seq_len"] == 1_084_416  # nested segments (992,256 flat, 822,272 with the norm before
+    # attention untiled, 720,896 unfolded)
 
 
 def test_plan_with_explicit_options_and_short_sequences():
@@ -252,14 +278,15 @@ def test_plan_with_explicit_options_and_short_sequences():
     assert planner.plan(LLAMA_3B, seq_len=4096, machine=H200).long_context is None
     # explicit options always get the section, even where they change nothing
     p = planner.plan(LLAMA_3B, seq_len=4096, config=EngineConfig(seq_tile=None), machine=H200)
-    assert p.long_context["requested"] == {"seq_tile": None, "segment_layers": "auto", "device_checkpoints": "auto"}
+    assert p.long_context["requested"] == {"seq_tile": None, "segment_layers": "auto", "sub_segment_layers": "auto",
+                                           "device_checkpoints": "auto"}
     p = planner.plan(LLAMA_3B, seq_len=65_536, machine=H200,
                      config=EngineConfig(seq_tile=8192, segment_layers=4, device_checkpoints=2))
     lc = p.long_context
     assert (lc["seq_tile"], lc["segment_layers"], lc["device_checkpoints"], lc["checkpoints"]) == (8192, 4, 2, 7)
     assert p.host["activation offload"] == 5 * 4 * 3072 * 65_536
-    assert "seq_tile: 8,192 positions per tile of the MLP/MoE block; segment_layers 4; device_checkpoints 2" \
-        in p.report()
+    assert ("seq_tile: 8,192 positions per tile of the MLP/MoE block; segment_layers 4; sub_segment_layers 1; "
+            "device_checkpoints 2" in p.report())
 
 
 def test_plan_command_flags(capsys):
@@ -268,11 +295,13 @@ def test_plan_command_flags(capsys):
     assert plan_main([*args, "--seq-tile", "none", "--segment-layers", "4", "--device-checkpoints", "2"]) == 0
     lc = json.loads(capsys.readouterr().out)["long_context"]
     assert (lc["seq_tile"], lc["segment_layers"], lc["device_checkpoints"]) == (None, 4, 2)
-    assert lc["requested"] == {"seq_tile": None, "segment_layers": 4, "device_checkpoints": 2}
+    assert lc["requested"] == {"seq_tile": None, "segment_layers": 4, "sub_segment_layers": "auto",
+                               "device_checkpoints": 2}
     assert plan_main(args) == 0  # auto: tiles of 16,384 past 32,768 positions
     assert json.loads(capsys.readouterr().out)["long_context"]["seq_tile"] == 16_384
     for flags, message in ((["--segment-layers", "0"], "segment_layers=0: need 'auto' or an int >= 1"),
                            (["--device-checkpoints", "many"], "need auto or an int; got 'many'"),
+                           (["--sub-segment-layers", "0"], "sub_segment_layers=0: need 'auto' or an int >= 1"),
                            (["--seq-tile", "x"], "need auto, none or an int; got 'x'")):
         with pytest.raises(SystemExit) as error:
             plan_main([*args, *flags])
