@@ -47,7 +47,7 @@ _3B, _7B, _MOE = ("2026-11-29-llama-3.2-3b-h200.json", "2026-11-29-llama-2-7b-h2
                   "2026-11-29-qwen3-30b-a3b-4l-h200.json")
 _MT = "**megatrain**, `compile_layers`, `overlap_optimizer`"
 _3B_NOW, _7B_NOW = "2026-12-01-llama-3.2-3b-h200.json", "2026-12-02-llama-2-7b-h200-defaults-66386d7.json"
-_MOE_NOW = "2026-12-02-qwen3-30b-a3b-4l-h200-defaults-0cb704b.json"
+_MOE_NOW = "2026-12-02-qwen3-30b-a3b-4l-h200-defaults-360d5cf.json"
 _DEFAULTS = '**megatrain**, `strategy="megatrain"` (no options)'
 _TUNED = "megatrain, hand-tuned: `compile_layers`, `overlap_optimizer`"
 
@@ -66,7 +66,7 @@ ROWS = [
     Row(_DEFAULTS, _7B_NOW, "66386d7", "megatrain", "hf", 32768, headline=True),
     Row("megatrain, defaults with `update_during_backward=False`", _7B_NOW, "66386d7",
         "megatrain_no_backward_updates", "hf", 32768),
-    Row(_DEFAULTS, _MOE_NOW, "0cb704b", "megatrain", "hf", 32768, headline=True),
+    Row(_DEFAULTS, _MOE_NOW, "360d5cf", "megatrain", "hf", 32768, headline=True),
     # earlier engine, options set by hand
     Row("plain GPU Lightning (fp32 params, fused AdamW, HF grad ckpt)", _3B, "ac46662", "plain", "hf", 32768),
     Row("plain GPU Lightning, compiled layers", _3B, "72f8b74", "plain_compiled", "hf", 32768, PLAIN),
