@@ -198,7 +198,10 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
         assert micro_batch == 1 and p.transfers_hidden and p.long_context["fits"]
     else:
         assert p.max_micro_batch == micro_batch or p.max_micro_batch_host == micro_batch
-        assert not fits(planner.plan(shape, micro_batch=micro_batch + 1, **kwargs))
+        # the largest with flat recompute segments: nested ones fit a few more rows but replay more layer forwards
+        # (qwen2.5-3b-128g: up to 152 x 4096, 13,502 tokens/s planned against 14,863 at 147)
+        flat = kwargs | {"config": kwargs["config"].replace(sub_segment_layers=1)}
+        assert not fits(planner.plan(shape, micro_batch=micro_batch + 1, **flat))
         assert accum == 1 or cpu_bound(planner.plan(shape, micro_batch=micro_batch,
                                                     **(kwargs | {"grad_accum": accum - 1})))
     # the header's Host RAM line counts the parameters the planner counts
