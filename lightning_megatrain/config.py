@@ -66,7 +66,8 @@ class EngineConfig:
     layer). ``k > 1``: only the first layer of every ``k`` saves its input; backward replays the segment's forward
     from it (one more forward of ``k - 1`` layers per ``k``) so the checkpoints take ``k`` times less memory
     (engine/segments.py, [Note: recompute segments]). ``"auto"``: ``1`` unless the checkpoints fit neither GPU nor
-    host memory, then the smallest ``k`` that fits (engine/placement.py)."""
+    host memory, then the segments, flat or nested (``sub_segment_layers``), that fit with the fewest replayed
+    layer forwards (engine/placement.py)."""
 
     sub_segment_layers: int | Auto = "auto"
     """Nested recompute inside a segment of ``segment_layers``: a replay keeps only every ``m``-th regenerated layer

@@ -1,6 +1,6 @@
-"""What the engine decides at the first training micro-batch, whose shape the decisions need: the split of the
-state between host and GPU (``gpu_optimizer_groups="auto"``) and where the layer-input checkpoints go
-(``segment_layers``, ``device_checkpoints``), placed again for any longer micro-batch; and what waits for that split
+"""What the engine decides at the first training micro-batch, whose shape the decisions need: the split of the state
+between host and GPU (``gpu_optimizer_groups="auto"``) and where the layer-input checkpoints go (``segment_layers``,
+``sub_segment_layers``, ``device_checkpoints``), placed again for any longer micro-batch; and what waits for that split
 (the host-state check, loaded optimizer states). The decisions themselves are engine/placement.py's ([Note: auto
 placement]); :class:`FirstBatchPlacement` applies them to the engine, which inherits it."""
 
@@ -145,9 +145,8 @@ class FirstBatchPlacement:
 
     def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
         """``segment_layers``, ``device_checkpoints`` and ``sub_segment_layers`` for the training micro-batch ``batch``:
-        decided where "auto",
-        checked against the free host and GPU memory where given ([Note: recompute segments]). Runs at the first
-        micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
+        decided where "auto", checked against the free host and GPU memory where given ([Note: recompute
+        segments]). Runs at the first micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
         shape = token_shape(batch)
         hf_config = module_hf_config(self.module)
         given = dict(zip(("segment_layers", "device_checkpoints", "sub_segment_layers"), self._checkpoint_options))

@@ -30,24 +30,22 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   pending), and where no split fits, or device groups cannot run, it is refused with both memories' numbers.
 
 - ``segment_layers``, ``sub_segment_layers`` and ``device_checkpoints``: where the layer-input checkpoints go
-  (config.py), decided at the first
-  training micro-batch, whose ``B x T`` sizes them (:func:`choose_checkpoints`), after ``gpu_optimizer_groups`` and
-  before ``keep_layers="auto"`` measures what is left. Each checkpoint is the fp32 residual stream of one micro-batch
-  (``4 * H * B * T`` bytes: 8 GiB for Llama-2-7B at 524,288 tokens), one per segment of recomputed layers, and the
-  host's free memory and the GPU's must hold them beside everything else. In that order: one per layer, all in pinned
-  host memory, where they fit there (what the engine did before these options, and what short sequences get); else the
-  last ones on the GPU, the fewest with which the rest fit the host (the GPU memory beyond them stays with
-  ``keep_layers="auto"`` and the allocator's slack, not filled with checkpoints), where the planned peak holds them;
-  else the segments with which both fit that replay the fewest layer forwards in backward (flat ones replay ``k - 1``
-  per ``k``; nested ones, ``sub_segment_layers > 1``, more, and hold fewer inputs at once), again with the fewest
-  on the GPU the host needs. Explicit ints are checked the same way. Nothing fitting is an error,
-  raised before the micro-batch allocates anything, with the bytes needed and free on the host and the GPU and the
-  longest sequence that fits this machine at this micro-batch. This is also the host-memory check of the checkpoints:
-  the setup preflight (engine/host_store.py, ``check_host_memory``, then ``check_host_bytes_to_come`` once the
-  optimizers exist) runs before any batch exists, so it checks the masters, grads, optimizer states and slabs only.
-  ``1`` and ``0`` on a CPU compute device, where a layer's input stays in host memory with its activations.
-  ``seq_tile`` is not decided here: engine/tiling.py's ``tile_length`` resolves it per sequence, and the plan counts
-  its tiles.
+  (config.py), decided at the first training micro-batch, whose ``B x T`` sizes them (:func:`choose_checkpoints`), after
+  ``gpu_optimizer_groups`` and before ``keep_layers="auto"`` measures what is left. Each checkpoint is the fp32 residual
+  stream of one micro-batch (``4 * H * B * T`` bytes: 8 GiB for Llama-2-7B at 524,288 tokens), one per segment of
+  recomputed layers, and the host's free memory and the GPU's must hold them beside everything else. In that order: one
+  per layer, all in pinned host memory, where they fit there (what the engine did before these options, and what short
+  sequences get); else the last ones on the GPU, the fewest with which the rest fit the host (the GPU memory beyond them
+  stays with ``keep_layers="auto"`` and the allocator's slack, not filled with checkpoints), where the planned peak
+  holds them; else the segments with which both fit that replay the fewest layer forwards in backward (flat ones replay
+  ``k - 1`` per ``k``; nested ones, ``sub_segment_layers > 1``, more, and hold fewer inputs at once), again with the
+  fewest on the GPU the host needs. Explicit ints are checked the same way. Nothing fitting is an error, raised before
+  the micro-batch allocates anything, with the bytes needed and free on the host and the GPU and the longest sequence
+  that fits this machine at this micro-batch. This is also the host-memory check of the checkpoints: the setup preflight
+  (engine/host_store.py, ``check_host_memory``, then ``check_host_bytes_to_come`` once the optimizers exist) runs before
+  any batch exists, so it checks the masters, grads, optimizer states and slabs only. ``1`` and ``0`` on a CPU compute
+  device, where a layer's input stays in host memory with its activations. ``seq_tile`` is not decided here:
+  engine/tiling.py's ``tile_length`` resolves it per sequence, and the plan counts its tiles.
 
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """

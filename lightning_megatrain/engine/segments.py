@@ -23,8 +23,8 @@ Llama-2-7B shape at 524,288 tokens: at best 11 inputs of 8 GiB alive, with room 
 makes a replay keep only every ``m``-th regenerated input (a sub-checkpoint) and those of the sub-segment its
 target lies in (:func:`kept_in_replay`); each lower sub-segment is replayed again from its sub-checkpoint when
 backward reaches it. A segment then holds at most ``(k - 1) // m + m - 1`` regenerated inputs instead of ``k - 1``
-(``k = 8, m = 3``: 3 instead of 7) for ``m - 1`` more layer forwards per lower sub-segment
-(:func:`replay_schedule` counts both; the planner reads it). ``m = 1`` (or ``m >= k``) keeps them all: flat.
+(``k = 8, m = 3``: 3 instead of 7, the bound 4) for ``m - 1`` more layer forwards per lower sub-segment
+(:func:`replay_schedule` counts both exactly; the planner reads it). ``m = 1`` (or ``m >= k``) keeps them all: flat.
 
 A layer joins the open segment only when its one activation input *is* the previous layer's first output (the
 tensor object itself, as ``hidden_states = layer(hidden_states, ...)`` passes it); anything else (a model that

@@ -91,7 +91,7 @@ class StreamedLayers:
         # inputs (a hint, like ``stashed``).
         self.kept: set[int] = set()
         # Which recomputed layers save their input and which are replayed from a segment's first ([Note: recompute
-        # segments]); configured by the engine (segment_layers, device_checkpoints).
+        # segments]); configured by the engine (segment_layers, device_checkpoints, sub_segment_layers).
         self.segments = Segments(len(stack))
         # What transformers records inside the layers (MoE router logits), returned by each layer's node ([Note:
         # recorded outputs] in engine/recorded.py); the engine installs the recorders it finds.

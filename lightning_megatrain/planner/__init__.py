@@ -10,7 +10,8 @@ does, and models host RAM and GPU memory in bytes and the time of one optimizer 
 - ``timing.py``: seconds per step and the FLOPs counted (:func:`step_time`);
 - ``machine.py``: :class:`Machine`, the limits, cores and calibrated rates a plan is for;
 - ``long_context.py``: where the layer-input checkpoints go (``seq_tile``, ``segment_layers``,
-  ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`, :func:`place_checkpoints`);
+  ``sub_segment_layers``, ``device_checkpoints``) and the longest sequence that fits (:class:`Placement`,
+  :func:`place_checkpoints`);
 - ``ranks.py``: several ranks (``devices``, ``num_nodes``): host RAM per host, GPU memory per rank, the collectives'
   time ([Note: planning several ranks]);
 - ``planning.py``: :func:`plan` and :class:`Plan`;

@@ -123,12 +123,17 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
             n = min(config.device_checkpoints, C)
             why = f"{_count(C)} {each}: {n} on the GPU as given, {offloaded(k, n)}"
         if host(k, n) <= host_free and gpu(k, m, n) <= gpu_limit:
-            if k > 1 and (auto_k or auto_m):
+            nested = 1 < m < k
+            held = (f"sub-segments of {m} ({regenerated(L, k, m)} regenerated inputs held at once instead of "
+                    f"{k - 1})")
+            if k > 1 and auto_k:
                 on_gpu = "the fewest on the GPU" if auto_n else f"device_checkpoints={config.device_checkpoints}"
-                nested = (f", nested in sub-segments of {m} ({regenerated(L, k, m)} regenerated inputs held at once "
-                          f"instead of {k - 1})" if m > 1 and m < k else "")
-                why = (f"one checkpoint per layer does not fit with {on_gpu}; segments of {k} layers{nested}, "
-                       f"{replays} layer forwards replayed per micro-batch: {why}")
+                why = (f"one checkpoint per layer does not fit with {on_gpu}; segments of {k} layers"
+                       f"{', nested in ' + held if nested else ''}, {replays} layer forwards replayed per "
+                       f"micro-batch: {why}")
+            elif nested and auto_m:  # segment_layers as given
+                why = (f"flat segments of {k} do not fit; nested in {held}, {replays} layer forwards replayed per "
+                       f"micro-batch: {why}")
             return result(k, m, n, True, why)
         miss = max(host(k, n) - host_free, gpu(k, m, n) - gpu_limit)  # the larger shortfall, in bytes
         if closest is None or miss < closest[0]:
@@ -149,7 +154,8 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
                     f"it by {_size(-host_free)}")
     elif gpu(k0, m0, n0) > gpu_limit:
         lines.append(f"the GPU peak is {_size(gpu(k0, m0, n0))} of {_size(gpu_limit)} at segment_layers={k0}, "
-                     f"device_checkpoints={n0}, and longer segments or more checkpoints on the GPU only raise it")
+                     f"sub_segment_layers={m0}, device_checkpoints={n0}, and longer segments or more checkpoints on "
+                     "the GPU only raise it")
     else:
         spare = gpu_limit - gpu(k0, m0, n0)
         lines.append(f"the GPU's {_size(gpu_limit)} leave {_size(spare)} beside its {_size(gpu(k0, m0, n0))} peak: "
@@ -167,19 +173,24 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
 @functools.cache
 def _candidates(L: int, k: int | None, m: int | None) -> tuple[tuple[int, int, int], ...]:
     """``(replayed forwards, segment_layers, sub_segment_layers)`` for ``L`` recomputed layers in the order
-    :func:`place` tries them: every ``k`` (or the given one) with every ``m`` (or the given one), fewest replays first
-    (flat before nested at equal cost). Left out: any that another candidate beats on all three of replays, inputs
+    :func:`place` tries them: every ``k`` (or the given one) with every ``m`` (or the given one), fewest replays first,
+    then the shortest segments. Left out: any that another candidate beats on all three of replays, inputs
     held at once and checkpoints (the GPU peak and host need rise with the last two), which cannot fit where that
     one does not."""
     every = []
     for k_ in range(1, L + 1) if k is None else [k]:
         for m_ in [1, *range(2, k_)] if m is None else [m]:
             every.append((replayed_forwards(L, k_, m_), regenerated(L, k_, m_), -(-L // k_), k_, m_))
-    kept = [c for c in every
-            if not any(o[:3] != c[:3] and all(a <= b for a, b in zip(o[:3], c[:3])) for o in every)]
-    # at equal replays, inputs held and checkpoints, the shortest segments, flat first: one of each
-    unique = {c[:3]: c for c in sorted(kept, key=lambda c: (c[:3], c[3], c[4]))[::-1]}
-    return tuple(sorted((r, k_, m_) for r, _, _, k_, m_ in unique.values()))
+    # one sorted sweep: a candidate is kept unless an earlier one (no more replays) holds no more inputs and needs no
+    # more checkpoints; of equal ones the first, the shortest segments, flat before nested, stays
+    front: list[tuple[int, int]] = []
+    kept = []
+    for replays, held, count, k_, m_ in sorted(every):
+        if any(h <= held and c <= count for h, c in front):
+            continue
+        front.append((held, count))
+        kept.append((replays, k_, m_))
+    return tuple(sorted(kept))
 
 
 def longest_seq_len(fits: Callable[[int], bool], step: int = SEQ_STEP, cap: int = LONGEST_CAP) -> int:

@@ -124,7 +124,37 @@ def test_nested_segments_match_flat_ones_bitwise_and_plain_lightning(family, rep
     assert_records_close(nested, reference, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("k", "sub"), [(8, 1), (8, 3), (8, 2), (16, 4), (11, 3), (5, 7)])
+def test_nested_segments_of_a_deeper_model_replay_from_sub_checkpoints(replays, monkeypatch):
+    """9 layers in segments of 6 in sub-segments of 2 (the 512K plan's shape): replays start from sub-checkpoints
+    (layers 2 and 4), and everything still equals one checkpoint per layer, bitwise."""
+    from helpers import families
+
+    deep = families.FAMILIES["llama_tied"]
+
+    def llama_9():
+        cfg = deep()
+        cfg.num_hidden_layers = 9
+        return cfg
+
+    monkeypatch.setitem(families.FAMILIES, "llama_9", llama_9)
+    kw = {"steps": 2, "accumulate": 2, "clip": 0.05}
+    base = run(MegaTrainStrategy(cpu_adam="torch", keep_layers=0, segment_layers=1), "llama_9", **kw)
+    nested = run(MegaTrainStrategy(cpu_adam="torch", keep_layers=0, segment_layers=6, sub_segment_layers=2),
+                 "llama_9", **kw)
+    # per micro-batch, as replay_schedule says for the segment of 6 and the last one of 3: layer 2 replays twice, the
+    # second time from its sub-checkpoint for layer 3
+    per_micro_batch: dict[int, int] = {}
+    for length, start in ((6, 0), (3, 6)):
+        for replayed in segments_module.replay_schedule(length, 2)[1]:
+            for j in replayed:
+                per_micro_batch[start + j] = per_micro_batch.get(start + j, 0) + 1
+    assert replays == {i: 4 * n for i, n in per_micro_batch.items()}, replays
+    assert nested.losses == base.losses
+    for name, p in base.params.items():
+        assert torch.equal(p, nested.params[name]), name
+
+
+@pytest.mark.parametrize(("k", "sub"), [(8, 1), (8, 3), (8, 2), (16, 4), (11, 3), (5, 7), (6, 2)])
 def test_nested_replay_runs_and_holds_what_the_schedule_says(k, sub):
     """Segment.input directly, on a stand-in layer (x -> x + 1): the layers replayed before each layer's backward and
     the most regenerated inputs held at once are replay_schedule's (which the planner reads), and each layer gets
@@ -152,8 +182,10 @@ def test_nested_replay_runs_and_holds_what_the_schedule_says(k, sub):
     held = 0
     for target in reversed(range(k)):
         ran.clear()
+        start = segment.replay_from(target) if segment.needs_replay(target) else None  # what backward prefetches
         x = segment.input(target, Transfer(), layer)
         assert ran == list(schedule[target]), (target, ran)
+        assert start == (ran[0] if ran else None), (target, start, ran)
         assert float(x) == target  # the checkpoint (0) plus one per layer below
         if target:  # what the segment still holds besides its checkpoint, and this layer's input
             held = max(held, 1 + sum(j != 0 for j in segment.inputs))

@@ -168,6 +168,10 @@ def test_place_decides_auto_in_order(s7):
 def test_place_checks_explicit_values(s7):
     p = _place(s7, 404_480, 20.5, segment_layers=4, device_checkpoints=5)
     assert (p.segment_layers, p.device_checkpoints, p.fits) == (4, 5, True) and "5 on the GPU as given" in p.why
+    assert "does not fit" not in p.why  # nothing was tried before the given segments
+    p = _place(s7, 524_288, 20.5, segment_layers=6)  # flat segments of 6 do not fit: nested ones of the given length
+    assert (p.segment_layers, p.sub_segment_layers, p.device_checkpoints, p.fits) == (6, 2, 4, True)
+    assert p.why.startswith("flat segments of 6 do not fit; nested in sub-segments of 2 (3 regenerated inputs held")
     p = _place(s7, 131_072, 20.5, segment_layers=32, device_checkpoints=100)  # one segment: one checkpoint
     assert (p.segment_layers, p.device_checkpoints, p.checkpoints, p.fits) == (32, 1, 1, True)
     p = _place(s7, 131_072, 20.5, device_checkpoints=3)  # the smallest segment length with 3 on the GPU
