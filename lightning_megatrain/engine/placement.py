@@ -43,8 +43,8 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   the micro-batch allocates anything, with the bytes needed and free on the host and the GPU and the longest sequence
   that fits this machine at this micro-batch. This is also the host-memory check of the checkpoints: the setup preflight
   (engine/host_store.py, ``check_host_memory``, then ``check_host_bytes_to_come`` once the optimizers exist) runs before
-  any batch exists, so it checks the masters, grads, optimizer states and slabs only. ``1`` and ``0`` on a CPU compute
-  device, where a layer's input stays in host memory with its activations. ``seq_tile`` is not decided here:
+  any batch exists, so it checks the masters, grads, optimizer states and slabs only. ``1``, ``1`` and ``0`` on a CPU
+  compute device, where a layer's input stays in host memory with its activations. ``seq_tile`` is not decided here:
   engine/tiling.py's ``tile_length`` resolves it per sequence, and the plan counts its tiles.
 
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
