@@ -9,7 +9,8 @@ row of the Llama-2-7B shape. The results of 2026-12-01 were measured before the 
 Then the time of the layer's forward and of its recompute + backward at a long sequence, and of causal flash
 attention alone, against the FLOPs the planner counts.
 Usage: python benchmarks/planner_long_context_check.py --out DIR   (writes DIR/planner_long_context_check.json)
-Results: benchmarks/results/2026-12-01-planner-long-context-h200.json (MLP alone tiled).
+Results: benchmarks/results/2026-12-01-planner-long-context-h200.json (MLP alone tiled), and
+benchmarks/results/2026-12-02-planner-long-context-h200-folds-360d5cf.json (this version, memory part).
 """
 
 from __future__ import annotations

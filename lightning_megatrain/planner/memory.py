@@ -137,14 +137,17 @@ def _tiled(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int) -> tuple[f
     32,768 and 131,072 tokens and the Llama-3.2-3B shape at 65,536; backward peak = saved + transient - 4H (the
     incoming grad, allocated before) + the block's three weight grads, to the byte where the block's phase is the
     larger (7B at tiles of 8,192 of 32,768; 3B at 16,384 of 65,536), 4 B/token above where the attention's is (7B at
-    16,384 of 131,072). The folded norms' terms are derived, checked on the CPU only (tests/engine/test_tiling.py,
+    16,384 of 131,072). The folded norms' terms are derived and checked on the CPU (tests/engine/test_tiling.py,
     test_folded_norm_keeps_no_activations: (8H + 4) B/token less alive after forward in fp32 for each norm, (10H +
     4) for the norm before attention under bf16 autocast; in fp32 that norm's fp32 output, which q, k and v save,
-    leaves too, 4H this formula does not count untiled). The transient's attention term for a folded attention is
-    an estimate, not measured. A mechanism that writes each tile's input grad into one buffer instead saves 4H of the
-    14H. Untiled, the block's intermediate grads (``2c * I`` per token) exceed the attention backward's for every
-    shape measured, so ``transient`` there has no attention term. Eager attention adds the grads of its [heads, T, T]
-    scores and probabilities (``nh * T * (4 + c)``, not measured)."""
+    leaves too, 4H this formula does not count untiled), and on the H200 with the engine's tiles and both folds
+    (2026-12-02, benchmarks/results/2026-12-02-planner-long-context-h200-folds-*.json): ``saved`` to the byte for
+    the 7B shape at 32,768, 131,072 and 524,288 tokens and the 3B shape at 65,536; the backward peak 1.4-10.7% under
+    this formula (the folded attention's transient term is an upper estimate). A mechanism that writes each tile's
+    input grad into one buffer instead saves 4H of the 14H. Untiled, the block's intermediate grads (``2c * I`` per
+    token) exceed the attention backward's for every shape measured, so ``transient`` there has no attention term.
+    Eager attention adds the grads of its [heads, T, T] scores and probabilities (``nh * T * (4 + c)``, not
+    measured)."""
     H, A, K = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     saved, _ = layer_activation(s, layer, seq_len, c)
     block = _block_saved(s, layer, c)
