@@ -4,8 +4,9 @@ Trains the Llama-2-13B shape (13.02B parameters, fp32 masters, grads and AdamW m
 the H200's 128 GiB host) with ``MegaTrainStrategy()`` and no options, so ``gpu_optimizer_groups="auto"`` must keep
 the state of the first groups on the GPU, and writes one JSON row: the groups chosen, tokens/s, peak host RSS and
 peak GPU memory, each beside the planner's prediction for the same run. ``--layers`` truncates the depth (the row
-says so); ``--host-gib`` makes the engine see at most that much host memory (its free memory is the budget less this
-process's RSS), so a truncated model needs the split too.
+says so); ``--host-gib`` makes the process see a host of that much RAM (``MemTotal``, and free memory that less its
+RSS), so a truncated model needs the split too. A thread samples the machine's ``MemAvailable`` and the RSS of this
+process and its children (torch.compile's workers) into ``<out>.host-samples.txt`` ([Note: host reserve]).
 
     python benchmarks/memory_pool.py                      # H200: full depth, 8 x 1024 tokens, about 4-5 minutes
     python benchmarks/memory_pool.py --layers 20 --host-gib 60
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,30 +33,86 @@ LLAMA2_13B = dict(workloads._LLAMA, vocab_size=32000, hidden_size=5120, intermed
                   max_position_embeddings=4096, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
 
 
-def force_host_budget(budget_gib: float) -> None:
-    """Make the engine's host checks and its split see at most ``budget_gib`` for this whole process."""
+def force_host_limit(limit_gib: float) -> None:
+    """Make this process see a host of ``limit_gib`` GiB: ``MemTotal`` is the limit and what it may still allocate is
+    the limit less its RSS (or less, where the machine has less), so the engine's reserve and split are a host's of
+    that size, as ``megatrain plan --host-ram`` plans it."""
     from lightning_megatrain import _hardware
-    from lightning_megatrain.engine import host_store, placement
 
-    def bounded():
-        real = _hardware.available_host_bytes()
-        rss = (_hardware.host_rss_gib() or 0.0) * GIB
-        forced = int(budget_gib * GIB - rss)
-        return (forced, f"forced: {budget_gib:g} GiB budget") if real is None or forced < real[0] else real
+    real_available, real_meminfo = _hardware.available_host_bytes, _hardware.meminfo_bytes
 
-    placement.available_host_bytes = host_store.available_host_bytes = bounded
+    def available():
+        real = real_available()
+        forced = int(limit_gib * GIB - (_hardware.host_rss_gib() or 0.0) * GIB)
+        return (forced, f"forced: a {limit_gib:g} GiB host") if real is None or forced < real[0] else real
+
+    _hardware.available_host_bytes = available
+    _hardware.meminfo_bytes = lambda field: int(limit_gib * GIB) if field == "MemTotal" else real_meminfo(field)
+
+
+class HostSampler(threading.Thread):
+    """Every half second: the machine's ``MemAvailable``, this process's RSS and its children's (torch.compile's
+    workers) into ``path``, one line each, flushed (a run the OOM killer ends keeps its last samples); the extremes in
+    :meth:`summary`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.path, self.min_available, self.max_children, self.max_rss = path, float("inf"), 0.0, 0.0
+
+    def run(self) -> None:
+        from lightning_megatrain._hardware import meminfo_bytes
+
+        t0 = time.perf_counter()
+        with self.path.open("w") as f:
+            f.write("t_s mem_available_gib rss_gib children_rss_gib children\n")
+            while True:
+                kids = _descendants(os.getpid())
+                children = sum(_rss(pid) for pid in kids) / GIB
+                available, rss = (meminfo_bytes("MemAvailable") or 0) / GIB, _rss(os.getpid()) / GIB
+                self.min_available = min(self.min_available, available)
+                self.max_children, self.max_rss = max(self.max_children, children), max(self.max_rss, rss)
+                f.write(f"{time.perf_counter() - t0:.1f} {available:.2f} {rss:.2f} {children:.2f} {len(kids)}\n")
+                f.flush()
+                time.sleep(0.5)
+
+    def summary(self) -> dict:
+        return {"min_mem_available_gib": self.min_available, "max_children_rss_gib": self.max_children,
+                "max_rss_gib": self.max_rss, "samples": str(self.path)}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (procfs: each process's parent is the 4th field of its ``stat``)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # exited meanwhile
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, p in parent.items() if p in frontier]
+        out += frontier
+    return out
+
+
+def _rss(pid: int) -> int:
+    """A process's resident set in bytes (0 where it exited meanwhile)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def planned(config: dict, micro_batch: int, seq_len: int, host_gib: float | None, gpu_gib: float | None) -> dict:
     """The planner's prediction of this run: a machine whose usable host RAM is the budget (or this machine's)."""
     from lightning_megatrain.config import EngineConfig
-    from lightning_megatrain.planner import HOST_OS_RESERVE_FRACTION, HOST_OS_RESERVE_MIN_GIB, Machine, plan
+    from lightning_megatrain.planner import Machine, plan
 
-    host_ram = None
-    if host_gib is not None:  # usable = limit - max(min reserve, fraction x limit): the limit whose usable is host_gib
-        host_ram = max(host_gib + HOST_OS_RESERVE_MIN_GIB, host_gib / (1 - HOST_OS_RESERVE_FRACTION))
     p = plan(workloads.hf_config(config), seq_len=seq_len, micro_batch=micro_batch, config=EngineConfig(),
-             machine=Machine(host_ram_gib=host_ram, gpu_mem_gib=gpu_gib))
+             machine=Machine(host_ram_gib=host_gib, gpu_mem_gib=gpu_gib))
     return {"fits": p.fits, "gpu_optimizer_groups": p.assumptions["gpu_optimizer_groups"],
             "memory_pool": p.memory_pool, "tokens_per_s": p.tokens_per_s, "host_gib": p.host_total / GIB,
             "host_usable_gib": p.host_usable / GIB, "gpu_peak_gib": p.gpu_total / GIB, "verdict": p.verdict()}
@@ -65,7 +124,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
-    ap.add_argument("--host-gib", type=float, help="host memory the engine may use in all (default: the machine's)")
+    ap.add_argument("--host-gib", type=float, help="host RAM the process sees, GiB (default: the machine's)")
     ap.add_argument("--out", default="benchmarks/results/memory-pool-h200.json")
     ap.add_argument("--dry-run", action="store_true", help="tiny Llama on this machine (CPU): the code path")
     args = ap.parse_args()
@@ -85,7 +144,10 @@ def main() -> None:
     prediction = planned(config, micro_batch, seq_len, args.host_gib, gpu_gib)
     print("planned:", prediction["verdict"], flush=True)
     if args.host_gib is not None:
-        force_host_budget(args.host_gib)
+        force_host_limit(args.host_gib)
+    sampler = HostSampler(Path(args.out).with_suffix(".host-samples.txt"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    sampler.start()
 
     times: list[float] = []
 
@@ -118,13 +180,14 @@ def main() -> None:
         "model": "llama-2-13b" if config["num_hidden_layers"] == 40 and not args.dry_run else
         f"llama-2-13b shape TRUNCATED to {config['num_hidden_layers']} layers" if not args.dry_run else "tiny-llama",
         "n_params": sum(p.numel() for p in module.parameters()),
-        "micro_batch": micro_batch, "seq_len": seq_len, "steps": steps, "host_budget_gib": args.host_gib,
+        "micro_batch": micro_batch, "seq_len": seq_len, "steps": steps, "host_limit_gib": args.host_gib,
         "measured": {"tokens_per_s": micro_batch * seq_len / step_s, "step_s": step_s,
                      "gpu_optimizer_groups": chosen,
                      "peak_host_rss_gib": host_rss_gib("VmHWM"),
                      "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / GIB if on_cuda else None,
                      "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
                      "wall_s": time.perf_counter() - t0},
+        "host_samples": sampler.summary(),
         "planned": prediction,
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",
     }

@@ -57,6 +57,22 @@ def host_rss_gib(field: str = "VmRSS") -> float | None:
     return None
 
 
+# Host RAM left to the OS, other processes and what the engine cannot count ([Note: host reserve]): max(MIN_GIB,
+# FRACTION x MemTotal). The planner leaves it of MemTotal; the engine leaves it of what MemAvailable says when it
+# places anything on the host. MemTotal counts the kernel's own memory, the page cache the data loader reads through,
+# sshd, shells and monitoring; pinned memory cannot be swapped out, so a plan at 125.9 of 128 GiB leaves them nothing
+# and the OOM killer picks the trainer. Assumed, not measured: 2 GiB covers a minimal server, 3% (3.8 GiB of 128) the
+# kernel's page tables and slab on a large one.
+HOST_OS_RESERVE_MIN_GIB = 2.0
+HOST_OS_RESERVE_FRACTION = 0.03
+
+
+def host_os_reserve(host_limit: int) -> int:
+    """Bytes of a host RAM limit left to the OS and other processes: max(``HOST_OS_RESERVE_MIN_GIB``,
+    ``HOST_OS_RESERVE_FRACTION`` x the limit), capped at the limit."""
+    return min(host_limit, max(int(HOST_OS_RESERVE_MIN_GIB * GIB), int(HOST_OS_RESERVE_FRACTION * host_limit)))
+
+
 def _read_int(path: Path) -> int | None:
     """An integer file (cgroup counters); None where missing or unlimited (``max``)."""
     try:
@@ -85,6 +101,28 @@ def available_host_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[in
     if soft != resource.RLIM_INFINITY and vm_size is not None:
         bounds.append((max(soft - int(vm_size * GIB), 0), "RLIMIT_AS (ulimit -v)"))
     return min(bounds) if bounds else None
+
+
+def placeable_host_bytes() -> tuple[int, str] | None:
+    """What the engine may place on the host ([Note: host reserve]): :func:`available_host_bytes` less
+    :func:`host_os_reserve` of ``MemTotal``, and the limit that binds; None where unknown.
+
+    Note: host reserve
+        MemAvailable, read when the engine places something (the setup's checks, the split between both memories,
+        the offloaded checkpoints, the snapshots of the updates during backward), does not hold what arrives after
+        it and the engine does not count: torch.compile's worker processes and the compiler's heap (the first
+        forward, after the placement), the CUDA driver's host allocations, the data loader's batches, other
+        processes. A placement that takes all of it leaves the kernel nothing to give them, and pinned memory cannot
+        be swapped out: the OOM killer then ends the trainer without a message (the Llama-2-13B shape on the H200's
+        host did so with 0.1 GiB spare). The engine therefore leaves the reserve the planner leaves of MemTotal
+        (max(2 GiB, 3%)), so both refuse or split at about the same point.
+    """
+    bound = available_host_bytes()
+    total = meminfo_bytes("MemTotal")
+    if bound is None or total is None:
+        return bound
+    reserve = host_os_reserve(total)
+    return max(bound[0] - reserve, 0), f"{bound[1]} less the {reserve / GIB:.1f} GiB reserve"
 
 
 def host_ram_gib() -> float | None:

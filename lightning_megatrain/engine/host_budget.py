@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_megatrain._hardware import GIB, available_host_bytes
+from lightning_megatrain._hardware import GIB, placeable_host_bytes
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.engine.host_store import check_host_bytes_to_come
 from lightning_megatrain.optim.host_optimizer import overlappable
@@ -32,9 +32,9 @@ def host_bytes_to_come(host_groups: Sequence[FlatGroup], optimizers: Sequence[to
 
 def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Host bytes free for offloaded layer-input checkpoints (engine/placement.py ``choose_checkpoints``'
-    ``host_bytes``): what the process may still allocate (``_hardware.available_host_bytes``), less
-    :func:`host_bytes_to_come`."""
-    free = available_host_bytes()
+    ``host_bytes``): what the process may still allocate less the host reserve (``_hardware.placeable_host_bytes``,
+    [Note: host reserve]), less :func:`host_bytes_to_come`."""
+    free = placeable_host_bytes()
     if free is None:
         return 1 << 62  # nothing to check against
     return free[0] - host_bytes_to_come(host_groups, optimizers)
@@ -61,9 +61,10 @@ def host_short(to_come: Callable[[int], int], host_free: int) -> str:
 
 
 def host_free_checked() -> int | None:
-    """Host bytes the process may still allocate (``_hardware.available_host_bytes``), None where unknown or where
-    ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` turns the host checks off (engine/host_store.py)."""
-    free = available_host_bytes()
+    """Host bytes the process may still allocate less the host reserve (``_hardware.placeable_host_bytes``, [Note: host
+    reserve]), None where unknown or where ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` turns the host checks off
+    (engine/host_store.py)."""
+    free = placeable_host_bytes()
     return None if free is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1" else free[0]
 
 

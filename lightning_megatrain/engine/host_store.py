@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lightning_megatrain._hardware import GIB, available_host_bytes
+from lightning_megatrain._hardware import GIB, placeable_host_bytes
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.pinned import PAGE, HostRegistry, round_up
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
@@ -251,7 +251,8 @@ def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0
 
     Raises:
         RuntimeError: the estimate exceeds what the process may allocate (``MemAvailable``, the cgroup's limit or
-            ``RLIMIT_AS``: ``_hardware.available_host_bytes``; set ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` to override).
+            ``RLIMIT_AS``) less the host reserve (``_hardware.placeable_host_bytes``, [Note: host reserve]); set
+            ``MEGATRAIN_SKIP_MEMORY_CHECK=1`` to override.
     """
     n_params = sum(group_numels)
     block = (lambda nbytes: round_up(nbytes, PAGE) + PAGE) if pinned else (lambda nbytes: nbytes)
@@ -291,7 +292,7 @@ def check_host_bytes_to_come(to_come: int) -> None:
 
 
 def _refuse_short(need: int, what: str) -> None:
-    bound = available_host_bytes()
+    bound = placeable_host_bytes()
     if bound is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
     available, limit = bound

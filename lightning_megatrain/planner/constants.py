@@ -6,7 +6,11 @@ Unless stated, measured on one H200 SXM with a 16-core host on 2026-11-29 and re
 
 from __future__ import annotations
 
-from lightning_megatrain._hardware import H100_BF16_PEAK_FLOPS
+from lightning_megatrain._hardware import (  # noqa: F401 (the planner's constants, one import)
+    H100_BF16_PEAK_FLOPS,
+    HOST_OS_RESERVE_FRACTION,
+    HOST_OS_RESERVE_MIN_GIB,
+)
 
 # --- PCIe (Gen5 x16, pinned host memory), GB/s = 1e9 B/s -------------------------------------------------------------
 PCIE_H2D_GBPS = 55.4  # host to device
@@ -40,13 +44,8 @@ HOST_REF_GIB = 128.0  # host RAM of the H200's host: a plan's limit where this m
 GPU_REF_GIB = 139.0  # usable memory of the H200 (its device tool: "about 139 GiB"): the limit without a GPU here
 PROCESS_GIB = 3.0  # host: CUDA context, libraries, Python (engine estimate, not measured)
 GPU_RESERVE_GIB = 2.0  # GPU: CUDA context, cuBLAS workspaces, allocator fragmentation (estimate, not measured)
-# Host RAM a plan leaves to the OS and other processes: a plan fits the host when its total is at most the limit less
-# max(HOST_OS_RESERVE_MIN_GIB, HOST_OS_RESERVE_FRACTION x the limit). The limit is MemTotal, which counts the kernel's
-# own memory, the page cache the data loader reads through, sshd, shells and monitoring; pinned memory cannot be
-# swapped out, so a plan at 125.9 of 128 GiB leaves them nothing and the OOM killer picks the trainer. Assumed, not
-# measured: 2 GiB covers a minimal server, 3% (3.8 GiB of 128) the kernel's page tables and slab on a large one.
-HOST_OS_RESERVE_MIN_GIB = 2.0
-HOST_OS_RESERVE_FRACTION = 0.03
+# Host RAM a plan leaves to the OS and other processes (a plan fits the host when its total is at most the limit
+# less the reserve): _hardware.py holds the rule and its rationale, the engine leaves the same ([Note: host reserve]).
 
 # --- Several ranks (planner/ranks.py) -------------------------------------------------------------------------------
 # NVLink between the GPUs of one host, per GPU and direction: the H200 SXM's NVLink is 900 GB/s in total, both

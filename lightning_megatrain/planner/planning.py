@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_ram_gib
+from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_os_reserve, host_ram_gib
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
@@ -25,8 +25,6 @@ from lightning_megatrain.planner.constants import (
     FP32_TFLOPS,
     GPU_REF_GIB,
     HOST_COPY_GBPS,
-    HOST_OS_RESERVE_FRACTION,
-    HOST_OS_RESERVE_MIN_GIB,
     HOST_REF_GIB,
     OPTIMIZERS,
     PEAK_TFLOPS,
@@ -161,12 +159,6 @@ class Plan:
     def verdict(self) -> str:
         """One line: FITS or DOES NOT FIT, each limit's use, and the binding one (the least spare) with its margin."""
         return verdict(self)
-
-
-def host_os_reserve(host_limit: int) -> int:
-    """Bytes of a host RAM limit left to the OS and other processes: max(``HOST_OS_RESERVE_MIN_GIB``,
-    ``HOST_OS_RESERVE_FRACTION`` x the limit), capped at the limit (constants.py gives the rationale)."""
-    return min(host_limit, max(int(HOST_OS_RESERVE_MIN_GIB * GIB), int(HOST_OS_RESERVE_FRACTION * host_limit)))
 
 
 def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",

@@ -36,7 +36,7 @@ def test_auto_splits_the_state_when_the_host_is_short(monkeypatch, record_grads,
     ref, _ = fit_cuda("auto", lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, record_grads=record_grads)
     n_params = sum(p.numel() for p in ParityLM("llama_untied").parameters())
     # half the grads and Adam moments of every group (12 B/param) fit the host: auto must move groups to the GPU
-    monkeypatch.setattr(host_budget, "available_host_bytes", lambda: (6 * n_params, "mocked"))
+    monkeypatch.setattr(host_budget, "placeable_host_bytes", lambda: (6 * n_params, "mocked"))
     check = _Check()
     strategy = gpu_strategy(cpu_adam="torch", gpu_optimizer_groups="auto", overlap_optimizer=overlap)
     got, _ = fit_cuda(strategy, lambda: ParityLM("llama_untied"), accumulate=2, clip=1.0, callbacks=[check],

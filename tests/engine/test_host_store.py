@@ -110,9 +110,9 @@ def test_host_check_counts_page_locked_buffers_at_their_size(monkeypatch):
     gib = 1024**3
     # 1.5 GiB of fp32 per group: 2 groups x (master + grad) = 6 GiB, minus the 3 GiB model already loaded
     numels = [(3 * gib // 2) // 4] * 2
-    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (4 * gib, "MemAvailable"))
+    monkeypatch.setattr(host_store, "placeable_host_bytes", lambda: (4 * gib, "MemAvailable"))
     host_store.check_host_memory(numels, pinned=True)  # 3 GiB + a few pages: no power-of-two blocks
-    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (2 * gib, "MemAvailable"))
+    monkeypatch.setattr(host_store, "placeable_host_bytes", lambda: (2 * gib, "MemAvailable"))
     with pytest.raises(RuntimeError, match=r"needs about 3.0 GiB more host RAM for 0.81B parameters \(masters and "
                        r"grads: 6.0 GiB pinned(.|\n)*only 2.0 GiB is available \(MemAvailable\)"):
         host_store.check_host_memory(numels, pinned=True)
@@ -138,7 +138,7 @@ def test_host_state_check_counts_each_optimizers_state(monkeypatch):
     adamw = torch.optim.AdamW(params)
     adamw.state[params[0]] = {"step": torch.zeros(())}  # a state already there (a resumed one) is not counted again
     assert host_bytes_to_come([group], [adamw]) == grads + 8 * 32
-    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (grads + 4 * n_matrix + 8 * 32, "MemAvailable"))
+    monkeypatch.setattr(host_store, "placeable_host_bytes", lambda: (grads + 4 * n_matrix + 8 * 32, "MemAvailable"))
     host_store.check_host_bytes_to_come(host_bytes_to_come([group], [muon]))  # Muon's states fit
     with pytest.raises(RuntimeError, match=r"needs about [0-9.]+ MiB more host RAM for the grads and optimizer "
                                            r"states(.|\n)*Muon(.|\n)*\(MemAvailable\)"):
@@ -164,10 +164,30 @@ def test_host_bound_is_the_smallest_of_meminfo_cgroup_and_rlimit(tmp_path, monke
     assert _hardware.available_host_bytes(tmp_path) == (5 * gib, "RLIMIT_AS (ulimit -v)")
 
 
+def test_placements_leave_the_host_reserve(monkeypatch):
+    # [Note: host reserve]: what the engine places is MemAvailable (or the binding limit) less the planner's reserve of
+    # MemTotal, max(2 GiB, 3%); never negative; unknown stays unknown
+    from lightning_megatrain import _hardware
+    from lightning_megatrain.engine import host_budget, host_store
+
+    gib = 1024**3
+    meminfo = {"MemTotal": 128 * gib, "MemAvailable": 70 * gib}
+    monkeypatch.setattr(_hardware, "meminfo_bytes", lambda field: meminfo.get(field))
+    monkeypatch.setattr(_hardware, "available_host_bytes", lambda: (meminfo["MemAvailable"], "MemAvailable"))
+    reserve = int(0.03 * 128 * gib)
+    assert _hardware.placeable_host_bytes() == (70 * gib - reserve, "MemAvailable less the 3.8 GiB reserve")
+    assert host_budget.placeable_host_bytes is _hardware.placeable_host_bytes  # the engine's checks read it
+    assert host_store.placeable_host_bytes is _hardware.placeable_host_bytes
+    meminfo.update(MemTotal=16 * gib, MemAvailable=gib)  # a small host: the 2 GiB floor, and nothing left
+    assert _hardware.placeable_host_bytes() == (0, "MemAvailable less the 2.0 GiB reserve")
+    monkeypatch.setattr(_hardware, "available_host_bytes", lambda: None)
+    assert _hardware.placeable_host_bytes() is None
+
+
 def test_small_needs_print_in_mib(monkeypatch):
     from lightning_megatrain.engine import host_store
 
-    monkeypatch.setattr(host_store, "available_host_bytes", lambda: (1024, "cgroup memory.max"))
+    monkeypatch.setattr(host_store, "placeable_host_bytes", lambda: (1024, "cgroup memory.max"))
     with pytest.raises(RuntimeError, match=r"needs about [1-9][0-9.]* MiB more host RAM(.|\n)*only 0.0 MiB is "
                                            r"available \(cgroup memory.max\)"):
         host_store.check_host_memory([1 << 20], pinned=False)

@@ -157,7 +157,7 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
     assert overlappable(optimizer)
     total = 12 * sum(g.numel for g in forward)
     for module in (host_budget, host_store):
-        monkeypatch.setattr(module, "available_host_bytes", lambda: (total // 2, "MemAvailable"))
+        monkeypatch.setattr(module, "placeable_host_bytes", lambda: (total // 2, "MemAvailable"))
     # a CPU compute device cannot hold device groups: the host check's own refusal
     with pytest.raises(RuntimeError, match=r"needs about .* more host RAM for the grads and optimizer states"):
         host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)
@@ -168,5 +168,5 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
         host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 139 * GIB))
     host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)  # the GPU holds them: no refusal
-    monkeypatch.setattr(host_budget, "available_host_bytes", lambda: (total, "MemAvailable"))
+    monkeypatch.setattr(host_budget, "placeable_host_bytes", lambda: (total, "MemAvailable"))
     host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)  # the host holds all

@@ -113,7 +113,7 @@ def test_an_error_in_user_code_is_not_replaced_by_a_failed_overlapped_step(monke
 
 
 def test_too_little_host_ram_error():
-    with mock.patch.object(host_store, "available_host_bytes", return_value=(1024, "MemAvailable")):
+    with mock.patch.object(host_store, "placeable_host_bytes", return_value=(1024, "MemAvailable")):
         with pytest.raises(RuntimeError, match=r"needs about .* MiB more host RAM(.|\n)*\(MemAvailable\)"):
             cpu_trainer(strategy="megatrain").fit(ParityLM("llama_tied"))
 
@@ -123,7 +123,7 @@ def test_too_little_host_ram_for_the_optimizer_states_error():
     # once configure_optimizers ran, before any step
     module = ParityLM("llama_tied")
     n = sum(p.numel() for p in module.parameters())
-    with mock.patch.object(host_store, "available_host_bytes", return_value=(6 * n, "MemAvailable")):
+    with mock.patch.object(host_store, "placeable_host_bytes", return_value=(6 * n, "MemAvailable")):
         with pytest.raises(RuntimeError, match=r"needs about .* MiB more host RAM for the grads and optimizer "
                                                r"states of the first step(.|\n)*\(MemAvailable\)"):
             cpu_trainer(strategy="megatrain").fit(module)
