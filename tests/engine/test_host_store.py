@@ -166,7 +166,7 @@ def test_host_bound_is_the_smallest_of_meminfo_cgroup_and_rlimit(tmp_path, monke
 
 def test_placements_leave_the_host_reserve(monkeypatch):
     # [Note: host reserve]: what the engine places is MemAvailable (or the binding limit) less the planner's reserve of
-    # MemTotal, max(2 GiB, 3%); never negative; unknown stays unknown
+    # MemTotal, max(2 GiB, 3%), and the engine's own measured slack; never negative; unknown stays unknown
     from lightning_megatrain import _hardware
     from lightning_megatrain.engine import host_budget, host_store
 
@@ -174,12 +174,14 @@ def test_placements_leave_the_host_reserve(monkeypatch):
     meminfo = {"MemTotal": 128 * gib, "MemAvailable": 70 * gib}
     monkeypatch.setattr(_hardware, "meminfo_bytes", lambda field: meminfo.get(field))
     monkeypatch.setattr(_hardware, "available_host_bytes", lambda: (meminfo["MemAvailable"], "MemAvailable"))
-    reserve = int(0.03 * 128 * gib)
-    assert _hardware.placeable_host_bytes() == (70 * gib - reserve, "MemAvailable less the 3.8 GiB reserve")
+    reserve = int(0.03 * 128 * gib) + int(_hardware.ENGINE_HOST_SLACK_GIB * gib)
+    assert _hardware.placeable_host_bytes() == (70 * gib - reserve, "MemAvailable less the 9.8 GiB reserve")
     assert host_budget.placeable_host_bytes is _hardware.placeable_host_bytes  # the engine's checks read it
     assert host_store.placeable_host_bytes is _hardware.placeable_host_bytes
-    meminfo.update(MemTotal=16 * gib, MemAvailable=gib)  # a small host: the 2 GiB floor, and nothing left
-    assert _hardware.placeable_host_bytes() == (0, "MemAvailable less the 2.0 GiB reserve")
+    meminfo.update(MemTotal=16 * gib, MemAvailable=9 * gib)  # a small host: the 2 GiB floor, and nothing left
+    assert _hardware.placeable_host_bytes() == (gib, "MemAvailable less the 8.0 GiB reserve")
+    meminfo.update(MemAvailable=gib)
+    assert _hardware.placeable_host_bytes() == (0, "MemAvailable less the 8.0 GiB reserve")
     monkeypatch.setattr(_hardware, "available_host_bytes", lambda: None)
     assert _hardware.placeable_host_bytes() is None
 
