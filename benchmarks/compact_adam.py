@@ -7,7 +7,8 @@ which allocates the states and compiles, not counted). Memory traffic per parame
 ``compact_kahan`` 14 B; ``int8_moments`` 16 B. The kernels are optim/compact_adam.py's, through ``torch.compile``
 unless ``--eager``.
 
-Usage (on the H200's 16-core host: the rates the planner quotes):
+Usage (on the H200's 16-core host: the rates the planner quotes; each row prints as it ends, with its first step,
+which on a fresh machine builds DeepSpeed's extension and compiles the kernels: give it several minutes):
     python benchmarks/compact_adam.py --params 1.6e9 --layers 16 --out DIR     (writes DIR/compact_adam.json)
     python benchmarks/compact_adam.py --dry-run --out DIR                      (tiny, eager: checks the code path)
 """
@@ -38,8 +39,8 @@ SYSTEMS = {
     **{name: (layout.weight_dtype, layout.grad_dtype, (layout.weights, layout.moments),
               sum(layout.bytes_per_param().values())) for name, layout in LAYOUTS.items()},
 }
-ROW_KEYS = ("system", "params", "threads", "state_bytes_per_param", "compiled", "step_s", "gparam_per_s",
-            "vs_deepspeed", "error")
+ROW_KEYS = ("system", "params", "threads", "state_bytes_per_param", "compiled", "first_step_s", "step_s",
+            "gparam_per_s", "vs_deepspeed", "error")
 
 
 def _params(n_layers: int, per_layer: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -63,12 +64,14 @@ def _optimizer(system: str, params: list[torch.nn.Parameter], eager: bool) -> to
 def measure(system: str, n_layers: int, per_layer: int, repeats: int, eager: bool) -> dict:
     dtype, grad_dtype, formats, state_bytes = SYSTEMS[system]
     row = {"system": system, "params": n_layers * per_layer, "threads": torch.get_num_threads(),
-           "state_bytes_per_param": state_bytes, "compiled": formats is not None and not eager, "step_s": None,
-           "gparam_per_s": None, "vs_deepspeed": None, "error": None}
+           "state_bytes_per_param": state_bytes, "compiled": formats is not None and not eager, "first_step_s": None,
+           "step_s": None, "gparam_per_s": None, "vs_deepspeed": None, "error": None}
     try:
         params = _params(n_layers, per_layer, dtype, grad_dtype)
         opt = _optimizer(system, params, eager)
-        opt.step()  # allocates the states (and compiles)
+        t = time.perf_counter()
+        opt.step()  # allocates the states (and compiles; DeepSpeed's first use builds its extension)
+        row["first_step_s"] = time.perf_counter() - t
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
@@ -111,7 +114,10 @@ def main() -> None:
     if unknown:
         parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
     per_layer = int(args.params / args.layers)
-    rows = [measure(s, args.layers, per_layer, args.repeats, args.eager) for s in systems]
+    rows = []
+    for system in systems:  # one line each as it ends: a run cut by a time limit keeps what it measured
+        rows.append(measure(system, args.layers, per_layer, args.repeats, args.eager))
+        print(json.dumps(rows[-1]), flush=True)
     reference = next((r["gparam_per_s"] for r in rows if r["system"] == "deepspeed" and not r["error"]), None)
     for r in rows:
         if reference and r["gparam_per_s"]:
