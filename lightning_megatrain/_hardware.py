@@ -57,7 +57,7 @@ def host_rss_gib(field: str = "VmRSS") -> float | None:
     return None
 
 
-# Host RAM left to the OS, other processes and what the engine cannot count ([Note: host reserve]): max(MIN_GIB,
+# Host RAM left to the OS and other processes ([Note: host reserve]): max(MIN_GIB,
 # FRACTION x MemTotal). The planner leaves it of MemTotal; the engine leaves it of what MemAvailable says when it
 # places anything on the host. MemTotal counts the kernel's own memory, the page cache the data loader reads through,
 # sshd, shells and monitoring; pinned memory cannot be swapped out, so a plan at 125.9 of 128 GiB leaves them nothing
