@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -145,8 +146,10 @@ def main() -> None:
     print("planned:", prediction["verdict"], flush=True)
     if args.host_gib is not None:
         force_host_limit(args.host_gib)
-    sampler = HostSampler(Path(args.out).with_suffix(".host-samples.txt"))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    # a dry run writes no result, so its samples go to a temporary folder
+    samples = Path(tempfile.mkdtemp()) if args.dry_run else Path(args.out).parent
+    samples.mkdir(parents=True, exist_ok=True)
+    sampler = HostSampler(samples / Path(args.out).with_suffix(".host-samples.txt").name)
     sampler.start()
 
     times: list[float] = []

@@ -358,3 +358,9 @@ def test_memory_pool_benchmark_dry_run():
     assert row["model"] == "tiny-llama" and row["measured"]["gpu_optimizer_groups"] == 0
     assert row["measured"]["tokens_per_s"] > 0 and row["measured"]["peak_host_rss_gib"] > 0
     assert row["planned"]["fits"] and {"host_gib", "gpu_peak_gib", "tokens_per_s"} <= set(row["planned"])
+    # the host sampler ([Note: host reserve]): the machine's free memory and this process's RSS, one line a sample
+    samples = row["host_samples"]
+    assert 0 < samples["max_rss_gib"] and 0 < samples["min_mem_available_gib"] < float("inf")
+    lines = Path(samples["samples"]).read_text().splitlines()
+    assert lines[0].split() == ["t_s", "mem_available_gib", "rss_gib", "children_rss_gib", "children"]
+    assert len(lines) >= 2 and not Path("benchmarks/results/memory-pool-h200.host-samples.txt").exists()
