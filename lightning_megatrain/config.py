@@ -187,6 +187,14 @@ class EngineConfig:
         # gpu_optimizer_groups hold optimizer states: none without an optimizer step
         return self if fitting else self.replace(gpu_optimizer_groups=0)
 
+    def checkpoints_unplanned(self) -> tuple[int, int, int]:
+        """``(segment_layers, device_checkpoints, sub_segment_layers)`` where nothing plans them: each ``"auto"`` as
+        the engine runs without a plan (one checkpoint per layer, none on the GPU, flat segments: 1, 0, 1), explicit
+        values as given. The one home of that rule (a CPU device, several ranks, a batch or module the planner cannot
+        read, a plan that fits nothing)."""
+        k, n, m = self.segment_layers, self.device_checkpoints, self.sub_segment_layers
+        return 1 if k == "auto" else k, 0 if n == "auto" else n, 1 if m == "auto" else m
+
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -217,11 +217,7 @@ class MegaTrainEngine(FirstBatchPlacement):
             self.config.segment_layers, self.config.device_checkpoints, self.config.sub_segment_layers
         )
         self._placed_tokens = 0
-        self.streamed.segments.configure(
-            self.config.segment_layers if isinstance(self.config.segment_layers, int) else 1,
-            self.config.device_checkpoints if isinstance(self.config.device_checkpoints, int) else 0,
-            self.config.sub_segment_layers if isinstance(self.config.sub_segment_layers, int) else 1,
-        )
+        self.streamed.segments.configure(*self.config.checkpoints_unplanned())
         if self.config.seq_tile is not None:  # tiled per call, from each row's length ([Note: sequence tiles])
             self.tiles = SequenceTiles(stack, self.config.seq_tile)
             self.tiles.install()

@@ -58,7 +58,7 @@ class FirstBatchPlacement:
     placement_pending: bool
     _unsettled: list[torch.optim.Optimizer]
     _grads_deferred: bool
-    _checkpoint_options: tuple[Any, Any]
+    _checkpoint_options: tuple[Any, Any, Any]  # segment_layers, device_checkpoints, sub_segment_layers as given
     _placed_tokens: int
     on_cuda: bool
     flat_groups: list[FlatGroup]
@@ -152,9 +152,7 @@ class FirstBatchPlacement:
         given = dict(zip(("segment_layers", "device_checkpoints", "sub_segment_layers"), self._checkpoint_options))
         auto = [name for name, value in given.items() if value == "auto"]
         if shape is None or hf_config is None:
-            k, n, m = (1 if "segment_layers" in auto else given["segment_layers"],
-                       0 if "device_checkpoints" in auto else given["device_checkpoints"],
-                       1 if "sub_segment_layers" in auto else given["sub_segment_layers"])
+            k, n, m = self.config.replace(**given).checkpoints_unplanned()
             why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
         else:
             host_groups = self._host_groups()

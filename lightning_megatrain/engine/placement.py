@@ -298,9 +298,7 @@ def choose_checkpoints(
             the GPU peak and limit of the closest placement, and a HINT with the longest sequence that fits this
             machine at this micro-batch (a multiple of 1024).
     """
-    k = 1 if config.segment_layers == "auto" else config.segment_layers
-    n = 0 if config.device_checkpoints == "auto" else config.device_checkpoints
-    m = 1 if config.sub_segment_layers == "auto" else config.sub_segment_layers
+    k, n, m = config.checkpoints_unplanned()
     try:
         placed, longest = place_checkpoints(
             hf_config,

@@ -100,13 +100,14 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
         raise ValueError(f"MegaTrainStrategy with {world} ranks does not support:\n- " + "\n- ".join(problems))
     # every rank must issue the same collectives: a kept layer skips its gather in backward and a segment replays
     # its layers, so "auto", which each rank would decide from its own free memory and batch, is fixed instead
+    segment_layers, _, sub_segment_layers = config.checkpoints_unplanned()
     return config.replace(
         overlap_optimizer=False,
         update_during_backward=False,
         gpu_optimizer_groups=0,
         keep_layers=0 if config.keep_layers == "auto" else config.keep_layers,
-        segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
-        sub_segment_layers=1 if config.sub_segment_layers == "auto" else config.sub_segment_layers,
+        segment_layers=segment_layers,
+        sub_segment_layers=sub_segment_layers,
     )
 
 

@@ -253,13 +253,10 @@ def planned_placement(s: _Shape, micro_batch: int, seq_len: int, config: EngineC
     tables show what that needs, explicit values as given. Without offload every checkpoint stays on the GPU."""
     placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free if offload else 1 << 62,
                    gpu_limit=gpu_limit)
-    m = 1 if config.sub_segment_layers == "auto" else config.sub_segment_layers
+    k, n, m = config.checkpoints_unplanned()
     if not offload:
-        k = 1 if config.segment_layers == "auto" else config.segment_layers
         return dataclasses.replace(placed, segment_layers=k, sub_segment_layers=m, device_checkpoints=0, host_need=0,
                                    why="no activation offload: every checkpoint stays on the GPU")
     if placed.fits:
         return placed
-    return dataclasses.replace(placed, segment_layers=1 if config.segment_layers == "auto" else config.segment_layers,
-                               sub_segment_layers=m, device_checkpoints=0 if config.device_checkpoints == "auto"
-                               else config.device_checkpoints)
+    return dataclasses.replace(placed, segment_layers=k, sub_segment_layers=m, device_checkpoints=n)

@@ -97,6 +97,17 @@ def test_arguments_become_one_engine_config():
     )
 
 
+def test_checkpoints_unplanned_is_one_checkpoint_per_layer_unless_given():
+    # the one home of "auto" where nothing plans the checkpoints (a CPU device, several ranks, no HF config, a plan
+    # that fits nothing): one per layer, none on the GPU, flat segments; explicit values kept
+    from lightning_megatrain.config import EngineConfig
+
+    assert EngineConfig().checkpoints_unplanned() == (1, 0, 1)
+    given = EngineConfig(segment_layers=6, device_checkpoints=4, sub_segment_layers=2)
+    assert given.checkpoints_unplanned() == (6, 4, 2)
+    assert EngineConfig(segment_layers=3).checkpoints_unplanned() == (3, 0, 1)
+
+
 def test_host_residency_after_setup():
     module = ParityLM("llama_untied")
 
