@@ -363,4 +363,4 @@ def test_memory_pool_benchmark_dry_run():
     assert 0 < samples["max_rss_gib"] and 0 < samples["min_mem_available_gib"] < float("inf")
     lines = Path(samples["samples"]).read_text().splitlines()
     assert lines[0].split() == ["t_s", "mem_available_gib", "rss_gib", "children_rss_gib", "children"]
-    assert len(lines) >= 2 and not Path("benchmarks/results/memory-pool-h200.host-samples.txt").exists()
+    assert len(lines) >= 2 and not (BENCH / "results" / "memory-pool-h200.host-samples.txt").exists()

@@ -120,7 +120,8 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: host_state=%r steps CompactAdamW on the host; the device "
                  "groups hold fp32 state)", config.host_state)
-    for name, value in (("segment_layers", 1), ("device_checkpoints", 0), ("sub_segment_layers", 1)):
+    unplanned = zip(("segment_layers", "device_checkpoints", "sub_segment_layers"), config.checkpoints_unplanned())
+    for name, value in unplanned:
         if getattr(config, name) == "auto" and not on_cuda:
             changes[name] = value
             log.info("MegaTrain: %s=%d (auto: CPU compute device, layer inputs stay in host memory)", name, value)

@@ -139,9 +139,8 @@ def place(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
         if closest is None or miss < closest[0]:
             closest = (miss, k, m, n)
     # nothing fits: the numbers of the floor (one checkpoint per layer, none on the GPU) and of the closest candidate
-    k0 = 1 if auto_k else config.segment_layers
-    m0 = 1 if auto_m else config.sub_segment_layers
-    n0 = 0 if auto_n else min(config.device_checkpoints, checkpoints(s, k0))
+    k0, n0, m0 = config.checkpoints_unplanned()
+    n0 = min(n0, checkpoints(s, k0))
     given = "" if auto_k and auto_n and auto_m else (
         f" with segment_layers={config.segment_layers!r}, sub_segment_layers={config.sub_segment_layers!r}, "
         f"device_checkpoints={config.device_checkpoints!r}")
