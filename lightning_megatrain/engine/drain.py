@@ -25,6 +25,16 @@ stream still reads them: a structural invariant, not bookkeeping (the GPU tests,
 path against plain training). ``wait_drained()`` is the only place the host waits for the device, once per optimizer
 step, on the training thread or, when grads land late (engine/optimizer_step.py, [Note: late grads]), on the optimizer
 step's worker.
+
+[Note: one drain on the device]
+A host group's drain holds device memory until its D2H has completed: the packed grads (and, accumulating, the
+uploaded host grads and their sum). When a layer's backward is faster than its grads' D2H (a wide layer at a small
+micro-batch), nothing else would keep the next layers' packs from piling up on the GPU while the D2H stream works
+through them; the planner counts one (planner/memory.py, "one layer's weight grads"). So ``drain`` takes one of
+``DEVICE_DRAINS`` slots before it packs, and the worker gives the slot back as soon as the copy's event has completed,
+before its host add: the D2H of layer i+1 still overlaps the backward of layer i (the training thread waits only when
+the D2H stream is a whole layer behind, when the step is bound by PCIe anyway). Device groups hold no drain buffers
+(their sum lives in the group) and take no slot.
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ from lightning_megatrain.engine.grad_norm import norm_sq
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.pinned import HostRegistry
 
+# Host-group drains whose device buffers may exist at once (see [Note: one drain on the device]).
+DEVICE_DRAINS = 1
+
 
 @dataclass
 class _Drain:
@@ -53,6 +66,7 @@ class _Drain:
     slab: Tensor | None  # 1D pinned host, [max layer numel]; None when the copy went straight into the grads
     done: torch.cuda.Event  # recorded by the D2H stream after the copy; waited on by the drain worker
     notify: Callable[[int], None] | None = None  # the landed hook when issued (engine/backward_updates.py)
+    holds_slot: bool = False  # holds one of the DEVICE_DRAINS slots, given back once ``done`` has completed
 
 
 def add_packed(group: FlatGroup, present: list[bool], packed: Tensor) -> None:
@@ -100,6 +114,8 @@ class GradDrain:
             self._free_slabs.put(registry.empty(max_numel, compute_dtype))
         self.slab_nbytes = 3 * max_numel * compute_dtype.itemsize  # pinned host bytes of the slabs
         self._pending: queue.Queue[_Drain | None] = queue.Queue()
+        # taken by drain() before it packs a host group's grads, given back by the worker once the copy is done
+        self._device_slots = threading.BoundedSemaphore(DEVICE_DRAINS)
         self._in_flight: dict[int, int] = {}  # layer index -> drains queued and not yet accumulated
         self._host_added = False  # a drain since take_host_added() left its host grads to a host add
         self._lock = threading.Lock()  # guards _in_flight between the training and the worker thread
@@ -116,6 +132,15 @@ class GradDrain:
         if index in self.device_groups:
             self._drain_device_group(index, grads)
             return
+        self._device_slots.acquire()  # [Note: one drain on the device]: waits while the last pack is still copied
+        try:
+            self._drain_host_group(index, grads, present)
+        except BaseException:
+            self._device_slots.release()  # nothing was queued (a CUDA OOM in the pack): the worker will not give it
+            raise
+
+    def _drain_host_group(self, index: int, grads: list[Tensor | None], present: list[bool]) -> None:
+        """Pack and send a host group's grads, holding a slot the queued ``_Drain`` hands to the worker."""
         group = self.groups[index]
         idle = self._count_in_flight(index)
         # See [Note: gradient drain] for the three paths.
@@ -143,7 +168,7 @@ class GradDrain:
                 self.d2h_stream.wait_event(packed_ready)
                 target[: packed.numel()].copy_(packed, non_blocking=True)
                 done.record(self.d2h_stream)
-        self._pending.put(_Drain(index, present, (packed,), slab, done, self.landed_hook))
+        self._pending.put(_Drain(index, present, (packed,), slab, done, self.landed_hook, holds_slot=True))
 
     def _drain_accumulating(
         self, index: int, packed: Tensor, packed_ready: torch.cuda.Event, done: torch.cuda.Event
@@ -167,7 +192,7 @@ class GradDrain:
             group.grad.copy_(summed, non_blocking=True)
             done.record(self.d2h_stream)
         self._pending.put(_Drain(index, [True] * len(group.params), (packed, uploaded_grads, total, summed), None,
-                                 done, self.landed_hook))
+                                 done, self.landed_hook, holds_slot=True))
 
     def _count_in_flight(self, index: int) -> bool:
         """Count one more drain of layer ``index`` for the worker; True when none was in flight (the worker is done
@@ -215,6 +240,7 @@ class GradDrain:
             try:
                 item.done.synchronize()
                 del item.device  # the D2H has completed: the allocator may reuse the device buffers now
+                self._give_back_slot(item)
                 group = self.groups[item.index]
                 if item.slab is None:
                     group.attach_grads(item.present)
@@ -225,11 +251,17 @@ class GradDrain:
             except BaseException as e:  # surfaced on the training thread by the next drain/wait_drained
                 self._error = e
             finally:
+                self._give_back_slot(item)  # a failed copy gives its slot back too
                 if item.slab is not None:
                     self._free_slabs.put(item.slab)
                 with self._lock:
                     self._in_flight[item.index] -= 1
                 self._pending.task_done()
+
+    def _give_back_slot(self, item: _Drain) -> None:
+        if item.holds_slot:
+            item.holds_slot = False
+            self._device_slots.release()
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.engine.discovery import tensor_slots
-from lightning_megatrain.engine.drain import GradDrain, _Drain, add_packed
+from lightning_megatrain.engine.drain import DEVICE_DRAINS, GradDrain, _Drain, add_packed
 from lightning_megatrain.engine.host_store import pack_group
 
 SHAPES = ((3, 4), (5,), (2, 2))
@@ -147,3 +147,38 @@ def test_a_worker_failure_surfaces_on_the_training_thread_once(drain):
     with pytest.raises(RuntimeError, match="gradient drain worker failed"):
         drain.drain(0, [None, None, None])  # the next layer's drain reports it before queueing anything
     drain.drain(0, [None, None, None])  # no grads: nothing to send
+
+
+def test_the_slot_comes_back_once_the_copy_is_done_before_the_host_add(drain):
+    # [Note: one drain on the device]: the next drain may pack once this one's D2H has completed; the host add
+    # (here: the landed hook, called after it) does not hold the slot
+    assert DEVICE_DRAINS == 1
+    free_at_hook = []
+    drain._device_slots.acquire()  # what drain() takes before it packs
+    done = _Done(done=False)
+    drain._count_in_flight(0)
+    drain._pending.put(_Drain(0, [True] * 3, (torch.randn(3),), None, done,
+                              lambda index: free_at_hook.append(_slot_is_free(drain)), holds_slot=True))
+    assert done.waited.wait(timeout=10)
+    assert not drain._device_slots.acquire(blocking=False)  # the copy is in flight: a second pack would wait
+    done.opened.set()
+    drain.wait_drained()
+    assert free_at_hook == [True]
+    assert _slot_is_free(drain)
+
+
+def test_a_failed_copy_gives_its_slot_back(drain):
+    drain._device_slots.acquire()
+    drain._count_in_flight(0)
+    drain._pending.put(_Drain(0, [True] * 3, (), None, _Done(error=ValueError("boom")), holds_slot=True))
+    with pytest.raises(RuntimeError, match="gradient drain worker failed"):
+        drain.wait_drained()
+    assert _slot_is_free(drain)
+
+
+def _slot_is_free(drain: GradDrain) -> bool:
+    """Whether a drain could take a slot now (taken and given back at once)."""
+    if not drain._device_slots.acquire(blocking=False):
+        return False
+    drain._device_slots.release()
+    return True
