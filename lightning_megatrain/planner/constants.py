@@ -33,11 +33,11 @@ PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (_hardwar
 # --- Host -------------------------------------------------------------------------------------------------------------
 CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s
 TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the overlapped step runs)
-# CompactAdamW (optim/compact_adam.py), compiled, for host_state other than fp32: ASSUMED equal to torch fused AdamW's
-# rate, not measured on the H200's host (benchmarks/compact_adam.py measures it). On 2 loaded cores elsewhere the
-# compiled kernel ran at 0.3x fused AdamW's rate on one core, where fused AdamW is not memory-bound; on 16 cores
-# fused AdamW is (28 B/param), the compact kernel moves 10-16 B/param and is compute-bound.
-COMPACT_ADAM_GPARAMS = TORCH_ADAM_GPARAMS
+# CompactAdamW (optim/compact_adam.py), compiled, for host_state other than fp32: measured on the H200's host, 16
+# threads, 0.8B parameters in 8 tensors (benchmarks/results/2026-12-03-compact-adam-h200-a233b00.log): int8_moments
+# 0.55 Gparam/s against torch fused AdamW's 4.43 in the same run; compact and compact_kahan did not finish inside that
+# command's limit (an earlier, unkept run: 0.60 and 0.62). The kernel is compute-bound (docs/compact-state.md, Speed).
+COMPACT_ADAM_GPARAMS = 0.55
 CPU_REF_CORES = 16  # the cores those rates were measured on; a plan scales them linearly to its cores
 HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s
 HOST_REF_GIB = 128.0  # host RAM of the H200's host: a plan's limit where this machine's is unknown
