@@ -4,8 +4,10 @@ Each system steps the same layer-shaped parameters (``--layers`` flat tensors of
 random gradients; the figure is parameters updated per second (median of ``--repeats`` full steps, the first step,
 which allocates the states and compiles, not counted). Memory traffic per parameter (read + write): fp32 AdamW 28 B
 (p, g, m, v read; p, m, v written); ``compact`` 10 B (bf16 p and g, 8-bit m and v read; p, m, v written);
-``compact_kahan`` 14 B; ``int8_moments`` 16 B. The kernels are optim/compact_adam.py's, through ``torch.compile``
-unless ``--eager``.
+``compact_kahan`` 14 B; ``int8_moments`` 16 B. The kernels are optim/compact_adam.py's: the native single-pass
+kernel for these 8-bit layouts on the CPU (optim/compact_kernel.py, built on the first step); ``--kernel compiled``
+measures inductor's kernel instead (what runs where the native one does not build), ``--kernel eager`` the eager
+ops.
 
 Usage (on the H200's 16-core host: the rates the planner quotes; each row prints as it ends, with its first step,
 which on a fresh machine builds DeepSpeed's extension and compiles the kernels: give it several minutes):
@@ -28,6 +30,7 @@ import torch
 # the GPU machine's copy of the tree has the package uninstalled: import it from this checkout
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lightning_megatrain.optim import compact_kernel  # noqa: E402
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW  # noqa: E402
 from lightning_megatrain.optim.host_optimizer import to_host_optimizer  # noqa: E402
 
@@ -39,8 +42,8 @@ SYSTEMS = {
     **{name: (layout.weight_dtype, layout.grad_dtype, (layout.weights, layout.moments),
               sum(layout.bytes_per_param().values())) for name, layout in LAYOUTS.items()},
 }
-ROW_KEYS = ("system", "params", "threads", "state_bytes_per_param", "compiled", "first_step_s", "step_s",
-            "gparam_per_s", "vs_deepspeed", "error")
+ROW_KEYS = ("system", "params", "threads", "state_bytes_per_param", "kernel", "first_step_s", "step_s",
+            "gparam_per_s", "vs_torch_fused", "vs_deepspeed", "error")
 
 
 def _params(n_layers: int, per_layer: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -52,23 +55,34 @@ def _params(n_layers: int, per_layer: int, dtype: torch.dtype, grad_dtype: torch
     return params
 
 
-def _optimizer(system: str, params: list[torch.nn.Parameter], eager: bool) -> torch.optim.Optimizer:
+def _optimizer(system: str, params: list[torch.nn.Parameter], kernel: str) -> torch.optim.Optimizer:
     formats = SYSTEMS[system][2]
     if formats is None:
         return to_host_optimizer(torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1),
                                  "torch" if system == "torch_fused" else "deepspeed")
     weights, moments = formats
-    return CompactAdamW(params, lr=1e-4, weight_decay=0.1, weights=weights, moments=moments, compile=not eager)
+    return CompactAdamW(params, lr=1e-4, weight_decay=0.1, weights=weights, moments=moments, compile=kernel != "eager")
 
 
-def measure(system: str, n_layers: int, per_layer: int, repeats: int, eager: bool) -> dict:
+def _kernel(system: str, kernel: str) -> str:
+    """Which kernel a system's step runs: torch's or DeepSpeed's, else CompactAdamW's native, compiled or eager one
+    (``--kernel``: "auto" is the native one where it builds)."""
+    if SYSTEMS[system][2] is None:
+        return {"torch_fused": "torch fused", "deepspeed": "DeepSpeedCPUAdam"}[system]
+    if kernel == "auto":
+        probe = torch.zeros(1)
+        return "native" if compact_kernel.runs(probe, probe, "int8") else "compiled"
+    return kernel
+
+
+def measure(system: str, n_layers: int, per_layer: int, repeats: int, kernel: str) -> dict:
     dtype, grad_dtype, formats, state_bytes = SYSTEMS[system]
     row = {"system": system, "params": n_layers * per_layer, "threads": torch.get_num_threads(),
-           "state_bytes_per_param": state_bytes, "compiled": formats is not None and not eager, "first_step_s": None,
-           "step_s": None, "gparam_per_s": None, "vs_deepspeed": None, "error": None}
+           "state_bytes_per_param": state_bytes, "kernel": _kernel(system, kernel), "first_step_s": None,
+           "step_s": None, "gparam_per_s": None, "vs_torch_fused": None, "vs_deepspeed": None, "error": None}
     try:
         params = _params(n_layers, per_layer, dtype, grad_dtype)
-        opt = _optimizer(system, params, eager)
+        opt = _optimizer(system, params, kernel)
         t = time.perf_counter()
         opt.step()  # allocates the states (and compiles; DeepSpeed's first use builds its extension)
         row["first_step_s"] = time.perf_counter() - t
@@ -86,14 +100,15 @@ def measure(system: str, n_layers: int, per_layer: int, repeats: int, eager: boo
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| system | state B/param | compiled | step s | Gparam/s | vs DeepSpeedCPUAdam |", "| --- " * 6 + "|"]
+    lines = ["| system | state B/param | kernel | step s | Gparam/s | vs torch fused | vs DeepSpeedCPUAdam |",
+             "| --- " * 7 + "|"]
     for r in rows:
         if r["error"]:
             lines.append(f"| {r['system']} | {r['state_bytes_per_param']:.2f} | | | error: {r['error'][:60]} | |")
             continue
-        ratio = f"{r['vs_deepspeed']:.2f}x" if r["vs_deepspeed"] else ""
-        lines.append(f"| {r['system']} | {r['state_bytes_per_param']:.2f} | {r['compiled']} | {r['step_s']:.3f} | "
-                     f"{r['gparam_per_s']:.2f} | {ratio} |")
+        ratios = [f"{r[k]:.2f}x" if r[k] else "" for k in ("vs_torch_fused", "vs_deepspeed")]
+        lines.append(f"| {r['system']} | {r['state_bytes_per_param']:.2f} | {r['kernel']} | {r['step_s']:.3f} | "
+                     f"{r['gparam_per_s']:.2f} | {' | '.join(ratios)} |")
     return "\n".join(lines)
 
 
@@ -103,12 +118,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
-    parser.add_argument("--eager", action="store_true", help="CompactAdamW without torch.compile")
+    parser.add_argument("--kernel", choices=("auto", "compiled", "eager"), default="auto",
+                        help="CompactAdamW's kernel: auto (native where it builds), compiled (inductor), eager")
     parser.add_argument("--dry-run", action="store_true", help="2 layers of 2**16, 1 repeat, eager")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
+    if args.kernel == "compiled":
+        compact_kernel.runs = lambda *a: False  # inductor's kernel for every layout
     if args.dry_run:
-        args.params, args.layers, args.repeats, args.eager = 2 * 2**16, 2, 1, True
+        args.params, args.layers, args.repeats, args.kernel = 2 * 2**16, 2, 1, "eager"
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -116,15 +134,16 @@ def main() -> None:
     per_layer = int(args.params / args.layers)
     rows = []
     for system in systems:  # one line each as it ends: a run cut by a time limit keeps what it measured
-        rows.append(measure(system, args.layers, per_layer, args.repeats, args.eager))
+        rows.append(measure(system, args.layers, per_layer, args.repeats, args.kernel))
         print(json.dumps(rows[-1]), flush=True)
-    reference = next((r["gparam_per_s"] for r in rows if r["system"] == "deepspeed" and not r["error"]), None)
-    for r in rows:
-        if reference and r["gparam_per_s"]:
-            r["vs_deepspeed"] = r["gparam_per_s"] / reference
+    for system, key in (("torch_fused", "vs_torch_fused"), ("deepspeed", "vs_deepspeed")):
+        reference = next((r["gparam_per_s"] for r in rows if r["system"] == system and not r["error"]), None)
+        for r in rows:
+            if reference and r["gparam_per_s"]:
+                r[key] = r["gparam_per_s"] / reference
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compact_adam.json"), "w") as f:
-        json.dump({"dry_run": args.dry_run, "results": rows}, f, indent=1)
+        json.dump({"dry_run": args.dry_run, "kernel": args.kernel, "results": rows}, f, indent=1)
     print(table(rows))
 
 

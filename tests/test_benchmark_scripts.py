@@ -325,8 +325,10 @@ def test_compact_adam_dry_run_rows(tmp_path):
     assert meta["dry_run"] is True and [r["system"] for r in rows] == systems.split(",")
     for r in rows:
         assert set(compact_adam.ROW_KEYS) == r.keys() and r["error"] is None, r
-        assert r["params"] == 2 * 2**16 and r["gparam_per_s"] > 0 and r["compiled"] is False
-        assert f"| {r['system']} | {r['state_bytes_per_param']:.2f} | False |" in stdout
+        kernel = "torch fused" if r["system"] == "torch_fused" else "eager"
+        assert r["params"] == 2 * 2**16 and r["gparam_per_s"] > 0 and r["kernel"] == kernel
+        assert f"| {r['system']} | {r['state_bytes_per_param']:.2f} | {kernel} |" in stdout
+        assert r["vs_torch_fused"] == pytest.approx(r["gparam_per_s"] / rows[0]["gparam_per_s"])
     assert [r["state_bytes_per_param"] for r in rows] == [16.0, 6.03125, 8.03125, 10.03125]
 
 

@@ -25,9 +25,10 @@ they arrive and summed across micro-batches in that dtype by whoever writes them
 state lives on the parameter's device (the step count on the CPU, as in torch's AdamW), so the same kernel runs on GPU
 parameters (benchmarks/compact_quality.py trains with it there).
 
-Speed: the kernel runs through ``torch.compile`` (inductor's C++/OpenMP backend fuses the chunk into one or two
-passes over memory) where it builds, else as eager torch ops (many passes, several times slower);
-``benchmarks/compact_adam.py`` measures both against torch's fused AdamW and DeepSpeedCPUAdam.
+Speed: CPU parameters with 8-bit moments run the native single-pass kernel (optim/compact_kernel.py, [Note: native
+compact kernel]); the rest runs through ``torch.compile`` (inductor's C++/OpenMP backend, several passes over fp32
+temporaries) where it builds, else as eager torch ops (many passes, several times slower). ``compile=False`` runs
+the eager ops. ``benchmarks/compact_adam.py`` measures them against torch's fused AdamW and DeepSpeedCPUAdam.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_megatrain import mapped
+from lightning_megatrain.optim import compact_kernel
 from lightning_megatrain.optim.rounding import (
     BLOCK,
     decode_signed,
@@ -194,18 +196,24 @@ def adamw_update(
         state: :func:`new_state`'s entries; ``state["step"]`` is incremented here.
         seed: the stochastic rounding's seed for this parameter and step (:func:`~optim.rounding.mix_seed`).
         grad_scale: factor the gradient is multiplied by first (the clipping coefficient).
-        compile: run the chunk update through ``torch.compile`` (falls back to eager, logged once, if it fails).
+        compile: the native kernel where ``compact_kernel.runs`` says so, else the chunk update through
+            ``torch.compile`` (falls back to eager, logged once, if it fails); False: eager ops.
     """
     global _compile_failure
     state["step"] += 1
     step = float(state["step"])
     beta1, beta2 = betas
-    # fills, not copies: no host-device sync when the parameter is on a GPU
     bc2_sqrt = (1 - beta2**step) ** 0.5
-    scalars = tuple(torch.full((), value, dtype=torch.float32, device=w.device) for value in (
-        -lr / (1 - beta1**step), bc2_sqrt, 1.0 / bc2_sqrt, 1 - lr * weight_decay if decoupled else 1.0,
-        float(grad_scale), 1 - beta1))
+    values = (-lr / (1 - beta1**step), bc2_sqrt, 1.0 / bc2_sqrt, 1 - lr * weight_decay if decoupled else 1.0,
+              float(grad_scale), 1 - beta1)
     coupled = None if decoupled or weight_decay == 0 else weight_decay
+    if compile and compact_kernel.runs(w, g, moments):  # [Note: native compact kernel]
+        compact_kernel.update(w, g, state, seed=seed, neg_step_size=values[0], inv_bc2_sqrt=values[2],
+                              decay=values[3], grad_scale=values[4], one_minus_beta1=values[5], beta2=beta2, eps=eps,
+                              coupled_decay=coupled, weights=weights)
+        return
+    # fills, not copies: no host-device sync when the parameter is on a GPU
+    scalars = tuple(torch.full((), value, dtype=torch.float32, device=w.device) for value in values)
     hyper = dict(beta2=beta2, eps=eps, coupled_decay=coupled, weights=weights, moments=moments)
     m, v, comp = state["exp_avg"], state["exp_avg_sq"], state.get("compensation")
     m_scale, v_scale = state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")
@@ -248,8 +256,9 @@ class CompactAdamW(Optimizer):
         moments: ``"int8"`` (8-bit block-quantized m and v, [Note: 8-bit moments]) or ``"fp32"``.
         seed: the stochastic rounding's seed; the bits of step t of parameter i derive from (seed, t, i), so a
             resumed run rounds as the uninterrupted one.
-        compile: run the update through ``torch.compile`` (``"auto"``: yes, falling back to eager ops if it does
-            not build). Not saved in the state dict.
+        compile: run the fast kernels: the native one for CPU parameters with 8-bit moments, ``torch.compile``
+            for the rest (``"auto"``: yes, falling back to eager ops where they do not build); False: eager ops.
+            Not saved in the state dict.
 
     Raises:
         ValueError: an unknown ``weights``, ``moments`` or ``compile``; a state dict saved with other formats.

@@ -83,7 +83,7 @@ def bf16_loop(host_state: str, *, accumulate: int, clip: float | None, steps: in
                 if g is not None:
                     adamw_update(w.view(-1), g.reshape(-1), state, lr=LR * GAMMA**step, betas=(0.9, 0.999), eps=1e-8,
                                  weight_decay=WD, decoupled=True, weights=WEIGHTS[host_state], moments="int8",
-                                 seed=mix_seed(0, step + 1, k), grad_scale=coef)
+                                 seed=mix_seed(0, step + 1, k), grad_scale=coef, compile=True)
     return masters, losses, coefs
 
 

@@ -30,7 +30,9 @@ from helpers.trainers import cpu_trainer
 
 @pytest.fixture(autouse=True)
 def eager_kernel(monkeypatch):
-    """The compact kernel runs eagerly (inductor's C++ build would take minutes on a test machine's 2 cores)."""
+    """No inductor build of the compact kernel (minutes on a test machine's 2 cores): CPU parameters with 8-bit
+    moments run the native kernel (optim/compact_kernel.py), in the engine and in the reference loop alike; the rest
+    runs eagerly."""
     monkeypatch.setattr(compact_adam, "_compile_failure", "eager in tests")
 
 

@@ -1,0 +1,112 @@
+"""lightning_megatrain.optim.compact_kernel ([Note: native compact kernel]): the native AdamW over 8-bit moments gives
+the eager kernel's weights, codes and scales (within the last unit: torch's CPU square root is not correctly rounded,
+the native one is), whatever the number of threads and across a tensor's partial last block; it saves and resumes
+bit for bit; without a compiler the compiled kernel runs instead, with one warning."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+
+from lightning_megatrain.optim import compact_kernel
+from lightning_megatrain.optim.compact_adam import CompactAdamW, adamw_update, new_state
+from lightning_megatrain.optim.rounding import BLOCK
+
+N = 9 * BLOCK + 37  # nine whole blocks and a partial one
+
+
+def _steps(weights, grad_dtype, decoupled, native, n=N, steps=3):
+    torch.manual_seed(0)
+    w_dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    w = (torch.randn(n) * 0.1).to(w_dtype)
+    state = new_state(w, weights, "int8")
+    for step in range(steps):
+        g = (torch.randn(n) * torch.logspace(-5, 0, n)).to(grad_dtype)  # magnitudes over 5 decades in each block
+        adamw_update(w, g, state, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1 if decoupled else 0.05,
+                     decoupled=decoupled, weights=weights, moments="int8", seed=4321 + step, grad_scale=0.7,
+                     compile=native)
+    return w, state
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16_sr", "bf16_kahan"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_native_kernel_matches_eager(weights, grad_dtype, decoupled):
+    """Three steps (clipping's factor, AdamW's decoupled or Adam's L2 decay): weights within 1e-6 norm-wise (fp32) or
+    one bf16 unit, codes within one step of the map, scales within 1e-5 relative (measured: fp32 weights differ in
+    the last bit in ~7% of elements, bf16 weights and codes are bitwise but for a handful)."""
+    assert compact_kernel.runs(torch.zeros(1), torch.zeros(1), "int8"), compact_kernel._failure
+    (w, s), (ref, s_ref) = _steps(weights, grad_dtype, decoupled, True), _steps(weights, grad_dtype, decoupled, False)
+    if weights == "fp32":
+        assert (w - ref).norm() <= 1e-6 * ref.norm()  # norm-wise: a weight near 0 makes any elementwise rtol moot
+    else:  # one bf16 unit: 2**-7 relative at most
+        assert ((w.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-30).all()
+        assert (w != ref).float().mean() < 0.01
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert (s[key].int() - s_ref[key].int()).abs().max() <= 1, key
+        assert (s[key] != s_ref[key]).float().mean() < 0.01, key
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        torch.testing.assert_close(s[key], s_ref[key], rtol=1e-5, atol=0)
+    if weights == "bf16_kahan":  # the compensation is each rounding's error: equal where the weights' rounding is
+        same = (w.float() + s["compensation"].float() - ref.float() - s_ref["compensation"].float()).abs()
+        assert same.max() <= ref.float().abs().max() * 2**-14
+
+
+def test_native_kernel_is_bitwise_whatever_the_threads():
+    """Blocks are independent: one thread and two give the same bits (the stochastic rounding's too)."""
+    before = torch.get_num_threads()
+    try:
+        out = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out.append(_steps("bf16_sr", torch.bfloat16, True, True, n=64 * BLOCK + 5))
+    finally:
+        torch.set_num_threads(before)
+    (a, sa), (b, sb) = out
+    assert torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("weights", ["bf16_sr", "bf16_kahan"])
+def test_native_kernel_saves_and_resumes_bit_exact(weights):
+    """Three steps, the state dict, three more: a new optimizer resumed on the saved weights ends on the same bits."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in ((40, 30), (3 * BLOCK + 7,))]
+    grads = [[torch.randn(p.shape) for p in params] for _ in range(6)]
+    opt = CompactAdamW(params, lr=1e-2, weights=weights)
+    buffer = io.BytesIO()
+    for k, step_grads in enumerate(grads):
+        if k == 3:
+            torch.save({"weights": [p.detach().clone() for p in params], "optim": opt.state_dict()}, buffer)
+        for p, g in zip(params, step_grads):
+            p.grad = g.bfloat16()
+        opt.step()
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = [torch.nn.Parameter(w) for w in saved["weights"]]
+    opt2 = CompactAdamW(resumed, lr=1e-2, weights=weights)
+    opt2.load_state_dict(saved["optim"])
+    for step_grads in grads[3:]:
+        for p, g in zip(resumed, step_grads):
+            p.grad = g.bfloat16()
+        opt2.step()
+    for a, b in zip(params, resumed):
+        assert torch.equal(a, b)
+        assert all(torch.equal(v, opt2.state[b][k]) for k, v in opt.state[a].items())
+
+
+def test_without_a_compiler_the_compiled_kernel_runs(monkeypatch, tmp_path, caplog):
+    """No C++ compiler: ``runs`` says no and one warning names the cause; ``adamw_update`` takes the other path."""
+    monkeypatch.setattr(compact_kernel, "_library", None)
+    monkeypatch.setattr(compact_kernel, "_failure", None)
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="lightning_megatrain.optim.compact_kernel"):
+        assert not compact_kernel.runs(torch.zeros(1), torch.zeros(1), "int8")
+        assert not compact_kernel.runs(torch.zeros(1), torch.zeros(1), "int8")  # tried once
+    assert [r.getMessage() for r in caplog.records] == [
+        "MegaTrain: the native compact AdamW kernel does not build (RuntimeError: no C++ compiler (c++, or $CXX) on "
+        "PATH); the compiled one runs instead (several times slower)"]
+    assert not list(tmp_path.iterdir())
