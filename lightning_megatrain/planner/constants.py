@@ -33,11 +33,14 @@ PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (_hardwar
 # --- Host -------------------------------------------------------------------------------------------------------------
 CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s
 TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the overlapped step runs)
-# CompactAdamW (optim/compact_adam.py), compiled, for host_state other than fp32: measured on the H200's host, 16
-# threads, 0.8B parameters in 8 tensors (benchmarks/results/2026-12-03-compact-adam-h200-a233b00.log): int8_moments
-# 0.55 Gparam/s against torch fused AdamW's 4.43 in the same run; compact and compact_kahan did not finish inside that
-# command's limit (an earlier, unkept run: 0.60 and 0.62). The kernel is compute-bound (docs/compact-state.md, Speed).
-COMPACT_ADAM_GPARAMS = 0.55
+# CompactAdamW (optim/compact_adam.py) for host_state other than fp32, on CPU parameters its native kernel
+# (optim/compact_kernel.py). ASSUMED, not measured on the H200's host: the native kernel's rate relative to torch's
+# fused AdamW on a 2-core AMD EPYC (0.66x: benchmarks/results/2026-12-03-compact-adam-2core-auto-*.json) applied to
+# TORCH_ADAM_GPARAMS. Measured there before it existed, inductor's kernel (still what runs where the native one does
+# not build): 0.55 Gparam/s on the H200's 16 cores, 0.12x torch's fused AdamW
+# (benchmarks/results/2026-12-03-compact-adam-h200-a233b00.log).
+COMPACT_ADAM_RATIO = 0.66
+COMPACT_ADAM_GPARAMS = COMPACT_ADAM_RATIO * TORCH_ADAM_GPARAMS
 CPU_REF_CORES = 16  # the cores those rates were measured on; a plan scales them linearly to its cores
 HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s
 HOST_REF_GIB = 128.0  # host RAM of the H200's host: a plan's limit where this machine's is unknown
