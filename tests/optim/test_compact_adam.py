@@ -203,14 +203,15 @@ def test_state_bytes_per_parameter():
         assert allocated == sum(layout.bytes_per_param().values()), name
 
 
+@pytest.mark.parametrize("compile", [False, True])  # eager ops; the native kernel (CPU, 8-bit moments)
 @pytest.mark.parametrize("weights", ["bf16_sr", "bf16_kahan"])
-def test_save_and_resume_are_bit_exact(weights):
+def test_save_and_resume_are_bit_exact(weights, compile):
     """Three steps, a state dict through torch.save, three more: a new optimizer on the saved weights resumes to
     the same weights and states bit for bit (the block scales stay fp32; the rounding bits follow the step)."""
     shapes = [(40, 30), (70,)]
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in shapes]
-    opt = CompactAdamW(params, lr=1e-2, weights=weights, compile=False)
+    opt = CompactAdamW(params, lr=1e-2, weights=weights, compile=compile)
     grads = _grads(shapes, 6)
     saved = None
     for k, step_grads in enumerate(grads):
@@ -223,7 +224,7 @@ def test_save_and_resume_are_bit_exact(weights):
         opt.step()
     loaded = torch.load(io.BytesIO(saved))
     resumed = [torch.nn.Parameter(w) for w in loaded["weights"]]
-    opt2 = CompactAdamW(resumed, lr=1e-2, weights=weights, compile=False)
+    opt2 = CompactAdamW(resumed, lr=1e-2, weights=weights, compile=compile)
     opt2.load_state_dict(loaded["optim"])
     assert opt2.state[resumed[0]]["exp_avg_scale"].dtype == torch.float32
     assert opt2.state[resumed[0]]["exp_avg"].dtype == torch.int8
