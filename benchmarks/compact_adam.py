@@ -70,8 +70,7 @@ def _kernel(system: str, kernel: str) -> str:
     if SYSTEMS[system][2] is None:
         return {"torch_fused": "torch fused", "deepspeed": "DeepSpeedCPUAdam"}[system]
     if kernel == "auto":
-        probe = torch.zeros(1)
-        return "native" if compact_kernel.runs(probe, probe, "int8") else "compiled"
+        return "native" if compact_kernel.library() is not None else "compiled"
     return kernel
 
 

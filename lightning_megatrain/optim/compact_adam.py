@@ -207,7 +207,7 @@ def adamw_update(
     values = (-lr / (1 - beta1**step), bc2_sqrt, 1.0 / bc2_sqrt, 1 - lr * weight_decay if decoupled else 1.0,
               float(grad_scale), 1 - beta1)
     coupled = None if decoupled or weight_decay == 0 else weight_decay
-    if compile and compact_kernel.runs(w, g, moments):  # [Note: native compact kernel]
+    if compile and compact_kernel.runs(w, g, state, weights, moments):  # [Note: native compact kernel]
         compact_kernel.update(w, g, state, seed=seed, neg_step_size=values[0], inv_bc2_sqrt=values[2],
                               decay=values[3], grad_scale=values[4], one_minus_beta1=values[5], beta2=beta2, eps=eps,
                               coupled_decay=coupled, weights=weights)

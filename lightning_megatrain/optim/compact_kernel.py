@@ -19,7 +19,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -51,25 +53,42 @@ def _build_dir() -> Path:
     return Path(root) / "megatrain_compact_adam" if root else Path.home() / ".cache" / "lightning_megatrain"
 
 
-def _build() -> ctypes.CDLL:
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++, or $CXX) on PATH")
-    key = hashlib.sha256("\n".join((SOURCE.read_text(), " ".join(FLAGS), compiler, _cpu_flags())).encode())
-    target = _build_dir() / f"compact_adam_{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
-            built = Path(tmp) / target.name
-            run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-500:]}")
-            os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
+def _compiler() -> list[str]:
+    """The compiler's command: ``$CXX`` (which may carry arguments, e.g. ``ccache g++``), else ``c++``."""
+    command = shlex.split(os.environ.get("CXX", "c++")) or ["c++"]
+    if shutil.which(command[0]) is None:
+        raise RuntimeError(f"no C++ compiler ({command[0]!r}: set $CXX) on PATH")
+    return command
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     f = lib.compact_adamw_int8
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 9 + [ctypes.c_int] * 4
     return lib
+
+
+def _build() -> ctypes.CDLL:
+    compiler = _compiler()
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join((SOURCE.read_text(), " ".join(FLAGS), " ".join(compiler), version,
+                                    _cpu_flags())).encode())
+    target = _build_dir() / f"compact_adam_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        try:
+            return _load(target)
+        except OSError:  # a damaged file from an interrupted copy or another machine: built again below
+            target.unlink(missing_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic
+        built = Path(tmp) / target.name
+        run = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+        if run.returncode != 0:
+            errors = [ln for ln in run.stderr.splitlines() if "error" in ln] or run.stderr.splitlines()[-3:]
+            raise RuntimeError(f"{' '.join(compiler)} failed: {' | '.join(errors[:3])}")
+        os.replace(built, target)
+    return _load(target)
 
 
 def library() -> ctypes.CDLL | None:
@@ -81,16 +100,25 @@ def library() -> ctypes.CDLL | None:
         except Exception as e:  # no compiler, a failed build, a library that does not load
             _failure = f"{type(e).__name__}: {e}"
             log.warning("MegaTrain: the native compact AdamW kernel does not build (%s); the compiled one runs "
-                        "instead (several times slower)", _failure.splitlines()[0])
+                        "instead (several times slower)", _failure)
     return _library
 
 
-def runs(w: Tensor, g: Tensor, moments: str) -> bool:
-    """Whether the native kernel updates this parameter: CPU tensors, 8-bit moments, an fp32 or bf16 gradient of
-    its length, and the kernel builds."""
-    return (moments == "int8" and w.device.type == "cpu" and g.device.type == "cpu" and g.numel() == w.numel()
-            and g.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and g.is_contiguous()
-            and library() is not None)
+def runs(w: Tensor, g: Tensor, state: dict[str, Tensor], weights: str, moments: str) -> bool:
+    """Whether the native kernel updates this parameter: 8-bit moments, every tensor it reads or writes on the CPU,
+    contiguous, of the dtype and length the formats say (anything else, e.g. a state loaded from another layout,
+    takes the other kernels: the native one checks nothing and would write past the tensors), and it builds."""
+    from lightning_megatrain.optim.compact_adam import state_spec  # compact_adam imports this module
+
+    if moments != "int8" or weights not in WEIGHT_CODES:
+        return False
+    n = w.numel()
+    want = {"w": (torch.float32 if weights == "fp32" else torch.bfloat16, (n,)), "g": (g.dtype, (n,)),
+            **{k: spec for k, spec in state_spec(n, weights, moments).items() if k != "step"}}
+    tensors = {"w": w, "g": g, **{k: state.get(k) for k in want if k not in ("w", "g")}}
+    return g.dtype in (torch.float32, torch.bfloat16) and all(
+        isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.dtype == want[k][0]
+        and t.numel() == math.prod(want[k][1]) for k, t in tensors.items()) and library() is not None
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -102,7 +130,7 @@ def update(w: Tensor, g: Tensor, state: dict[str, Tensor], *, seed: int, neg_ste
            coupled_decay: float | None, weights: str) -> None:
     """One AdamW step of ``w`` (1D, contiguous, on the CPU) in place, over its 8-bit moments and block scales (and
     compensation) in ``state``, with the values ``compact_adam.adamw_update`` computed for this step (see
-    [Note: native compact kernel]); only where :func:`runs` said so."""
+    [Note: native compact kernel]); only where :func:`runs` said so: it checks nothing itself."""
     m, v = state["exp_avg"], state["exp_avg_sq"]
     code = library().compact_adamw_int8(
         _ptr(w), _ptr(g), _ptr(m), _ptr(state["exp_avg_scale"]), _ptr(v), _ptr(state["exp_avg_sq_scale"]),

@@ -89,7 +89,9 @@ void update_block(void* w, const void* g, int8_t* m, float* m_scale, uint8_t* v,
     float e = static_cast<float>(v[k]) * kInv255;
     e = e * e;
     const float vi = e * e * vs;
-    const float mn = std::fma(h.one_minus_beta1, gi - mi, mi);  // torch's lerp for a weight below 0.5
+    // torch's lerp(m, g, 1 - beta1): its two forms, by whether the weight is below 0.5, each one fused multiply-add
+    const float mn = h.one_minus_beta1 < 0.5f ? std::fma(h.one_minus_beta1, gi - mi, mi)
+                                              : std::fma(-(1.0f - h.one_minus_beta1), gi - mi, gi);
     const float vn = std::fma(h.one_minus_beta2 * gi, gi, vi * h.beta2);  // addcmul(v * beta2, g, g, 1 - beta2)
     const float r = std::sqrt(vn);
     w32[i] = wi + (h.neg_step_size * mn) / (r * h.inv_bc2_sqrt + h.eps);
