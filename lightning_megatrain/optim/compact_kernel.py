@@ -8,10 +8,12 @@ ran at 0.12x torch's fused AdamW on the H200's 16 cores (docs/compact-state.md, 
 quantization block at a time: decode, update, maximum and encode on a stack array of 256 floats, each byte of state
 read once and written once, blocks spread over ``torch.get_num_threads()`` OpenMP threads. Same formulas, same op
 order and the same fused multiply-adds as torch's eager ops (built with ``-ffp-contract=off``: nothing else fused),
-the same stochastic rounding bits (element ``i`` draws hash(seed + i)), so its results are the eager kernel's
-(tests/optim/test_compact_kernel.py). It is built with ``-march=native`` into ``$TORCH_EXTENSIONS_DIR`` (else
-``~/.cache/lightning_megatrain``), under a name that hashes the source, the flags, the compiler and this CPU's
-flags; a machine without a C++ compiler, or a build that fails, logs one warning and keeps inductor's kernel.
+the same stochastic rounding bits (element ``i`` draws hash(seed + i)), so its results are the eager kernel's but
+where a square root enters (torch's CPU ``sqrt`` is not correctly rounded, this one is): the new moments bitwise,
+weights and codes within their last unit in a few elements (tests/optim/test_compact_kernel.py). It is built with
+``-march=native`` into ``$TORCH_EXTENSIONS_DIR/megatrain_compact_adam`` (else ``~/.cache/lightning_megatrain``),
+under a name that hashes the source, the flags, the compiler and its version and this CPU's flags; a machine without
+a C++ compiler, or a build that fails, logs one warning and keeps inductor's kernel.
 """
 
 from __future__ import annotations
