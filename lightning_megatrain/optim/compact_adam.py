@@ -106,6 +106,40 @@ def state_spec(numel: int, weights: str, moments: str) -> dict[str, tuple[torch.
     return spec
 
 
+def state_problems(p: Tensor, grad: Tensor, state: dict[str, Any], weights: str, moments: str) -> list[str]:
+    """What keeps ``p`` (a host parameter) from an update with ``grad`` over ``state`` in these formats: a parameter
+    not a contiguous CPU tensor of the weights' dtype, a gradient not a dense float tensor of its shape on its device,
+    a state entry missing or not of :func:`state_spec`'s dtype and shape on the CPU. Empty when nothing does."""
+    want = HostStateLayout(weights, torch.float32, moments).weight_dtype
+    problems = []
+    if p.dtype != want or p.device.type != "cpu" or not p.is_contiguous():
+        problems.append(f"the parameter is {describe(p)}, CompactAdamW(weights={weights!r}) updates contiguous "
+                        f"{str(want).replace('torch.', '')} CPU parameters")
+    if grad.layout != torch.strided or grad.shape != p.shape or not grad.is_floating_point() \
+            or grad.device != p.device:
+        problems.append(f"the gradient is {describe(grad)}")
+    for key, (dtype, shape) in state_spec(p.numel(), weights, moments).items():
+        t = state.get(key)
+        if not (isinstance(t, Tensor) and t.dtype == dtype and tuple(t.shape) == shape and t.device.type == "cpu"):
+            problems.append(f"its state {key!r} is {describe(t) if isinstance(t, Tensor) else repr(t)}, not "
+                            f"{str(dtype).replace('torch.', '')} {list(shape)} on cpu")
+    return problems
+
+
+def describe(t: Tensor) -> str:
+    """``t``'s dtype, shape and device, for messages."""
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
+
+
+def _native(w: Tensor, g: Tensor, state: dict[str, Tensor], weights: str, moments: str) -> bool:
+    """Whether the native kernel updates ``w`` (1D) with ``g``: 8-bit moments, nothing :func:`state_problems` names,
+    every tensor contiguous (the kernel reads raw memory and checks nothing: anything else would be read or written
+    past), an fp32 or bf16 gradient, and the kernel builds ([Note: native compact kernel])."""
+    return (moments == "int8" and g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous()
+            and all(t.is_contiguous() for t in state.values() if isinstance(t, Tensor))
+            and not state_problems(w, g, state, weights, moments) and compact_kernel.library() is not None)
+
+
 def new_state(p: Tensor, weights: str, moments: str) -> dict[str, Tensor]:
     """The state of ``p`` before its first update: :func:`state_spec`'s entries, zeros (the step count on the CPU)."""
     return {key: torch.zeros(shape, dtype=dtype, device="cpu" if key == "step" else p.device)
@@ -196,7 +230,7 @@ def adamw_update(
         state: :func:`new_state`'s entries; ``state["step"]`` is incremented here.
         seed: the stochastic rounding's seed for this parameter and step (:func:`~optim.rounding.mix_seed`).
         grad_scale: factor the gradient is multiplied by first (the clipping coefficient).
-        compile: the native kernel where ``compact_kernel.runs`` says so, else the chunk update through
+        compile: the native kernel where it can run (:func:`_native`), else the chunk update through
             ``torch.compile`` (falls back to eager, logged once, if it fails); False: eager ops.
     """
     global _compile_failure
@@ -207,7 +241,7 @@ def adamw_update(
     values = (-lr / (1 - beta1**step), bc2_sqrt, 1.0 / bc2_sqrt, 1 - lr * weight_decay if decoupled else 1.0,
               float(grad_scale), 1 - beta1)
     coupled = None if decoupled or weight_decay == 0 else weight_decay
-    if compile and compact_kernel.runs(w, g, state, weights, moments):  # [Note: native compact kernel]
+    if compile and _native(w, g, state, weights, moments):  # [Note: native compact kernel]
         compact_kernel.update(w, g, state, seed=seed, neg_step_size=values[0], inv_bc2_sqrt=values[2],
                               decay=values[3], grad_scale=values[4], one_minus_beta1=values[5], beta2=beta2, eps=eps,
                               coupled_decay=coupled, weights=weights)

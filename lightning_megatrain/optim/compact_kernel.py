@@ -1,5 +1,6 @@
 """The native compact AdamW kernel: ``csrc/compact_adam.cpp`` built on first use by the machine's C++ compiler and
-called through ctypes, for CPU parameters with 8-bit moments (optim/compact_adam.py ``adamw_update`` picks it).
+called through ctypes, for CPU parameters with 8-bit moments (optim/compact_adam.py ``adamw_update`` picks it where
+``_native`` says the tensors are what the kernel reads and writes).
 
 [Note: native compact kernel]
 Inductor's fusion of the compact update (``compact_adam._chunk_update`` under ``torch.compile``) runs several passes
@@ -21,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import math
 import os
 import shlex
 import shutil
@@ -106,23 +106,6 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
-def runs(w: Tensor, g: Tensor, state: dict[str, Tensor], weights: str, moments: str) -> bool:
-    """Whether the native kernel updates this parameter: 8-bit moments, every tensor it reads or writes on the CPU,
-    contiguous, of the dtype and length the formats say (anything else, e.g. a state loaded from another layout,
-    takes the other kernels: the native one checks nothing and would write past the tensors), and it builds."""
-    from lightning_megatrain.optim.compact_adam import state_spec  # compact_adam imports this module
-
-    if moments != "int8" or weights not in WEIGHT_CODES:
-        return False
-    n = w.numel()
-    want = {"w": (torch.float32 if weights == "fp32" else torch.bfloat16, (n,)), "g": (g.dtype, (n,)),
-            **{k: spec for k, spec in state_spec(n, weights, moments).items() if k != "step"}}
-    tensors = {"w": w, "g": g, **{k: state.get(k) for k in want if k not in ("w", "g")}}
-    return g.dtype in (torch.float32, torch.bfloat16) and all(
-        isinstance(t, Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.dtype == want[k][0]
-        and t.numel() == math.prod(want[k][1]) for k, t in tensors.items()) and library() is not None
-
-
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -132,7 +115,7 @@ def update(w: Tensor, g: Tensor, state: dict[str, Tensor], *, seed: int, neg_ste
            coupled_decay: float | None, weights: str) -> None:
     """One AdamW step of ``w`` (1D, contiguous, on the CPU) in place, over its 8-bit moments and block scales (and
     compensation) in ``state``, with the values ``compact_adam.adamw_update`` computed for this step (see
-    [Note: native compact kernel]); only where :func:`runs` said so: it checks nothing itself."""
+    [Note: native compact kernel]); only where ``compact_adam._native`` said so: it checks nothing itself."""
     m, v = state["exp_avg"], state["exp_avg_sq"]
     code = library().compact_adamw_int8(
         _ptr(w), _ptr(g), _ptr(m), _ptr(state["exp_avg_scale"]), _ptr(v), _ptr(state["exp_avg_sq_scale"]),

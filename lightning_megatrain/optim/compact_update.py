@@ -32,9 +32,9 @@ from torch.optim import Optimizer
 from lightning_megatrain.optim.compact_adam import (
     HOST_STATE_LAYOUTS,
     CompactAdamW,
-    HostStateLayout,
+    describe,
     new_state,
-    state_spec,
+    state_problems,
 )
 from lightning_megatrain.optim.host_optimizer import Hyper, allocate_states, hyper_snapshot, is_decoupled
 
@@ -126,22 +126,9 @@ class CompactUpdate:
 
     def _check(self, p: Tensor) -> None:
         h = self._h(p)
-        want = HostStateLayout(h["weights"], torch.float32, h["moments"]).weight_dtype
-        grad = self._grads[id(p)]
-        problems = []
-        if p.dtype != want or p.device.type != "cpu" or not p.is_contiguous():
-            problems.append(f"the parameter is {_describe(p)}, CompactAdamW(weights={h['weights']!r}) updates "
-                            f"contiguous {str(want).replace('torch.', '')} CPU parameters")
-        if grad.layout != torch.strided or grad.shape != p.shape or not grad.is_floating_point() \
-                or grad.device != p.device:
-            problems.append(f"the gradient is {_describe(grad)}")
-        for key, (dtype, shape) in state_spec(p.numel(), h["weights"], h["moments"]).items():
-            t = self.optimizer.state[p].get(key)
-            if not (isinstance(t, Tensor) and t.dtype == dtype and tuple(t.shape) == shape and t.device.type == "cpu"):
-                problems.append(f"its state {key!r} is {_describe(t) if isinstance(t, Tensor) else repr(t)}, not "
-                                f"{str(dtype).replace('torch.', '')} {list(shape)} on cpu")
+        problems = state_problems(p, self._grads[id(p)], self.optimizer.state[p], h["weights"], h["moments"])
         if problems:
-            raise RuntimeError(f"a host parameter {_describe(p)} cannot take the CompactAdamW update: "
+            raise RuntimeError(f"a host parameter {describe(p)} cannot take the CompactAdamW update: "
                                + "; ".join(problems))
 
     def __call__(self, params: list[Tensor]) -> None:
@@ -150,6 +137,3 @@ class CompactUpdate:
             self.started += 1
             self.optimizer.update_param(p, self._grads[id(p)], self._h(p), self._index[id(p)], self._grad_scale)
 
-
-def _describe(t: Tensor) -> str:
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"

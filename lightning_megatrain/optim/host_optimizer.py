@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as adam_functional  # what Adam/AdamW.step() call after _init_group
 
 from lightning_megatrain.config import CpuAdamMode
-from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, describe
 from lightning_megatrain.optim.deepspeed_adam import deepspeed_host_adam, deepspeed_update
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ class HostUpdate:
         check_like(p, tensors, "Adam", contiguous=self.deepspeed)
         step = state["step"]
         if not (isinstance(step, int) if self.deepspeed else isinstance(step, Tensor) and step.numel() == 1):
-            raise RuntimeError(f"the Adam step count of a host parameter {_describe(p)} is {step!r}")
+            raise RuntimeError(f"the Adam step count of a host parameter {describe(p)} is {step!r}")
 
     def __call__(self, params: list[Tensor]) -> None:
         """Update ``params`` (part of what :meth:`prepare` was given) as ``optimizer.step()`` would."""
@@ -340,13 +340,9 @@ def check_like(p: Tensor, tensors: dict[str, Tensor], kernel: str, contiguous: b
         dense = t.layout == torch.strided and (t.is_contiguous() or not contiguous)
         if not (dense and t.shape == p.shape and t.dtype == p.dtype and t.device == p.device):
             raise RuntimeError(
-                f"the {name} of a host parameter {_describe(p)} is {_describe(t)}"
+                f"the {name} of a host parameter {describe(p)} is {describe(t)}"
                 f"{'' if dense else ' (not a dense contiguous tensor)'}: the {kernel} kernel cannot update it"
             )
-
-
-def _describe(t: Tensor) -> str:
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)} on {t.device}"
 
 
 def device_update(

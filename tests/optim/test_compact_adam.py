@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 
-from lightning_megatrain.optim import compact_adam, compact_kernel
+from lightning_megatrain.optim import compact_adam
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW, adamw_update, new_state
 from lightning_megatrain.optim.rounding import (
     BLOCK,
@@ -243,7 +243,7 @@ def test_compiled_kernel_matches_eager(monkeypatch):
     native kernel does not build) gives eager's result: the same bf16 weights and 8-bit codes except where fp32
     reassociation moves a value across a rounding boundary (one unit), and a compensation that is not folded to zero
     (inductor drops a bf16 round trip: optim/rounding.py nearest_bits)."""
-    monkeypatch.setattr(compact_kernel, "runs", lambda *args: False)
+    monkeypatch.setattr(compact_adam, "_native", lambda *args: False)
     torch.manual_seed(0)
     n = 3 * BLOCK + 5
     w0, grads = torch.randn(n).bfloat16(), [torch.randn(n) for _ in range(2)]
@@ -307,7 +307,7 @@ def test_compiled_kernel_is_one_graph_for_every_parameter_shape_and_step(monkeyp
     change between steps and groups recompile it: the bias corrections, a scheduled lr, weight decay 0 or not, a
     clipping factor of 1 or not, a cycled beta1 (Python floats there were guarded by value on the H200: a graph per
     step). The inductor kernel (what GPU parameters run): the native one is not asked here."""
-    monkeypatch.setattr(compact_kernel, "runs", lambda *args: False)
+    monkeypatch.setattr(compact_adam, "_native", lambda *args: False)
     monkeypatch.setattr(compact_adam, "CHUNK", 4 * BLOCK)
     monkeypatch.setattr(compact_adam, "_compiled", None)
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from lightning_megatrain.optim import compact_kernel
+from lightning_megatrain.optim import compact_adam, compact_kernel
 from lightning_megatrain.optim.compact_adam import adamw_update, new_state
 from lightning_megatrain.optim.rounding import BLOCK
 
@@ -73,19 +73,19 @@ def test_two_steps_give_the_eager_moments_bitwise(beta1):
 
 def test_state_the_kernel_cannot_take_goes_elsewhere():
     """A state of another length or dtype, a Kahan state without its compensation, weights not of the format's
-    dtype, a strided gradient: ``runs`` says no (the kernel checks nothing and would write past the tensors)."""
+    dtype, a strided gradient: ``_native`` says no (the kernel checks nothing and would write past the tensors)."""
     w, g = torch.zeros(N, dtype=torch.bfloat16), torch.zeros(N)
     state = new_state(w, "bf16_kahan", "int8")
-    assert compact_kernel.runs(w, g, state, "bf16_kahan", "int8")
-    assert not compact_kernel.runs(w, g, state, "bf16_kahan", "fp32")
-    assert not compact_kernel.runs(w, g, {k: v for k, v in state.items() if k != "compensation"}, "bf16_kahan", "int8")
-    assert not compact_kernel.runs(w, g, {**state, "exp_avg": state["exp_avg"][:-1]}, "bf16_kahan", "int8")
-    assert not compact_kernel.runs(w, g, {**state, "exp_avg_sq": state["exp_avg_sq"].to(torch.int8)}, "bf16_kahan",
+    assert compact_adam._native(w, g, state, "bf16_kahan", "int8")
+    assert not compact_adam._native(w, g, state, "bf16_kahan", "fp32")
+    assert not compact_adam._native(w, g, {k: v for k, v in state.items() if k != "compensation"}, "bf16_kahan", "int8")
+    assert not compact_adam._native(w, g, {**state, "exp_avg": state["exp_avg"][:-1]}, "bf16_kahan", "int8")
+    assert not compact_adam._native(w, g, {**state, "exp_avg_sq": state["exp_avg_sq"].to(torch.int8)}, "bf16_kahan",
                                    "int8")
-    assert not compact_kernel.runs(w, g, {**state, "exp_avg_scale": state["exp_avg_scale"][:-1]}, "bf16_kahan", "int8")
-    assert not compact_kernel.runs(w.float(), g, state, "bf16_kahan", "int8")
-    assert not compact_kernel.runs(w, torch.zeros(2 * N)[::2], state, "bf16_kahan", "int8")
-    assert not compact_kernel.runs(w, g.double(), state, "bf16_kahan", "int8")
+    assert not compact_adam._native(w, g, {**state, "exp_avg_scale": state["exp_avg_scale"][:-1]}, "bf16_kahan", "int8")
+    assert not compact_adam._native(w.float(), g, state, "bf16_kahan", "int8")
+    assert not compact_adam._native(w, torch.zeros(2 * N)[::2], state, "bf16_kahan", "int8")
+    assert not compact_adam._native(w, g.double(), state, "bf16_kahan", "int8")
 
 
 def test_native_kernel_is_bitwise_whatever_the_threads():
@@ -103,14 +103,15 @@ def test_native_kernel_is_bitwise_whatever_the_threads():
 
 
 def test_without_a_compiler_the_compiled_kernel_runs(monkeypatch, tmp_path, caplog):
-    """No C++ compiler: ``runs`` says no and one warning names the cause; ``adamw_update`` takes the other path."""
+    """No C++ compiler: ``_native`` says no (``adamw_update`` takes the compiled kernel) and one warning, once, names
+    the cause; nothing is left in the build folder."""
     monkeypatch.setattr(compact_kernel, "_library", None)
     monkeypatch.setattr(compact_kernel, "_failure", None)
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="lightning_megatrain.optim.compact_kernel"):
         w = torch.zeros(BLOCK)
-        assert not compact_kernel.runs(w, w, new_state(w, "fp32", "int8"), "fp32", "int8")
+        assert not compact_adam._native(w, w, new_state(w, "fp32", "int8"), "fp32", "int8")
         assert compact_kernel.library() is None  # tried once
     assert [r.getMessage() for r in caplog.records] == [
         "MegaTrain: the native compact AdamW kernel does not build (RuntimeError: no C++ compiler ('no-such-compiler-"
