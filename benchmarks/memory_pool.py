@@ -6,7 +6,11 @@ the state of the first groups on the GPU, and writes one JSON row: the groups ch
 peak GPU memory, each beside the planner's prediction for the same run. ``--layers`` truncates the depth (the row
 says so); ``--host-gib`` makes the process see a host of that much RAM (``MemTotal``, and free memory that less its
 RSS), so a truncated model needs the split too. A thread samples the machine's ``MemAvailable`` and the RSS of this
-process and its children (torch.compile's workers) into ``<out>.host-samples.txt`` ([Note: host reserve]).
+process and its children (torch.compile's workers) into ``<out>.host-samples.txt`` ([Note: host reserve]). Where the
+host runs out, a census of what Python holds is written before the kernel's OOM killer can end the run silently:
+when ``MemAvailable`` falls below ``--watch-gib``, ``<out>.census.json`` gets every CPU tensor storage reachable from
+Python (deduplicated, by dtype and shape, pinned or not), ``/proc/meminfo`` and the descendants' commands and RSS,
+and the process exits with status 86; a census after the first and third steps goes there too.
 
     python benchmarks/memory_pool.py                      # H200: full depth, 8 x 1024 tokens, about 4-5 minutes
     python benchmarks/memory_pool.py --layers 20 --host-gib 60
@@ -17,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,28 +58,42 @@ def force_host_limit(limit_gib: float) -> None:
 
 
 class HostSampler(threading.Thread):
-    """Every half second: the machine's ``MemAvailable``, this process's RSS and its children's (torch.compile's
-    workers) into ``path``, one line each, flushed (a run the OOM killer ends keeps its last samples); the extremes in
-    :meth:`summary`."""
+    """Every half second: the machine's ``MemAvailable``, ``AnonPages`` and ``Shmem``, this process's RSS and its
+    children's (torch.compile's workers) into ``path``, one line each, flushed (a run the OOM killer ends keeps its
+    last samples); the extremes in :meth:`summary`. Below ``watch_gib`` of ``MemAvailable`` it writes a census
+    (:func:`census`) to ``census_path`` and ends the process with status 86, before the OOM killer would."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, census_path: Path, watch_gib: float) -> None:
         super().__init__(daemon=True)
         self.path, self.min_available, self.max_children, self.max_rss = path, float("inf"), 0.0, 0.0
+        self.census_path, self.watch_gib, self.censuses = census_path, watch_gib, {}
+        self.t0 = time.perf_counter()
+
+    def record(self, label: str) -> None:
+        """Add a census under ``label`` to the census file (rewritten whole, so a later exit keeps it)."""
+        self.censuses[label] = census(time.perf_counter() - self.t0)
+        self.census_path.write_text(json.dumps(self.censuses, indent=1) + "\n")
 
     def run(self) -> None:
         from lightning_megatrain._hardware import meminfo_bytes
 
-        t0 = time.perf_counter()
         with self.path.open("w") as f:
-            f.write("t_s mem_available_gib rss_gib children_rss_gib children\n")
+            f.write("t_s mem_available_gib anon_pages_gib shmem_gib rss_gib children_rss_gib children\n")
             while True:
                 kids = _descendants(os.getpid())
                 children = sum(_rss(pid) for pid in kids) / GIB
                 available, rss = (meminfo_bytes("MemAvailable") or 0) / GIB, _rss(os.getpid()) / GIB
+                anon, shmem = ((meminfo_bytes(k) or 0) / GIB for k in ("AnonPages", "Shmem"))
                 self.min_available = min(self.min_available, available)
                 self.max_children, self.max_rss = max(self.max_children, children), max(self.max_rss, rss)
-                f.write(f"{time.perf_counter() - t0:.1f} {available:.2f} {rss:.2f} {children:.2f} {len(kids)}\n")
+                f.write(f"{time.perf_counter() - self.t0:.1f} {available:.2f} {anon:.2f} {shmem:.2f} {rss:.2f} "
+                        f"{children:.2f} {len(kids)}\n")
                 f.flush()
+                if available < self.watch_gib:
+                    self.record(f"watchdog: MemAvailable {available:.2f} GiB")
+                    f.write("watchdog: exit 86\n")
+                    f.flush()
+                    os._exit(86)
                 time.sleep(0.5)
 
     def summary(self) -> dict:
@@ -96,6 +116,52 @@ def _descendants(pid: int) -> list[int]:
         frontier = [child for child, p in parent.items() if p in frontier]
         out += frontier
     return out
+
+
+def census(t_s: float, top: int = 15) -> dict:
+    """What holds host memory: every CPU tensor storage reachable from Python (``gc``), each counted once, grouped by
+    dtype, the first shape seen with it and whether it is pinned; ``/proc/meminfo``; this process's ``status`` memory
+    lines; the descendants' commands and RSS. Storages held only by C++ (autograd's saved tensors, allocator caches)
+    are not reachable and show as RSS beyond ``tensors_gib``."""
+    import gc
+
+    import torch
+
+    storages: dict[int, tuple[int, str]] = {}
+    with warnings.catch_warnings():  # torch.is_tensor on torch's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        tensors = [obj for obj in objects if torch.is_tensor(obj)]
+    del objects
+    for obj in tensors:
+        try:
+            if obj.device.type != "cpu" or obj.is_sparse:
+                continue
+            st = obj.untyped_storage()
+            if st.data_ptr() not in storages:
+                storages[st.data_ptr()] = (st.nbytes(), f"{obj.dtype} {list(obj.shape)} pinned={obj.is_pinned()}")
+        except Exception:  # a tensor subclass or a freed storage: not counted
+            continue
+    by_kind: dict[str, list[int]] = {}
+    for nbytes, kind in storages.values():
+        entry = by_kind.setdefault(kind, [0, 0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes
+    ranked = sorted(by_kind.items(), key=lambda kv: -kv[1][1])
+    with open("/proc/meminfo") as f:
+        meminfo = {line.split(":")[0]: line.split(":")[1].strip() for line in f}
+    with open("/proc/self/status") as f:
+        status = {line.split(":")[0]: line.split(":")[1].strip() for line in f if line.startswith(("Vm", "Rss"))}
+    kids = []
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                kids.append({"pid": pid, "comm": f.read().strip(), "rss_gib": round(_rss(pid) / GIB, 3)})
+        except OSError:
+            continue
+    return {"t_s": round(t_s, 1), "tensors_gib": round(sum(n for n, _ in storages.values()) / GIB, 2),
+            "storages": len(storages),
+            "top": [{"kind": k, "count": c, "gib": round(b / GIB, 3)} for k, (c, b) in ranked[:top]],
+            "meminfo": meminfo, "status": status, "descendants": kids}
 
 
 def _rss(pid: int) -> int:
@@ -127,6 +193,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
     ap.add_argument("--host-gib", type=float, help="host RAM the process sees, GiB (default: the machine's)")
     ap.add_argument("--out", default="benchmarks/results/memory-pool-h200.json")
+    ap.add_argument("--watch-gib", type=float, default=1.5,
+                    help="write the census and exit (status 86) below this much MemAvailable, GiB")
     ap.add_argument("--dry-run", action="store_true", help="tiny Llama on this machine (CPU): the code path")
     args = ap.parse_args()
 
@@ -149,8 +217,10 @@ def main() -> None:
     # a dry run writes no result, so its samples go to a temporary folder
     samples = Path(tempfile.mkdtemp()) if args.dry_run else Path(args.out).parent
     samples.mkdir(parents=True, exist_ok=True)
-    sampler = HostSampler(samples / Path(args.out).with_suffix(".host-samples.txt").name)
+    stem = Path(args.out).with_suffix("").name
+    sampler = HostSampler(samples / f"{stem}.host-samples.txt", samples / f"{stem}.census.json", args.watch_gib)
     sampler.start()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's log.info lines (the optimizer)
 
     times: list[float] = []
 
@@ -165,6 +235,8 @@ def main() -> None:
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter())
+            if len(times) in (1, 3):
+                sampler.record(f"after step {len(times)}")
 
     module = workloads.make_module(config, loss="chunked", optimizer="adamw", grad_ckpt=False, direct_clip=False)
     data = torch.randint(0, config["vocab_size"], (micro_batch * steps, seq_len))
