@@ -125,14 +125,11 @@ def census(t_s: float, top: int = 15) -> dict:
     are not reachable and show as RSS beyond ``tensors_gib``."""
     import gc
 
-    import torch
 
     storages: dict[int, tuple[int, str]] = {}
     with warnings.catch_warnings():  # torch.is_tensor on torch's deprecated module attributes warns
         warnings.simplefilter("ignore")
-        objects = gc.get_objects()
-        tensors = [obj for obj in objects if torch.is_tensor(obj)]
-    del objects
+        tensors = [obj for obj in gc.get_objects() if _is_tensor(obj)]
     for obj in tensors:
         try:
             if obj.device.type != "cpu" or obj.is_sparse:
@@ -164,6 +161,15 @@ def census(t_s: float, top: int = 15) -> dict:
             "meminfo": meminfo, "status": status, "descendants": kids}
 
 
+def _is_tensor(obj: object) -> bool:
+    import torch
+
+    try:
+        return torch.is_tensor(obj)
+    except ReferenceError:  # a weakref proxy whose object is gone
+        return False
+
+
 def _rss(pid: int) -> int:
     """A process's resident set in bytes (0 where it exited meanwhile)."""
     try:
@@ -193,7 +199,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
     ap.add_argument("--host-gib", type=float, help="host RAM the process sees, GiB (default: the machine's)")
     ap.add_argument("--out", default="benchmarks/results/memory-pool-h200.json")
-    ap.add_argument("--watch-gib", type=float, default=1.5,
+    ap.add_argument("--watch-gib", type=float, default=3.0,
                     help="write the census and exit (status 86) below this much MemAvailable, GiB")
     ap.add_argument("--dry-run", action="store_true", help="tiny Llama on this machine (CPU): the code path")
     args = ap.parse_args()
@@ -226,6 +232,9 @@ def main() -> None:
 
     class Chosen(L.Callback):
         groups = None
+
+        def on_train_start(self, trainer, pl_module):
+            print("host optimizer:", ", ".join(type(o).__name__ for o in trainer.optimizers), flush=True)
 
         def on_train_end(self, trainer, pl_module):  # the engine's decision ("auto" resolved at the first batch)
             Chosen.groups = trainer.strategy.engine.config.gpu_optimizer_groups
