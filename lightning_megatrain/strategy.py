@@ -30,6 +30,8 @@ from lightning_megatrain.config import (
     NonFiniteMode,
 )
 from lightning_megatrain.engine import MegaTrainEngine
+from lightning_megatrain.engine.device_state import device_states_kept
+from lightning_megatrain.engine.host_budget import host_free_checked
 from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier, placement_hooks
 from lightning_megatrain.host_memory import host_memory_by_kind, log_host_memory
@@ -404,7 +406,9 @@ class MegaTrainStrategy(CheckpointStrategy):
                 if undo is not None:
                     undo()
             self._unguard_zero_grad = self._hf_loss = None
-            super().teardown()
+            # the device groups' moments stay on the GPU where the host cannot take them
+            with device_states_kept(self.optimizers, host_free_checked()):
+                super().teardown()
 
     @classmethod
     @override

@@ -26,6 +26,14 @@ the groups are placed (:func:`settle_states`; [Note: mapped checkpoint tensors] 
 optimizer wrote are copied in at the next step (:meth:`DeviceGroup.bind_states`).
 Parameters written directly on the host between steps (not through ``load_state_dict``) are not seen by the mirror.
 
+[Note: device states at teardown]
+Lightning's ``Strategy.teardown`` copies every optimizer state to the host, to give the GPU back after fit. The
+device groups' moments are there because the host could not hold them: 57 GiB for the 24 groups of the Llama-2-13B
+shape on the lent H200, with 7.6 GiB of its host free at the end of fit, where that copy woke the OOM killer
+(benchmarks/results/2026-12-03-memory-pool-llama-2-13b-h200-*). So the strategy's teardown hides them from that copy
+where they exceed the host memory still free (:func:`device_states_kept`); they stay on the GPU, as ``optimizer.state``
+entries, until the optimizer goes. Where the host can take them, Lightning moves them as it moves any strategy's.
+
 Streams and events (all of a device group's own kernels run on the compute stream, so they are ordered among
 themselves and with the layer's forward and backward):
 
@@ -46,11 +54,17 @@ memory pool]).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.mapped import copy_released, owned
+
+log = logging.getLogger(__name__)
 
 
 def gpu_bytes_per_param(compute_itemsize: int, resident: bool) -> int:
@@ -180,3 +194,31 @@ def settle_states(optimizer: torch.optim.Optimizer, device_groups: list[DeviceGr
     for p, state in list(optimizer.state.items()):
         if id(p) not in on_device:
             optimizer.state[p] = owned(state)
+
+
+
+@contextlib.contextmanager
+def device_states_kept(optimizers: list[torch.optim.Optimizer], host_free: int | None) -> Iterator[None]:
+    """Hide the optimizer states held outside host memory from the code inside when they exceed ``host_free`` (the
+    bytes the host may still take; None: unknown), so that they stay on the GPU ([Note: device states at
+    teardown]); put back on exit."""
+    held = [(optimizer.state, p, entry) for optimizer in optimizers for p, entry in optimizer.state.items()
+            if any(_off_host(k, v) for k, v in entry.items())]
+    nbytes = sum(v.nbytes for _, _, entry in held for k, v in entry.items() if _off_host(k, v))
+    if not held or host_free is None or nbytes <= host_free:
+        yield
+        return
+    log.info("MegaTrain: the optimizer states of the device groups (%.1f GiB) stay on the GPU after fit: the host "
+             "has %.1f GiB free for them. They are freed with the optimizer.", nbytes / 2**30, host_free / 2**30)
+    for states, p, _ in held:
+        del states[p]
+    try:
+        yield
+    finally:
+        for states, p, entry in held:
+            states[p] = entry
+
+
+def _off_host(key: str, value: object) -> bool:
+    # ``step`` aside: Lightning's teardown leaves it where it is
+    return key != "step" and isinstance(value, Tensor) and value.device.type != "cpu"

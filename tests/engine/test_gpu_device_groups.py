@@ -150,6 +150,36 @@ def test_gpu_optimizer_groups_checkpoints_hold_no_host_copy_of_their_states(tmp_
     assert loaded < 40 * 2**20, (loaded, kept)  # a chunk and the driver's staging, no state on the host
 
 
+# [Note: device states at teardown]: Lightning's teardown copies every optimizer state to the host; the device
+# groups' moments stay on the GPU where the host has less free than they take (here: 1 byte), and the trainer still
+# saves them after fit. With the host's real free memory they move, as Lightning moves any strategy's.
+@pytest.mark.parametrize("host_short", [True, False])
+def test_device_states_stay_on_the_gpu_after_fit_when_the_host_cannot_take_them(tmp_path, monkeypatch, host_short):
+    import lightning_megatrain.strategy as strategy_module
+
+    if host_short:
+        monkeypatch.setattr(strategy_module, "host_free_checked", lambda: 1)
+
+    class Keep(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            Keep.trainer = trainer
+            on_gpu = {id(p) for d in trainer.strategy.engine.device_groups for p in d.group.params}
+            Keep.device_params = [p for p in pl_module.parameters() if id(p) in on_gpu]
+
+    fit_cuda(gpu_strategy(cpu_adam="torch", gpu_optimizer_groups=3), lambda: ParityLM("llama_untied"),
+             callbacks=[Keep()], record_grads=False)
+    state = Keep.trainer.optimizers[0].state
+    devices = {state[p][k].device.type for p in Keep.device_params for k in ("exp_avg", "exp_avg_sq")}
+    assert Keep.device_params and devices == ({"cuda"} if host_short else {"cpu"})
+    expected = {id(p): state[p]["exp_avg"].cpu() for p in Keep.device_params}
+    Keep.trainer.save_checkpoint(tmp_path / "after-fit.ckpt")
+    saved = torch.load(tmp_path / "after-fit.ckpt", map_location="cpu", weights_only=False)["optimizer_states"][0]
+    order = [p for g in Keep.trainer.optimizers[0].param_groups for p in g["params"]]
+    for k, p in enumerate(order):
+        if id(p) in expected:
+            assert torch.equal(saved["state"][k]["exp_avg"], expected[id(p)])
+
+
 def test_gpu_optimizer_groups_refuse_other_optimizers():
     with pytest.raises(ValueError, match="gpu_optimizer_groups=1. steps Adam/AdamW on the GPU, got SGD"):
         fit_cuda(gpu_strategy(gpu_optimizer_groups=1), lambda: ParityLM("llama_tied", optimizer="sgd"))
