@@ -76,6 +76,11 @@ void update_block(void* w, const void* g, int8_t* m, float* m_scale, uint8_t* v,
                   int64_t first, int64_t n, uint32_t seed, const Hyper& h) {
   float w32[kBlock], m32[kBlock], v32[kBlock], root[kBlock];
   const float ms = m_scale[0], vs = v_scale[0];
+  // torch's lerp(m, g, 1 - beta1) has two forms, by whether the weight is below 0.5, each one fused multiply-add:
+  // m + wt * (g - m), or g - (1 - wt) * (g - m). The form is chosen here, once: a test of the weight inside the loop
+  // kept it from vectorizing (4.5x slower on 2 cores).
+  const bool lerp_low = h.one_minus_beta1 < 0.5f;
+  const float lerp_weight = lerp_low ? h.one_minus_beta1 : -(1.0f - h.one_minus_beta1);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t k = first + i;
     float wi = W == kFp32 ? static_cast<float*>(w)[k] : bf16_to_float(static_cast<uint16_t*>(w)[k]);
@@ -89,9 +94,7 @@ void update_block(void* w, const void* g, int8_t* m, float* m_scale, uint8_t* v,
     float e = static_cast<float>(v[k]) * kInv255;
     e = e * e;
     const float vi = e * e * vs;
-    // torch's lerp(m, g, 1 - beta1): its two forms, by whether the weight is below 0.5, each one fused multiply-add
-    const float mn = h.one_minus_beta1 < 0.5f ? std::fma(h.one_minus_beta1, gi - mi, mi)
-                                              : std::fma(-(1.0f - h.one_minus_beta1), gi - mi, gi);
+    const float mn = std::fma(lerp_weight, gi - mi, lerp_low ? mi : gi);  // lerp(m, g, 1 - beta1), see above
     const float vn = std::fma(h.one_minus_beta2 * gi, gi, vi * h.beta2);  // addcmul(v * beta2, g, g, 1 - beta2)
     const float r = std::sqrt(vn);
     w32[i] = wi + (h.neg_step_size * mn) / (r * h.inv_bc2_sqrt + h.eps);
