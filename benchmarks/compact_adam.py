@@ -49,8 +49,10 @@ ROW_KEYS = ("system", "params", "threads", "state_bytes_per_param", "kernel", "f
 def _params(n_layers: int, per_layer: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
     params = []
     for _ in range(n_layers):
-        p = torch.nn.Parameter(torch.empty(per_layer, dtype=dtype).normal_(0.0, 0.02))
-        p.grad = torch.empty(per_layer, dtype=grad_dtype).normal_()
+        # drawn in fp32, then cast: the H200 machine's torch drew bf16 normals so slowly that 1.6e9 of them took
+        # more than 90 s (2026-12-03-compact-adam-h200-*.log)
+        p = torch.nn.Parameter(torch.empty(per_layer).normal_(0.0, 0.02).to(dtype))
+        p.grad = torch.empty(per_layer).normal_().to(grad_dtype)
         params.append(p)
     return params
 
