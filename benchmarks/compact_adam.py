@@ -46,13 +46,22 @@ ROW_KEYS = ("system", "params", "threads", "state_bytes_per_param", "kernel", "f
             "gparam_per_s", "vs_torch_fused", "vs_deepspeed", "error")
 
 
+_DRAW = 1 << 22  # normals drawn per tensor; the rest repeats them
+
+
+def _normal(numel: int, std: float, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` values of N(0, std^2) in ``dtype``: 4M normals repeated. torch draws CPU normals on one thread
+    (~50M/s), and the 3.2e9 of a 1.6e9-parameter run took longer than a 100 s device command
+    (2026-12-03-compact-adam-h200-*.log); the update's speed does not depend on the values being distinct."""
+    base = torch.empty(min(numel, _DRAW)).normal_(0.0, std).to(dtype)
+    return base.repeat((numel + base.numel() - 1) // base.numel())[:numel].clone()
+
+
 def _params(n_layers: int, per_layer: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:
     params = []
     for _ in range(n_layers):
-        # drawn in fp32, then cast: the H200 machine's torch drew bf16 normals so slowly that 1.6e9 of them took
-        # more than 90 s (2026-12-03-compact-adam-h200-*.log)
-        p = torch.nn.Parameter(torch.empty(per_layer).normal_(0.0, 0.02).to(dtype))
-        p.grad = torch.empty(per_layer).normal_().to(grad_dtype)
+        p = torch.nn.Parameter(_normal(per_layer, 0.02, dtype))
+        p.grad = _normal(per_layer, 1.0, grad_dtype)
         params.append(p)
     return params
 
