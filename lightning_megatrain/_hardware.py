@@ -67,9 +67,10 @@ HOST_OS_RESERVE_MIN_GIB = 2.0
 HOST_OS_RESERVE_FRACTION = 0.03
 # What the engine's own process allocates after its placements and cannot count, which the engine leaves free on top
 # of the OS reserve ([Note: host reserve]). Measured on the H200's host (benchmarks/memory_pool.py, the Llama-2-13B
-# shape at 8 x 1024 tokens, compiled layers; 2026-12-02-memory-pool-llama-2-13b-h200-63d8fdb.host-samples.txt): after
-# the split, 5.3 GiB more than its plan: torch.compile's heap and its 16 workers 2.6 GiB at the first forward, then 2.7
-# GiB during the first optimizer step, before the OOM killer ended the run; rounded up, not yet shown to suffice.
+# shape at 8 x 1024 tokens, compiled layers; 2026-12-03-memory-pool-llama-2-13b-h200-d4ea2b4.host-samples.txt): 2.2 GiB
+# beyond the plan from the split to the end of fit, torch.compile's 16 workers and its heap at the first forward and
+# backward. (An earlier 5.3 GiB was Lightning's teardown copying the device groups' moments to the host, since
+# stopped: [Note: device states at teardown] in engine/device_state.py.) 6 GiB keeps 3.8 GiB of margin on it.
 ENGINE_HOST_SLACK_GIB = 6.0
 
 
@@ -120,10 +121,9 @@ def placeable_host_bytes() -> tuple[int, str] | None:
         it and the engine does not count: torch.compile's worker processes and the compiler's heap (the first
         forward, after the placement), the CUDA driver's host allocations, the data loader's batches, other
         processes. A placement that takes all of it leaves the kernel nothing to give them, and pinned memory cannot
-        be swapped out: the OOM killer then ends the trainer without a message (the Llama-2-13B shape on the H200's
-        host did so twice: with no reserve, and with the OS reserve alone). The engine therefore leaves the reserve
+        be swapped out: the OOM killer then ends the trainer without a message. The engine therefore leaves the reserve
         the planner leaves of MemTotal (max(2 GiB, 3%)) and, on top, ``ENGINE_HOST_SLACK_GIB`` for its own growth
-        after the placement (measured: 5.3 GiB). The planner counts only the OS reserve and a 3 GiB process, so at
+        after the placement (measured: 2.2 GiB). The planner counts only the OS reserve and a 3 GiB process, so at
         the host's edge it is that much more optimistic than the engine (docs/planner.md).
     """
     bound = available_host_bytes()
