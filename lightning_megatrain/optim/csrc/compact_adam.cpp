@@ -78,7 +78,7 @@ void update_block(void* w, const void* g, int8_t* m, float* m_scale, uint8_t* v,
   const float ms = m_scale[0], vs = v_scale[0];
   // torch's lerp(m, g, 1 - beta1) has two forms, by whether the weight is below 0.5, each one fused multiply-add:
   // m + wt * (g - m), or g - (1 - wt) * (g - m). The form is chosen here, once: a test of the weight inside the loop
-  // kept it from vectorizing (4.5x slower on 2 cores).
+  // kept it from vectorizing (2-3x slower on 2 cores).
   const bool lerp_low = h.one_minus_beta1 < 0.5f;
   const float lerp_weight = lerp_low ? h.one_minus_beta1 : -(1.0f - h.one_minus_beta1);
   for (int64_t i = 0; i < n; ++i) {
