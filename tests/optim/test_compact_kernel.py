@@ -117,3 +117,27 @@ def test_without_a_compiler_the_compiled_kernel_runs(monkeypatch, tmp_path, capl
         "MegaTrain: the native compact AdamW kernel does not build (RuntimeError: no C++ compiler ('no-such-compiler-"
         "here': set $CXX) on PATH); the compiled one runs instead (several times slower)"]
     assert not list(tmp_path.iterdir())
+
+
+def test_every_loop_over_a_block_vectorizes(tmp_path):
+    """The kernel's speed rests on each loop over a block's elements vectorizing: a test of lerp's form inside the
+    update loop once kept it scalar, 2-3x slower, with the same results (benchmarks/results/
+    2026-12-03-compact-kernel-lerp-form-2core.txt). GCC's vectorizer report names the loops it vectorized; every
+    ``for (int64_t i = 0; i < n; ++i)`` of the source must be among them (other compilers: skipped)."""
+    import subprocess
+
+    try:
+        compiler = compact_kernel._compiler()
+    except RuntimeError:
+        pytest.skip("no C++ compiler")
+    if "Free Software Foundation" not in subprocess.run([*compiler, "--version"], capture_output=True,
+                                                        text=True).stdout:
+        pytest.skip("the vectorizer report read here is GCC's")
+    source = compact_kernel.SOURCE
+    loops = {k for k, line in enumerate(source.read_text().splitlines(), 1)
+             if "for (int64_t i = 0; i < n; ++i)" in line}
+    report = subprocess.run([*compiler, *compact_kernel.FLAGS, "-fopt-info-vec-optimized", str(source), "-o",
+                             str(tmp_path / "kernel.so")], capture_output=True, text=True, check=True).stderr
+    vectorized = {int(line.split(":")[1]) for line in report.splitlines()
+                  if line.startswith(str(source)) and "loop vectorized" in line}
+    assert len(loops) >= 5 and loops <= vectorized, f"not vectorized: lines {sorted(loops - vectorized)}"
