@@ -1,13 +1,15 @@
-"""Host memory by kind: the sizes ``MegaTrainStrategy.host_memory`` returns and the line it logs at train end."""
+"""Host memory by kind: the sizes ``MegaTrainStrategy.host_memory`` returns, the line it logs at train end, and the
+watch that warns when the host runs nearly out during fit ([Note: host memory watch])."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_megatrain._hardware import GIB, host_rss_gib
+from lightning_megatrain._hardware import GIB, host_os_reserve, host_rss_gib, meminfo_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +53,73 @@ def log_host_memory(sizes: dict[str, int], n_params: int) -> None:
         "" if per_param else f" (the {n_params / 1e6:.2f}M-parameter model's state is {model_state / GIB:.2f} GiB "
         "of it; the rest is the Python process)",
     )
+
+
+class HostMemoryWatch:
+    """A thread that says, once, when the machine's host memory is nearly gone during training.
+
+    Note: host memory watch
+        Pinned memory cannot be swapped out, and when the host runs out the kernel's OOM killer ends the trainer
+        with SIGKILL: no traceback, no message, the last log line unrelated. The placements leave a reserve
+        ([Note: host reserve] in _hardware.py), but what other processes, the data loader or the user's code take
+        after them is not theirs to count. So, during fit, this thread reads ``MemAvailable`` every second (a read
+        of /proc/meminfo, no work on the training threads) and, when it falls below ``floor`` (half the OS reserve,
+        at least 1 GiB: 1.9 GiB on a 128 GiB host), logs one warning with the numbers and what this process holds,
+        so a run the OOM killer ends says why in its last lines. It warns again only after memory came back above
+        twice the floor.
+    """
+
+    PERIOD_S = 1.0
+
+    def __init__(self, holdings: Callable[[], dict[str, int]], floor: int | None = None) -> None:
+        total = meminfo_bytes("MemTotal")
+        self.holdings = holdings  # this process's host memory by kind (MegaTrainStrategy.host_memory)
+        self.floor = floor if floor is not None else max(GIB, host_os_reserve(total or 0) // 2)
+        self.total = total
+        self.armed = True  # no warning since memory was last above twice the floor
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.total is None or self._thread is not None:  # no /proc/meminfo: nothing to watch
+            return
+        self._thread = threading.Thread(target=self._run, name="megatrain-host-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = None
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            self.check()
+
+    def check(self) -> None:
+        """One sample: warn if ``MemAvailable`` is below the floor and the watch is armed; re-arm above twice it."""
+        available = meminfo_bytes("MemAvailable")
+        if available is None:
+            return
+        if available >= 2 * self.floor:
+            self.armed = True
+        if available >= self.floor or not self.armed:
+            return
+        self.armed = False
+        try:
+            sizes = self.holdings()
+        except RuntimeError:  # the training thread changed the optimizer's states meanwhile: say the resident set
+            rss = host_rss_gib()
+            sizes = {} if rss is None else {"rss": int(rss * GIB)}
+        held = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
+        log.warning(
+            "MegaTrain: host memory is nearly gone: %.1f GiB available of %.1f GiB; this process holds %s GiB%s. If "
+            "the kernel's OOM killer ends this run, this is why. HINT: a smaller micro-batch or sequence, more "
+            "gpu_optimizer_groups, host_state='int8_moments', fewer data loader workers, or more host RAM; "
+            "`megatrain plan` shows what the model needs.",
+            available / GIB, (self.total or 0) / GIB,
+            f"{sizes['rss'] / GIB:.1f}" if "rss" in sizes else "an unknown amount", f" ({held})" if held else "",
+        )

@@ -34,7 +34,7 @@ from lightning_megatrain.engine.device_state import device_states_kept
 from lightning_megatrain.engine.host_budget import host_free_checked
 from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier, placement_hooks
-from lightning_megatrain.host_memory import host_memory_by_kind, log_host_memory
+from lightning_megatrain.host_memory import HostMemoryWatch, host_memory_by_kind, log_host_memory
 from lightning_megatrain.models.document_spans import transfer_binding_spans
 from lightning_megatrain.models.hf_loss import ChunkedHFLoss, install_chunked_hf_loss
 from lightning_megatrain.precision import MegaTrainPrecision, megatrain_precision
@@ -246,6 +246,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         self.engine: MegaTrainEngine | None = None
         self._hf_loss: ChunkedHFLoss | None = None  # what install_chunked_hf_loss changed, undone at teardown
         self._unguard_zero_grad: Callable[[], None] | None = None  # undoes the module's waiting zero_grad
+        self._host_watch: HostMemoryWatch | None = None  # during fit: warns before the host runs out
         self._skipped: list[int] = []  # the engine's list of steps skipped as non-finite, kept past teardown
         # this rank's shares with several ranks, kept past teardown: the optimizers step their pieces
         self._sharding: ShardedState | None = None
@@ -295,6 +296,8 @@ class MegaTrainStrategy(CheckpointStrategy):
                 if not any(isinstance(c, OptimizerBarrier) for c in trainer.callbacks):  # once per Trainer
                     trainer.callbacks.insert(0, OptimizerBarrier())  # first: waits before hooks that read parameters
                 self._unguard_zero_grad = step.guard_module_zero_grad(self.lightning_module)
+            self._host_watch = HostMemoryWatch(self.host_memory)  # [Note: host memory watch]
+            self._host_watch.start()
         self.setup_precision_plugin()
         # no _optimizers_to_device: optimizer states live with the host masters
 
@@ -397,6 +400,9 @@ class MegaTrainStrategy(CheckpointStrategy):
             log.error("MegaTrain: teardown while handling %s: %s", type(handling).__name__, error)
 
     def _teardown(self) -> None:
+        if self._host_watch is not None:
+            self._host_watch.stop()
+            self._host_watch = None
         try:
             if self.engine is not None:
                 self.engine.teardown()  # raises a failed overlapped step's error, after restoring the layers
