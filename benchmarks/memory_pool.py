@@ -199,8 +199,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
     ap.add_argument("--host-gib", type=float, help="host RAM the process sees, GiB (default: the machine's)")
     ap.add_argument("--out", default="benchmarks/results/memory-pool-h200.json")
-    ap.add_argument("--watch-gib", type=float, default=3.0,
-                    help="write the census and exit (status 86) below this much MemAvailable, GiB")
+    ap.add_argument("--watch-gib", type=float,
+                    help="write the census and exit (status 86) below this much MemAvailable, GiB (default 3; "
+                         "0 with --dry-run)")
     ap.add_argument("--dry-run", action="store_true", help="tiny Llama on this machine (CPU): the code path")
     args = ap.parse_args()
 
@@ -224,7 +225,8 @@ def main() -> None:
     samples = Path(tempfile.mkdtemp()) if args.dry_run else Path(args.out).parent
     samples.mkdir(parents=True, exist_ok=True)
     stem = Path(args.out).with_suffix("").name
-    sampler = HostSampler(samples / f"{stem}.host-samples.txt", samples / f"{stem}.census.json", args.watch_gib)
+    watch_gib = args.watch_gib if args.watch_gib is not None else 0.0 if args.dry_run else 3.0
+    sampler = HostSampler(samples / f"{stem}.host-samples.txt", samples / f"{stem}.census.json", watch_gib)
     sampler.start()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's log.info lines (the optimizer)
 

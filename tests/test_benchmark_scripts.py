@@ -364,5 +364,10 @@ def test_memory_pool_benchmark_dry_run():
     samples = row["host_samples"]
     assert 0 < samples["max_rss_gib"] and 0 < samples["min_mem_available_gib"] < float("inf")
     lines = Path(samples["samples"]).read_text().splitlines()
-    assert lines[0].split() == ["t_s", "mem_available_gib", "rss_gib", "children_rss_gib", "children"]
+    assert lines[0].split() == ["t_s", "mem_available_gib", "anon_pages_gib", "shmem_gib", "rss_gib",
+                                "children_rss_gib", "children"]
     assert len(lines) >= 2 and not (BENCH / "results" / "memory-pool-h200.host-samples.txt").exists()
+    # the census after steps 1 and 3: every CPU tensor storage Python reaches, the model's among them
+    census = json.loads(Path(samples["samples"]).with_name("memory-pool-h200.census.json").read_text())
+    assert list(census) == ["after step 1", "after step 3"]
+    assert all(c["storages"] > 0 and c["top"] and "MemAvailable" in c["meminfo"] for c in census.values())
