@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_megatrain._hardware import GIB, host_os_reserve, host_rss_gib, meminfo_bytes
+from lightning_megatrain import _hardware
+from lightning_megatrain._hardware import GIB, host_os_reserve, host_rss_gib
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,9 @@ class HostMemoryWatch:
         Pinned memory cannot be swapped out, and when the host runs out the kernel's OOM killer ends the trainer
         with SIGKILL: no traceback, no message, the last log line unrelated. The placements leave a reserve
         ([Note: host reserve] in _hardware.py), but what other processes, the data loader or the user's code take
-        after them is not theirs to count. So, during fit, this thread reads ``MemAvailable`` every second (a read
-        of /proc/meminfo, no work on the training threads) and, when it falls below ``floor`` (half the OS reserve,
+        after them is not theirs to count. So, during fit, this thread reads what the process may still allocate
+        every second (``MemAvailable``, or a cgroup's headroom where smaller: /proc and /sys reads, no work on the
+        training threads) and, when it falls below ``floor`` (half the OS reserve,
         at least 1 GiB: 1.9 GiB on a 128 GiB host), logs one warning with the numbers and what this process holds,
         so a run the OOM killer ends says why in its last lines. It warns again only after memory came back above
         twice the floor.
@@ -72,7 +74,7 @@ class HostMemoryWatch:
     PERIOD_S = 1.0
 
     def __init__(self, holdings: Callable[[], dict[str, int]], floor: int | None = None) -> None:
-        total = meminfo_bytes("MemTotal")
+        total = _hardware.meminfo_bytes("MemTotal")
         self.holdings = holdings  # this process's host memory by kind (MegaTrainStrategy.host_memory)
         self.floor = floor if floor is not None else max(GIB, host_os_reserve(total or 0) // 2)
         self.total = total
@@ -97,13 +99,19 @@ class HostMemoryWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.PERIOD_S):
-            self.check()
+            try:
+                self.check()
+            except Exception as error:  # a watch must not end on what it reads; the next sample tries again
+                log.debug("MegaTrain: host memory watch: %s", error)
 
     def check(self) -> None:
-        """One sample: warn if ``MemAvailable`` is below the floor and the watch is armed; re-arm above twice it."""
-        available = meminfo_bytes("MemAvailable")
-        if available is None:
+        """One sample: warn if the memory the process may still allocate (``MemAvailable``, or a cgroup's or
+        ``ulimit -v``'s headroom where smaller: ``_hardware.available_host_bytes``) is below the floor and the watch
+        is armed; re-arm above twice it."""
+        bound = _hardware.available_host_bytes()
+        if bound is None:
             return
+        available, limit = bound
         if available >= 2 * self.floor:
             self.armed = True
         if available >= self.floor or not self.armed:
@@ -116,10 +124,10 @@ class HostMemoryWatch:
             sizes = {} if rss is None else {"rss": int(rss * GIB)}
         held = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
         log.warning(
-            "MegaTrain: host memory is nearly gone: %.1f GiB available of %.1f GiB; this process holds %s GiB%s. If "
-            "the kernel's OOM killer ends this run, this is why. HINT: a smaller micro-batch or sequence, more "
-            "gpu_optimizer_groups, host_state='int8_moments', fewer data loader workers, or more host RAM; "
+            "MegaTrain: host memory is nearly gone: %.1f GiB available (%s) of %.1f GiB; this process holds %s "
+            "GiB%s. If the kernel's OOM killer ends this run, this is why. HINT: a smaller micro-batch or sequence, "
+            "more gpu_optimizer_groups, host_state='int8_moments', fewer data loader workers, or more host RAM; "
             "`megatrain plan` shows what the model needs.",
-            available / GIB, (self.total or 0) / GIB,
+            available / GIB, limit, (self.total or 0) / GIB,
             f"{sizes['rss'] / GIB:.1f}" if "rss" in sizes else "an unknown amount", f" ({held})" if held else "",
         )

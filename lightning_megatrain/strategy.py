@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_megatrain._hardware import placeable_host_bytes
 from lightning_megatrain.checkpoint_strategy import CheckpointStrategy
 from lightning_megatrain.config import (
     Auto,
@@ -31,7 +32,6 @@ from lightning_megatrain.config import (
 )
 from lightning_megatrain.engine import MegaTrainEngine
 from lightning_megatrain.engine.device_state import device_states_kept
-from lightning_megatrain.engine.host_budget import host_free_checked
 from lightning_megatrain.engine.sharding import ShardedState
 from lightning_megatrain.hooks import OptimizerBarrier, placement_hooks
 from lightning_megatrain.host_memory import HostMemoryWatch, host_memory_by_kind, log_host_memory
@@ -275,6 +275,10 @@ class MegaTrainStrategy(CheckpointStrategy):
         precision = self.precision_plugin
         precision.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.optimizers:  # an earlier fit's, with states it may have kept on the GPU (teardown)
+            self.optimizers = []
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         config = self.config.for_stage(fitting, trainer.gradient_clip_algorithm)
         self._hf_loss = install_chunked_hf_loss(self.lightning_module, enabled=config.chunked_hf_loss)
         self.engine = MegaTrainEngine(
@@ -400,9 +404,6 @@ class MegaTrainStrategy(CheckpointStrategy):
             log.error("MegaTrain: teardown while handling %s: %s", type(handling).__name__, error)
 
     def _teardown(self) -> None:
-        if self._host_watch is not None:
-            self._host_watch.stop()
-            self._host_watch = None
         try:
             if self.engine is not None:
                 self.engine.teardown()  # raises a failed overlapped step's error, after restoring the layers
@@ -412,9 +413,16 @@ class MegaTrainStrategy(CheckpointStrategy):
                 if undo is not None:
                     undo()
             self._unguard_zero_grad = self._hf_loss = None
-            # the device groups' moments stay on the GPU where the host cannot take them
-            with device_states_kept(self.optimizers, host_free_checked()):
-                super().teardown()
+            # the device groups' moments stay on the GPU where the host cannot take them (measured whatever
+            # MEGATRAIN_SKIP_MEMORY_CHECK says: this copy is not a check but an allocation of their size)
+            placeable = placeable_host_bytes()
+            try:
+                with device_states_kept(self.optimizers, None if placeable is None else placeable[0]):
+                    super().teardown()
+            finally:
+                if self._host_watch is not None:  # after that copy, which it watched
+                    self._host_watch.stop()
+                    self._host_watch = None
 
     @classmethod
     @override

@@ -5,11 +5,12 @@ for the length of fit."""
 from __future__ import annotations
 
 import logging
+import time
 
 import lightning as L
 import pytest
 
-from lightning_megatrain import host_memory
+from lightning_megatrain import _hardware, host_memory
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.host_memory import HostMemoryWatch
 
@@ -18,10 +19,10 @@ from helpers.parity import run
 
 @pytest.fixture
 def available(monkeypatch):
-    """Set what /proc/meminfo says is available (GiB); MemTotal 128 GiB."""
+    """Set what the process may still allocate (GiB); MemTotal 128 GiB."""
     now = {"gib": 100.0}
-    fields = {"MemTotal": lambda: 128 * GIB, "MemAvailable": lambda: int(now["gib"] * GIB)}
-    monkeypatch.setattr(host_memory, "meminfo_bytes", lambda field: fields[field]())
+    monkeypatch.setattr(_hardware, "meminfo_bytes", lambda field: 128 * GIB if field == "MemTotal" else None)
+    monkeypatch.setattr(_hardware, "available_host_bytes", lambda: (int(now["gib"] * GIB), "MemAvailable"))
     return now
 
 
@@ -34,7 +35,7 @@ def test_one_warning_with_the_numbers_until_memory_comes_back(available, caplog)
         watch.check()
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
-    assert "1.5 GiB available of 128.0 GiB" in message
+    assert "1.5 GiB available (MemAvailable) of 128.0 GiB" in message
     assert "holds 120.0 GiB (masters 48.0, optimizer states 40.0)" in message
     available["gib"] = 4.0  # above twice the floor: armed again
     watch.check()
@@ -43,14 +44,30 @@ def test_one_warning_with_the_numbers_until_memory_comes_back(available, caplog)
     assert len(caplog.records) == 2 and "1.0 GiB available" in caplog.records[1].getMessage()
 
 
-def test_a_holdings_read_that_races_the_training_thread_says_the_resident_set(available, caplog):
+def test_a_holdings_read_that_races_the_training_thread_says_the_resident_set(available, caplog, monkeypatch):
     def racing():
         raise RuntimeError("dictionary changed size during iteration")
 
     available["gib"] = 0.5
+    monkeypatch.setattr(host_memory, "host_rss_gib", lambda: 121.0)
     caplog.set_level(logging.WARNING, logger="lightning_megatrain")
     HostMemoryWatch(racing).check()
-    assert "0.5 GiB available" in caplog.records[0].getMessage()
+    message = caplog.records[0].getMessage()
+    assert "0.5 GiB available (MemAvailable) of 128.0 GiB" in message and "holds 121.0 GiB. If" in message
+
+
+def test_the_watch_outlives_a_failed_read(available, monkeypatch):
+    def broken():
+        raise OSError("/proc is gone")
+
+    monkeypatch.setattr(_hardware, "available_host_bytes", broken)
+    monkeypatch.setattr(HostMemoryWatch, "PERIOD_S", 0.01)
+    watch = HostMemoryWatch(dict)
+    watch.start()
+    time.sleep(0.1)
+    assert watch.alive()
+    watch.stop()
+    assert not watch.alive()
 
 
 def test_the_strategy_watches_during_fit_only():

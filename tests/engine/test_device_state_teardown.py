@@ -43,3 +43,32 @@ def test_the_states_come_back_when_the_teardown_raises():
     with pytest.raises(RuntimeError, match="teardown failed"), device_states_kept([optimizer], host_free=0):
         raise RuntimeError("teardown failed")
     assert optimizer.state[on_device]["exp_avg"] is meta["exp_avg"]
+
+
+@pytest.mark.parametrize("host_short", [True, False])
+def test_the_strategy_teardown_keeps_what_the_host_cannot_take(monkeypatch, host_short):
+    """The strategy's teardown goes through the hiding: a meta state put into the optimizer at train end (standing in
+    for a device group's moments, which need CUDA) survives fit where the host is short; where it is not, Lightning's
+    copy reaches it and raises."""
+    import lightning as L
+
+    import lightning_megatrain.strategy as strategy_module
+
+    from helpers.parity import run
+
+    if host_short:
+        monkeypatch.setattr(strategy_module, "placeable_host_bytes", lambda: (0, "test"))
+
+    class Plant(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            Plant.optimizer = trainer.optimizers[0]
+            Plant.param = next(iter(pl_module.parameters()))
+            Plant.meta = torch.empty(8, device="meta")
+            Plant.optimizer.state[Plant.param]["exp_avg"] = Plant.meta
+
+    if host_short:
+        run("megatrain", "llama_tied", steps=1, callbacks=[Plant()])
+        assert Plant.optimizer.state[Plant.param]["exp_avg"] is Plant.meta
+    else:
+        with pytest.raises(NotImplementedError, match="meta"):
+            run("megatrain", "llama_tied", steps=1, callbacks=[Plant()])
