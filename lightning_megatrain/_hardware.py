@@ -69,8 +69,9 @@ HOST_OS_RESERVE_FRACTION = 0.03
 # of the OS reserve ([Note: host reserve]). Measured on the H200's host (benchmarks/memory_pool.py, the Llama-2-13B
 # shape at 8 x 1024 tokens, compiled layers; 2026-12-03-memory-pool-llama-2-13b-h200-d4ea2b4.host-samples.txt): 2.2 GiB
 # beyond the plan from the split to the end of fit, torch.compile's 16 workers and its heap at the first forward and
-# backward. (An earlier 5.3 GiB was Lightning's teardown copying the device groups' moments to the host, since
-# stopped: [Note: device states at teardown] in engine/device_state.py.) 6 GiB keeps 3.8 GiB of margin on it.
+# backward. (An earlier 5.3 GiB was most likely Lightning's teardown copying the device groups' moments to the host
+# after an error, since stopped: [Note: device states at teardown] in engine/device_state.py.) 6 GiB keeps 3.8 GiB of
+# margin on it.
 ENGINE_HOST_SLACK_GIB = 6.0
 
 

@@ -29,8 +29,8 @@ Parameters written directly on the host between steps (not through ``load_state_
 [Note: device states at teardown]
 Lightning's ``Strategy.teardown`` copies every optimizer state to the host, to give the GPU back after fit. The
 device groups' moments are there because the host could not hold them: 57 GiB for the 24 groups of the Llama-2-13B
-shape on the lent H200, with 7.6 GiB of its host free at the end of fit, where that copy woke the OOM killer
-(benchmarks/results/2026-12-03-memory-pool-llama-2-13b-h200-*). So the strategy's teardown hides them from that copy
+shape on the lent H200, with 7.6 GiB of its host free at the end of fit, where that copy took the host to its last
+GiB (benchmarks/results/2026-12-03-memory-pool-llama-2-13b-h200-*). So the strategy's teardown hides them from that copy
 where they exceed the host memory still free (:func:`device_states_kept`); they stay on the GPU, as ``optimizer.state``
 entries, until the optimizer goes. Where the host can take them, Lightning moves them as it moves any strategy's.
 
@@ -194,7 +194,6 @@ def settle_states(optimizer: torch.optim.Optimizer, device_groups: list[DeviceGr
     for p, state in list(optimizer.state.items()):
         if id(p) not in on_device:
             optimizer.state[p] = owned(state)
-
 
 
 @contextlib.contextmanager

@@ -34,12 +34,13 @@ PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (_hardwar
 CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s
 TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the overlapped step runs)
 # CompactAdamW (optim/compact_adam.py) for host_state other than fp32, on CPU parameters its native kernel
-# (optim/compact_kernel.py). ASSUMED, not measured on the H200's host: the native kernel's rate relative to torch's
-# fused AdamW on a 2-core AMD EPYC (0.66x: benchmarks/results/2026-12-03-compact-adam-2core-auto-*.json) applied to
-# TORCH_ADAM_GPARAMS. Measured there before it existed, inductor's kernel (still what runs where the native one does
-# not build): 0.55 Gparam/s on the H200's 16 cores, 0.12x torch's fused AdamW
-# (benchmarks/results/2026-12-03-compact-adam-h200-a233b00.log).
-COMPACT_ADAM_RATIO = 0.66
+# (optim/compact_kernel.py): its rate relative to torch's fused AdamW measured on the H200's 16 cores, 1.6e9
+# parameters in 16 tensors, in one command: `compact` 3.86 against 3.94 Gparam/s (0.98x; another command: 4.01),
+# `compact_kahan` 4.62 (benchmarks/results/2026-12-03-compact-adam-h200-{fp32-draw,compact-first}-6a652c3.log;
+# DeepSpeedCPUAdam 4.18 there, -deepspeed-6a652c3.json); the lowest ratio applied to TORCH_ADAM_GPARAMS for every
+# compact layout (`int8_moments` at 1.6e9 was not measured; at 0.1e9 it ran faster than `compact`). Inductor's kernel,
+# which runs where the native one does not build: 0.12x (2026-12-03-compact-adam-h200-a233b00.log).
+COMPACT_ADAM_RATIO = 0.98
 COMPACT_ADAM_GPARAMS = COMPACT_ADAM_RATIO * TORCH_ADAM_GPARAMS
 CPU_REF_CORES = 16  # the cores those rates were measured on; a plan scales them linearly to its cores
 HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s
