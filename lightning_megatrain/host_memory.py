@@ -63,12 +63,11 @@ class HostMemoryWatch:
         Pinned memory cannot be swapped out, and when the host runs out the kernel's OOM killer ends the trainer
         with SIGKILL: no traceback, no message, the last log line unrelated. The placements leave a reserve
         ([Note: host reserve] in _hardware.py), but what other processes, the data loader or the user's code take
-        after them is not theirs to count. So, during fit, this thread reads what the process may still allocate
-        every second (``MemAvailable``, or a cgroup's headroom where smaller: /proc and /sys reads, no work on the
-        training threads) and, when it falls below ``floor`` (half the OS reserve,
-        at least 1 GiB: 1.9 GiB on a 128 GiB host), logs one warning with the numbers and what this process holds,
-        so a run the OOM killer ends says why in its last lines. It warns again only after memory came back above
-        twice the floor.
+        after them is not theirs to count. So, during fit and its teardown, this thread reads what the process may
+        still allocate every second (``MemAvailable``, or a cgroup's headroom where smaller: /proc and /sys reads, no
+        work on the training threads) and, when it falls below ``floor`` (half the OS reserve, at least 1 GiB: 1.9
+        GiB on a 128 GiB host), logs one warning with the numbers and what this process holds, so a run the OOM
+        killer ends says why in its last lines. It warns again only after memory came back above twice the floor.
     """
 
     PERIOD_S = 1.0
