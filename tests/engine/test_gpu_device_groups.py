@@ -158,7 +158,7 @@ def test_device_states_stay_on_the_gpu_after_fit_when_the_host_cannot_take_them(
     import lightning_megatrain.strategy as strategy_module
 
     if host_short:
-        monkeypatch.setattr(strategy_module, "host_free_checked", lambda: 1)
+        monkeypatch.setattr(strategy_module, "placeable_host_bytes", lambda: (1, "test"))
 
     class Keep(L.Callback):
         def on_train_end(self, trainer, pl_module):
