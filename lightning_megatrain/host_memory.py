@@ -118,7 +118,7 @@ class HostMemoryWatch:
         self.armed = False
         try:
             sizes = self.holdings()
-        except RuntimeError:  # the training thread changed the optimizer's states meanwhile: say the resident set
+        except Exception:  # the training thread changed the states or tore the engine down meanwhile: the RSS
             rss = host_rss_gib()
             sizes = {} if rss is None else {"rss": int(rss * GIB)}
         held = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
