@@ -416,8 +416,9 @@ class MegaTrainStrategy(CheckpointStrategy):
             # the device groups' moments stay on the GPU where the host cannot take them (measured whatever
             # MEGATRAIN_SKIP_MEMORY_CHECK says: this copy is not a check but an allocation of their size)
             placeable = placeable_host_bytes()
+            fit = self._host_watch is not None  # the watch runs during fit only; later stages keep them quietly
             try:
-                with device_states_kept(self.optimizers, None if placeable is None else placeable[0]):
+                with device_states_kept(self.optimizers, None if placeable is None else placeable[0], announce=fit):
                     super().teardown()
             finally:
                 if self._host_watch is not None:  # after that copy, which it watched

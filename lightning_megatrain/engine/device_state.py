@@ -197,18 +197,21 @@ def settle_states(optimizer: torch.optim.Optimizer, device_groups: list[DeviceGr
 
 
 @contextlib.contextmanager
-def device_states_kept(optimizers: list[torch.optim.Optimizer], host_free: int | None) -> Iterator[None]:
+def device_states_kept(optimizers: list[torch.optim.Optimizer], host_free: int | None,
+                       announce: bool = True) -> Iterator[None]:
     """Hide the optimizer states held outside host memory from the code inside when they exceed ``host_free`` (the
     bytes the host may still take; None: unknown), so that they stay on the GPU ([Note: device states at
-    teardown]); put back on exit."""
+    teardown]); put back on exit. ``announce``: log it (once per fit, not again at a later stage's teardown)."""
     held = [(optimizer.state, p, entry) for optimizer in optimizers for p, entry in optimizer.state.items()
             if any(_off_host(k, v) for k, v in entry.items())]
     nbytes = sum(v.nbytes for _, _, entry in held for k, v in entry.items() if _off_host(k, v))
     if not held or host_free is None or nbytes <= host_free:
         yield
         return
-    log.info("MegaTrain: the optimizer states of the device groups (%.1f GiB) stay on the GPU after fit: the host "
-             "has %.1f GiB free for them. They are freed with the optimizer.", nbytes / 2**30, host_free / 2**30)
+    if announce:
+        log.info("MegaTrain: the optimizer states of the device groups (%.1f GiB) stay on the GPU after fit: the "
+                 "host has %.1f GiB free for them. They are freed with the optimizer.", nbytes / 2**30,
+                 host_free / 2**30)
     for states, p, _ in held:
         del states[p]
     try:

@@ -4,6 +4,8 @@ tensors stand in for the GPU's: copying one to the host raises, so a copy that r
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -20,13 +22,17 @@ def _optimizer():
     return optimizer, on_device, meta
 
 
-def test_states_the_host_cannot_take_stay_where_they_are():
+@pytest.mark.parametrize("announce", [True, False])
+def test_states_the_host_cannot_take_stay_where_they_are(caplog, announce):
     optimizer, on_device, meta = _optimizer()
-    with device_states_kept([optimizer], host_free=63):  # the meta moments take 64 bytes
+    caplog.set_level(logging.INFO, logger="lightning_megatrain")
+    with device_states_kept([optimizer], host_free=63, announce=announce):  # the meta moments take 64 bytes
         assert on_device not in optimizer.state
         _optimizers_to_device([optimizer], torch.device("cpu"))  # what Lightning's teardown runs
     assert optimizer.state[on_device]["exp_avg"] is meta["exp_avg"]
     assert optimizer.state[on_device]["exp_avg_sq"] is meta["exp_avg_sq"]
+    said = [r.getMessage() for r in caplog.records if "stay on the GPU" in r.getMessage()]
+    assert len(said) == announce
 
 
 @pytest.mark.parametrize("host_free", [64, None])
