@@ -125,7 +125,6 @@ def census(t_s: float, top: int = 15) -> dict:
     are not reachable and show as RSS beyond ``tensors_gib``."""
     import gc
 
-
     storages: dict[int, tuple[int, str]] = {}
     with warnings.catch_warnings():  # torch.is_tensor on torch's deprecated module attributes warns
         warnings.simplefilter("ignore")
