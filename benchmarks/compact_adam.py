@@ -54,7 +54,7 @@ def _normal(numel: int, std: float, dtype: torch.dtype) -> torch.Tensor:
     (~50M/s), and the 3.2e9 of a 1.6e9-parameter run took longer than a 100 s device command
     (2026-12-03-compact-adam-h200-*.log); the update's speed does not depend on the values being distinct."""
     base = torch.empty(min(numel, _DRAW)).normal_(0.0, std).to(dtype)
-    return base.repeat((numel + base.numel() - 1) // base.numel())[:numel].clone()
+    return base.repeat((numel + base.numel() - 1) // base.numel())[:numel]
 
 
 def _params(n_layers: int, per_layer: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> list[torch.nn.Parameter]:

@@ -208,7 +208,7 @@ def main() -> None:
     import torch
 
     from lightning_megatrain import MegaTrainStrategy
-    from lightning_megatrain._hardware import host_rss_gib
+    from lightning_megatrain._hardware import H100_BF16_PEAK_FLOPS, host_rss_gib
 
     config = dict(workloads.MODELS["tiny-llama"]["config"]) if args.dry_run else dict(LLAMA2_13B)
     config["num_hidden_layers"] = 2 if args.dry_run else args.layers
@@ -266,12 +266,15 @@ def main() -> None:
     timed = times[3:] if len(times) > 4 else times[1:]
     step_s = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
     chosen = Chosen.groups
+    n_params = sum(p.numel() for p in module.parameters())
     row = {
         "model": "llama-2-13b" if config["num_hidden_layers"] == 40 and not args.dry_run else
         f"llama-2-13b shape TRUNCATED to {config['num_hidden_layers']} layers" if not args.dry_run else "tiny-llama",
-        "n_params": sum(p.numel() for p in module.parameters()),
+        "n_params": n_params,
         "micro_batch": micro_batch, "seq_len": seq_len, "steps": steps, "host_limit_gib": args.host_gib,
         "measured": {"tokens_per_s": micro_batch * seq_len / step_s, "step_s": step_s,
+                     # 6N per token over the dense bf16 peak (PaLM's MFU; attention at 1,024 tokens is ~2% more)
+                     "mfu": 6 * n_params * micro_batch * seq_len / step_s / H100_BF16_PEAK_FLOPS,
                      "gpu_optimizer_groups": chosen,
                      "peak_host_rss_gib": host_rss_gib("VmHWM"),
                      "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / GIB if on_cuda else None,

@@ -34,10 +34,15 @@ def host_memory_by_kind(engine_bytes: dict[str, int], optimizers: Sequence[torch
     return sizes
 
 
+def _by_kind(sizes: dict[str, int]) -> str:
+    """``sizes`` but the resident set, in GiB: ``masters 48.5, grads 20.1, ...``."""
+    return ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
+
+
 def log_host_memory(sizes: dict[str, int], n_params: int) -> None:
     """Log :func:`host_memory_by_kind`'s ``sizes`` at train end, in GiB, with the peak resident set so far, per
     parameter of the model's ``n_params`` where the model's own state is most of the memory."""
-    parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
+    parts = _by_kind(sizes)
     total = sizes.get("rss", sum(sizes.values()))
     peak = host_rss_gib("VmHWM")
     # Per parameter only where the model's own state is most of the memory: for a tiny model the process
@@ -121,7 +126,7 @@ class HostMemoryWatch:
         except Exception:  # the training thread changed the states or tore the engine down meanwhile: the RSS
             rss = host_rss_gib()
             sizes = {} if rss is None else {"rss": int(rss * GIB)}
-        held = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in sizes.items() if k != "rss")
+        held = _by_kind(sizes)
         log.warning(
             "MegaTrain: host memory is nearly gone: %.1f GiB available (%s) of %.1f GiB; this process holds %s "
             "GiB%s. If the kernel's OOM killer ends this run, this is why. HINT: a smaller micro-batch or sequence, "

@@ -61,6 +61,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lightning_megatrain._hardware import GIB
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.mapped import copy_released, owned
 
@@ -210,8 +211,8 @@ def device_states_kept(optimizers: list[torch.optim.Optimizer], host_free: int |
         return
     if announce:
         log.info("MegaTrain: the optimizer states of the device groups (%.1f GiB) stay on the GPU after fit: the "
-                 "host has %.1f GiB free for them. They are freed with the optimizer.", nbytes / 2**30,
-                 host_free / 2**30)
+                 "host has %.1f GiB free for them. They are freed with the optimizer.", nbytes / GIB,
+                 host_free / GIB)
     for states, p, _ in held:
         del states[p]
     try:
