@@ -45,9 +45,10 @@ class EngineConfig:
     off on a CPU compute device (the step and the forward would share its cores) (engine/placement.py)."""
 
     gpu_optimizer_groups: int | Auto = "auto"
-    """How many groups, in the order the forward reads them (the residents, then layers 0, 1, ...), keep fp32
-    master, grad and Adam states on the GPU and step there (engine/device_state.py). 18 bytes of GPU memory per
-    layer parameter; CUDA and Adam/AdamW only. ``"auto"``: the fewest that hide the overlapped host Adam behind the
+    """How many groups, in the order the forward reads them (the residents, then layers 0, 1, ...), keep their
+    master, grad and Adam states on the GPU and step there (engine/device_state.py); the host keeps their masters.
+    GPU bytes per layer parameter: 18 with fp32 host state, 6.03 with ``host_state="compact"`` (its layout on the
+    GPU); CUDA and Adam/AdamW only. ``"auto"``: the fewest that hide the overlapped host Adam behind the
     forward, planned for the first training micro-batch, and at least the fewest with which the host holds the other
     groups' state (planner/pool.py, [Note: memory pool]) (engine/placement.py)."""
 
@@ -110,8 +111,9 @@ class EngineConfig:
     parameter in docs/compact-state.md): ``"fp32"`` (fp32 master, grad and Adam moments: 16 B), ``"int8_moments"``
     (fp32 master and grad, 8-bit moments: 10.03 B), ``"compact_kahan"`` (bf16 master with a bf16 Kahan compensation,
     bf16 grad, 8-bit moments: 8.03 B) or ``"compact"`` (bf16 master rounded stochastically, bf16 grad, 8-bit
-    moments: 6.03 B). Other than ``"fp32"``: Adam/AdamW run as ``CompactAdamW`` on the host
-    (optim/compact_update.py), no ``gpu_optimizer_groups``; the bf16 layouts need ``precision="bf16-mixed"``."""
+    moments: 6.03 B). Other than ``"fp32"``: Adam/AdamW run as ``CompactAdamW`` on the host (optim/compact_update.py),
+    and the ``gpu_optimizer_groups`` hold the same layout on the GPU (engine/device_state.py, [Note: compact device
+    groups]); the bf16 layouts need ``precision="bf16-mixed"``."""
     checkpoint_format: CheckpointFormat = "file"
     """How local checkpoints are saved: ``"file"``, one ``torch.save`` archive (checkpoint_io.py, [Note: atomic
     checkpoints]); ``"sharded"``, a directory of one safetensors file per decoder layer plus the residents', for
@@ -162,10 +164,6 @@ class EngineConfig:
             out.append(f"nonfinite={self.nonfinite!r}: choose one of {NONFINITE_MODES}")
         if self.host_state not in HOST_STATES:
             out.append(f"host_state={self.host_state!r}: choose one of {HOST_STATES}")
-        elif self.host_state != "fp32" and type(groups) is int and groups > 0:
-            out.append(f"host_state={self.host_state!r} with gpu_optimizer_groups={groups}: the device groups step "
-                       "fp32 masters and fp32 Adam moments on the GPU; use gpu_optimizer_groups=0 (or 'auto', which "
-                       "places none with a compact host_state), or host_state='fp32'")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             out.append(f"checkpoint_format={self.checkpoint_format!r}: choose one of {CHECKPOINT_FORMATS}")
         return out

@@ -1,4 +1,4 @@
-"""Device groups: parameter groups whose fp32 master, grad and Adam states are mirrored on the GPU.
+"""Device groups: parameter groups whose master, grad and Adam states are mirrored on the GPU.
 
 [Note: device groups]
 The host Adam step moves 28 bytes per parameter through host memory (reads master, grad and both moments, writes
@@ -7,7 +7,8 @@ master and moments): 0.73 s for 3.2B parameters on the lent H200's 16 cores, lon
 traffic (benchmarks/results/2026-11-29-llama-3.2-3b-h200.json). A *device group* trades GPU memory for that host
 work: the first groups the forward reads (the residents, then layers 0, 1, ...) keep a device mirror of their fp32
 master, their fp32 grad and both Adam moments, and take their optimizer step on the GPU with torch's fused AdamW
-kernel (the same update the host fused path runs, to fp32 rounding). Their weights cross PCIe only as grads (when
+kernel (the same update the host fused path runs, to fp32 rounding; a compact host state is mirrored in its own
+formats, [Note: compact device groups]). Their weights cross PCIe only as grads (when
 code reads the host grads) and as the updated master written back (when the host reads parameters).
 
 The host master stays the parameter (DESIGN principle 1), brought up to date where the host reads it: every
@@ -45,11 +46,25 @@ themselves and with the layer's forward and backward):
   checkpoints, barrier hooks and teardown call; backward, ``zero_grad`` and gradient finalization touch grads only
   and skip it).
 
-GPU memory: 18 bytes per layer parameter (mirror, grad, two moments and a compute-dtype copy under bf16), 16 per
-resident parameter (their fp32 compute copies are the mirror). Host memory saves the 8 bytes/param of moments and,
-where no code reads ``p.grad`` before the step, the 4 of the grad: the host keeps the 4-byte master only, which is
-what lets ``gpu_optimizer_groups="auto"`` split a model's state between both memories (planner/pool.py, [Note:
-memory pool]).
+GPU memory (fp32 host state): 18 bytes per layer parameter (mirror, grad, two moments and a compute-dtype copy under
+bf16), 8 per resident parameter (their fp32 compute copies are the mirror, their grads exist anyway: the moments
+only). Host memory saves the 8 bytes/param of moments and, where no code reads ``p.grad`` before the step, the 4 of
+the grad: the host keeps the 4-byte master only, which is what lets ``gpu_optimizer_groups="auto"`` split a model's
+state between both memories (planner/pool.py, [Note: memory pool]). :func:`gpu_bytes_per_param` is the one home of
+these numbers.
+
+[Note: compact device groups]
+Under a compact ``host_state`` (optim/compact_adam.py, [Note: compact host state]) a device group holds the host layout
+itself on the GPU: the mirror in the master's dtype (bf16 for ``compact``: the compute copy too), the grad sum in the
+host grads' dtype (added with one rounding per micro-batch, as the host drain adds), and CompactAdamW's entries (8-bit
+moments, block scales, Kahan compensation) as ``optimizer.state[p]``, the step count on the CPU as the host optimizer
+keeps it. The update is CompactAdamW's own (``CompactAdamW.update_param`` on the mirror, the same stochastic-rounding
+stream: optim/compact_update.py, ``compact_device_update``), so a checkpoint holds the same entries whichever memory
+stepped a parameter, and resumes into either. For ``compact`` that is 6.03 bytes per layer parameter on the GPU, 2.03
+per resident one, and the host keeps the 2-byte bf16 master only: the two memories hold one state, not two copies of it.
+That update reads the step count, the clipping factor and the finite decision on the host, so with compact device
+groups the grads never land late ([Note: late grads] in engine/optimizer_step.py): the step waits for the norm, a
+sync per optimizer step.
 """
 
 from __future__ import annotations
@@ -64,37 +79,60 @@ from torch import Tensor
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.mapped import copy_released, owned
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, new_state
 
 log = logging.getLogger(__name__)
 
 
-def gpu_bytes_per_param(compute_itemsize: int, resident: bool) -> int:
-    """GPU memory a device group adds per parameter (see the module note): a layer's fp32 mirror, fp32 grad, two
-    moments and, below fp32, a compute-dtype copy; the residents' moments only (their fp32 copy and grad exist
-    without device groups)."""
-    return 8 if resident else 16 + (compute_itemsize if compute_itemsize < 4 else 0)
+def gpu_bytes_per_param(compute_itemsize: int, resident: bool, host_state: str = "fp32") -> float:
+    """GPU memory a device group adds per parameter (see the module note and [Note: compact device groups]): a
+    layer's mirror, grad and moments in the ``host_state`` layout's formats plus, where the compute dtype is narrower
+    than the mirror, a compute-dtype copy; the residents' moments (and Kahan compensation) only, since their compute
+    copies and grads exist without device groups. ``fp32``: 18 per layer parameter under bf16, 8 per resident one;
+    ``compact``: 6.03 and 2.03."""
+    layout = HOST_STATE_LAYOUTS[host_state]
+    parts = layout.bytes_per_param()
+    compensation = parts["weights"] - layout.weight_dtype.itemsize
+    if resident:
+        return parts["optimizer states"] + compensation
+    copy = compute_itemsize if compute_itemsize < layout.weight_dtype.itemsize else 0
+    return sum(parts.values()) + copy
 
 
 class DeviceGroup:
     """The device mirror of one :class:`FlatGroup` and its Adam states (see [Note: device groups])."""
 
     def __init__(
-        self, group: FlatGroup, device: torch.device, compute_dtype: torch.dtype, own_grad: bool = True
+        self, group: FlatGroup, device: torch.device, compute_dtype: torch.dtype, own_grad: bool = True,
+        host_state: str = "fp32",
     ) -> None:
         self.group = group
         self.device = device
+        layout = HOST_STATE_LAYOUTS[host_state]
         n = group.numel
-        self.master = torch.empty(n, dtype=torch.float32, device=device)  # [numel] fp32 mirror of group.master
-        # [numel] the weights forward and backward read: the mirror itself under fp32, else a cast refreshed per step
+        # [numel] the mirror of group.master, in its dtype (fp32, or bf16 under a compact host_state)
+        self.master = torch.empty(n, dtype=group.master.dtype, device=device)
+        # [numel] the weights forward and backward read: the mirror itself where the dtypes agree, else a cast
+        # refreshed per step
         self.compute = (
-            self.master if compute_dtype == torch.float32 else torch.empty(n, dtype=compute_dtype, device=device)
+            self.master if compute_dtype == self.master.dtype else torch.empty(n, dtype=compute_dtype, device=device)
         )
-        # [numel] fp32, the sum over micro-batches; None for the residents, whose autograd leaves hold their grads
-        self.grad = torch.empty(n, dtype=torch.float32, device=device) if own_grad else None
+        # [numel] the sum over micro-batches in the host grads' dtype; None for the residents, whose autograd leaves
+        # hold their grads
+        self.grad = torch.empty(n, dtype=group.grad_dtype, device=device) if own_grad else None
         self.present = [False] * len(group.params)  # which parameters have a gradient in ``grad`` since zero_grad
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
-        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in group.params]  # fused Adam's
+        # each parameter's optimizer state on the device: views of two flat fp32 moments and a device step count
+        # (torch's fused AdamW), or CompactAdamW's entries ([Note: compact device groups])
+        self.states: list[dict[str, Tensor]]
+        if layout.moments == "fp32" and layout.weights == "fp32":
+            exp_avg = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
+            exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)  # [numel]
+            self.states = [
+                {"step": torch.zeros((), dtype=torch.float32, device=device), "exp_avg": m, "exp_avg_sq": v}
+                for m, v in zip(group.views(exp_avg), group.views(exp_avg_sq))
+            ]
+        else:
+            self.states = [new_state(w, layout.weights, layout.moments) for w in group.views(self.master)]
         # - CUDA events for stream synchronization (see the module note)
         self.grad_read = torch.cuda.Event()  # recorded by D2H after reading ``grad``; waited on by compute
         self.written_back = torch.cuda.Event()  # recorded by D2H after reading ``master``; waited on by compute, host
@@ -140,21 +178,23 @@ class DeviceGroup:
         return [v if ok else None for v, ok in zip(self.group.views(self.grad), self.present)]
 
     def bind_states(self, optimizer: torch.optim.Optimizer, which: list[bool]) -> None:
-        """Make ``optimizer.state[p]`` hold this group's device moments for the parameters flagged in ``which`` (those
+        """Make ``optimizer.state[p]`` hold this group's device states for the parameters flagged in ``which`` (those
         about to be updated), copying in states loaded from a checkpoint or left by the host optimizer."""
-        views = zip(self.group.params, self.group.views(self.exp_avg), self.group.views(self.exp_avg_sq), self.steps)
-        for (p, m, v, step), bind in zip(views, which):
+        for p, ours, bind in zip(self.group.params, self.states, which):
             if not bind:
                 continue
             state = optimizer.state[p]
             bound = state.get("exp_avg")
-            if bound is not None and bound.device == m.device and bound.data_ptr() == m.data_ptr():
+            mine = ours["exp_avg"]
+            if bound is not None and bound.device == mine.device and bound.data_ptr() == mine.data_ptr():
                 continue
             if state:  # loaded from a checkpoint (mapped: read straight in) or written by a host optimizer
-                copy_released(state["exp_avg"], m)
-                copy_released(state["exp_avg_sq"], v)
-                step.fill_(float(state["step"]))
-            state.update(step=step, exp_avg=m, exp_avg_sq=v)
+                for key, tensor in ours.items():
+                    if key == "step":
+                        tensor.fill_(float(state["step"]))
+                    else:
+                        copy_released(state[key], tensor)
+            state.update(ours)
 
     def clear_grads(self) -> None:
         """``zero_grad``: the next micro-batch's grads replace ``grad`` instead of adding to it."""

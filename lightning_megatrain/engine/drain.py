@@ -203,8 +203,8 @@ class GradDrain:
         return idle
 
     def _drain_device_group(self, index: int, grads: list[Tensor | None]) -> None:
-        """Sum layer ``index``'s grads into its device group's fp32 grad, then copy that sum to the host grads when
-        code may read them (``device_grads_to_host``).
+        """Sum layer ``index``'s grads into its device group's grad (the host grads' dtype), then copy that sum to
+        the host grads when code may read them (``device_grads_to_host``).
 
         The device sum is what the device optimizer step reads; the host copy keeps ``p.grad`` what it is without
         device groups (engine/device_state.py). Parameters without a gradient in any micro-batch keep ``grad=None``.
@@ -215,14 +215,14 @@ class GradDrain:
         if not self.device_grads_to_host:
             with torch.profiler.record_function("megatrain::device_grad_sum"):
                 device_group.add_grads(grads, first=not any(device_group.present))
-                group.device_norm_sq = torch.dot(device_group.grad, device_group.grad)  # absent grads are zeros
+                group.device_norm_sq = norm_sq(device_group.grad)  # absent grads are zeros
             return
         first = self._count_in_flight(index) and all(p.grad is None for p in group.params)
         compute = torch.cuda.current_stream(self.device)
         done = torch.cuda.Event()  # recorded by the D2H stream after the copy; waited on by the drain worker
         with torch.profiler.record_function("megatrain::d2h"):
             device_group.add_grads(grads, first)
-            group.device_norm_sq = torch.dot(device_group.grad, device_group.grad)  # absent grads are zeros
+            group.device_norm_sq = norm_sq(device_group.grad)  # absent grads are zeros
             summed = torch.cuda.Event()  # recorded by the compute stream; waited on by the D2H stream
             summed.record(compute)
             with torch.cuda.stream(self.d2h_stream):

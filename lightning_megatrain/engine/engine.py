@@ -251,7 +251,9 @@ class MegaTrainEngine(FirstBatchPlacement):
         forward_order = [self.resident_group, *self.groups]
         numels = [g.numel for g in forward_order[:n]]
         self.device_groups = [
-            DeviceGroup(g, self.device, torch.float32 if k == 0 else self.compute_dtype, own_grad=k != 0)
+            # the residents compute in their masters' dtype (residents.py), the layers in the compute dtype
+            DeviceGroup(g, self.device, g.master.dtype if k == 0 else self.compute_dtype, own_grad=k != 0,
+                        host_state=self.config.host_state)
             for k, g in enumerate(forward_order[:n])
         ]
         on_device = {id(d.group): d for d in self.device_groups}
@@ -266,10 +268,11 @@ class MegaTrainEngine(FirstBatchPlacement):
             device_group.group.release_grad(self.registry.free if self.registry is not None else None)
         self._policy.persistent_layers = len(layer_device_groups)  # their weights stay on the device
         log.info(
-            "MegaTrain: %d groups (%.2fB params) keep their fp32 master, grad and Adam states on %s too and take "
-            "their optimizer step there",
+            "MegaTrain: %d groups (%.2fB params) keep their master, grad and Adam states (host_state %s) on %s "
+            "and take their optimizer step there; the host keeps their masters",
             n,
             sum(numels) / 1e9,
+            self.config.host_state,
             self.device,
         )
 
@@ -302,7 +305,8 @@ class MegaTrainEngine(FirstBatchPlacement):
             need += 2 * 4 * self.ranks.world * -(-max_layer // self.ranks.world)  # and the padded reduce-scatter
         # device groups (engine/device_state.py): the residents' moments, the layers' whole device state
         itemsize = self.compute_dtype.itemsize
-        device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0) * n for k, n in enumerate(device_numel))
+        device_bytes = sum(gpu_bytes_per_param(itemsize, resident=k == 0, host_state=self.config.host_state) * n
+                           for k, n in enumerate(device_numel))
         if need + device_bytes > free:
             raise RuntimeError(
                 f"MegaTrainStrategy needs {(need + device_bytes) / GIB:.1f} GiB of GPU memory for {slots} "

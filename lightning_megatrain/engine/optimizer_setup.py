@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_megatrain.optim.compact_adam import CompactAdamW
 from lightning_megatrain.optim.compact_update import to_compact_adamw
 from lightning_megatrain.optim.host_optimizer import overlappable, rebind_scheduler, to_host_optimizer
 from lightning_megatrain.optim.updates import engine_steps
@@ -66,7 +67,9 @@ class OptimizerSetup:
             replaced[id(optimizer)] = host
             host_optimizers.append(host)
         if self.device_groups:
-            refused = [type(o).__name__ for o in host_optimizers if not overlappable(o)]  # the device step's Adam
+            # the device step's Adam: torch's fused kernel, or CompactAdamW's own under a compact host_state
+            refused = [type(o).__name__ for o in host_optimizers
+                       if not (overlappable(o) or isinstance(o, CompactAdamW))]
             if refused:
                 raise ValueError(
                     f"MegaTrainStrategy(gpu_optimizer_groups={self.config.gpu_optimizer_groups}) steps Adam/AdamW on "

@@ -66,8 +66,8 @@ from lightning_megatrain.engine.backward_updates import StepSpeculation, params_
 from lightning_megatrain.engine.grad_norm import clip_coef, device_norm_sq, host_norm_sq
 from lightning_megatrain.engine.optimizer_setup import OptimizerSetup
 from lightning_megatrain.engine.step_guard import StepGuard
-from lightning_megatrain.optim.host_optimizer import Hyper, allocate_states, device_update, hyper_snapshot
-from lightning_megatrain.optim.updates import Update, host_update
+from lightning_megatrain.optim.host_optimizer import Hyper, allocate_states, hyper_snapshot
+from lightning_megatrain.optim.updates import Update, device_update, host_update
 
 if TYPE_CHECKING:
     from lightning_megatrain.engine.backward_updates import BackwardUpdates, Speculation
@@ -147,7 +147,9 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         self._clip_fired = False
         self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
         host_added = self.transfer.take_host_added()
-        self._late_grads = self.overlap is not None and not grads_read and not host_added
+        # a compact device step reads the factor and the finite decision on the host ([Note: compact device groups])
+        compact_device = bool(self.device_groups) and self.config.host_state != "fp32"
+        self._late_grads = self.overlap is not None and not grads_read and not host_added and not compact_device
         if self.residents is not None:
             self.residents.drain(wait=not self._late_grads)
             if self._late_grads and self.residents.norm_after_landing:

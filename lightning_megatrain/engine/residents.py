@@ -73,7 +73,7 @@ class Residents:
 
     def _upload(self) -> list[Tensor]:
         if self.device_group is not None:
-            flat = self.device_group.master  # [numel] fp32, always current on the device: views, no upload
+            flat = self.device_group.master  # [numel] as the masters, always current on the device: views, no upload
         else:
             if self.gate is not None:
                 self.gate(self.group)  # an overlapped optimizer step may still be updating these masters
@@ -106,7 +106,7 @@ class Residents:
             return
         if self.device_group is not None and not self.grads_to_host:  # the device step reads the grads in place
             flats = [g.reshape(-1) for g in grads if g is not None]
-            self.group.device_norm_sq = torch.stack([torch.dot(g, g) for g in flats]).sum()
+            self.group.device_norm_sq = torch.stack([norm_sq(g) for g in flats]).sum()
             return
         # A drain no optimizer step landed (an exception between them, a drain without a step) lands first: its
         # grads are host grads the new ones add to, and its host add reads the staging buffer this copy may write.

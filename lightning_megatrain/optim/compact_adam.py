@@ -58,7 +58,8 @@ from lightning_megatrain.optim.rounding import (
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20  # elements per kernel call (a multiple of BLOCK): 4 MiB per fp32 temporary
+CHUNK = 1 << 20  # elements per kernel call on the CPU (a multiple of BLOCK): 4 MiB per fp32 temporary
+DEVICE_CHUNK = 1 << 24  # on a GPU, where each call is a few kernel launches: 64 MiB per fp32 temporary
 WEIGHT_FORMATS = ("fp32", "bf16", "bf16_sr", "bf16_kahan")  # "bf16": round to nearest, no compensation (stalls)
 MOMENT_FORMATS = ("fp32", "int8")
 
@@ -251,9 +252,9 @@ def adamw_update(
     hyper = dict(beta2=beta2, eps=eps, coupled_decay=coupled, weights=weights, moments=moments)
     m, v, comp = state["exp_avg"], state["exp_avg_sq"], state.get("compensation")
     m_scale, v_scale = state.get("exp_avg_scale"), state.get("exp_avg_sq_scale")
-    n = w.numel()
-    for start in range(0, n, CHUNK):
-        end = min(n, start + CHUNK)
+    n, chunk = w.numel(), CHUNK if w.device.type == "cpu" else DEVICE_CHUNK
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
         blocks = slice(start // BLOCK, n_blocks(end))
         # detached: the same memory without a view's base, whose sizes torch.compile would guard on (a graph for
         # each parameter shape and chunk position instead of one per format pair)
@@ -367,17 +368,20 @@ class CompactAdamW(Optimizer):
         return loss
 
     @torch.no_grad()  # also on the overlapped step's worker thread, where grad mode is on by default
-    def update_param(self, p: Tensor, grad: Tensor, hyper: dict[str, Any], index: int, grad_scale: float = 1.0) -> None:
+    def update_param(self, p: Tensor, grad: Tensor, hyper: dict[str, Any], index: int, grad_scale: float = 1.0,
+                     weights: Tensor | None = None) -> None:
         """One update of ``p`` (its state already created) with ``grad`` multiplied by ``grad_scale`` and the
         hyperparameters ``hyper`` (its param group's, or a snapshot of them); ``index``: ``p``'s position over all
         param groups, which with the step count and ``seed`` picks its stochastic rounding bits. What :meth:`step`
-        runs per parameter and the engine's update runs per flat group (optim/compact_update.py)."""
+        runs per parameter and the engine's update runs per flat group (optim/compact_update.py). ``weights``: the
+        tensor updated in place of ``p`` (a device mirror of it, with its state on the same device; engine/
+        device_state.py), ``p`` itself when None."""
         state = self.state[p]
         adamw_update(
-            p.view(-1), grad.reshape(-1), state, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
-            weight_decay=hyper["weight_decay"], decoupled=hyper["decoupled_weight_decay"], weights=hyper["weights"],
-            moments=hyper["moments"], seed=mix_seed(hyper["seed"], int(state["step"]) + 1, index),
-            grad_scale=grad_scale, compile=self.compile,
+            (p if weights is None else weights).view(-1), grad.reshape(-1), state, lr=hyper["lr"],
+            betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
+            decoupled=hyper["decoupled_weight_decay"], weights=hyper["weights"], moments=hyper["moments"],
+            seed=mix_seed(hyper["seed"], int(state["step"]) + 1, index), grad_scale=grad_scale, compile=self.compile,
         )
 
 

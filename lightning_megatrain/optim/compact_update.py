@@ -23,7 +23,7 @@ bf16 parameter's ``.grad``. Norms of bf16 grads are accumulated in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -137,3 +137,28 @@ class CompactUpdate:
             self.started += 1
             self.optimizer.update_param(p, self._grads[id(p)], self._h(p), self._index[id(p)], self._grad_scale)
 
+
+
+def compact_device_update(
+    optimizer: CompactAdamW, grad_scale: Tensor | None = None
+) -> Callable[[list[Tensor], list[Tensor], list[Tensor | None]], None]:
+    """``optimizer``'s update of device mirrors with its hyperparameters of *now* (engine/device_state.py, [Note:
+    compact device groups]), the interface of ``host_optimizer.fused_device_update``.
+
+    ``update(params, mirrors, grads)``: for each host parameter ``p`` (the key of its state) its device mirror in the
+    layout's weight dtype and its device grad (``None``: no gradient, skipped, as ``step()`` skips ``p``), with
+    ``optimizer.state[p]`` already holding device tensors (the step count on the CPU). Each is updated as
+    ``CompactAdamW.step()`` updates ``p``, with ``p``'s stochastic rounding stream; ``grad_scale`` (clipping's factor, a
+    host 0-dim tensor: the host knows it before a compact device step) multiplies each grad inside the kernel.
+    """
+    group_of, hyper = hyper_snapshot(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {id(p): k for k, p in enumerate(params)}  # the stochastic rounding stream, as step() counts
+    scale = 1.0 if grad_scale is None else float(grad_scale)
+
+    def update(params: list[Tensor], mirrors: list[Tensor], grads: list[Tensor | None]) -> None:
+        for p, mirror, grad in zip(params, mirrors, grads):
+            if grad is not None and id(p) in group_of:
+                optimizer.update_param(p, grad, hyper[id(group_of[id(p)])], index[id(p)], scale, weights=mirror)
+
+    return update

@@ -345,7 +345,7 @@ def check_like(p: Tensor, tensors: dict[str, Tensor], kernel: str, contiguous: b
             )
 
 
-def device_update(
+def fused_device_update(
     optimizer: Optimizer, grad_scale: Tensor | None = None, found_inf: Tensor | None = None
 ) -> Callable[[list[Tensor], list[Tensor], list[Tensor | None]], None]:
     """The Adam/AdamW update of device mirrors, with ``optimizer``'s hyperparameters of *now*.

@@ -4,21 +4,22 @@ The host Adam/AdamW that :func:`~lightning_megatrain.optim.host_optimizer.to_hos
 :class:`~lightning_megatrain.optim.host_optimizer.HostUpdate`; :class:`~lightning_megatrain.optim.muon.Muon` runs
 :class:`~lightning_megatrain.optim.muon.MuonUpdate`; ``CompactAdamW`` (yours, or Adam/AdamW under a compact
 ``host_state``) runs :class:`~lightning_megatrain.optim.compact_update.CompactUpdate`. All are all or nothing,
-overlappable and take clipping's factor ([Note: all-or-nothing steps], [Note: overlapped optimizer step]); any other
+overlappable and take clipping's factor ([Note: all-or-nothing steps], [Note: overlapped optimizer step]);
+:func:`device_update` is the device groups' update of each Adam kind (engine/device_state.py); any other
 optimizer steps as given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_megatrain.mapped import any_mapped
 from lightning_megatrain.optim.compact_adam import CompactAdamW, HostStateLayout
-from lightning_megatrain.optim.compact_update import CompactUpdate
-from lightning_megatrain.optim.host_optimizer import HostUpdate, Hyper, overlappable
+from lightning_megatrain.optim.compact_update import CompactUpdate, compact_device_update
+from lightning_megatrain.optim.host_optimizer import HostUpdate, Hyper, fused_device_update, overlappable
 from lightning_megatrain.optim.muon import Muon, MuonUpdate
 
 Update = HostUpdate | MuonUpdate | CompactUpdate
@@ -43,6 +44,18 @@ def host_update(
     if isinstance(optimizer, CompactAdamW):
         return CompactUpdate(optimizer, grad_scale, skip=skip, snapshot=snapshot)
     return HostUpdate(optimizer, grad_scale, skip=skip, snapshot=snapshot)
+
+
+def device_update(
+    optimizer: torch.optim.Optimizer, grad_scale: Tensor | None, found_inf: Tensor | None
+) -> Callable[[list[Tensor], list[Tensor], list[Tensor | None]], None]:
+    """The update of the device groups' mirrors (engine/device_state.py): ``CompactAdamW``'s own under a compact
+    ``host_state`` (its factor and finite decision known on the host: ``found_inf`` None), else torch's fused
+    Adam/AdamW (``found_inf`` read on the device)."""
+    if isinstance(optimizer, CompactAdamW):
+        assert found_inf is None, "a compact device step takes the finite decision on the host ([Note: late grads])"
+        return compact_device_update(optimizer, grad_scale)
+    return fused_device_update(optimizer, grad_scale, found_inf)
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer, group: dict) -> float:

@@ -3,7 +3,8 @@
 - host RAM: fp32 masters 4 + fp32 grads 4 (both page-locked at their exact size) + optimizer states (AdamW 8,
   SGD 0, SGD+momentum 4) per parameter, the grads and states only of groups not in ``gpu_optimizer_groups``
   (planner/pool.py, [Note: memory pool]; code reading ``p.grad`` before the step would add their grads), or the
-  bytes of a compact ``host_state`` (:data:`HOST_STATE_BYTES`), 3 grad slabs, offloaded layer inputs (page-locked
+  bytes of a compact ``host_state`` (:data:`HOST_STATE_BYTES`; device groups keep their master only, in the
+  layout's weight dtype), 3 grad slabs, offloaded layer inputs (page-locked
   at their exact size too) and the process itself;
 - GPU memory: slots, residents, ``gpu_optimizer_groups`` state, saved layer inputs, the runtime reserve, plus the
   larger of two phases that never overlap: the backward of one layer (its recompute activations and grads) and the
@@ -231,8 +232,11 @@ def checkpoints(s: _Shape, segment: int) -> int:
 
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
               num_slots: int, reserve_gib: float, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
-              device_checkpoints: int = 0, sub: int = 1) -> tuple[dict[str, int], tuple[float, float]]:
-    """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token.
+              device_checkpoints: int = 0, sub: int = 1, host_state: str = "fp32"
+              ) -> tuple[dict[str, int], tuple[float, float]]:
+    """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token. The
+    ``gpu_groups`` device groups hold the ``host_state`` layout's state (engine/device_state.py
+    ``gpu_bytes_per_param``, [Note: compact device groups]).
 
     Long context (engine/tiling.py, [Note: recompute segments]; each item appears only where it is not zero):
     ``tile`` positions per tile of the position-wise block (:func:`_tiled`); ``segment`` recomputed layers per
@@ -245,6 +249,7 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
     tokens, H, V = micro_batch * seq_len, s.hidden, s.vocab
     max_layer = max(layer.numel for layer in s.layers)
     act = max((layer_activation(s, layer, seq_len, c, tile) for layer in s.layers), key=sum)
+    resident_on_gpu, layers_on_gpu = _device_numels(s, gpu_groups)
     stream = 4 * H * tokens  # one layer's input: fp32 residual stream [B, T, H]
     on_gpu = min(device_checkpoints, checkpoints(s, segment)) if offload else 0
     if not offload:
@@ -259,9 +264,12 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
     gpu = {
         f"slots ({num_slots} x largest layer)": num_slots * max_layer * (4 + (c if c < 4 else 0)),
         "residents (fp32 copy + grad)": 8 * s.resident_params + s.resident_buffer_bytes,
-        # engine/device_state.py: the residents' two moments; a layer's fp32 mirror, grad, moments (+ compute copy)
-        "optimizer groups on the GPU": gpu_bytes_per_param(c, resident=True) * _device_numels(s, gpu_groups)[0]
-        + gpu_bytes_per_param(c, resident=False) * sum(_device_numels(s, gpu_groups)[1]),
+        # engine/device_state.py: the residents' moments (+ Kahan compensation); a layer's mirror, grad, moments
+        # (+ compute copy), in the host_state layout's formats
+        "optimizer groups on the GPU": round(gpu_bytes_per_param(c, resident=True, host_state=host_state)
+                                             * resident_on_gpu
+                                             + gpu_bytes_per_param(c, resident=False, host_state=host_state)
+                                             * sum(layers_on_gpu)),
         "saved layer inputs": live * stream + 8 * s.head_dim * tokens,
         **({"layer-input checkpoints on the GPU": on_gpu * stream} if on_gpu else {}),
         "runtime reserve": int(reserve_gib * GIB),
@@ -282,7 +290,9 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     """Host items in bytes (engine/host_store.py, transfer.py, residents.py). The offloaded layer inputs are the
     checkpoints not kept on the GPU: :func:`checkpoints` less ``device_checkpoints`` (:func:`gpu_bytes`). A
     ``host_state`` other than ``"fp32"`` (Adam/AdamW only) sizes masters, grads and moments by
-    :data:`HOST_STATE_BYTES`."""
+    :data:`HOST_STATE_BYTES`. Of the ``gpu_groups`` device groups' parameters the host keeps the master only, in the
+    layout's weight dtype (4 bytes for fp32 weights, 2 for bf16): their grads, moments and Kahan compensation live on
+    the GPU ([Note: memory pool])."""
     n, max_layer = s.n_params, max(layer.numel for layer in s.layers)
     groups = [4 * layer.numel for layer in s.layers] + [4 * s.resident_params]  # one master and one grad flat each
     stash = 4 * s.hidden * micro_batch * seq_len if offload else 0
@@ -296,8 +306,10 @@ def host_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, optimizer: 
     moments = OPTIMIZERS[optimizer][0] if host_state == "fp32" else state["optimizer states"]
     resident_on_gpu, layers_on_gpu = _device_numels(s, gpu_groups)
     on_host = n - resident_on_gpu - sum(layers_on_gpu)  # device groups keep only masters here ([Note: memory pool])
+    # every parameter's master; the rest of the layout's "masters" bytes (a Kahan compensation) for the host groups'
+    weight = HOST_STATE_LAYOUTS[host_state].weight_dtype.itemsize
     return {
-        "masters": round(state["masters"] * n),
+        "masters": round(weight * n + (state["masters"] - weight) * on_host),
         "grads": round(state["grads"] * on_host),
         "optimizer states": round(moments * on_host),
         "grad slabs": 3 * max_layer * c,

@@ -1,6 +1,7 @@
 """CUDA: compact host state through the GPU paths: bf16 masters uploaded straight into the compute slots, bf16 grads
 drained (first arrival, the device-side fp32 sum of accumulated micro-batches rounded once, the residents' copy),
-late grads with the overlapped step, clipping inside the kernel.
+late grads with the overlapped step, clipping inside the kernel; and device groups holding the compact layout on the
+GPU (engine/device_state.py, [Note: compact device groups]).
 
 References (tests/helpers/compact.py): ``bf16_loop`` on the GPU (the same model, same device kernels, bf16 masters
 updated on the host as ``CompactAdamW.step`` updates them), and the engine's own CPU run (bitwise the CPU loop,
@@ -76,3 +77,41 @@ def test_cuda_int8_moments_match_the_cpu_run():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-2, atol=0)
     error, name = max_relative_error(model, [p.detach() for p in cpu_model.parameters()])
     assert error < 2e-2, (name, error)
+
+
+class DeviceLayout(L.Callback):
+    """The device groups' state as the run left it, read before teardown."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = trainer.strategy.engine
+        optimizer = trainer.optimizers[0]
+        self.groups = len(engine.device_groups)
+        params = [p for d in engine.device_groups for p in d.group.params]
+        self.states = {(k, v.dtype, v.device.type) for p in params for k, v in optimizer.state[p].items()}
+        self.host_grad_bytes = sum(d.group.grad_nbytes for d in engine.device_groups)
+        self.mirror = {(d.master.dtype, d.compute is d.master) for d in engine.device_groups[1:]}
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("host_state", ["compact", "compact_kahan"])
+def test_cuda_compact_device_groups_match_the_gpu_loop(host_state, groups):
+    """``gpu_optimizer_groups`` with a compact host_state: the residents and the first layers hold bf16 mirrors
+    (the compute copies themselves), bf16 grad sums and CompactAdamW's 8-bit entries on the GPU (the step count on the
+    CPU), the host keeps no grads for them; 3 steps, 2 micro-batches, clipping at 0.05, the overlapped host step: the
+    same bounds against the GPU loop as without device groups (the GPU's fp32 arithmetic flips a few stochastic
+    roundings)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layout = DeviceLayout()
+    model, _, losses = fit_engine(host_state, accumulate=2, clip=0.05, overlap=True, accelerator="cuda",
+                                  callbacks=[layout], **{**OPTIONS, "gpu_optimizer_groups": groups})
+    assert layout.groups == groups and layout.mirror == {(torch.bfloat16, True)}
+    assert layout.host_grad_bytes == 0
+    expected = {("step", torch.float32, "cpu"), ("exp_avg", torch.int8, "cuda"), ("exp_avg_sq", torch.uint8, "cuda"),
+                ("exp_avg_scale", torch.float32, "cuda"), ("exp_avg_sq_scale", torch.float32, "cuda")}
+    if host_state == "compact_kahan":
+        expected.add(("compensation", torch.bfloat16, "cuda"))
+    assert layout.states == expected
+    masters, ref_losses, _ = bf16_loop(host_state, accumulate=2, clip=0.05, device="cuda")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
+    error, name = max_relative_error(model, masters)
+    assert error < 2**-7, (name, error)

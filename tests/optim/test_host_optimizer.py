@@ -1,5 +1,5 @@
 """lightning_megatrain.optim.host_optimizer: the host Adam implementations and the update functions the engine applies
-layer by layer (HostUpdate on the host, device_update for gpu_optimizer_groups), against torch's AdamW; and
+layer by layer (HostUpdate on the host, fused_device_update for gpu_optimizer_groups), against torch's AdamW; and
 DeepSpeed as an optional extra: the fallback and the error without it."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_device_update_is_the_adamw_step_with_clipping():
     """engine/device_state.py's update (here on CPU tensors) equals AdamW.step() on grads scaled by the clip factor,
     per param group (weight decay on one, not the other), with the moments held apart from the parameters, and
     skips a parameter without a gradient as step() does."""
-    from lightning_megatrain.optim.host_optimizer import device_update
+    from lightning_megatrain.optim.host_optimizer import fused_device_update
 
     torch.manual_seed(0)
     shapes = [(8, 4), (4,), (3, 5), (2,)]
@@ -48,10 +48,49 @@ def test_device_update_is_the_adamw_step_with_clipping():
         for p, g in zip(ref_params, grads):
             p.grad = None if g is None else g * (1.0 if coef is None else coef)
         ref.step()
-        device_update(opt, coef)(params, mirrors, grads)
+        fused_device_update(opt, coef)(params, mirrors, grads)
     for k, (a, b) in enumerate(zip(mirrors, ref_params)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"param {k}")
     assert torch.equal(mirrors[3], params[3])  # never had a gradient: untouched
+
+
+@pytest.mark.parametrize("weights", ["bf16_sr", "bf16_kahan", "fp32"])
+def test_compact_device_update_is_the_compactadamw_step_with_clipping(weights):
+    """optim/compact_update.py's update of compact device groups (here on CPU tensors; on a GPU in
+    tests/engine/test_gpu_compact_state.py) writes into mirrors held apart from the parameters exactly what
+    ``CompactAdamW.step()`` writes into the parameters, bit for bit: each parameter's stochastic-rounding stream (its
+    position over all param groups), per-group hyperparameters, the clip factor inside the kernel (0.5: exact, so
+    the reference scales its grads instead); a parameter without a gradient is untouched, its step count too."""
+    from lightning_megatrain.optim.compact_adam import CompactAdamW, new_state
+    from lightning_megatrain.optim.compact_update import compact_device_update
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    shapes = [(300, 4), (700,), (3, 5), (2,)]
+    ref_params = [torch.randn(s).to(dtype) for s in shapes]
+    params = [p.clone() for p in ref_params]  # the optimizer state's keys, as the host masters are
+    mirrors = [p.clone() for p in ref_params]  # what the update writes, as the device mirrors are
+    initial = [p.clone() for p in ref_params]
+
+    def compact(ps):
+        return CompactAdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], lr=1e-2,
+                            weight_decay=0.1, weights=weights, moments="int8", compile=False)
+
+    ref, opt = compact(ref_params), compact(params)
+    for p, m in zip(params, mirrors):
+        opt.state[p].update(new_state(m, weights, "int8"))
+    for step in range(3):
+        grads = [torch.randn(s).to(dtype) for s in shapes[:3]] + [None]
+        coef = None if step == 0 else torch.tensor(0.5)
+        for p, g in zip(ref_params, grads):
+            p.grad = None if g is None else g * (1.0 if coef is None else 0.5)
+        ref.step()
+        compact_device_update(opt, coef)(params, mirrors, grads)
+    for k, (a, b) in enumerate(zip(mirrors[:3], ref_params[:3])):
+        assert torch.equal(a, b), f"param {k}"
+        assert float(opt.state[params[k]]["step"]) == 3
+    assert torch.equal(mirrors[3], params[3]) and float(opt.state[params[3]]["step"]) == 0
+    assert all(torch.equal(p, w) for p, w in zip(params, initial))  # the keys stay as they were
 
 
 def test_deepspeed_cpu_adam_matches_torch():
