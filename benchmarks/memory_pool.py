@@ -180,13 +180,13 @@ def _rss(pid: int) -> int:
 
 
 def planned(config: dict, micro_batch: int, seq_len: int, host_gib: float | None, gpu_gib: float | None,
-            host_state: str) -> dict:
+            host_state: str, groups: int | str = "auto") -> dict:
     """The planner's prediction of this run: a machine whose usable host RAM is the budget (or this machine's)."""
     from lightning_megatrain.config import EngineConfig
     from lightning_megatrain.planner import Machine, plan
 
     p = plan(workloads.hf_config(config), seq_len=seq_len, micro_batch=micro_batch,
-             config=EngineConfig(host_state=host_state), host_state=host_state,
+             config=EngineConfig(host_state=host_state, gpu_optimizer_groups=groups), host_state=host_state,
              machine=Machine(host_ram_gib=host_gib, gpu_mem_gib=gpu_gib))
     return {"fits": p.fits, "gpu_optimizer_groups": p.assumptions["gpu_optimizer_groups"],
             "memory_pool": p.memory_pool, "tokens_per_s": p.tokens_per_s, "host_gib": p.host_total / GIB,
@@ -199,6 +199,8 @@ def main() -> None:
                     help="decoder layers (40: the full Llama-2-13B shape; fewer truncate it, more deepen it)")
     ap.add_argument("--host-state", default="fp32", choices=["fp32", "int8_moments", "compact", "compact_kahan"],
                     help="MegaTrainStrategy(host_state=...): the host's bytes per parameter (docs/compact-state.md)")
+    ap.add_argument("--gpu-optimizer-groups", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="MegaTrainStrategy(gpu_optimizer_groups=...): 'auto' (the default the row is about) or N")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
@@ -222,7 +224,8 @@ def main() -> None:
     steps = 4 if args.dry_run else args.steps
     on_cuda = torch.cuda.is_available() and not args.dry_run
     gpu_gib = torch.cuda.mem_get_info()[1] / GIB if on_cuda else None
-    prediction = planned(config, micro_batch, seq_len, args.host_gib, gpu_gib, args.host_state)
+    prediction = planned(config, micro_batch, seq_len, args.host_gib, gpu_gib, args.host_state,
+                         args.gpu_optimizer_groups)
     print("planned:", prediction["verdict"], flush=True)
     if args.host_gib is not None:
         force_host_limit(args.host_gib)
@@ -262,7 +265,7 @@ def main() -> None:
     module = workloads.make_module(config, loss="chunked", optimizer="adamw", grad_ckpt=False, direct_clip=False)
     data = torch.randint(0, config["vocab_size"], (micro_batch * steps, seq_len))
     loader = torch.utils.data.DataLoader(data, batch_size=micro_batch)
-    strategy = MegaTrainStrategy(host_state=args.host_state)
+    strategy = MegaTrainStrategy(host_state=args.host_state, gpu_optimizer_groups=args.gpu_optimizer_groups)
     trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, strategy=strategy,
                         precision="bf16-mixed" if on_cuda else "32-true", max_steps=steps, gradient_clip_val=1.0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -276,7 +279,7 @@ def main() -> None:
     row = {
         "model": "tiny-llama" if args.dry_run else "llama-2-13b" if args.layers == 40 else
         f"llama-2-13b shape {'TRUNCATED' if args.layers < 40 else 'DEEPENED'} to {args.layers} layers",
-        "n_params": n_params, "host_state": args.host_state,
+        "n_params": n_params, "host_state": args.host_state, "gpu_optimizer_groups_option": args.gpu_optimizer_groups,
         "micro_batch": micro_batch, "seq_len": seq_len, "steps": steps, "host_limit_gib": args.host_gib,
         "measured": {"tokens_per_s": micro_batch * seq_len / step_s, "step_s": step_s,
                      # 6N per token over the dense bf16 peak (PaLM's MFU; attention at 1,024 tokens is ~2% more)

@@ -16,9 +16,12 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.optim import compact_adam
 
 from helpers.compact import bf16_loop, fit_engine, max_relative_error
+from helpers.parity import ParityLM
+from helpers.trainers import cpu_trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -115,3 +118,44 @@ def test_cuda_compact_device_groups_match_the_gpu_loop(host_state, groups):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
     error, name = max_relative_error(model, masters)
     assert error < 2**-7, (name, error)
+
+
+def _fit_one_batch(root, steps, groups, ckpt_path=None, checkpoint=False):
+    """``steps`` steps of ParityLM("qwen3") on its one batch (a resumed run sees what the uninterrupted one does),
+    ``compact`` state with ``groups`` device groups, the overlapped step, clipping at 0.05."""
+    L.seed_everything(0, verbose=False)
+    module = ParityLM("qwen3")
+    callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True)] if checkpoint else []
+    strategy = MegaTrainStrategy(host_state="compact", **{**OPTIONS, "gpu_optimizer_groups": groups})
+    trainer = cpu_trainer(strategy=strategy, accelerator="cuda", max_steps=steps, default_root_dir=root,
+                          limit_train_batches=1, precision="bf16-mixed", gradient_clip_val=0.05,
+                          enable_checkpointing=checkpoint, callbacks=callbacks)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    optimizer = trainer.optimizers[0]
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # by position: insertion order varies
+    state = {k: {key: v.cpu() for key, v in optimizer.state[p].items()} for k, p in enumerate(params)}
+    return [p.detach().cpu() for p in module.parameters()], state
+
+
+def test_cuda_compact_device_groups_resume_bit_for_bit(tmp_path):
+    """2 steps with 3 compact device groups, a Lightning checkpoint, 2 more from it: weights, 8-bit moments, scales
+    and step counts equal the uninterrupted 4 steps' bit for bit; the same checkpoint resumed with every group on the
+    host (``gpu_optimizer_groups=0``) trains on, its states on the CPU, its weights within the GPU-versus-CPU kernel
+    difference of the uninterrupted run's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    full, full_state = _fit_one_batch(tmp_path / "full", 4, 3)
+    _fit_one_batch(tmp_path / "resumed", 2, 3, checkpoint=True)
+    last = str(tmp_path / "resumed" / "last.ckpt")
+    resumed, resumed_state = _fit_one_batch(tmp_path / "resumed", 4, 3, ckpt_path=last)
+    for k, (a, b) in enumerate(zip(full, resumed)):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), k
+    assert full_state.keys() == resumed_state.keys()
+    for k, state in full_state.items():
+        assert state.keys() == resumed_state[k].keys()
+        for key, value in state.items():
+            assert torch.equal(value, resumed_state[k][key]), (k, key)
+        assert int(state["step"]) == 4
+    on_host, host_state = _fit_one_batch(tmp_path / "host", 4, 0, ckpt_path=last)
+    assert all(int(s["step"]) == 4 for s in host_state.values())
+    errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(on_host, full)]
+    assert max(errors) < 2**-7, max(errors)
