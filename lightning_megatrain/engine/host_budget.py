@@ -14,6 +14,7 @@ import torch
 from lightning_megatrain._hardware import GIB, placeable_host_bytes
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.engine.host_store import check_host_bytes_to_come
+from lightning_megatrain.optim.compact_adam import CompactAdamW
 from lightning_megatrain.optim.host_optimizer import overlappable
 from lightning_megatrain.optim.updates import host_state_bytes
 
@@ -43,10 +44,12 @@ def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequenc
 def host_bytes_to_come_split(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
                              n: int, grads_read: bool) -> int:
     """:func:`host_bytes_to_come` with the first ``n`` of ``forward_groups`` (the residents, then the layers) as
-    device groups: the host groups' grads and states, and the device groups' grads where code reads ``p.grad``
-    ([Note: memory pool] in planner/pool.py)."""
+    device groups: the host groups' grads and states, and the device groups' grads (in the host grads' dtype) where
+    code reads ``p.grad`` ([Note: memory pool] in planner/pool.py). A device group's optimizer state, a compact
+    layout's Kahan compensation included, lives on the GPU ([Note: compact device groups]): of it the host keeps
+    the master only, allocated at setup."""
     device = forward_groups[:n]
-    read = sum(4 * g.numel - g.grad_nbytes for g in device) if grads_read else 0
+    read = sum(g.grad_dtype.itemsize * g.numel - g.grad_nbytes for g in device) if grads_read else 0
     return host_bytes_to_come(forward_groups[n:], optimizers) + read
 
 
@@ -68,12 +71,19 @@ def host_free_checked() -> int | None:
     return None if free is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1" else free[0]
 
 
+def device_steppable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether device groups can step ``optimizer``: torch's fused Adam/AdamW (or DeepSpeed's), or ``CompactAdamW``
+    under a compact ``host_state`` (engine/optimizer_setup.py refuses the rest)."""
+    return overlappable(optimizer) or isinstance(optimizer, CompactAdamW)
+
+
 def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
-                         device: torch.device, compute_dtype: torch.dtype) -> None:
+                         device: torch.device, compute_dtype: torch.dtype, host_state: str = "fp32") -> None:
     """The setup's host check while ``gpu_optimizer_groups="auto"`` is undecided (the engine's ``check_host_state``):
     where the host cannot hold every group's state, refuse now, not at the first micro-batch, when device groups
-    cannot take enough of it: a CPU compute device, an optimizer other than one Adam/AdamW, or less GPU memory free
-    than the fewest groups the host needs take before any working set. The split itself is decided at the first
+    cannot take enough of it: a CPU compute device, an optimizer other than one Adam/AdamW (:func:`device_steppable`),
+    or less GPU memory free than the fewest groups the host needs take in the ``host_state`` layout
+    (engine/device_state.py ``gpu_bytes_per_param``) before any working set. The split itself is decided at the first
     micro-batch (engine/placement.py ``choose_gpu_optimizer_groups``).
 
     Raises:
@@ -84,20 +94,22 @@ def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequen
     free = host_free_checked()
     if free is None or to_come(0) <= free:
         return
-    if device.type != "cuda" or len(optimizers) != 1 or not overlappable(optimizers[0]):
+    if device.type != "cuda" or len(optimizers) != 1 or not device_steppable(optimizers[0]):
         check_host_bytes_to_come(to_come(0))  # refuses, with the numbers
         return
     n = fewest_host_groups(to_come, free)
     groups = forward_groups[:n]
-    need = sum(gpu_bytes_per_param(compute_dtype.itemsize, resident=k == 0) * g.numel for k, g in enumerate(groups))
+    need = round(sum(gpu_bytes_per_param(compute_dtype.itemsize, resident=k == 0, host_state=host_state) * g.numel
+                     for k, g in enumerate(groups)))
     gpu_free, _ = torch.cuda.mem_get_info(device)
     if to_come(n) > free or need > gpu_free:
         raise RuntimeError(
             f"MegaTrainStrategy: {host_short(to_come, free)}; it would with {n} groups "
             f"({sum(g.numel for g in groups) / 1e9:.2f}B params) keeping theirs on {device} (gpu_optimizer_groups), "
-            f"which need {_gib(need)} there before any activations, but {_gib(gpu_free)} is free. HINT: an "
-            "optimizer with less state (CompactAdamW(weights='fp32'): 8-bit moments), a smaller model, more host RAM "
-            "or a larger GPU."
+            f"which need {_gib(need)} there before any activations, but {_gib(gpu_free)} is free. HINT: "
+            + ("a compact host_state (host_state='compact': 6.03 B/param on either memory), " if host_state != "compact"
+               else "")
+            + "a smaller model, more host RAM or a larger GPU."
         )
 
 

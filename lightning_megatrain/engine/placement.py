@@ -20,9 +20,10 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   the next forward and one micro-batch still fits, as the planner computes it for this model, micro-batch, device
   and host (``megatrain plan --overlap-optimizer --update-during-backward`` prints the same suggestion, the planner
   counting the host updates during backward where they run). Those groups then take their GPU
-  memory before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, with a ``host_state`` other
-  than ``"fp32"`` (decided at setup: the groups hold fp32 state), without the overlapped step (the groups pay by
-  hiding it), with an optimizer other than one Adam/AdamW, clipping by value or the module's own
+  memory before ``keep_layers="auto"`` measures what is left. 0 on a CPU compute device, without the overlapped step
+  (the groups pay by hiding it), with a compact ``host_state`` (the hiding is planned for the fp32 host Adam; its
+  device groups hold the compact layout, [Note: compact device groups]), with an optimizer other than one
+  Adam/AdamW, clipping by value or the module's own
   ``configure_gradient_clipping`` (device groups clip by norm, in the engine), or where the planner cannot describe
   the model (no HF config, or one it cannot build). Where the host cannot hold every group's grads and optimizer
   states, at least the fewest groups with which it holds the rest, measured against the host memory free then
@@ -116,10 +117,6 @@ def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
     if config.gpu_optimizer_groups == "auto" and not on_cuda:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")
-    elif config.gpu_optimizer_groups == "auto" and config.host_state != "fp32":
-        changes["gpu_optimizer_groups"] = 0
-        log.info("MegaTrain: gpu_optimizer_groups=0 (auto: host_state=%r steps CompactAdamW on the host; the device "
-                 "groups hold fp32 state)", config.host_state)
     unplanned = zip(("segment_layers", "device_checkpoints", "sub_segment_layers"), config.checkpoints_unplanned())
     for name, value in unplanned:
         if getattr(config, name) == "auto" and not on_cuda:
@@ -189,11 +186,15 @@ def choose_gpu_optimizer_groups(
         return 0, cannot
     if not short and not config.overlap_optimizer:
         return 0, "the host step is not overlapped (overlap_optimizer=False) and the host holds every group's state"
+    if not short and config.host_state != "fp32":
+        return 0, (f"the host holds every group's state (host_state={config.host_state!r}: device groups are placed "
+                   "only where it cannot; hiding the host step with them is planned for the fp32 host Adam)")
     micro_batch, seq_len = shape
     tokens = f"{micro_batch} x {seq_len} tokens x {grad_accum} micro-batches"
     _, total = torch.cuda.mem_get_info(device)
     try:
-        p = _plan_first_batch(hf_config, micro_batch, seq_len, grad_accum, config, compute_dtype, chunked_loss, total)
+        p = None if config.host_state != "fp32" else _plan_first_batch(
+            hf_config, micro_batch, seq_len, grad_accum, config, compute_dtype, chunked_loss, total)
         pooled = None if not short else split_first_batch(
             hf_config, micro_batch, seq_len, config=config, gpu_limit=total, host_free=host_free, to_come=to_come,
             **_run_options(hf_config, compute_dtype, chunked_loss))
@@ -205,7 +206,7 @@ def choose_gpu_optimizer_groups(
                 f"{fewest_host_groups(to_come, host_free)} or more, an optimizer with less state (CompactAdamW, "
                 "Muon), or more host RAM.") from e
         return 0, f"the planner cannot describe this model ({type(e).__name__}: {e})"
-    hide = p.suggested_gpu_optimizer_groups if config.overlap_optimizer else None
+    hide = p.suggested_gpu_optimizer_groups if p is not None and config.overlap_optimizer else None
     if pooled is not None and not pooled.fits:
         options = split_options(hf_config, micro_batch, seq_len, config=config, gpu_limit=total, host_free=host_free,
                                 to_come=to_come, **_run_options(hf_config, compute_dtype, chunked_loss))

@@ -77,9 +77,10 @@ def _deepest(at: Callable[[int], Plan], start: int) -> tuple[int, Plan]:
 def largest_models(model: Any, *, host_states: tuple[str, ...] = tuple(HOST_STATE_BYTES), **plan_kwargs: Any
                    ) -> list[Capacity]:
     """For each of ``host_states``, the deepest model of ``model``'s shape whose :func:`plan` (with ``plan_kwargs``:
-    ``seq_len``, ``micro_batch``, ``machine``, ``config``, ...) fits the machine; then, for ``"fp32"`` with Adam/AdamW
-    where ``config.gpu_optimizer_groups`` is an int, the deepest with both memories (``gpu_optimizer_groups="auto"``,
-    planner/pool.py, [Note: memory pool]).
+    ``seq_len``, ``micro_batch``, ``machine``, ``config``, ...) fits the machine; then, with Adam/AdamW where
+    ``config.gpu_optimizer_groups`` is an int, for each of them the deepest with both memories
+    (``gpu_optimizer_groups="auto"``, planner/pool.py, [Note: memory pool]; compact layouts keep theirs on the GPU
+    too, [Note: compact device groups]).
 
     Raises:
         ValueError: as :func:`plan`; a config without ``num_hidden_layers``.
@@ -90,9 +91,8 @@ def largest_models(model: Any, *, host_states: tuple[str, ...] = tuple(HOST_STAT
                          f"{type(base).__name__}")
     config = plan_kwargs.pop("config", EngineConfig())
     rows = [(state, config, False) for state in host_states]
-    if ("fp32" in host_states and config.gpu_optimizer_groups != "auto"
-            and plan_kwargs.get("optimizer", "adamw") in ("adamw", "adam")):
-        rows.append(("fp32", config.replace(gpu_optimizer_groups="auto"), True))
+    if config.gpu_optimizer_groups != "auto" and plan_kwargs.get("optimizer", "adamw") in ("adamw", "adam"):
+        rows += [(state, config.replace(gpu_optimizer_groups="auto"), True) for state in host_states]
     out = []
     for state, row_config, both in rows:
         at = lambda layers: plan(_with_layers(base, layers), host_state=state, config=row_config,  # noqa: E731
@@ -111,15 +111,16 @@ def render_capacities(model_name: str, capacities: list[Capacity]) -> str:
     """``megatrain plan --largest``'s table."""
     gib = 2**30
     lines = [f"Largest model of {model_name}'s shape (its width, num_hidden_layers varied) that fits, by host_state:",
-             f"  {'host_state':<22}{'state B/param':>14}{'layers':>8}{'params':>10}{'host RAM GiB':>16}"
+             f"  {'host_state':<28}{'state B/param':>14}{'layers':>8}{'params':>10}{'host RAM GiB':>16}"
              f"{'GPU groups':>12}{'GPU peak GiB':>14}"]
     for c in capacities:
         params = f"{c.n_params / 1e9:.2f}B" if c.layers else "none"
         name = c.host_state + (" + GPU (auto)" if c.both_memories else "")
-        lines.append(f"  {name:<22}{c.state_bytes_per_param:>14.2f}{c.layers:>8}{params:>10}"
+        lines.append(f"  {name:<28}{c.state_bytes_per_param:>14.2f}{c.layers:>8}{params:>10}"
                      f"{c.host_total / gib:>8.1f} of {c.host_usable / gib:<5.1f}{c.gpu_groups:>12}"
                      f"{c.gpu_total / gib:>14.1f}")
-    lines.append("  (state B/param: host bytes; GPU groups keep their grads and Adam states on the GPU and their "
-                 "masters on both, planner/pool.py; each host_state is MegaTrainStrategy(host_state=...), "
-                 "docs/compact-state.md says what each costs and how far each is tested)")
+    lines.append("  (state B/param: host bytes; GPU groups keep their grads and Adam states (in the host_state's "
+                 "layout) on the GPU and their masters on both, planner/pool.py; each host_state is "
+                 "MegaTrainStrategy(host_state=...), docs/compact-state.md says what each costs and how far each is "
+                 "tested)")
     return "\n".join(lines)

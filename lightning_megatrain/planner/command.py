@@ -91,8 +91,8 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
         help="host state layout: fp32 (16 B/param), int8_moments (10.03), compact (6.03), compact_kahan (8.03); "
         "docs/compact-state.md")
     add("--largest", action="store_true",
-        help="instead of one plan: the deepest model of this shape that fits, for each host state, and with fp32 "
-        "state in both memories (gpu_optimizer_groups=auto)")
+        help="instead of one plan: the deepest model of this shape that fits, for each host state, and for each "
+        "with its state in both memories (gpu_optimizer_groups=auto)")
     add("--devices", type=int, default=1, help="ranks (GPUs) per host, as Trainer(devices=N); --host-ram and "
         "--cpu-cores are the host's, shared by its ranks (docs/multi-gpu.md, Planning several ranks)")
     add("--num-nodes", type=int, default=1, help="hosts, as Trainer(num_nodes=M)")

@@ -225,8 +225,8 @@ def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: 
     ``host_free`` bytes of host memory free for the offloaded checkpoints, and, where nothing fits, the longest
     sequence (a multiple of 1024) that fits these limits at this micro-batch (else None).
 
-    ``config``'s ``num_slots``, ``gpu_optimizer_groups`` (an int; ``"auto"`` plans none) and the three long-context
-    options are read. Reads nothing of this machine.
+    ``config``'s ``num_slots``, ``gpu_optimizer_groups`` (an int; ``"auto"`` plans none; their state in
+    ``host_state``'s layout) and the three long-context options are read. Reads nothing of this machine.
 
     Raises:
         ValueError: an unknown precision or loss; ``seq_len`` or ``micro_batch`` below 1.
@@ -238,7 +238,8 @@ def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: 
     s = describe(model, attn_implementation=attn_implementation)
     groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
     gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups}
+           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups,
+           "host_state": config.host_state}
     placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
     longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
                                                          gpu_limit=gpu_limit)

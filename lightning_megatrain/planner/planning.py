@@ -205,7 +205,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
               resolving to untiled, one checkpoint per layer, all offloaded).
             - ``"auto"`` is planned as the engine decides it on a CUDA device (engine/placement.py, [Note: auto
               placement]): ``overlap_optimizer`` and ``compile_layers`` on; ``gpu_optimizer_groups`` the suggested
-              count (0 where none hides the host Adam and fits).
+              count (0 where none hides the host Adam and fits; none under a compact ``host_state``), or, where the
+              host cannot hold every group's state, at least the fewest of the split (planner/pool.py, ``memory_pool``).
         machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine). Host RAM
             fits where it is at most the limit less :func:`host_os_reserve` (``Plan.host_usable``); the long-context
             placement and the largest micro-batch by host RAM are judged against that too.
@@ -213,9 +214,12 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             compact host state]): ``"fp32"`` (16 B/param with AdamW), ``"int8_moments"`` (10.03; CompactAdamW with
             fp32 weights, the user's optimizer, today), ``"compact"`` (6.03) or ``"compact_kahan"`` (8.03), the last
             two with bf16 weights and grads on the host (docs/compact-state.md). Any but ``"fp32"`` is planned as
-            the engine runs CompactAdamW: Adam/AdamW only, no device groups (``"auto"`` plans none), the host step
-            at ``COMPACT_ADAM_GPARAMS`` (constants.py), overlapped where ``overlap_optimizer`` says so, and with
-            bf16 weights the uploads and grad drains move 2 bytes per parameter instead of 4.
+            the engine runs CompactAdamW: Adam/AdamW only, the host step at ``COMPACT_ADAM_GPARAMS`` (constants.py),
+            overlapped where ``overlap_optimizer`` says so, and with bf16 weights the uploads and grad drains move 2
+            bytes per parameter instead of 4. Device groups hold the same layout on the GPU (engine/device_state.py,
+            [Note: compact device groups]; the host keeps their master only); ``"auto"`` plans them only where the
+            host cannot hold every group's state ([Note: memory pool]), not to hide the host step (the suggestion is
+            planned for the fp32 host Adam).
         devices, num_nodes: ranks per host and hosts, as ``Trainer(devices=..., num_nodes=...)``, planned as
             planner/ranks.py says ([Note: planning several ranks]): host RAM per host (its ``devices`` ranks, and
             the setup peak), GPU memory per rank, the step of one rank, tokens/s of the whole job (tokens per step
@@ -225,10 +229,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     Raises:
         ValueError: an unknown precision, optimizer, loss or host_state; a seq_len, micro_batch or grad_accum below
             1; ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than
-            Adam/AdamW; a host_state other than "fp32" with an optimizer other than Adam/AdamW or with
-            ``gpu_optimizer_groups`` > 0; ``devices`` or ``num_nodes`` not an int >= 1; with several ranks,
-            ``overlap_optimizer=True``, ``gpu_optimizer_groups`` > 0 or a host_state other than "fp32" (refused as
-            the strategy refuses them, engine/sharding.py ``sharded_config``).
+            Adam/AdamW; a host_state other than "fp32" with an optimizer other than Adam/AdamW; ``devices`` or
+            ``num_nodes`` not an int >= 1; with several ranks, ``overlap_optimizer=True``, ``gpu_optimizer_groups``
+            > 0 or a host_state other than "fp32" (refused as the strategy refuses them, engine/sharding.py
+            ``sharded_config``).
     """
     m = machine
     if not all(type(v) is int and v >= 1 for v in (devices, num_nodes)):
@@ -238,12 +242,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     world = devices * num_nodes
     if world > 1:  # what the strategy runs with several ranks: the refusals, and "auto" off
         config = sharded_config(config.replace(host_state=host_state), world).replace(host_state="fp32")
-    if host_state != "fp32":
-        if optimizer not in ("adamw", "adam") or config.gpu_optimizer_groups not in (0, "auto"):
-            raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW) on the host only; "
-                             f"got optimizer={optimizer!r}, gpu_optimizer_groups={config.gpu_optimizer_groups!r}. "
-                             "HINT: optimizer='adamw' and gpu_optimizer_groups=0, or host_state='fp32'.")
-        config = config.replace(gpu_optimizer_groups=0)
+    if host_state != "fp32" and optimizer not in ("adamw", "adam"):
+        raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW); got "
+                         f"optimizer={optimizer!r}. HINT: optimizer='adamw', or host_state='fp32'.")
     config = config.replace(
         **{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"}
     )
@@ -254,12 +255,13 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                       host_state=host_state, devices=devices, num_nodes=num_nodes)
         alone = plan(model, config=config.replace(gpu_optimizer_groups=0), **kwargs)
         groups, pooled = alone.suggested_gpu_optimizer_groups or 0, None
-        if alone.host_total > alone.host_usable and optimizer in ("adamw", "adam") and host_state == "fp32":
-            pooled = auto_split(  # both memories as one pool ([Note: memory pool])
+        if alone.host_total > alone.host_usable and optimizer in ("adamw", "adam"):
+            pooled = auto_split(  # both memories as one pool ([Note: memory pool]), in the host_state layout
                 model, alone.host, alone.host_usable, alone.gpu_limit, micro_batch=micro_batch, seq_len=seq_len,
-                optimizer_state_bytes=OPTIMIZERS[optimizer][0], attn_implementation=attn_implementation, config=config,
+                host_state=host_state, attn_implementation=attn_implementation, config=config,
                 gkw={"c": PRECISIONS[precision], "offload": offload_activations, "loss": loss,
-                     "loss_chunk": loss_chunk_size, "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib})
+                     "loss_chunk": loss_chunk_size, "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib,
+                     "host_state": host_state})
             groups = max(groups, pooled.groups) if pooled.fits else pooled.groups
         p = plan(model, config=config.replace(gpu_optimizer_groups=groups), **kwargs)
         if pooled is not None:
@@ -288,7 +290,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     gpu_limit = int((m.gpu_mem_gib or gpu_mem_gib() or GPU_REF_GIB) * GIB)
     groups, overlap = config.gpu_optimizer_groups, config.overlap_optimizer
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups}
+           "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups,
+           "host_state": host_state}
     opt_rate = TORCH_ADAM_GPARAMS if overlap and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
     opt_rate = opt_rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
@@ -388,7 +391,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         p.ranks = rank_summary(s, devices=devices, num_nodes=num_nodes, host=host, setup=setup, time=t,
                                nvlink_gbps=m.nvlink_gbps, inter_host_gbps=m.inter_host_gbps, cores=cores)
     p.warnings = plan_warnings(p, s, overlapped_step)
-    if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # device groups hold fp32 state
+    if overlap and optimizer in ("adamw", "adam") and host_state == "fp32":  # planned for the fp32 host Adam only
         # counted without the updates during backward: the groups are placed once, and a step whose hooks or
         # clipping stop the speculation must still not wait for the host
         p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(

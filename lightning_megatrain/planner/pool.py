@@ -1,12 +1,17 @@
 """Both memories as one pool: how many device groups a model needs so that the rest of its state fits the host.
 
 [Note: memory pool]
-A device group (engine/device_state.py, [Note: device groups]) keeps its fp32 master, grad and both Adam moments on
-the GPU; of those the host keeps only the fp32 master (the parameter itself, brought up to date when the host reads
-it) and, only where code reads ``p.grad`` before the step, the fp32 grad. With Adam/AdamW a group moved to the GPU
-thus frees 12 of the host's 16 bytes per parameter and takes 18 of the GPU's (16 for the residents, whose compute
-copy and grad exist anyway). When the host cannot hold every group's grads and states, ``gpu_optimizer_groups="auto"``
-moves the fewest groups, in the order the forward reads them (the residents, then layers 0, 1, ...), with which
+A device group (engine/device_state.py, [Note: device groups]) keeps its master, grad and both Adam moments on the
+GPU; of those the host keeps only the master (the parameter itself, brought up to date when the host reads it) and,
+only where code reads ``p.grad`` before the step, the grad. With the fp32 Adam/AdamW a group moved to the GPU thus
+frees 12 of the host's 16 bytes per parameter and takes 18 of the GPU's (8 for the residents, whose compute copy
+and grad exist anyway). Compact layouts pool too ([Note: compact device groups]): the GPU holds the ``host_state``
+layout itself and the host the master in its weight dtype, so a layer parameter moved frees 4.03 of ``compact``'s
+6.03 host bytes (bf16 grad, 8-bit moments) for 6.03 on the GPU, 6.03 of ``compact_kahan``'s 8.03 (the Kahan
+compensation moves too) for 8.03, 6.03 of ``int8_moments``' 10.03 for 12.03 (memory.py ``host_bytes``, engine/
+device_state.py ``gpu_bytes_per_param``). When the host cannot hold every group's grads and states,
+``gpu_optimizer_groups="auto"`` moves the fewest groups, in the order the forward reads them (the residents, then
+layers 0, 1, ...), with which
 
     host:  what the host groups still allocate (grads, optimizer states)  +  the offloaded layer-input checkpoints
            <=  the host memory free once the masters are packed
@@ -16,12 +21,15 @@ both hold, with the checkpoints placed for that split as planner/long_context.py
 groups, the less host memory is left for the checkpoints, so a split may move checkpoints to the GPU or into
 segments). The host side falls as groups are added and the GPU side rises, so the fitting counts are one range and
 the fewest is the first that fits; once the GPU's floor (one checkpoint per layer, none on the GPU) overflows with
-``n`` groups, it overflows with more, and nothing fits. Where more groups are wanted to hide the overlapped host Adam
-(planning.py's suggestion), the larger count is used if it fits. The host's fp32 masters (4 bytes/param) stay: they
-are the parameters every reader of host state sees (checkpoints, validation, hooks); they bound the model to about
-a quarter of the usable host RAM per parameter, and the GPU, at 18 bytes/param, to what it holds beside the working
-set. On the H200 (139 GiB GPU, 124.2 GiB of a 128 GiB host usable) the Llama-2-13B shape fits at full precision with
-both memories; the Qwen2.5-14B shape does not (tests/planner/test_pool.py has the numbers).
+``n`` groups, it overflows with more, and nothing fits. Where more groups are wanted to hide the overlapped fp32 host
+Adam (planning.py's suggestion, not made for compact layouts), the larger count is used if it fits. The host's
+masters (4 bytes/param in fp32, 2 in bf16) stay: they are the parameters every reader of host state sees
+(checkpoints, validation, hooks); they bound the model to about a quarter (fp32) or a half (bf16) of the usable host
+RAM per parameter, and the GPU, at 18 (6.03 compact) bytes/param, to what it holds beside the working set. On the
+H200 (139 GiB GPU, 124.2 GiB of a 128 GiB host usable) the Llama-2-13B shape fits at full precision with
+both memories; the Qwen2.5-14B shape does not (tests/planner/test_pool.py has the numbers). Compact, the 13B's
+width fits 65 layers (20.95B) on the host alone and 112 (35.85B) with both memories, 69 groups on the GPU, at 8 x
+1,024 (tests/planner/test_compact_pool.py).
 
 The engine decides with the same search at the first training micro-batch, with the host bytes it measures and the
 exact bytes its groups and optimizers will allocate (engine/placement.py, ``choose_gpu_optimizer_groups``); the
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import GPU_RESERVE_GIB, PRECISIONS
 from lightning_megatrain.planner.long_context import Placement, place
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, gpu_bytes
@@ -128,14 +137,20 @@ def split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
 
 
 def auto_split(model: object, host: dict[str, int], host_usable: int, gpu_limit: int, *, micro_batch: int,
-               seq_len: int, optimizer_state_bytes: float, attn_implementation: str | None, config: EngineConfig,
+               seq_len: int, host_state: str, attn_implementation: str | None, config: EngineConfig,
                gkw: dict) -> Split:
-    """:func:`split` as :func:`~lightning_megatrain.planner.plan` runs it for ``gpu_optimizer_groups="auto"``:
-    ``host`` is the plan's host items without device groups; the host memory free for the split is
-    ``host_usable`` less every item but the grads, the optimizer states and the offloaded layer inputs."""
+    """:func:`split` as :func:`~lightning_megatrain.planner.plan` runs it for ``gpu_optimizer_groups="auto"`` with
+    Adam/AdamW in the ``host_state`` layout (memory.py ``HOST_STATE_BYTES``): ``host`` is the plan's host items
+    without device groups; the host memory free for the split is ``host_usable`` less every item but the grads, the
+    optimizer states, the offloaded layer inputs and the masters' Kahan compensation (which device groups keep on
+    the GPU with their moments: it is counted as a host group's state)."""
     s = describe(model, attn_implementation=attn_implementation)
+    per = HOST_STATE_BYTES[host_state]
+    compensation = per["masters"] - HOST_STATE_LAYOUTS[host_state].weight_dtype.itemsize
     fixed = sum(v for k, v in host.items() if k not in ("grads", "optimizer states", "activation offload"))
-    to_come = lambda n: host_to_come(s, n, grads=4, states=optimizer_state_bytes)  # noqa: E731
+    fixed -= round(compensation * s.n_params)
+    to_come = lambda n: host_to_come(  # noqa: E731
+        s, n, grads=per["grads"], states=per["optimizer states"] + compensation)
     return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_usable - fixed,
                  gpu_limit=gpu_limit, to_come=to_come)
 
@@ -144,7 +159,7 @@ def _engine_split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineCo
                   host_free: int, to_come: Callable[[int], int], precision: str, loss: str,
                   loss_chunk_size: int, gpu_reserve_gib: float) -> Split:
     gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib}
+           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "host_state": config.host_state}
     return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit,
                  to_come=to_come)
 
@@ -155,7 +170,8 @@ def split_first_batch(model: object, micro_batch: int, seq_len: int, *, config: 
                       gpu_reserve_gib: float = GPU_RESERVE_GIB) -> Split:
     """:func:`split` as the engine runs it at the first training micro-batch (engine/placement.py): the model from
     its HF config, the host bytes free (measured) and still to come (``to_come(n)``, counted from its groups and
-    optimizers), and a GPU of ``gpu_limit`` bytes (the plan counts the slots, residents, groups and reserve)."""
+    optimizers), and a GPU of ``gpu_limit`` bytes (the plan counts the slots, residents, groups and reserve); the
+    device groups in ``config.host_state``'s layout."""
     s = describe(model, attn_implementation=attn_implementation)
     return _engine_split(s, micro_batch, seq_len, config=config, gpu_limit=gpu_limit, host_free=host_free,
                          to_come=to_come, precision=precision, loss=loss, loss_chunk_size=loss_chunk_size,
@@ -167,8 +183,9 @@ def split_options(model: object, micro_batch: int, seq_len: int, *, config: Engi
                   loss: str = "chunked", attn_implementation: str | None = None, loss_chunk_size: int = 4096,
                   gpu_reserve_gib: float = GPU_RESERVE_GIB) -> str:
     """Where no split fits (:func:`split_first_batch`): what would, in words, for the refusal's HINT: the largest
-    smaller micro-batch at this sequence length with its split, and whether CompactAdamW's 8-bit moments
-    (``int8_moments``, memory.py ``HOST_STATE_BYTES``; no device groups) let the host hold every group's state."""
+    smaller micro-batch at this sequence length with its split, and, under the fp32 ``host_state``, whether
+    CompactAdamW's 8-bit moments (``int8_moments``, memory.py ``HOST_STATE_BYTES``, all on the host) let the host hold
+    every group's state."""
     s = describe(model, attn_implementation=attn_implementation)
     kw = dict(config=config, gpu_limit=gpu_limit, host_free=host_free, to_come=to_come, precision=precision,
               loss=loss, loss_chunk_size=loss_chunk_size, gpu_reserve_gib=gpu_reserve_gib)
@@ -184,6 +201,8 @@ def split_options(model: object, micro_batch: int, seq_len: int, *, config: Engi
                    f"GPU peak {_size(smaller.gpu_peak)} of {_size(gpu_limit)})")
     else:
         out.append(f"no micro-batch of {seq_len} tokens fits at any split: shorter sequences hold fewer activations")
+    if config.host_state != "fp32":
+        return "; ".join(out)
     compact = HOST_STATE_BYTES["int8_moments"]
     need = host_to_come(s, 0, grads=compact["grads"], states=compact["optimizer states"])
     verdict = "fits" if need <= host_free else "does not fit either"

@@ -15,6 +15,7 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine import engine as engine_module
 from lightning_megatrain.engine import first_batch, host_budget, host_store, placement
 from lightning_megatrain.engine.engine import MegaTrainEngine
+from lightning_megatrain.optim.compact_adam import CompactAdamW
 from lightning_megatrain.optim.host_optimizer import overlappable
 from lightning_megatrain.planner import describe
 from lightning_megatrain.planner.pool import forward_numels
@@ -104,6 +105,27 @@ def test_auto_split_refuses_where_device_groups_cannot_run(gpu_139, overrides, r
     assert _choose(1000, **overrides) == (0, _choose(1000, **overrides)[1])  # a host that holds it all: 0
 
 
+def test_auto_splits_a_compact_state_when_the_host_is_short(gpu_139):
+    """Llama-2-13B with host_state="compact" (4.03 B/param of bf16 grad and 8-bit moments to come per host-group
+    parameter, 48.9 GiB in all) and 17 GiB free: 27 groups (8.58B params) keep the compact layout on the GPU, at 6.03
+    B/param a 61.6 GiB peak (at fp32's 18 B/param they alone would not fit the 139 GiB). With room for everything, none:
+    the hiding of the host step is planned for the fp32 host Adam only."""
+    numels = _numels(LLAMA_13B)
+    compact = lambda n: round(4.03125 * sum(numels[n:]))  # noqa: E731
+    config = EngineConfig(overlap_optimizer=True, compile_layers=True, host_state="compact")
+    n, why = _choose(17, config=config, to_come=compact)
+    assert n == 27 and compact(27) <= 17 * GIB < compact(26)
+    assert "27 groups (8.58B params) on the GPU: host needs 17.0 GiB more of 17.0 GiB free, GPU peak 61.6 GiB of " \
+           "139.0 GiB" in why
+    # their device state at the compact layout's 2.03 / 6.03 B per resident / layer parameter; fp32's 8 / 18 would
+    # not leave the GPU room for even the groups alone
+    assert (2.03125 * numels[0] + 6.03125 * sum(numels[1:27])) / GIB == pytest.approx(46.95, abs=0.01)
+    assert (8 * numels[0] + 18 * sum(numels[1:27])) / GIB == pytest.approx(140.70, abs=0.01)
+    assert _choose(60, config=config, to_come=compact) == (
+        0, "the host holds every group's state (host_state='compact': device groups are placed only where it cannot; "
+           "hiding the host step with them is planned for the fp32 host Adam)")
+
+
 def _tiny_engine(monkeypatch) -> MegaTrainEngine:
     """A 4-layer Llama on the CPU engine with ``gpu_optimizer_groups="auto"`` kept undecided (the CPU resolves it
     to 0) and device groups stood in for (they need CUDA): what is tested is the host side."""
@@ -115,7 +137,7 @@ def _tiny_engine(monkeypatch) -> MegaTrainEngine:
                                                                                          device_checkpoints=0))
 
     class FakeDeviceGroup:
-        def __init__(self, group, device, compute_dtype, own_grad=True) -> None:
+        def __init__(self, group, device, compute_dtype, own_grad=True, host_state="fp32") -> None:
             self.group = group
 
     monkeypatch.setattr(engine_module, "DeviceGroup", FakeDeviceGroup)
@@ -170,3 +192,27 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
     host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)  # the GPU holds them: no refusal
     monkeypatch.setattr(host_budget, "placeable_host_bytes", lambda: (total, "MemAvailable"))
     host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)  # the host holds all
+
+
+def test_setup_prices_the_device_groups_in_the_host_state_layout(monkeypatch):
+    """check_split_possible with CompactAdamW(weights="fp32") (the int8_moments layout of the tiny engine's fp32
+    groups): its device groups need 12.03 B per layer parameter and 2.03 per resident one on the GPU, fp32 state's
+    18 and 8; a GPU with room for the first but not the second refuses only the fp32 pricing."""
+    engine = _tiny_engine(monkeypatch)
+    forward = [engine.resident_group, *engine.groups]
+    optimizer = CompactAdamW(engine.module.parameters(), weights="fp32")
+    numels = [g.numel for g in forward]
+    to_come = lambda n: round(6.03125 * sum(numels[n:]))  # noqa: E731  fp32 grad, 8-bit moments
+    assert host_budget.host_bytes_to_come_split(forward, [optimizer], 0, False) == to_come(0)
+    free = to_come(2)  # the host holds the rest with the residents and layer 0 on the GPU
+    for module in (host_budget, host_store):
+        monkeypatch.setattr(module, "placeable_host_bytes", lambda: (free, "MemAvailable"))
+    assert host_budget.fewest_host_groups(lambda n: host_budget.host_bytes_to_come_split(
+        forward, [optimizer], n, False), free) == 2
+    int8 = round(2.03125 * numels[0] + 12.03125 * numels[1])
+    fp32 = 8 * numels[0] + 18 * numels[1]
+    assert int8 < fp32
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: ((int8 + fp32) // 2, 139 * GIB))
+    host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, host_state="int8_moments")
+    with pytest.raises(RuntimeError, match=rf"it would with 2 groups .* which need {fp32 / GIB:.1f} GiB there"):
+        host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)

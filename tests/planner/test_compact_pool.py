@@ -1,0 +1,105 @@
+"""Device groups under a compact ``host_state`` in the planner (planner/pool.py, [Note: memory pool]; engine/
+device_state.py, [Note: compact device groups]): the groups keep the layout on the GPU and only its master on the
+host, ``gpu_optimizer_groups="auto"`` splits a compact state the host cannot hold, and ``--largest`` gives each
+compact layout a row with both memories."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_megatrain import planner
+from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.device_state import gpu_bytes_per_param
+from lightning_megatrain.planner import Machine
+from lightning_megatrain.planner.capacity import largest_models
+
+GIB = 2**30
+LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
+LLAMA2_13B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824,
+              "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40}
+SERIAL = EngineConfig(overlap_optimizer=False, compile_layers=False, gpu_optimizer_groups=0)
+H200 = Machine(host_ram_gib=128, gpu_mem_gib=139, cpu_cores=16)
+# Llama-3.2-3B's shape: 3.21B parameters, 394.0M resident (tied embeddings), 28 layers of 100.7M
+N_3B, RESIDENT_3B, LAYER_3B = 3_212_749_824, 394_005_504, 100_669_440
+
+
+@pytest.mark.parametrize(("host_state", "moved", "gpu"), [
+    # host bytes a device-group parameter no longer takes (grad, moments, Kahan compensation), GPU bytes per
+    # resident and per layer parameter
+    ("fp32", 12, (8, 18)),
+    ("int8_moments", 4 + 2.03125, (2.03125, 12.03125)),
+    ("compact", 2 + 2.03125, (2.03125, 6.03125)),
+    ("compact_kahan", 2 + 2.03125 + 2, (4.03125, 8.03125)),
+])
+def test_device_groups_hold_the_layout_on_the_gpu_and_the_master_on_the_host(host_state, moved, gpu):
+    """3 groups (the residents and layers 0 and 1, 595.3M params) of the 3B shape: the host total drops by exactly
+    ``moved`` bytes per device parameter and the GPU peak grows by gpu_bytes_per_param of each, nothing else
+    changes."""
+    alone, split = (planner.plan(LLAMA_3B, seq_len=4096, config=SERIAL.replace(gpu_optimizer_groups=k),
+                                 machine=H200, host_state=host_state) for k in (0, 3))
+    device = RESIDENT_3B + 2 * LAYER_3B
+    assert (alone.n_params, device) == (N_3B, 595_344_384)
+    assert gpu_bytes_per_param(2, resident=True, host_state=host_state) == gpu[0]
+    assert gpu_bytes_per_param(2, resident=False, host_state=host_state) == gpu[1]
+    assert alone.host_total - split.host_total == pytest.approx(moved * device, abs=1)
+    on_gpu = gpu[0] * RESIDENT_3B + gpu[1] * 2 * LAYER_3B
+    assert split.gpu["optimizer groups on the GPU"] == round(on_gpu) and alone.gpu["optimizer groups on the GPU"] == 0
+    assert split.gpu_total - alone.gpu_total == round(on_gpu)
+    same = lambda items: {k: v for k, v in items.items() if k != "optimizer groups on the GPU"}  # noqa: E731
+    assert same(split.gpu) == same(alone.gpu)
+    # the host keeps every master in the layout's weight dtype, the host groups' grads and moments only
+    weight, grad = (2, 2) if host_state.startswith("compact") else (4, 4)
+    host_params = N_3B - device
+    assert split.host["masters"] == weight * N_3B + (2 * host_params if host_state == "compact_kahan" else 0)
+    assert split.host["grads"] == grad * host_params
+    assert split.host["optimizer states"] == round((8 if host_state == "fp32" else 2.03125) * host_params)
+
+
+def test_compact_pinned_numbers():
+    """compact, 3 groups of the 3B shape: 2.40 GB less host, 2.01 GB more GPU (6.03 per layer param, 2.03 per
+    resident one)."""
+    alone, split = (planner.plan(LLAMA_3B, seq_len=4096, config=SERIAL.replace(gpu_optimizer_groups=k),
+                                 machine=H200, host_state="compact") for k in (0, 3))
+    assert alone.host_total - split.host_total == 2_399_982_048
+    assert split.gpu_total - alone.gpu_total == 2_014_648_800
+    assert split.assumptions["gpu_optimizer_groups"] == 3 and split.host_state == "compact"
+
+
+@pytest.mark.parametrize(("host_gib", "groups", "device_params"), [(64, 14, 4_451_343_360),
+                                                                  (48, 27, 8_575_001_600)])
+def test_auto_splits_a_compact_state_the_host_cannot_hold(host_gib, groups, device_params):
+    """Llama-2-13B compact (13.02B params, 6.03 B/param: 73.1 GiB of state) at 8 x 1,024 on a 64 or 48 GiB host:
+    alone it does not fit; "auto" moves the fewest groups with which it does (one fewer leaves the host short), at
+    6.03 B/param on the GPU."""
+    machine = Machine(host_ram_gib=host_gib, gpu_mem_gib=139, cpu_cores=16)
+    kw = dict(seq_len=1024, micro_batch=8, machine=machine, host_state="compact")
+    alone = planner.plan(LLAMA2_13B, config=EngineConfig(gpu_optimizer_groups=0), **kw)
+    assert not alone.fits and alone.host_total > alone.host_usable
+    p = planner.plan(LLAMA2_13B, config=EngineConfig(), **kw)
+    assert p.fits and p.host_total <= p.host_usable and p.gpu_total <= p.gpu_limit
+    pool = p.memory_pool
+    assert (pool["groups"], pool["fewest"], pool["device_params"], pool["fits"]) == (groups, groups, device_params,
+                                                                                     True)
+    assert p.assumptions["gpu_optimizer_groups"] == groups and p.suggested_gpu_optimizer_groups is None
+    resident = 327_685_120  # embeddings, LM head, final norm
+    layers_on_gpu = device_params - resident
+    assert p.gpu["optimizer groups on the GPU"] == round(2.03125 * resident + 6.03125 * layers_on_gpu)
+    host_params = p.n_params - device_params
+    assert (p.host["masters"], p.host["grads"]) == (2 * p.n_params, 2 * host_params)
+    fewer = planner.plan(LLAMA2_13B, config=EngineConfig(gpu_optimizer_groups=groups - 1), **kw)
+    assert not fewer.fits
+
+
+def test_largest_llama2_13b_shape_compact_with_both_memories():
+    """--largest for the Llama-2-13B width at 8 x 1,024 on the H200 (128 GiB host): compact alone 65 layers
+    (20.95B), compact with both memories 112 (35.85B), 69 groups (the residents and 68 layers) on the GPU."""
+    rows = largest_models(LLAMA2_13B, seq_len=1024, micro_batch=8, machine=H200, host_states=("compact",),
+                          config=EngineConfig(gpu_optimizer_groups=0))
+    alone, both = rows
+    assert (alone.host_state, alone.both_memories, alone.gpu_groups) == ("compact", False, 0)
+    assert (both.host_state, both.both_memories) == ("compact", True)
+    assert (alone.layers, round(alone.n_params / 1e9, 2)) == (65, 20.95)
+    assert (both.layers, round(both.n_params / 1e9, 2), both.gpu_groups) == (112, 35.85, 69)
+    assert both.layers > alone.layers
+    assert both.host_total <= both.host_usable and both.gpu_total <= 139 * GIB
