@@ -15,7 +15,8 @@ and the process exits with status 86; a census after the first and third steps g
     python benchmarks/memory_pool.py                      # H200: full depth, 8 x 1024 tokens, about 4-5 minutes
     python benchmarks/memory_pool.py --layers 20 --host-gib 60
     python benchmarks/memory_pool.py --dry-run            # CPU: tiny Llama, the code path (no split without CUDA)
-    python benchmarks/memory_pool.py --layers 63 --host-state compact   # H200: 20.3B at 6 B/param of host state
+    python benchmarks/memory_pool.py --layers 63 --host-state compact   # H200: 20.3B, compact state in both memories
+    python benchmarks/memory_pool.py --layers 90 --host-state compact   # H200: 28.9B, likewise
 """
 
 from __future__ import annotations
@@ -262,7 +263,10 @@ def main() -> None:
             if len(times) in (1, 3):
                 sampler.record(f"after step {len(times)}")
 
-    module = workloads.make_module(config, loss="chunked", optimizer="adamw", grad_ckpt=False, direct_clip=False)
+    # the bf16 layouts' masters are bf16: built so, the model of a host that holds 6 B/param needs no fp32 copy first
+    dtype = "bfloat16" if args.host_state.startswith("compact") else "float32"
+    module = workloads.make_module(config, loss="chunked", optimizer="adamw", grad_ckpt=False, direct_clip=False,
+                                   dtype=dtype)
     data = torch.randint(0, config["vocab_size"], (micro_batch * steps, seq_len))
     loader = torch.utils.data.DataLoader(data, batch_size=micro_batch)
     strategy = MegaTrainStrategy(host_state=args.host_state, gpu_optimizer_groups=args.gpu_optimizer_groups)

@@ -170,7 +170,7 @@ def fill_like_hf_init_(model, std: float, seed: int) -> None:
 
 
 def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct_clip: bool, lr: float = 1e-4,
-                compile_layers: bool = False):
+                compile_layers: bool = False, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -182,7 +182,7 @@ def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct
         no_init_weights = contextlib.nullcontext
 
     class BenchLM(CausalLMModule):
-        """CausalLMModule (fp32 HF model, chunked loss) with the benchmark's init, loss choice and optimizer."""
+        """CausalLMModule (HF model in ``dtype``, fp32 by default; chunked loss) with the benchmark's init, loss choice and optimizer."""
 
         def configure_model(self) -> None:
             if self.model is not None:
@@ -192,7 +192,7 @@ def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct
             # embedding is tied again below and every parameter is filled after. (Lightning's _EmptyInit does not
             # skip HF 5's init: its guard re-routes torch.nn.init.normal_ around the mode.)
             with no_init_weights():
-                model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32,
+                model = AutoModelForCausalLM.from_config(self.hf_config, dtype=getattr(torch, dtype),
                                                          attn_implementation="sdpa")
             model.tie_weights()
             fill_like_hf_init_(model, std=self.hf_config.initializer_range, seed=0)
