@@ -182,7 +182,8 @@ def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct
         no_init_weights = contextlib.nullcontext
 
     class BenchLM(CausalLMModule):
-        """CausalLMModule (HF model in ``dtype``, fp32 by default; chunked loss) with the benchmark's init, loss choice and optimizer."""
+        """CausalLMModule (HF model in ``dtype``, fp32 by default; chunked loss) with the benchmark's init, loss
+        choice and optimizer."""
 
         def configure_model(self) -> None:
             if self.model is not None:
