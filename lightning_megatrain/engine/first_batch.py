@@ -131,7 +131,8 @@ class FirstBatchPlacement:
             RuntimeError: with the numbers (engine/host_store.py ``check_host_bytes_to_come``).
         """
         if self.placement_pending and self.config.gpu_optimizer_groups == "auto":  # split at the first micro-batch
-            check_split_possible([self.resident_group, *self.groups], optimizers, self.device, self.compute_dtype)
+            check_split_possible([self.resident_group, *self.groups], optimizers, self.device, self.compute_dtype,
+                                 self.config.host_state)
             return
         host_groups = self._host_groups()
         check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))

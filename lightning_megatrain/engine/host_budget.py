@@ -78,7 +78,7 @@ def device_steppable(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
-                         device: torch.device, compute_dtype: torch.dtype, host_state: str = "fp32") -> None:
+                         device: torch.device, compute_dtype: torch.dtype, host_state: str) -> None:
     """The setup's host check while ``gpu_optimizer_groups="auto"`` is undecided (the engine's ``check_host_state``):
     where the host cannot hold every group's state, refuse now, not at the first micro-batch, when device groups
     cannot take enough of it: a CPU compute device, an optimizer other than one Adam/AdamW (:func:`device_steppable`),

@@ -182,16 +182,16 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
         monkeypatch.setattr(module, "placeable_host_bytes", lambda: (total // 2, "MemAvailable"))
     # a CPU compute device cannot hold device groups: the host check's own refusal
     with pytest.raises(RuntimeError, match=r"needs about .* more host RAM for the grads and optimizer states"):
-        host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)
+        host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32, "fp32")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1024, 139 * GIB))
     with pytest.raises(RuntimeError, match=r"the host cannot hold every group's grads and optimizer states .* it "
                        r"would with \d groups \(0\.\d\dB params\) keeping theirs on cuda:0 \(gpu_optimizer_groups\), "
                        r"which need \d+\.\d GiB there before any activations, but 0\.0 GiB is free"):
-        host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)
+        host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 139 * GIB))
-    host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)  # the GPU holds them: no refusal
+    host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")  # the GPU holds them: no refusal
     monkeypatch.setattr(host_budget, "placeable_host_bytes", lambda: (total, "MemAvailable"))
-    host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32)  # the host holds all
+    host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32, "fp32")  # the host holds all
 
 
 def test_setup_prices_the_device_groups_in_the_host_state_layout(monkeypatch):
@@ -215,4 +215,4 @@ def test_setup_prices_the_device_groups_in_the_host_state_layout(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: ((int8 + fp32) // 2, 139 * GIB))
     host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, host_state="int8_moments")
     with pytest.raises(RuntimeError, match=rf"it would with 2 groups .* which need {fp32 / GIB:.1f} GiB there"):
-        host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16)
+        host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")
