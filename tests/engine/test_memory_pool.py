@@ -189,9 +189,11 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
                        r"which need \d+\.\d GiB there before any activations, but 0\.0 GiB is free"):
         host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 139 * GIB))
-    host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")  # the GPU holds them: no refusal
+    # the GPU holds them: no refusal
+    host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")
     monkeypatch.setattr(host_budget, "placeable_host_bytes", lambda: (total, "MemAvailable"))
-    host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32, "fp32")  # the host holds all
+    # the host holds all
+    host_budget.check_split_possible(forward, [optimizer], torch.device("cpu"), torch.float32, "fp32")
 
 
 def test_setup_prices_the_device_groups_in_the_host_state_layout(monkeypatch):
