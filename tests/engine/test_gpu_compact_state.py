@@ -159,3 +159,23 @@ def test_cuda_compact_device_groups_resume_bit_for_bit(tmp_path):
     assert all(int(s["step"]) == 4 for s in host_state.values())
     errors = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(on_host, full)]
     assert max(errors) < 2**-7, max(errors)
+
+
+def test_cuda_auto_splits_a_compact_state_the_host_cannot_hold(monkeypatch):
+    """``gpu_optimizer_groups="auto"`` with host_state="compact" and the host's free memory mocked to 2 bytes per
+    parameter (the grads and 8-bit moments still to come take 4.03): the engine moves the first groups to the GPU,
+    no more than it must, and trains as the GPU loop does, to the bounds above."""
+    from lightning_megatrain.engine import host_budget
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n_params = sum(p.numel() for p in ParityLM("qwen3").parameters())
+    monkeypatch.setattr(host_budget, "placeable_host_bytes", lambda: (2 * n_params, "mocked"))
+    layout = DeviceLayout()
+    model, _, losses = fit_engine("compact", accumulate=2, clip=0.05, overlap=True, accelerator="cuda",
+                                  callbacks=[layout], **OPTIONS)
+    assert 0 < layout.groups < len(list(model.model.layers)) + 1
+    assert layout.host_grad_bytes == 0 and ("exp_avg", torch.int8, "cuda") in layout.states
+    masters, ref_losses, _ = bf16_loop("compact", accumulate=2, clip=0.05, device="cuda")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
+    error, name = max_relative_error(model, masters)
+    assert error < 2**-7, (name, error)
