@@ -18,6 +18,7 @@ from lightning_megatrain.engine.device_state import DeviceGroup, settle_states
 from lightning_megatrain.engine.host_budget import (
     check_split_possible,
     checkpoint_host_budget,
+    device_steppable,
     host_bytes_to_come,
     host_bytes_to_come_split,
     host_free_checked,
@@ -29,7 +30,6 @@ from lightning_megatrain.engine.placement import (
     module_hf_config,
     token_shape,
 )
-from lightning_megatrain.optim.host_optimizer import overlappable
 
 if TYPE_CHECKING:
     from lightning_megatrain.engine.backward_updates import BackwardUpdates
@@ -101,7 +101,7 @@ class FirstBatchPlacement:
             device=self.device,
             compute_dtype=self.compute_dtype,
             grad_accum=grad_accum,
-            adam_only=len(optimizers) == 1 and overlappable(optimizers[0]),
+            adam_only=len(optimizers) == 1 and device_steppable(optimizers[0]),
             custom_clipping=custom_clipping,
             chunked_loss=chunked_loss,
             host_free=free,
