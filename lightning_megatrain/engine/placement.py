@@ -159,8 +159,8 @@ def choose_gpu_optimizer_groups(
 ) -> tuple[int, str]:
     """``gpu_optimizer_groups="auto"`` for the first training micro-batch ``batch``: the count and why (see
     [Note: auto placement]). ``adam_only``: one optimizer device groups can step (engine/host_budget.py
-    ``device_steppable``: Adam/AdamW, or CompactAdamW under a compact ``host_state``); ``custom_clipping``: clipping by value or by
-    the module's own ``configure_gradient_clipping``; ``chunked_loss``: the module's HF loss runs chunked
+    ``device_steppable``: Adam/AdamW, or CompactAdamW under a compact ``host_state``); ``custom_clipping``: clipping
+    by value or by the module's own ``configure_gradient_clipping``; ``chunked_loss``: the module's HF loss runs chunked
     (models/hf_loss.py), else the plan counts full logits. ``host_free``: host bytes the process may still allocate
     (None: unknown, not checked); ``to_come(n)``: host bytes its groups and optimizers still allocate with ``n``
     device groups (engine/host_budget.py ``host_bytes_to_come_split``). Where the host cannot hold them all, the
