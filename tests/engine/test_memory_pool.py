@@ -218,3 +218,24 @@ def test_setup_prices_the_device_groups_in_the_host_state_layout(monkeypatch):
     host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, host_state="int8_moments")
     with pytest.raises(RuntimeError, match=rf"it would with 2 groups .* which need {fp32 / GIB:.1f} GiB there"):
         host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")
+
+
+@pytest.mark.parametrize(("make", "steppable"), [
+    (lambda params: torch.optim.AdamW(params, fused=True), True),
+    (lambda params: CompactAdamW(params, weights="fp32"), True),  # the compact layouts' optimizer
+    (lambda params: torch.optim.SGD(params, lr=0.1), False),
+])
+def test_the_split_is_told_whether_device_groups_can_step_the_optimizer(monkeypatch, make, steppable):
+    """What the engine passes to the auto split as ``adam_only`` (host_budget.device_steppable): a CompactAdamW is
+    steppable on the GPU, so a compact state the host cannot hold is split instead of refused."""
+    engine = _tiny_engine(monkeypatch)
+    seen = {}
+
+    def choose(module, batch, **kwargs):
+        seen.update(adam_only=kwargs["adam_only"])
+        return 0, "mocked"
+
+    monkeypatch.setattr(first_batch, "choose_gpu_optimizer_groups", choose)
+    engine.place_for_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, grad_accum=1,
+                           optimizers=[make(engine.module.parameters())], custom_clipping=False, chunked_loss=True)
+    assert seen == {"adam_only": steppable}
