@@ -71,10 +71,11 @@ def host_free_checked() -> int | None:
     return None if free is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1" else free[0]
 
 
-def device_steppable(optimizer: torch.optim.Optimizer) -> bool:
+def device_steppable(optimizer: torch.optim.Optimizer, host_state: str) -> bool:
     """Whether device groups can step ``optimizer``: torch's fused Adam/AdamW (or DeepSpeed's), or ``CompactAdamW``
-    under a compact ``host_state`` (engine/optimizer_setup.py refuses the rest)."""
-    return overlappable(optimizer) or isinstance(optimizer, CompactAdamW)
+    under a compact ``host_state`` (the device groups then hold its layout; under ``"fp32"`` they hold fp32 Adam
+    moments, which a user's own CompactAdamW cannot step). engine/optimizer_setup.py refuses the rest."""
+    return overlappable(optimizer) or (isinstance(optimizer, CompactAdamW) and host_state != "fp32")
 
 
 def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
@@ -94,7 +95,7 @@ def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequen
     free = host_free_checked()
     if free is None or to_come(0) <= free:
         return
-    if device.type != "cuda" or len(optimizers) != 1 or not device_steppable(optimizers[0]):
+    if device.type != "cuda" or len(optimizers) != 1 or not device_steppable(optimizers[0], host_state):
         check_host_bytes_to_come(to_come(0))  # refuses, with the numbers
         return
     n = fewest_host_groups(to_come, free)

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_megatrain.optim.compact_adam import CompactAdamW
+from lightning_megatrain.engine.host_budget import device_steppable
 from lightning_megatrain.optim.compact_update import to_compact_adamw
-from lightning_megatrain.optim.host_optimizer import overlappable, rebind_scheduler, to_host_optimizer
+from lightning_megatrain.optim.host_optimizer import rebind_scheduler, to_host_optimizer
 from lightning_megatrain.optim.updates import engine_steps
 
 if TYPE_CHECKING:
@@ -68,13 +68,13 @@ class OptimizerSetup:
             host_optimizers.append(host)
         if self.device_groups:
             # the device step's Adam: torch's fused kernel, or CompactAdamW's own under a compact host_state
-            refused = [type(o).__name__ for o in host_optimizers
-                       if not (overlappable(o) or isinstance(o, CompactAdamW))]
+            refused = [type(o).__name__ for o in host_optimizers if not device_steppable(o, host_state)]
             if refused:
                 raise ValueError(
                     f"MegaTrainStrategy(gpu_optimizer_groups={self.config.gpu_optimizer_groups}) steps Adam/AdamW on "
                     f"the GPU, got {', '.join(refused)} (or an Adam variant: amsgrad, maximize, capturable, "
-                    "differentiable). HINT: use torch.optim.AdamW, or gpu_optimizer_groups=0."
+                    "differentiable). HINT: use torch.optim.AdamW (a compact host_state runs it as CompactAdamW, "
+                    "which device groups step too), or gpu_optimizer_groups=0."
                 )
         if self.steps_after_return:
             for optimizer in host_optimizers:

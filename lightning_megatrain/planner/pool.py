@@ -14,7 +14,7 @@ device_state.py ``gpu_bytes_per_param``). When the host cannot hold every group'
 layers 0, 1, ...), with which
 
     host:  what the host groups still allocate (grads, optimizer states)  +  the offloaded layer-input checkpoints
-           <=  the host memory free once the masters are packed
+           <=  the host memory free once the masters are packed  -  SPLIT_HOST_MARGIN_GIB
     GPU:   the planned peak of one micro-batch with those groups (memory.py ``gpu_bytes``)  <=  the GPU's memory
 
 both hold, with the checkpoints placed for that split as planner/long_context.py places them (the fewer the
@@ -28,7 +28,7 @@ masters (4 bytes/param in fp32, 2 in bf16) stay: they are the parameters every r
 RAM per parameter, and the GPU, at 18 (6.03 compact) bytes/param, to what it holds beside the working set. On the
 H200 (139 GiB GPU, 124.2 GiB of a 128 GiB host usable) the Llama-2-13B shape fits at full precision with
 both memories; the Qwen2.5-14B shape does not (tests/planner/test_pool.py has the numbers). Compact, the 13B's
-width fits 65 layers (20.95B) on the host alone and 112 (35.85B) with both memories, 69 groups on the GPU, at 8 x
+width fits 65 layers (20.95B) on the host alone and 112 (35.85B) with both memories, 70 groups on the GPU, at 8 x
 1,024 (tests/planner/test_compact_pool.py).
 
 The engine decides with the same search at the first training micro-batch, with the host bytes it measures and the
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
-from lightning_megatrain.planner.constants import GPU_RESERVE_GIB, PRECISIONS
+from lightning_megatrain.planner.constants import GPU_RESERVE_GIB, PRECISIONS, SPLIT_HOST_MARGIN_GIB
 from lightning_megatrain.planner.long_context import Placement, place
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, gpu_bytes
 from lightning_megatrain.planner.shape import _Shape, describe
@@ -87,8 +87,8 @@ def _size(nbytes: float) -> str:
 def split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gkw: dict, host_free: int,
           gpu_limit: int, to_come: Callable[[int], int], least: int = 0) -> Split:
     """The fewest device groups, at least ``least``, with which the host holds ``to_come(n)`` and the offloaded
-    checkpoints and the GPU the planned peak (see [Note: memory pool]); where none does, ``fits`` is False and
-    ``why`` has both memories' numbers of the closest count.
+    checkpoints with ``SPLIT_HOST_MARGIN_GIB`` to spare and the GPU the planned peak (see [Note: memory pool]); where
+    none does, ``fits`` is False and ``why`` has both memories' numbers of the closest count.
 
     Args:
         gkw: memory.py ``gpu_bytes``' keyword arguments without ``gpu_groups`` and the long-context ones.
@@ -97,6 +97,7 @@ def split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
     """
     total = len(s.layers) + 1
     numels = forward_numels(s)
+    room = host_free - round(SPLIT_HOST_MARGIN_GIB * GIB)  # what the split may plan of host_free
 
     def floor(n: int) -> int:  # the GPU peak with n groups, one checkpoint per layer, none on the GPU
         return _gpu_peak(gpu_bytes(s, micro_batch, seq_len, **gkw, gpu_groups=n)[0])
@@ -109,13 +110,13 @@ def split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
     def numbers(n: int, placed: Placement | None) -> str:
         host = to_come(n) + (placed.host_need if placed is not None else 0)
         peak = placed.gpu_peak if placed is not None else floor(n)
-        return (f"host needs {_size(host)} more of {_size(host_free)} free, GPU peak {_size(peak)} of "
-                f"{_size(gpu_limit)}")
+        return (f"host needs {_size(host)} more of {_size(host_free)} free ({SPLIT_HOST_MARGIN_GIB:g} GiB kept "
+                f"spare), GPU peak {_size(peak)} of {_size(gpu_limit)}")
 
     for n in range(least, total + 1):
-        if to_come(n) <= host_free:
+        if to_come(n) <= room:
             placed = place(s, micro_batch, seq_len, config=config, gkw={**gkw, "gpu_groups": n},
-                           host_free=host_free - to_come(n), gpu_limit=gpu_limit)
+                           host_free=room - to_come(n), gpu_limit=gpu_limit)
             if placed.fits:
                 moved = f"{n} group{'s' if n != 1 else ''} ({sum(numels[:n]) / 1e9:.2f}B params) on the GPU"
                 lead = "" if n == least else (f"with {n - 1} the host holds not both the rest of the state and the "
@@ -123,12 +124,13 @@ def split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gk
                 return result(n, placed, True, f"{lead}{moved}: {numbers(n, placed)}")
         if floor(n) > gpu_limit:  # more groups only raise the GPU's floor
             break
-    fewest = next((k for k in range(least, total + 1) if to_come(k) <= host_free), None)
+    fewest = next((k for k in range(least, total + 1) if to_come(k) <= room), None)
     if fewest is None:
         return result(total, None, False, f"not even with all {total} groups on the GPU does the host hold the "
-                                          f"rest: it needs {_size(to_come(total))} more of {_size(host_free)} free")
+                                          f"rest: it needs {_size(to_come(total))} more of {_size(host_free)} free "
+                                          f"({SPLIT_HOST_MARGIN_GIB:g} GiB kept spare)")
     placed = place(s, micro_batch, seq_len, config=config, gkw={**gkw, "gpu_groups": fewest},
-                   host_free=host_free - to_come(fewest), gpu_limit=gpu_limit)
+                   host_free=room - to_come(fewest), gpu_limit=gpu_limit)
     detail = "" if floor(fewest) > gpu_limit else f"; {placed.why}"
     return result(fewest, placed, False,
                   f"the host holds the grads and optimizer states only with {fewest} groups "
