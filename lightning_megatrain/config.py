@@ -49,8 +49,8 @@ class EngineConfig:
     master, grad and Adam states on the GPU and step there (engine/device_state.py); the host keeps their masters.
     GPU bytes per layer parameter: 18 with fp32 host state, 6.03 with ``host_state="compact"`` (its layout on the
     GPU); CUDA and Adam/AdamW only. ``"auto"``: the fewest that hide the overlapped host Adam behind the
-    forward, planned for the first training micro-batch, and at least the fewest with which the host holds the other
-    groups' state (planner/pool.py, [Note: memory pool]) (engine/placement.py)."""
+    forward (fp32 host state only), planned for the first training micro-batch, and at least the fewest with which
+    the host holds the other groups' state (planner/pool.py, [Note: memory pool]) (engine/placement.py)."""
 
     compile_layers: bool | Auto = "auto"
     """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).
