@@ -14,11 +14,9 @@ from lightning_megatrain.planner import Machine
 from lightning_megatrain.planner.capacity import largest_models
 from lightning_megatrain.planner.constants import SPLIT_HOST_MARGIN_GIB
 
+from helpers.shapes import LLAMA2_13B, LLAMA_3B
+
 GIB = 2**30
-LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
-            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
-LLAMA2_13B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824,
-              "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40}
 SERIAL = EngineConfig(overlap_optimizer=False, compile_layers=False, gpu_optimizer_groups=0)
 H200 = Machine(host_ram_gib=128, gpu_mem_gib=139, cpu_cores=16)
 # Llama-3.2-3B's shape: 3.21B parameters, 394.0M resident (tied embeddings), 28 layers of 100.7M

@@ -11,10 +11,8 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner import HOST_STATE_BYTES, Machine
 from lightning_megatrain.planner.capacity import largest_models
 
-LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
-            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
-LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}
+from helpers.shapes import LLAMA3_8B, LLAMA_3B
+
 SERIAL = EngineConfig(overlap_optimizer=False, compile_layers=False, gpu_optimizer_groups=0)
 HOST_128 = Machine(host_ram_gib=128, gpu_mem_gib=139, cpu_cores=16)
 

@@ -18,13 +18,13 @@ from lightning_megatrain.planner.long_context import longest_placeable, place
 from lightning_megatrain.planner.memory import _gpu_peak, gpu_bytes, host_bytes
 from lightning_megatrain.planner.timing import step_time
 
+from helpers.shapes import LLAMA_3B
+
 GIB = 2**30
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "2026-12-01-planner-long-context-h200.json"
 # Llama-2-7B and Llama-3.2-3B shapes (no Hub access)
 LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}
-LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
-            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
 # one H200 (141 GiB) on a host of 125 GiB, as in the long-context issue
 H200 = Machine(gpu_mem_gib=141, host_ram_gib=125, cpu_cores=16)
 GKW = dict(c=2, offload=True, loss="chunked", loss_chunk=4096, num_slots=2, reserve_gib=2.0)

@@ -15,9 +15,9 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner import HOST_OS_RESERVE_FRACTION, HOST_OS_RESERVE_MIN_GIB, Machine
 from lightning_megatrain.planner.shape import _path_like
 
+from helpers.shapes import LLAMA_3B
+
 GIB = 2**30
-LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
-            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
 BIG = Machine(host_ram_gib=1024, gpu_mem_gib=139, cpu_cores=16)
 SERIAL = EngineConfig(overlap_optimizer=False, compile_layers=False, gpu_optimizer_groups=0)
 

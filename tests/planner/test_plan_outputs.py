@@ -22,12 +22,12 @@ from lightning_megatrain import planner
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner import Machine
 
+from helpers.shapes import LLAMA_3B
+
 HERE = Path(__file__).resolve().parent
 EXPECTED = HERE / "plan_outputs.json"
 HF = HERE.parents[1] / "configs" / "hf"
 
-LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
-            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
 LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}
 H200 = Machine(host_ram_gib=125, gpu_mem_gib=139, cpu_cores=16)

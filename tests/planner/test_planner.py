@@ -16,6 +16,8 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.discovery import find_layer_stack, tensor_slots
 from lightning_megatrain.planner import Machine
 
+from helpers.shapes import LLAMA_3B
+
 _COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "use_cache": False}
 CONFIGS = {
@@ -29,8 +31,6 @@ CONFIGS = {
     "gpt_oss": dict(model_type="gpt_oss", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=8, output_router_logits=False, **_COMMON),
 }
-LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
-            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
 BIG = Machine(host_ram_gib=1024, gpu_mem_gib=139, cpu_cores=16)
 # The engine without its "auto" choices (eager layers, serial host step, no device groups): what these numbers pin.
 SERIAL = EngineConfig(overlap_optimizer=False, compile_layers=False, gpu_optimizer_groups=0)

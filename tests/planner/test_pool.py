@@ -13,10 +13,10 @@ from lightning_megatrain.planner import Machine, describe
 from lightning_megatrain.planner.capacity import largest_models
 from lightning_megatrain.planner.pool import forward_numels, host_to_come
 
+from helpers.shapes import LLAMA2_13B
+
 H200 = Machine(host_ram_gib=128, gpu_mem_gib=139, cpu_cores=16)
 GIB = 2**30
-LLAMA2_13B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824,
-              "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40}
 QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
               "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
               "tie_word_embeddings": False}

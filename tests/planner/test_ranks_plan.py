@@ -16,8 +16,8 @@ from lightning_megatrain.planner.constants import NCCL_GPU_GIB
 from lightning_megatrain.planner.ranks import ring_seconds, shard
 from lightning_megatrain.planner.shape import describe
 
-LLAMA_3B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
-            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True}
+from helpers.shapes import LLAMA_3B
+
 QWEN25_14B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
               "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
               "tie_word_embeddings": False}
