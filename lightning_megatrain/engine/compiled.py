@@ -40,10 +40,18 @@ of such a guard fails the graph compiled for it. Only the layer's own frame is m
 graph inside a layer (packed rows' attention with a document mask, Mixtral's routing on the GPU), the code after the
 break gets tensors it did not mark, which fall back to automatic dynamic shapes (a static graph first), so such
 layers are not guaranteed bitwise across a resume.
+
+transformers 5.25 wraps attention forwards in the ``kernels`` package's router (``use_kernelized_func``), which
+sets and resets a module-level variable on every call. Dynamo refuses that mutation inside the checkpoint's
+higher-order op ("HOP: Unsafe side effect": eager checkpointing would replay it in the backward's recompute), so
+the layer's graph broke there and the checkpoint ran eagerly, losing the selective saving. The router's variable is
+restored before the forward returns, so nothing needs replaying: the compiled call runs with dynamo's
+``skip_fwd_side_effects_in_bwd_under_checkpoint`` on (where this torch has it), and the layer compiles whole again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -80,6 +88,14 @@ _SAVED_OPS = frozenset(
     )
     if hasattr(_aten, name)
 ) | _varlen_ops()
+
+
+# The forward's side effects inside the checkpoint, left out of the backward's recompute (see [Note: compiled layers]);
+# a no-op context where this torch's dynamo lacks the option.
+_SIDE_EFFECTS_NOT_REPLAYED = (
+    functools.partial(torch._dynamo.config.patch, skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint") else contextlib.nullcontext
+)
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -134,7 +150,8 @@ def compile_layer_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     def marked(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _mark_token_dims(dict(zip(names, args)) | kwargs)
-        return compiled(layer, *args, **kwargs)
+        with _SIDE_EFFECTS_NOT_REPLAYED():
+            return compiled(layer, *args, **kwargs)
 
     return marked
 
