@@ -140,5 +140,5 @@ def test_muon_is_the_engines_step_and_device_groups_refuse_it():
     assert step.takes_step(Muon(params))
     step.set_device_groups([SimpleNamespace(group=SimpleNamespace(params=[]), clear_grads=mock.Mock())])
     with pytest.raises(ValueError, match=r"gpu_optimizer_groups=auto\) steps Adam/AdamW on the GPU, got Muon.*"
-                                         r"HINT: use torch.optim.AdamW, or gpu_optimizer_groups=0"):
+                                         r"HINT: use torch.optim.AdamW .*, or gpu_optimizer_groups=0"):
         step.to_host_optimizers([Muon(params)], [])
