@@ -101,7 +101,7 @@ class FirstBatchPlacement:
             device=self.device,
             compute_dtype=self.compute_dtype,
             grad_accum=grad_accum,
-            adam_only=len(optimizers) == 1 and device_steppable(optimizers[0], self.config.host_state),
+            steppable=len(optimizers) == 1 and device_steppable(optimizers[0], self.config.host_state),
             custom_clipping=custom_clipping,
             chunked_loss=chunked_loss,
             host_free=free,

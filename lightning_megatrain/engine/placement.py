@@ -151,14 +151,14 @@ def choose_gpu_optimizer_groups(
     device: torch.device,
     compute_dtype: torch.dtype,
     grad_accum: int,
-    adam_only: bool,
+    steppable: bool,
     custom_clipping: bool,
     chunked_loss: bool,
     host_free: int | None = None,
     to_come: Callable[[int], int] | None = None,
 ) -> tuple[int, str]:
     """``gpu_optimizer_groups="auto"`` for the first training micro-batch ``batch``: the count and why (see
-    [Note: auto placement]). ``adam_only``: one optimizer device groups can step (engine/host_budget.py
+    [Note: auto placement]). ``steppable``: one optimizer device groups can step (engine/host_budget.py
     ``device_steppable``: Adam/AdamW, or CompactAdamW under a compact ``host_state``); ``custom_clipping``: clipping
     by value or by the module's own ``configure_gradient_clipping``; ``chunked_loss``: the module's HF loss runs chunked
     (models/hf_loss.py), else the plan counts full logits. ``host_free``: host bytes the process may still allocate
@@ -173,7 +173,8 @@ def choose_gpu_optimizer_groups(
     short = host_free is not None and to_come is not None and to_come(0) > host_free
     shape = token_shape(batch)
     hf_config = module_hf_config(module)
-    cannot = ("not one Adam/AdamW optimizer (device groups step one Adam/AdamW only)" if not adam_only else
+    cannot = ("not one Adam/AdamW optimizer (device groups step one Adam/AdamW, or CompactAdamW under a compact "
+              "host_state)" if not steppable else
               "clipping by value or by the module's configure_gradient_clipping (device groups clip by norm)"
               if custom_clipping else "no [B, T] token ids in the batch" if shape is None else
               "no HF config in the module to plan the GPU's working set with" if hf_config is None else None)

@@ -46,7 +46,7 @@ def _adam_to_come(numels: list[int], grads_read: bool = False):
 def _choose(host_free_gib: float, gpu_gib: float = 139, micro_batch: int = 4, shape=LLAMA_13B, **overrides):
     numels = _numels(shape)
     kwargs = dict(config=EngineConfig(overlap_optimizer=True, compile_layers=True), device=CUDA,
-                  compute_dtype=torch.bfloat16, grad_accum=1, adam_only=True, custom_clipping=False,
+                  compute_dtype=torch.bfloat16, grad_accum=1, steppable=True, custom_clipping=False,
                   chunked_loss=True, host_free=int(host_free_gib * GIB), to_come=_adam_to_come(numels))
     batch = {"input_ids": torch.zeros(micro_batch, 1024, dtype=torch.long)}
     return placement.choose_gpu_optimizer_groups(_WithConfig(**shape), batch, **{**kwargs, **overrides})
@@ -95,7 +95,7 @@ def test_auto_split_refuses_with_both_memories_and_what_would_fit(gpu_139):
 
 
 @pytest.mark.parametrize(("overrides", "reason"), [
-    (dict(adam_only=False), "not one Adam/AdamW optimizer"),
+    (dict(steppable=False), "not one Adam/AdamW optimizer"),
     (dict(custom_clipping=True), "clipping by value"),
 ])
 def test_auto_split_refuses_where_device_groups_cannot_run(gpu_139, overrides, reason):
@@ -227,17 +227,17 @@ def test_setup_prices_the_device_groups_in_the_host_state_layout(monkeypatch):
     (lambda params: torch.optim.SGD(params, lr=0.1), "int8_moments", False),
 ])
 def test_the_split_is_told_whether_device_groups_can_step_the_optimizer(monkeypatch, make, host_state, steppable):
-    """What the engine passes to the auto split as ``adam_only`` (host_budget.device_steppable): under a compact
+    """What the engine passes to the auto split as ``steppable`` (host_budget.device_steppable): under a compact
     host_state a CompactAdamW steps on the GPU, so a state the host cannot hold is split instead of refused."""
     engine = _tiny_engine(monkeypatch)
     engine.config = engine.config.replace(host_state=host_state)  # the choice is mocked: only the option is read
     seen = {}
 
     def choose(module, batch, **kwargs):
-        seen.update(adam_only=kwargs["adam_only"])
+        seen.update(steppable=kwargs["steppable"])
         return 0, "mocked"
 
     monkeypatch.setattr(first_batch, "choose_gpu_optimizer_groups", choose)
     engine.place_for_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, grad_accum=1,
                            optimizers=[make(engine.module.parameters())], custom_clipping=False, chunked_loss=True)
-    assert seen == {"adam_only": steppable}
+    assert seen == {"steppable": steppable}

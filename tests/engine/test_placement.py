@@ -65,7 +65,7 @@ class _WithConfig(nn.Module):
 
 def _choose(module, batch, **overrides):
     kwargs = dict(config=EngineConfig(overlap_optimizer=True, compile_layers=True), device=CUDA,
-                  compute_dtype=torch.bfloat16, grad_accum=1, adam_only=True, custom_clipping=False, chunked_loss=False)
+                  compute_dtype=torch.bfloat16, grad_accum=1, steppable=True, custom_clipping=False, chunked_loss=False)
     return placement.choose_gpu_optimizer_groups(module, batch, **{**kwargs, **overrides})
 
 
@@ -93,7 +93,7 @@ def test_auto_groups_are_the_planners_suggestion(monkeypatch):
     ("overrides", "module", "reason"),
     [
         (dict(config=EngineConfig(overlap_optimizer=False)), _WithConfig, "not overlapped"),
-        (dict(adam_only=False), _WithConfig, "not one Adam/AdamW optimizer"),
+        (dict(steppable=False), _WithConfig, "not one Adam/AdamW optimizer"),
         (dict(custom_clipping=True), _WithConfig, "clipping by value or by the module's configure_gradient_clipping"),
         ({}, nn.Linear, "no HF config"),
     ],
