@@ -271,7 +271,8 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=micro_batch)
     strategy = MegaTrainStrategy(host_state=args.host_state, gpu_optimizer_groups=args.gpu_optimizer_groups)
     trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, strategy=strategy,
-                        precision="bf16-mixed" if on_cuda else "32-true", max_steps=steps, gradient_clip_val=1.0,
+                        precision="bf16-mixed" if on_cuda or dtype == "bfloat16" else "32-true", max_steps=steps,
+                        gradient_clip_val=1.0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Clock(), Chosen()])
     t0 = time.perf_counter()

@@ -120,6 +120,26 @@ def test_cuda_compact_device_groups_match_the_gpu_loop(host_state, groups):
     assert error < 2**-7, (name, error)
 
 
+@pytest.mark.parametrize("groups", [2, 3])
+def test_cuda_int8_moments_device_groups_match_the_cpu_run(groups):
+    """``int8_moments`` device groups: fp32 mirrors with a separate bf16 compute copy, fp32 grad sums and
+    CompactAdamW's 8-bit entries on the GPU (the step count on the CPU), no host grads for them; the same bounds
+    against the CPU run as the host-stepped GPU run (``test_cuda_int8_moments_match_the_cpu_run``)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    layout = DeviceLayout()
+    model, _, losses = fit_engine("int8_moments", accumulate=2, clip=0.05, overlap=True, accelerator="cuda",
+                                  callbacks=[layout], **{**OPTIONS, "gpu_optimizer_groups": groups})
+    assert layout.groups == groups and layout.mirror == {(torch.float32, False)}
+    assert layout.host_grad_bytes == 0
+    assert layout.states == {("step", torch.float32, "cpu"), ("exp_avg", torch.int8, "cuda"),
+                             ("exp_avg_sq", torch.uint8, "cuda"), ("exp_avg_scale", torch.float32, "cuda"),
+                             ("exp_avg_sq_scale", torch.float32, "cuda")}
+    cpu_model, _, cpu_losses = fit_engine("int8_moments", accumulate=2, clip=0.05, overlap=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-2, atol=0)
+    error, name = max_relative_error(model, [p.detach() for p in cpu_model.parameters()])
+    assert error < 2e-2, (name, error)
+
+
 def _fit_one_batch(root, steps, groups, ckpt_path=None, checkpoint=False):
     """``steps`` steps of ParityLM("qwen3") on its one batch (a resumed run sees what the uninterrupted one does),
     ``compact`` state with ``groups`` device groups, the overlapped step, clipping at 0.05."""
