@@ -14,7 +14,7 @@ import torch
 from lightning_megatrain._hardware import GIB, placeable_host_bytes
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.engine.host_store import check_host_bytes_to_come
-from lightning_megatrain.optim.compact_adam import CompactAdamW
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW
 from lightning_megatrain.optim.host_optimizer import overlappable
 from lightning_megatrain.optim.updates import host_state_bytes
 
@@ -51,6 +51,16 @@ def host_bytes_to_come_split(forward_groups: Sequence[FlatGroup], optimizers: Se
     device = forward_groups[:n]
     read = sum(g.grad_dtype.itemsize * g.numel - g.grad_nbytes for g in device) if grads_read else 0
     return host_bytes_to_come(forward_groups[n:], optimizers) + read
+
+
+def smaller_state_hint(host_state: str) -> str:
+    """The refusals' HINT for a smaller state than ``host_state``'s, ending in ", " (empty for ``compact``, the
+    smallest): ``compact`` (CompactAdamW's layout, which computes in bf16), and Muon's one moment under fp32."""
+    if host_state == "compact":
+        return ""
+    compact = sum(HOST_STATE_LAYOUTS["compact"].bytes_per_param().values())
+    muon = " or lightning_megatrain.optim.Muon (one fp32 moment)" if host_state == "fp32" else ""
+    return f"host_state='compact' with precision='bf16-mixed' ({compact:.2f} B/param on either memory){muon}, "
 
 
 def _gib(nbytes: int) -> str:
@@ -108,9 +118,7 @@ def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequen
             f"MegaTrainStrategy: {host_short(to_come, free)}; it would with {n} groups "
             f"({sum(g.numel for g in groups) / 1e9:.2f}B params) keeping theirs on {device} (gpu_optimizer_groups), "
             f"which need {_gib(need)} there before any activations, but {_gib(gpu_free)} is free. HINT: "
-            + ("a compact host_state (host_state='compact': 6.03 B/param on either memory), " if host_state != "compact"
-               else "")
-            + "a smaller model, more host RAM or a larger GPU."
+            f"{smaller_state_hint(host_state)}a smaller model, more host RAM or a larger GPU."
         )
 
 

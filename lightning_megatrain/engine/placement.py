@@ -63,7 +63,7 @@ from transformers import PretrainedConfig
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short
+from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short, smaller_state_hint
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
 from lightning_megatrain.planner.pool import split_first_batch, split_options
 
@@ -183,8 +183,8 @@ def choose_gpu_optimizer_groups(
             raise RuntimeError(
                 f"MegaTrainStrategy: {host_short(to_come, host_free)}, and gpu_optimizer_groups='auto' cannot move "
                 f"any to the GPU: {cannot}. HINT: an explicit gpu_optimizer_groups="
-                f"{fewest_host_groups(to_come, host_free)} or more (Adam/AdamW, norm clipping), an optimizer with less "
-                "state (CompactAdamW, Muon), or more host RAM.")
+                f"{fewest_host_groups(to_come, host_free)} or more (Adam/AdamW, norm clipping), "
+                f"{smaller_state_hint(config.host_state)}or more host RAM.")
         return 0, cannot
     if not short and not config.overlap_optimizer:
         return 0, "the host step is not overlapped (overlap_optimizer=False) and the host holds every group's state"
@@ -205,8 +205,8 @@ def choose_gpu_optimizer_groups(
             raise RuntimeError(
                 f"MegaTrainStrategy: {host_short(to_come, host_free)}, and the planner cannot describe this model "
                 f"to split them with the GPU ({type(e).__name__}: {e}). HINT: an explicit gpu_optimizer_groups="
-                f"{fewest_host_groups(to_come, host_free)} or more, an optimizer with less state (CompactAdamW, "
-                "Muon), or more host RAM.") from e
+                f"{fewest_host_groups(to_come, host_free)} or more, {smaller_state_hint(config.host_state)}or more "
+                "host RAM.") from e
         return 0, f"the planner cannot describe this model ({type(e).__name__}: {e})"
     hide = p.suggested_gpu_optimizer_groups if p is not None and config.overlap_optimizer else None
     if pooled is not None and not pooled.fits:

@@ -101,7 +101,7 @@ def test_auto_split_refuses_with_both_memories_and_what_would_fit(gpu_139):
 def test_auto_split_refuses_where_device_groups_cannot_run(gpu_139, overrides, reason):
     with pytest.raises(RuntimeError, match=r"the host cannot hold every group's grads and optimizer states \(\d+\.\d "
                        rf"GiB more, 10\.0 GiB free\), and gpu_optimizer_groups='auto' cannot move any to the GPU: "
-                       rf"{reason}.*HINT: an explicit gpu_optimizer_groups=3\d or more"):
+                       rf"{reason}.*HINT: an explicit gpu_optimizer_groups=3\d or more .*, host_state='compact'"):
         _choose(10, **overrides)
     assert _choose(1000, **overrides) == (0, _choose(1000, **overrides)[1])  # a host that holds it all: 0
 
@@ -183,7 +183,9 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1024, 139 * GIB))
     with pytest.raises(RuntimeError, match=r"the host cannot hold every group's grads and optimizer states .* it "
                        r"would with \d groups \(0\.\d\dB params\) keeping theirs on cuda:0 \(gpu_optimizer_groups\), "
-                       r"which need \d+\.\d GiB there before any activations, but 0\.0 GiB is free"):
+                       r"which need \d+\.\d GiB there before any activations, but 0\.0 GiB is free\. HINT: "
+                       r"host_state='compact' with precision='bf16-mixed' \(6\.03 B/param on either memory\) or "
+                       r"lightning_megatrain\.optim\.Muon"):
         host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 139 * GIB))
     # the GPU holds them: no refusal
@@ -241,3 +243,13 @@ def test_the_split_is_told_whether_device_groups_can_step_the_optimizer(monkeypa
     engine.place_for_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)}, grad_accum=1,
                            optimizers=[make(engine.module.parameters())], custom_clipping=False, chunked_loss=True)
     assert seen == {"steppable": steppable}
+
+
+def test_refusals_suggest_only_a_smaller_state_than_the_runs():
+    """The HINT's smaller state: ``compact`` (and Muon) to an fp32 run, ``compact`` to the other layouts, nothing to
+    a run already on ``compact``."""
+    assert host_budget.smaller_state_hint("compact") == ""
+    for host_state in ("fp32", "int8_moments", "compact_kahan"):
+        hint = host_budget.smaller_state_hint(host_state)
+        assert hint.startswith("host_state='compact' with precision='bf16-mixed' (6.03 B/param") and hint.endswith(", ")
+        assert ("Muon" in hint) == (host_state == "fp32")
