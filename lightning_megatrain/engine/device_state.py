@@ -160,7 +160,7 @@ class DeviceGroup:
         if first:
             self.present = [False] * len(grads)
         if first and all(g is not None for g in grads):
-            torch.cat([g.reshape(-1) for g in grads], out=self.grad)  # fp32 <- compute dtype, one kernel
+            torch.cat([g.reshape(-1) for g in grads], out=self.grad)  # grad dtype <- compute dtype, one kernel
         else:
             if first:
                 self.grad.zero_()  # absent grads read as zeros in the layer's norm

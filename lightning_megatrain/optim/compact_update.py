@@ -102,9 +102,9 @@ class CompactUpdate:
     ) -> None:
         self.optimizer = optimizer
         self._group_of, self._hyper = snapshot or hyper_snapshot(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._index = {id(p): k for k, p in enumerate(params)}  # the stochastic rounding stream, as step() counts
-        self._grads = {id(p): p.grad for p in params if p.grad is not None and id(p) not in skip}
+        self._index = _stream_index(optimizer)
+        self._grads = {id(p): p.grad for g in optimizer.param_groups for p in g["params"]
+                       if p.grad is not None and id(p) not in skip}
         self._grad_scale = 1.0 if grad_scale is None else float(grad_scale)
         self.started = 0  # parameters whose update has begun: after a failure, 0 means nothing was written
 
@@ -138,6 +138,10 @@ class CompactUpdate:
             self.optimizer.update_param(p, self._grads[id(p)], self._h(p), self._index[id(p)], self._grad_scale)
 
 
+def _stream_index(optimizer: CompactAdamW) -> dict[int, int]:
+    """Each parameter's stochastic rounding stream: its position in the param groups, as ``step()`` counts."""
+    return {id(p): k for k, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+
 
 def compact_device_update(
     optimizer: CompactAdamW, grad_scale: Tensor | None = None
@@ -152,8 +156,7 @@ def compact_device_update(
     host 0-dim tensor: the host knows it before a compact device step) multiplies each grad inside the kernel.
     """
     group_of, hyper = hyper_snapshot(optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    index = {id(p): k for k, p in enumerate(params)}  # the stochastic rounding stream, as step() counts
+    index = _stream_index(optimizer)
     scale = 1.0 if grad_scale is None else float(grad_scale)
 
     def update(params: list[Tensor], mirrors: list[Tensor], grads: list[Tensor | None]) -> None:
