@@ -240,6 +240,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's log.info lines (the optimizer)
 
     times: list[float] = []
+    losses: list[float] = []  # each optimizer step's (one micro-batch: accumulation is not used here)
 
     class Chosen(L.Callback):
         groups = None
@@ -260,6 +261,7 @@ def main() -> None:
             if on_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter())
+            losses.append(float(outputs["loss"]))  # the clock has waited for the GPU already
             if len(times) in (1, 3):
                 sampler.record(f"after step {len(times)}")
 
@@ -293,7 +295,7 @@ def main() -> None:
                      "peak_host_rss_gib": host_rss_gib("VmHWM"),
                      "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / GIB if on_cuda else None,
                      "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
-                     "wall_s": time.perf_counter() - t0},
+                     "wall_s": time.perf_counter() - t0, "losses": losses},
         "host_samples": sampler.summary(),
         "planned": prediction,
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",

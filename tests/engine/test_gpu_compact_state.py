@@ -183,13 +183,16 @@ def test_cuda_compact_device_groups_resume_bit_for_bit(tmp_path):
 
 def test_cuda_auto_splits_a_compact_state_the_host_cannot_hold(monkeypatch):
     """``gpu_optimizer_groups="auto"`` with host_state="compact" and the host's free memory mocked to 2 bytes per
-    parameter (the grads and 8-bit moments still to come take 4.03): the engine moves the first groups to the GPU,
-    no more than it must, and trains as the GPU loop does, to the bounds above."""
+    parameter (the grads and 8-bit moments still to come take 4.03) and the split's spare host memory (1 GiB, more
+    than this model) set to 0: the engine moves the first groups to the GPU, no more than it must, and trains as the
+    GPU loop does, to the bounds above."""
     from lightning_megatrain.engine import host_budget
+    from lightning_megatrain.planner import pool
 
     torch.backends.cuda.matmul.allow_tf32 = False
     n_params = sum(p.numel() for p in ParityLM("qwen3").parameters())
     monkeypatch.setattr(host_budget, "placeable_host_bytes", lambda: (2 * n_params, "mocked"))
+    monkeypatch.setattr(pool, "SPLIT_HOST_MARGIN_GIB", 0.0)
     layout = DeviceLayout()
     model, _, losses = fit_engine("compact", accumulate=2, clip=0.05, overlap=True, accelerator="cuda",
                                   callbacks=[layout], **OPTIONS)
