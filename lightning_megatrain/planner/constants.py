@@ -34,14 +34,16 @@ PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (_hardwar
 CPU_ADAM_GPARAMS = 3.6  # DeepSpeedCPUAdam, 16 threads, fp32, Gparam/s
 TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the overlapped step runs)
 # CompactAdamW (optim/compact_adam.py) for host_state other than fp32, on CPU parameters its native kernel
-# (optim/compact_kernel.py): its rate relative to torch's fused AdamW measured on the H200's 16 cores, 1.6e9
-# parameters in 16 tensors, in one command: `compact` 3.86 against 3.94 Gparam/s (0.98x; another command: 4.01),
-# `compact_kahan` 4.62 (benchmarks/results/2026-12-03-compact-adam-h200-{fp32-draw,compact-first}-6a652c3.log;
-# DeepSpeedCPUAdam 4.18 there, -deepspeed-6a652c3.json); the lowest ratio applied to TORCH_ADAM_GPARAMS for every
-# compact layout (`int8_moments` at 1.6e9 was not measured; at 0.1e9 it ran faster than `compact`). Inductor's kernel,
-# which runs where the native one does not build: 0.12x (2026-12-03-compact-adam-h200-a233b00.log).
-COMPACT_ADAM_RATIO = 0.98
-COMPACT_ADAM_GPARAMS = COMPACT_ADAM_RATIO * TORCH_ADAM_GPARAMS
+# (optim/compact_kernel.py), Gparam/s on the H200's 16 cores: alone, 1.6e9 parameters in 16 tensors, `compact` 3.86
+# and 4.01 in two commands (torch's fused AdamW 3.94 in the first; `compact_kahan` 4.62; DeepSpeedCPUAdam 4.18;
+# benchmarks/results/2026-12-03-compact-adam-h200-{fp32-draw,compact-first}-6a652c3.log, -deepspeed-6a652c3.json);
+# the lowest, for every compact layout. Beside a training run it holds: the 28.88B `compact` run's 5.97 s step
+# (2026-12-04-memory-pool-28.9b-compact-h200-12steps-b86cf4b.json) is planned within 9% at this rate and 21% slow
+# at 3.04 (0.98x TORCH_ADAM_GPARAMS, the rule before it), the step being paced by the host update. Unlike fused
+# AdamW's in-run rate (TORCH_ADAM_GPARAMS, below its 3.94 alone) it does not fall beside the transfers; the kernel
+# moves about 10 host bytes per parameter to AdamW's 28 (a likely reason, not measured). Inductor's kernel, which
+# runs where the native one does not build: 0.12x fused AdamW's (2026-12-03-compact-adam-h200-a233b00.log).
+COMPACT_ADAM_GPARAMS = 3.86
 CPU_REF_CORES = 16  # the cores those rates were measured on; a plan scales them linearly to its cores
 HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s
 HOST_REF_GIB = 128.0  # host RAM of the H200's host: a plan's limit where this machine's is unknown
