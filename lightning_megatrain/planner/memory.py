@@ -261,9 +261,13 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
         head = V * H * (4 + (4 if c < 4 else 0)) + chunk  # fp32 dL/dW accumulator (+ bf16 W copy, bf16 product)
     else:  # HF loss: bf16 logits, fp32 upcast, log_softmax output, its grad and the grad of the logits
         head = tokens * V * 12
+    w = HOST_STATE_LAYOUTS[host_state].weight_dtype.itemsize  # the masters' dtype: fp32, or bf16 under compact
     gpu = {
-        f"slots ({num_slots} x largest layer)": num_slots * max_layer * (4 + (c if c < 4 else 0)),
-        "residents (fp32 copy + grad)": 8 * s.resident_params + s.resident_buffer_bytes,
+        # engine/transfer.py: a staging buffer in the masters' dtype, and a compute-dtype one where they differ
+        f"slots ({num_slots} x largest layer)": num_slots * max_layer * (w + (c if c != w else 0)),
+        # engine/residents.py: the device leaves and their grads, in the masters' dtype
+        "residents (fp32 copy + grad)" if w == 4 else "residents (bf16 copy + grad)":
+            2 * w * s.resident_params + s.resident_buffer_bytes,
         # engine/device_state.py: the residents' moments (+ Kahan compensation); a layer's mirror, grad, moments
         # (+ compute copy), in the host_state layout's formats
         "optimizer groups on the GPU": round(gpu_bytes_per_param(c, resident=True, host_state=host_state)

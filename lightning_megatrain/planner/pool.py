@@ -28,7 +28,7 @@ masters (4 bytes/param in fp32, 2 in bf16) stay: they are the parameters every r
 RAM per parameter, and the GPU, at 18 (6.03 compact) bytes/param, to what it holds beside the working set. On the
 H200 (139 GiB GPU, 124.2 GiB of a 128 GiB host usable) the Llama-2-13B shape fits at full precision with
 both memories; the Qwen2.5-14B shape does not (tests/planner/test_pool.py has the numbers). Compact, the 13B's
-width fits 65 layers (20.95B) on the host alone and 112 (35.85B) with both memories, 70 groups on the GPU, at 8 x
+width fits 65 layers (20.95B) on the host alone and 113 (36.17B) with both memories, 72 groups on the GPU, at 8 x
 1,024 (tests/planner/test_compact_pool.py).
 
 The engine decides with the same search at the first training micro-batch, with the host bytes it measures and the

@@ -55,6 +55,19 @@ def test_device_groups_hold_the_layout_on_the_gpu_and_the_master_on_the_host(hos
     assert split.host["optimizer states"] == round((8 if host_state == "fp32" else 2.03125) * host_params)
 
 
+@pytest.mark.parametrize(("host_state", "slot", "resident"), [
+    ("fp32", 4 + 2, 8), ("int8_moments", 4 + 2, 8), ("compact", 2, 4), ("compact_kahan", 2, 4),
+])
+def test_slots_and_residents_in_the_masters_dtype(host_state, slot, resident):
+    """engine/transfer.py stages a layer in the masters' dtype and casts it to a compute buffer only where the dtypes
+    differ (bf16 masters under bf16-mixed: none); engine/residents.py keeps the residents' device leaves and grads in
+    the masters' dtype. Llama-3.2-3B, 2 slots of its 100.7M-parameter layers, 394.0M resident parameters."""
+    p = planner.plan(LLAMA_3B, seq_len=4096, config=SERIAL, machine=H200, host_state=host_state)
+    assert p.gpu["slots (2 x largest layer)"] == 2 * LAYER_3B * slot
+    residents = p.gpu["residents (fp32 copy + grad)" if resident == 8 else "residents (bf16 copy + grad)"]
+    assert residents == resident * RESIDENT_3B + planner.describe(LLAMA_3B).resident_buffer_bytes
+
+
 def test_compact_pinned_numbers():
     """compact, 3 groups of the 3B shape: 2.40 GB less host, 2.01 GB more GPU (6.03 per layer param, 2.03 per
     resident one)."""
@@ -94,13 +107,13 @@ def test_auto_splits_a_compact_state_the_host_cannot_hold(host_gib, groups, devi
 
 def test_largest_llama2_13b_shape_compact_with_both_memories():
     """--largest for the Llama-2-13B width at 8 x 1,024 on the H200 (128 GiB host): compact alone 65 layers
-    (20.95B), compact with both memories 112 (35.85B), 70 groups (the residents and 69 layers) on the GPU."""
+    (20.95B), compact with both memories 113 (36.17B), 72 groups (the residents and 71 layers) on the GPU."""
     rows = largest_models(LLAMA2_13B, seq_len=1024, micro_batch=8, machine=H200, host_states=("compact",),
                           config=EngineConfig(gpu_optimizer_groups=0))
     alone, both = rows
     assert (alone.host_state, alone.both_memories, alone.gpu_groups) == ("compact", False, 0)
     assert (both.host_state, both.both_memories) == ("compact", True)
     assert (alone.layers, round(alone.n_params / 1e9, 2)) == (65, 20.95)
-    assert (both.layers, round(both.n_params / 1e9, 2), both.gpu_groups) == (112, 35.85, 70)
+    assert (both.layers, round(both.n_params / 1e9, 2), both.gpu_groups) == (113, 36.17, 72)
     assert both.layers > alone.layers
     assert both.host_total <= both.host_usable and both.gpu_total <= 139 * GIB
