@@ -134,11 +134,14 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        """The host RAM fits ``host_usable``, the GPU peak ``gpu_limit`` and, planned with the long-context options,
-        some placement of the layer-input checkpoints fits both."""
+        """The host RAM fits ``host_usable``, the GPU peak ``gpu_limit``, planned with the long-context options some
+        placement of the layer-input checkpoints fits both, and a split of the state between both memories fits as
+        the engine decides it (``memory_pool``: with its host slack, planner/pool.py)."""
         placed = self.long_context is None or self.long_context["fits"]
+        pooled = self.memory_pool is None or self.memory_pool["fits"]
         setup = self.ranks is None or self.ranks["setup_host_bytes"] <= self.host_usable
-        return self.host_total <= self.host_usable and self.gpu_total <= self.gpu_limit and placed and setup
+        return (self.host_total <= self.host_usable and self.gpu_total <= self.gpu_limit and placed and pooled
+                and setup)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

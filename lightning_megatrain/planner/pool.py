@@ -28,7 +28,7 @@ masters (4 bytes/param in fp32, 2 in bf16) stay: they are the parameters every r
 RAM per parameter, and the GPU, at 18 (6.03 compact) bytes/param, to what it holds beside the working set. On the
 H200 (139 GiB GPU, 124.2 GiB of a 128 GiB host usable) the Llama-2-13B shape fits at full precision with
 both memories; the Qwen2.5-14B shape does not (tests/planner/test_pool.py has the numbers). Compact, the 13B's
-width fits 65 layers (20.95B) on the host alone and 113 (36.17B) with both memories, 72 groups on the GPU, at 8 x
+width fits 65 layers (20.95B) on the host alone and 110 (35.22B) with both memories, 72 groups on the GPU, at 8 x
 1,024 (tests/planner/test_compact_pool.py).
 
 The engine decides with the same search at the first training micro-batch, with the host bytes it measures and the
@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_megatrain._hardware import GIB
+from lightning_megatrain._hardware import ENGINE_HOST_SLACK_GIB, GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import GPU_RESERVE_GIB, PRECISIONS, SPLIT_HOST_MARGIN_GIB
@@ -145,7 +145,9 @@ def auto_split(model: object, host: dict[str, int], host_usable: int, gpu_limit:
     Adam/AdamW in the ``host_state`` layout (memory.py ``HOST_STATE_BYTES``): ``host`` is the plan's host items
     without device groups; the host memory free for the split is ``host_usable`` less every item but the grads, the
     optimizer states, the offloaded layer inputs and the masters' Kahan compensation (which device groups keep on
-    the GPU with their moments: it is counted as a host group's state)."""
+    the GPU with their moments: it is counted as a host group's state), and less ``ENGINE_HOST_SLACK_GIB``, which
+    the engine's split leaves free of what it measures ([Note: host reserve] in _hardware.py), so that the plan
+    chooses the engine's count."""
     s = describe(model, attn_implementation=attn_implementation)
     per = HOST_STATE_BYTES[host_state]
     compensation = per["masters"] - HOST_STATE_LAYOUTS[host_state].weight_dtype.itemsize
@@ -153,7 +155,8 @@ def auto_split(model: object, host: dict[str, int], host_usable: int, gpu_limit:
     fixed -= round(compensation * s.n_params)
     to_come = lambda n: host_to_come(  # noqa: E731
         s, n, grads=per["grads"], states=per["optimizer states"] + compensation)
-    return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_usable - fixed,
+    slack = round(ENGINE_HOST_SLACK_GIB * GIB)
+    return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_usable - fixed - slack,
                  gpu_limit=gpu_limit, to_come=to_come)
 
 

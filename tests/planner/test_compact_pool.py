@@ -78,12 +78,12 @@ def test_compact_pinned_numbers():
     assert split.assumptions["gpu_optimizer_groups"] == 3 and split.host_state == "compact"
 
 
-@pytest.mark.parametrize(("host_gib", "groups", "device_params"), [(64, 15, 4_768_547_840),
-                                                                  (48, 28, 8_892_206_080)])
+@pytest.mark.parametrize(("host_gib", "groups", "device_params"), [(64, 20, 6_354_570_240),
+                                                                  (48, 33, 10_478_228_480)])
 def test_auto_splits_a_compact_state_the_host_cannot_hold(host_gib, groups, device_params):
     """Llama-2-13B compact (13.02B params, 6.03 B/param: 73.1 GiB of state) at 8 x 1,024 on a 64 or 48 GiB host:
-    alone it does not fit; "auto" moves the fewest groups with which it does with 1 GiB to spare (one fewer leaves
-    less), at 6.03 B/param on the GPU."""
+    alone it does not fit; "auto" moves the fewest groups with which it does with 1 GiB to spare beyond the engine's
+    slack (one fewer leaves less), at 6.03 B/param on the GPU."""
     machine = Machine(host_ram_gib=host_gib, gpu_mem_gib=139, cpu_cores=16)
     kw = dict(seq_len=1024, micro_batch=8, machine=machine, host_state="compact")
     alone = planner.plan(LLAMA2_13B, config=EngineConfig(gpu_optimizer_groups=0), **kw)
@@ -107,13 +107,13 @@ def test_auto_splits_a_compact_state_the_host_cannot_hold(host_gib, groups, devi
 
 def test_largest_llama2_13b_shape_compact_with_both_memories():
     """--largest for the Llama-2-13B width at 8 x 1,024 on the H200 (128 GiB host): compact alone 65 layers
-    (20.95B), compact with both memories 113 (36.17B), 72 groups (the residents and 71 layers) on the GPU."""
+    (20.95B), compact with both memories 110 (35.22B), 72 groups (the residents and 71 layers) on the GPU."""
     rows = largest_models(LLAMA2_13B, seq_len=1024, micro_batch=8, machine=H200, host_states=("compact",),
                           config=EngineConfig(gpu_optimizer_groups=0))
     alone, both = rows
     assert (alone.host_state, alone.both_memories, alone.gpu_groups) == ("compact", False, 0)
     assert (both.host_state, both.both_memories) == ("compact", True)
     assert (alone.layers, round(alone.n_params / 1e9, 2)) == (65, 20.95)
-    assert (both.layers, round(both.n_params / 1e9, 2), both.gpu_groups) == (113, 36.17, 72)
+    assert (both.layers, round(both.n_params / 1e9, 2), both.gpu_groups) == (110, 35.22, 72)
     assert both.layers > alone.layers
     assert both.host_total <= both.host_usable and both.gpu_total <= 139 * GIB

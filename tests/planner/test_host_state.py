@@ -53,9 +53,9 @@ def test_largest_llama3_8b_shape_on_a_128_gib_host_by_host_state():
     caps = largest_models(LLAMA3_8B, seq_len=4096, config=SERIAL, machine=HOST_128)
     assert {c.host_state: c.layers for c in caps if not c.both_memories} == {
         "fp32": 32, "int8_moments": 54, "compact": 93, "compact_kahan": 68}
-    # fp32 state with both memories (planner/pool.py): 57 layers (13.5B), 30 groups keeping their state on the GPU
+    # fp32 state with both memories (planner/pool.py): 56 layers (13.3B), 31 groups keeping their state on the GPU
     both = next(c for c in caps if c.both_memories)
-    assert (both.host_state, both.layers, both.gpu_groups) == ("fp32", 57, 30)
+    assert (both.host_state, both.layers, both.gpu_groups) == ("fp32", 56, 31)
     assert both.host_total <= both.host_usable and both.gpu_total <= 139 * 2**30
     compact = next(c for c in caps if c.host_state == "compact")
     assert compact.n_params > 20e9 and compact.host_total <= compact.host_usable
