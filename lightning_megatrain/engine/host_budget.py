@@ -60,7 +60,8 @@ def smaller_state_hint(host_state: str) -> str:
         return ""
     compact = sum(HOST_STATE_LAYOUTS["compact"].bytes_per_param().values())
     muon = " or lightning_megatrain.optim.Muon (one fp32 moment)" if host_state == "fp32" else ""
-    return f"host_state='compact' with precision='bf16-mixed' ({compact:.2f} B/param on either memory){muon}, "
+    return (f"host_state='compact' with torch.optim.AdamW and precision='bf16-mixed' ({compact:.2f} B/param on "
+            f"either memory){muon}, ")
 
 
 def _gib(nbytes: int) -> str:

@@ -90,6 +90,8 @@ def largest_models(model: Any, *, host_states: tuple[str, ...] = tuple(HOST_STAT
         raise ValueError(f"largest_models needs a config with num_hidden_layers (the depth it varies); got "
                          f"{type(base).__name__}")
     config = plan_kwargs.pop("config", EngineConfig())
+    if plan_kwargs.get("precision", "bf16-mixed") != "bf16-mixed":  # the compact layouts compute in bf16 only
+        host_states = tuple(state for state in host_states if not state.startswith("compact"))
     rows = [(state, config, False) for state in host_states]
     if config.gpu_optimizer_groups != "auto" and plan_kwargs.get("optimizer", "adamw") in ("adamw", "adam"):
         rows += [(state, config.replace(gpu_optimizer_groups="auto"), True) for state in host_states]

@@ -38,10 +38,12 @@ TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the
 # and 4.01 in two commands (torch's fused AdamW 3.94 in the first; `compact_kahan` 4.62; DeepSpeedCPUAdam 4.18;
 # benchmarks/results/2026-12-03-compact-adam-h200-{fp32-draw,compact-first}-6a652c3.log, -deepspeed-6a652c3.json);
 # the lowest, for every compact layout. Beside a training run it holds: the 28.88B `compact` run's 5.97 s step
-# (2026-12-04-memory-pool-28.9b-compact-h200-12steps-b86cf4b.json) is planned within 9% at this rate and 21% slow
+# (2026-12-04-memory-pool-28.9b-compact-h200-12steps-b86cf4b.json) is planned within 8% at this rate and 21% slow
 # at 3.04 (0.98x TORCH_ADAM_GPARAMS, the rule before it), the step being paced by the host update. Unlike fused
 # AdamW's in-run rate (TORCH_ADAM_GPARAMS, below its 3.94 alone) it does not fall beside the transfers; the kernel
-# moves about 10 host bytes per parameter to AdamW's 28 (a likely reason, not measured). Inductor's kernel, which
+# moves about 10 host bytes per parameter to AdamW's 28 (a likely reason, not measured; `int8_moments`, with fp32
+# weights and grads, moves about 16 and ran 5.72 alone, not beside a run: its rate here is the assumption least
+# backed). Inductor's kernel, which
 # runs where the native one does not build: 0.12x fused AdamW's (2026-12-03-compact-adam-h200-a233b00.log).
 COMPACT_ADAM_GPARAMS = 3.86
 CPU_REF_CORES = 16  # the cores those rates were measured on; a plan scales them linearly to its cores

@@ -248,6 +248,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     if host_state != "fp32" and optimizer not in ("adamw", "adam"):
         raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW); got "
                          f"optimizer={optimizer!r}. HINT: optimizer='adamw', or host_state='fp32'.")
+    if host_state.startswith("compact") and precision != "bf16-mixed":  # as engine/host_store.py refuses it
+        raise ValueError(f"host_state={host_state!r} keeps bf16 masters, which compute in bf16; got "
+                         f"precision={precision!r}. HINT: precision='bf16-mixed', or host_state='int8_moments'.")
     config = config.replace(
         **{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"}
     )

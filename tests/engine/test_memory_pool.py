@@ -184,8 +184,8 @@ def test_setup_refuses_when_no_split_can_hold_the_host_state(monkeypatch):
     with pytest.raises(RuntimeError, match=r"the host cannot hold every group's grads and optimizer states .* it "
                        r"would with \d groups \(0\.\d\dB params\) keeping theirs on cuda:0 \(gpu_optimizer_groups\), "
                        r"which need \d+\.\d GiB there before any activations, but 0\.0 GiB is free\. HINT: "
-                       r"host_state='compact' with precision='bf16-mixed' \(6\.03 B/param on either memory\) or "
-                       r"lightning_megatrain\.optim\.Muon"):
+                       r"host_state='compact' with torch\.optim\.AdamW and precision='bf16-mixed' "
+                       r"\(6\.03 B/param on either memory\) or lightning_megatrain\.optim\.Muon"):
         host_budget.check_split_possible(forward, [optimizer], CUDA, torch.bfloat16, "fp32")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 139 * GIB))
     # the GPU holds them: no refusal
@@ -251,5 +251,6 @@ def test_refusals_suggest_only_a_smaller_state_than_the_runs():
     assert host_budget.smaller_state_hint("compact") == ""
     for host_state in ("fp32", "int8_moments", "compact_kahan"):
         hint = host_budget.smaller_state_hint(host_state)
-        assert hint.startswith("host_state='compact' with precision='bf16-mixed' (6.03 B/param") and hint.endswith(", ")
+        start = "host_state='compact' with torch.optim.AdamW and precision='bf16-mixed' (6.03 B/param"
+        assert hint.startswith(start) and hint.endswith(", ")
         assert ("Muon" in hint) == (host_state == "fp32")

@@ -117,3 +117,13 @@ def test_largest_llama2_13b_shape_compact_with_both_memories():
     assert (both.layers, round(both.n_params / 1e9, 2), both.gpu_groups) == (110, 35.22, 72)
     assert both.layers > alone.layers
     assert both.host_total <= both.host_usable and both.gpu_total <= 139 * GIB
+
+
+def test_compact_plans_compute_in_bf16_only():
+    """The engine refuses a compact layout under 32-true (engine/host_store.py): so does the plan, and ``--largest``
+    under 32-true lists only the fp32-weight layouts."""
+    with pytest.raises(ValueError, match=r"host_state='compact' keeps bf16 masters.*precision='32-true'"):
+        planner.plan(LLAMA_3B, seq_len=1024, precision="32-true", config=SERIAL, machine=H200, host_state="compact")
+    rows = largest_models(LLAMA2_13B, seq_len=1024, micro_batch=1, machine=H200, precision="32-true",
+                          config=EngineConfig(gpu_optimizer_groups=0))
+    assert {r.host_state for r in rows} == {"fp32", "int8_moments"}
