@@ -78,6 +78,8 @@ def verdict(p: Plan) -> str:
         over.append(f"host RAM at setup by {gib(p.ranks['setup_host_bytes'] - p.host_usable)} GiB")
     if p.long_context is not None and not p.long_context["fits"]:
         over.append("no placement of the layer-input checkpoints fits (Long context below)")
+    if p.memory_pool is not None and not p.memory_pool["fits"]:
+        over.append("no split of the state between host and GPU fits (Both memories below)")
     return f"DOES NOT FIT: {used}; over: {', '.join(over)}"
 
 

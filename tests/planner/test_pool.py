@@ -35,6 +35,7 @@ def test_llama2_13b_trains_at_full_precision_with_both_memories(seq_len, largest
     no more checkpoints)."""
     fits, over = _auto(LLAMA2_13B, largest, seq_len), _auto(LLAMA2_13B, largest + 1, seq_len)
     assert fits.fits and not over.fits
+    assert "over: " in over.verdict() and not over.verdict().endswith("over: ")  # says what does not fit
     assert fits.n_params == 13_015_864_320 and fits.assumptions["gpu_optimizer_groups"] == 23
     pool = fits.memory_pool
     assert (pool["groups"], pool["fewest"], pool["device_params"], pool["fits"]) == (23, 23, 7_306_183_680, True)
