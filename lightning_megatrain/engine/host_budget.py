@@ -54,11 +54,11 @@ def host_bytes_to_come_split(forward_groups: Sequence[FlatGroup], optimizers: Se
 
 
 def smaller_state_hint(host_state: str) -> str:
-    """The refusals' HINT for a smaller state than ``host_state``'s, ending in ", " (empty for ``compact``, the
-    smallest): ``compact`` (CompactAdamW's layout, which computes in bf16), and Muon's one moment under fp32."""
-    if host_state == "compact":
-        return ""
+    """The refusals' HINT for a smaller state than ``host_state``'s, ending in ", " (empty where none is smaller):
+    ``compact`` (CompactAdamW's layout, which computes in bf16), and Muon's one moment under fp32."""
     compact = sum(HOST_STATE_LAYOUTS["compact"].bytes_per_param().values())
+    if sum(HOST_STATE_LAYOUTS[host_state].bytes_per_param().values()) <= compact:
+        return ""
     muon = " or lightning_megatrain.optim.Muon (one fp32 moment)" if host_state == "fp32" else ""
     return (f"host_state='compact' with torch.optim.AdamW and precision='bf16-mixed' ({compact:.2f} B/param on "
             f"either memory){muon}, ")

@@ -272,7 +272,7 @@ def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
     Raises:
         ValueError: a bf16 ``host_state`` with ``precision="32-true"``.
     """
-    if HOST_STATE_LAYOUTS[host_state].weight_dtype != torch.float32 and compute_dtype == torch.float32:
+    if HOST_STATE_LAYOUTS[host_state].bf16_compute_only and compute_dtype == torch.float32:
         raise ValueError(
             f"MegaTrainStrategy(host_state={host_state!r}) keeps bf16 masters and grads, which compute in bf16; got "
             "precision='32-true' (fp32 compute). HINT: use Trainer(precision='bf16-mixed'), or "

@@ -76,6 +76,11 @@ class HostStateLayout:
     def weight_dtype(self) -> torch.dtype:
         return torch.float32 if self.weights == "fp32" else torch.bfloat16
 
+    @property
+    def bf16_compute_only(self) -> bool:
+        """Bf16 masters compute in bf16 only (engine/host_store.py ``check_layout_compute`` says why)."""
+        return self.weight_dtype != torch.float32
+
     def bytes_per_param(self) -> dict[str, float]:
         """Host bytes per parameter by item: the weights (with the compensation), the grads, the Adam moments (with
         their block scales)."""

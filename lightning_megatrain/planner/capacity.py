@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES
 from lightning_megatrain.planner.planning import Plan, plan
 from lightning_megatrain.planner.shape import load_config
@@ -90,8 +91,8 @@ def largest_models(model: Any, *, host_states: tuple[str, ...] = tuple(HOST_STAT
         raise ValueError(f"largest_models needs a config with num_hidden_layers (the depth it varies); got "
                          f"{type(base).__name__}")
     config = plan_kwargs.pop("config", EngineConfig())
-    if plan_kwargs.get("precision", "bf16-mixed") != "bf16-mixed":  # the compact layouts compute in bf16 only
-        host_states = tuple(state for state in host_states if not state.startswith("compact"))
+    if plan_kwargs.get("precision") == "32-true":  # layouts that plan() refuses under fp32 compute
+        host_states = tuple(state for state in host_states if not HOST_STATE_LAYOUTS[state].bf16_compute_only)
     rows = [(state, config, False) for state in host_states]
     if config.gpu_optimizer_groups != "auto" and plan_kwargs.get("optimizer", "adamw") in ("adamw", "adam"):
         rows += [(state, config.replace(gpu_optimizer_groups="auto"), True) for state in host_states]

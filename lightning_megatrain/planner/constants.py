@@ -43,8 +43,8 @@ TORCH_ADAM_GPARAMS = 3.1  # torch fused AdamW on the CPU, same machine (what the
 # AdamW's in-run rate (TORCH_ADAM_GPARAMS, below its 3.94 alone) it does not fall beside the transfers; the kernel
 # moves about 10 host bytes per parameter to AdamW's 28 (a likely reason, not measured; `int8_moments`, with fp32
 # weights and grads, moves about 16 and ran 5.72 alone, not beside a run: its rate here is the assumption least
-# backed). Inductor's kernel, which
-# runs where the native one does not build: 0.12x fused AdamW's (2026-12-03-compact-adam-h200-a233b00.log).
+# backed). Inductor's kernel, which runs where the native one does not build: 0.12x fused AdamW's
+# (2026-12-03-compact-adam-h200-a233b00.log).
 COMPACT_ADAM_GPARAMS = 3.86
 CPU_REF_CORES = 16  # the cores those rates were measured on; a plan scales them linearly to its cores
 HOST_COPY_GBPS = 79.0  # host memory copy, 16 threads, read+write GB/s

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_os_reserve, host_ram_gib
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.host_store import check_layout_compute
 from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
 from lightning_megatrain.planner.constants import (
@@ -248,9 +251,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     if host_state != "fp32" and optimizer not in ("adamw", "adam"):
         raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW); got "
                          f"optimizer={optimizer!r}. HINT: optimizer='adamw', or host_state='fp32'.")
-    if host_state.startswith("compact") and precision != "bf16-mixed":  # as engine/host_store.py refuses it
-        raise ValueError(f"host_state={host_state!r} keeps bf16 masters, which compute in bf16; got "
-                         f"precision={precision!r}. HINT: precision='bf16-mixed', or host_state='int8_moments'.")
+    if precision == "32-true":  # the engine's refusal of bf16 masters under fp32 compute
+        check_layout_compute(host_state, torch.float32)
     config = config.replace(
         **{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"}
     )

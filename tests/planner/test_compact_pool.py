@@ -5,6 +5,9 @@ compact layout a row with both memories."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from lightning_megatrain import planner
@@ -55,14 +58,16 @@ def test_device_groups_hold_the_layout_on_the_gpu_and_the_master_on_the_host(hos
     assert split.host["optimizer states"] == round((8 if host_state == "fp32" else 2.03125) * host_params)
 
 
-@pytest.mark.parametrize(("host_state", "slot", "resident"), [
-    ("fp32", 4 + 2, 8), ("int8_moments", 4 + 2, 8), ("compact", 2, 4), ("compact_kahan", 2, 4),
+@pytest.mark.parametrize(("host_state", "precision", "slot", "resident"), [
+    ("fp32", "bf16-mixed", 4 + 2, 8), ("int8_moments", "bf16-mixed", 4 + 2, 8), ("compact", "bf16-mixed", 2, 4),
+    ("compact_kahan", "bf16-mixed", 2, 4), ("fp32", "32-true", 4, 8), ("int8_moments", "32-true", 4, 8),
 ])
-def test_slots_and_residents_in_the_masters_dtype(host_state, slot, resident):
+def test_slots_and_residents_in_the_masters_dtype(host_state, precision, slot, resident):
     """engine/transfer.py stages a layer in the masters' dtype and casts it to a compute buffer only where the dtypes
     differ (bf16 masters under bf16-mixed: none); engine/residents.py keeps the residents' device leaves and grads in
-    the masters' dtype. Llama-3.2-3B, 2 slots of its 100.7M-parameter layers, 394.0M resident parameters."""
-    p = planner.plan(LLAMA_3B, seq_len=4096, config=SERIAL, machine=H200, host_state=host_state)
+    the masters' dtype (under 32-true the staging buffer is the compute one). Llama-3.2-3B, 2 slots of its
+    100.7M-parameter layers, 394.0M resident parameters."""
+    p = planner.plan(LLAMA_3B, seq_len=4096, precision=precision, config=SERIAL, machine=H200, host_state=host_state)
     assert p.gpu["slots (2 x largest layer)"] == 2 * LAYER_3B * slot
     residents = p.gpu["residents (fp32 copy + grad)" if resident == 8 else "residents (bf16 copy + grad)"]
     assert residents == resident * RESIDENT_3B + planner.describe(LLAMA_3B).resident_buffer_bytes
@@ -122,8 +127,30 @@ def test_largest_llama2_13b_shape_compact_with_both_memories():
 def test_compact_plans_compute_in_bf16_only():
     """The engine refuses a compact layout under 32-true (engine/host_store.py): so does the plan, and ``--largest``
     under 32-true lists only the fp32-weight layouts."""
-    with pytest.raises(ValueError, match=r"host_state='compact' keeps bf16 masters.*precision='32-true'"):
+    with pytest.raises(ValueError, match=r"host_state='compact'\) keeps bf16 masters.*precision='32-true'"):
         planner.plan(LLAMA_3B, seq_len=1024, precision="32-true", config=SERIAL, machine=H200, host_state="compact")
     rows = largest_models(LLAMA2_13B, seq_len=1024, micro_batch=1, machine=H200, precision="32-true",
                           config=EngineConfig(gpu_optimizer_groups=0))
     assert {r.host_state for r in rows} == {"fp32", "int8_moments"}
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def test_plan_of_the_measured_28_9b_compact_run():
+    """The H200 run of ``benchmarks/memory_pool.py --layers 90 --host-state compact --steps 12`` (the Llama-2-13B
+    width at 90 layers, 28.88B, 8 x 1,024, no options): planned for that machine (its MemTotal from the run's census,
+    139.8 GiB of GPU, 16 cores), the plan chooses the engine's 44 device groups and its tokens/s is within 10% of the
+    measured (1,258 against 1,373)."""
+    stem = RESULTS / "2026-12-04-memory-pool-28.9b-compact-h200-12steps-b86cf4b"
+    run = json.loads(Path(f"{stem}.json").read_text())
+    census = json.loads(Path(f"{stem}.census.json").read_text())
+    mem_total_gib = int(census["after step 1"]["meminfo"]["MemTotal"].split()[0]) * 1024 / GIB
+    config = dict(LLAMA2_13B, num_hidden_layers=90)
+    machine = Machine(host_ram_gib=mem_total_gib, gpu_mem_gib=139.8, cpu_cores=16)
+    p = planner.plan(config, seq_len=1024, micro_batch=8, config=EngineConfig(), machine=machine,
+                     host_state="compact")
+    assert p.n_params == run["n_params"] == 28_876_088_320
+    assert p.fits and p.memory_pool["groups"] == run["measured"]["gpu_optimizer_groups"] == 44
+    measured = run["measured"]["tokens_per_s"]
+    assert abs(p.tokens_per_s / measured - 1) < 0.10, (p.tokens_per_s, measured)
