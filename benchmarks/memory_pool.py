@@ -17,6 +17,15 @@ and the process exits with status 86; a census after the first and third steps g
     python benchmarks/memory_pool.py --dry-run            # CPU: tiny Llama, the code path (no split without CUDA)
     python benchmarks/memory_pool.py --layers 63 --host-state compact   # H200: 20.3B, compact state in both memories
     python benchmarks/memory_pool.py --layers 90 --host-state compact   # H200: 28.9B, likewise
+    python benchmarks/memory_pool.py --model llama-3.1-70b --layers 4 --seq-len 4096 --keep-layers 0
+    python benchmarks/memory_pool.py --model gpt-oss-120b --layers 2 --seq-len 4096 --host-state compact --keep-layers 0
+
+``--model`` takes the shapes of benchmarks/scale_plan.py too (Llama-3.1-70B, gpt-oss-120b with eager attention, its
+``layer_types`` pattern cut to the depth), for the truncated-depth runs that docs/scale.md plans full depth from; two
+depths give the time and memory of one layer. ``--keep-layers 0`` recomputes every layer, as the planner plans and as
+all but a few of a full-depth model's layers run. The row also has each host optimizer step's wall seconds on its
+worker thread and the seconds the training thread waited for it (benchmark instrumentation: the engine's
+``OverlappedStep`` wrapped), so the host rate beside the run is measured rather than inferred from the step.
 """
 
 from __future__ import annotations
@@ -37,9 +46,66 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 
 GIB = 2**30
+from scale_plan import GPT_OSS_120B, LLAMA_31_70B  # noqa: E402
+
 LLAMA2_13B = dict(workloads._LLAMA, vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                   num_attention_heads=40, num_key_value_heads=40, tie_word_embeddings=False,
                   max_position_embeddings=4096, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+
+
+SHAPES = {"llama-2-13b": LLAMA2_13B, "llama-3.1-70b": LLAMA_31_70B,
+          "gpt-oss-120b": json.loads(GPT_OSS_120B.read_text())}
+EAGER = {"gpt_oss"}  # model types transformers gives no SDPA (gpt-oss: the attention sinks)
+
+
+def shape_at(name: str, layers: int | None) -> dict:
+    """The HF config dict of ``name`` at ``layers`` decoder layers (its own depth when None), a ``layer_types``
+    pattern repeated to that depth as the planner does (planner/capacity.py)."""
+    config = dict(SHAPES[name])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+        if config.get("layer_types"):
+            config["layer_types"] = [config["layer_types"][i % len(config["layer_types"])] for i in range(layers)]
+    return config
+
+
+class HostStepClock:
+    """Benchmark instrumentation: wall seconds of each host optimizer step on its worker thread (``_run``: the
+    update built, which waits for the last grads, then every group) and of the training thread's waits for it,
+    by wrapping the engine's ``OverlappedStep`` (engine/overlap.py) for this process."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.waited: list[float] = []  # per step: the training thread's blocked seconds, summed at each launch
+
+    def install(self) -> None:
+        from lightning_megatrain.engine import overlap
+
+        cls, clock = overlap.OverlappedStep, self
+        run, wait, wait_all, launch = cls._run, cls.wait, cls.wait_all, cls.launch
+
+        def timed_run(step, make_update):
+            t = time.perf_counter()
+            try:
+                run(step, make_update)
+            finally:
+                clock.steps.append(time.perf_counter() - t)
+
+        def timed(fn):
+            def waiting(step, *args):
+                t = time.perf_counter()
+                try:
+                    return fn(step, *args)
+                finally:
+                    if clock.waited:
+                        clock.waited[-1] += time.perf_counter() - t
+            return waiting
+
+        def counted_launch(step, make_update):
+            launch(step, make_update)
+            clock.waited.append(0.0)  # this step's waits start: the next forward's reads of the masters
+
+        cls._run, cls.wait, cls.wait_all, cls.launch = timed_run, timed(wait), timed(wait_all), counted_launch
 
 
 def force_host_limit(limit_gib: float) -> None:
@@ -181,27 +247,39 @@ def _rss(pid: int) -> int:
 
 
 def planned(config: dict, micro_batch: int, seq_len: int, host_gib: float | None, gpu_gib: float | None,
-            host_state: str, groups: int | str = "auto") -> dict:
+            host_state: str, groups: int | str = "auto", attn_implementation: str = "sdpa",
+            update_during_backward: bool | str = "auto") -> dict:
     """The planner's prediction of this run: a machine whose usable host RAM is the budget (or this machine's)."""
     from lightning_megatrain.config import EngineConfig
     from lightning_megatrain.planner import Machine, plan
 
-    p = plan(workloads.hf_config(config), seq_len=seq_len, micro_batch=micro_batch,
-             config=EngineConfig(host_state=host_state, gpu_optimizer_groups=groups), host_state=host_state,
+    engine = EngineConfig(host_state=host_state, gpu_optimizer_groups=groups,
+                          update_during_backward=update_during_backward)
+    p = plan(workloads.hf_config(config), seq_len=seq_len, micro_batch=micro_batch, config=engine,
+             host_state=host_state, attn_implementation=attn_implementation,
              machine=Machine(host_ram_gib=host_gib, gpu_mem_gib=gpu_gib))
     return {"fits": p.fits, "gpu_optimizer_groups": p.assumptions["gpu_optimizer_groups"],
             "memory_pool": p.memory_pool, "tokens_per_s": p.tokens_per_s, "host_gib": p.host_total / GIB,
-            "host_usable_gib": p.host_usable / GIB, "gpu_peak_gib": p.gpu_total / GIB, "verdict": p.verdict()}
+            "host_usable_gib": p.host_usable / GIB, "gpu_peak_gib": p.gpu_total / GIB,
+            "gpu_allocated_gib": (p.gpu_total - p.gpu["runtime reserve"]) / GIB, "time_s": p.time,
+            "verdict": p.verdict()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=40,
-                    help="decoder layers (40: the full Llama-2-13B shape; fewer truncate it, more deepen it)")
+    ap.add_argument("--model", default="llama-2-13b", choices=list(SHAPES),
+                    help="the shape (llama-3.1-70b and gpt-oss-120b: benchmarks/scale_plan.py's)")
+    ap.add_argument("--layers", type=int,
+                    help="decoder layers (default: the shape's own; fewer truncate it, more deepen it)")
+    ap.add_argument("--keep-layers", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="MegaTrainStrategy(keep_layers=...): 'auto' (the default) or N; 0 recomputes every layer")
     ap.add_argument("--host-state", default="fp32", choices=["fp32", "int8_moments", "compact", "compact_kahan"],
                     help="MegaTrainStrategy(host_state=...): the host's bytes per parameter (docs/compact-state.md)")
     ap.add_argument("--gpu-optimizer-groups", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="MegaTrainStrategy(gpu_optimizer_groups=...): 'auto' (the default the row is about) or N")
+    ap.add_argument("--update-during-backward", type=lambda v: {"auto": "auto", "true": True, "false": False}[v],
+                    default="auto", help="MegaTrainStrategy(update_during_backward=...): auto (the default), true, "
+                                         "false (as benchmarks/scale_plan.py plans)")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
@@ -219,14 +297,18 @@ def main() -> None:
     from lightning_megatrain import MegaTrainStrategy
     from lightning_megatrain._hardware import H100_BF16_PEAK_FLOPS, host_rss_gib
 
-    config = dict(workloads.MODELS["tiny-llama"]["config"]) if args.dry_run else dict(LLAMA2_13B)
-    config["num_hidden_layers"] = 2 if args.dry_run else args.layers
+    if args.dry_run:
+        config = dict(workloads.MODELS["tiny-llama"]["config"], num_hidden_layers=2)
+    else:
+        config = shape_at(args.model, args.layers)
+    full_depth = SHAPES[args.model]["num_hidden_layers"]
+    attn = "eager" if config["model_type"] in EAGER else "sdpa"
     micro_batch, seq_len = (2, 64) if args.dry_run else (args.micro_batch, args.seq_len)
     steps = 4 if args.dry_run else args.steps
     on_cuda = torch.cuda.is_available() and not args.dry_run
     gpu_gib = torch.cuda.mem_get_info()[1] / GIB if on_cuda else None
     prediction = planned(config, micro_batch, seq_len, args.host_gib, gpu_gib, args.host_state,
-                         args.gpu_optimizer_groups)
+                         args.gpu_optimizer_groups, attn, args.update_during_backward)
     print("planned:", prediction["verdict"], flush=True)
     if args.host_gib is not None:
         force_host_limit(args.host_gib)
@@ -268,10 +350,13 @@ def main() -> None:
     # the bf16 layouts' masters are bf16: built so, the model of a host that holds 6 B/param needs no fp32 copy first
     dtype = "bfloat16" if args.host_state.startswith("compact") else "float32"
     module = workloads.make_module(config, loss="chunked", optimizer="adamw", grad_ckpt=False, direct_clip=False,
-                                   dtype=dtype)
+                                   dtype=dtype, attn_implementation=attn)
+    host_clock = HostStepClock()
+    host_clock.install()
     data = torch.randint(0, config["vocab_size"], (micro_batch * steps, seq_len))
     loader = torch.utils.data.DataLoader(data, batch_size=micro_batch)
-    strategy = MegaTrainStrategy(host_state=args.host_state, gpu_optimizer_groups=args.gpu_optimizer_groups)
+    strategy = MegaTrainStrategy(host_state=args.host_state, gpu_optimizer_groups=args.gpu_optimizer_groups,
+                                 keep_layers=args.keep_layers, update_during_backward=args.update_during_backward)
     trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, strategy=strategy,
                         precision="bf16-mixed" if on_cuda or dtype == "bfloat16" else "32-true", max_steps=steps,
                         gradient_clip_val=1.0,
@@ -283,19 +368,25 @@ def main() -> None:
     step_s = (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else float("nan")
     chosen = Chosen.groups
     n_params = sum(p.numel() for p in module.parameters())
+    active = workloads.count_params(config)[1]  # MoE: the experts a token runs
     row = {
-        "model": "tiny-llama" if args.dry_run else "llama-2-13b" if args.layers == 40 else
-        f"llama-2-13b shape {'TRUNCATED' if args.layers < 40 else 'DEEPENED'} to {args.layers} layers",
+        "model": "tiny-llama" if args.dry_run else args.model if config["num_hidden_layers"] == full_depth else
+        f"{args.model} shape {'TRUNCATED' if config['num_hidden_layers'] < full_depth else 'DEEPENED'} to "
+        f"{config['num_hidden_layers']} layers",
+        "layers": config["num_hidden_layers"], "attn_implementation": attn, "keep_layers": args.keep_layers,
+        "update_during_backward": args.update_during_backward,
         "n_params": n_params, "host_state": args.host_state, "gpu_optimizer_groups_option": args.gpu_optimizer_groups,
         "micro_batch": micro_batch, "seq_len": seq_len, "steps": steps, "host_limit_gib": args.host_gib,
         "measured": {"tokens_per_s": micro_batch * seq_len / step_s, "step_s": step_s,
-                     # 6N per token over the dense bf16 peak (PaLM's MFU; attention at 1,024 tokens is ~2% more)
-                     "mfu": 6 * n_params * micro_batch * seq_len / step_s / H100_BF16_PEAK_FLOPS,
+                     # 6N per token (N active: MoE) over the dense bf16 peak (PaLM's MFU; attention not counted)
+                     "mfu": 6 * active * micro_batch * seq_len / step_s / H100_BF16_PEAK_FLOPS,
                      "gpu_optimizer_groups": chosen,
                      "peak_host_rss_gib": host_rss_gib("VmHWM"),
                      "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated() / GIB if on_cuda else None,
                      "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
-                     "wall_s": time.perf_counter() - t0, "losses": losses},
+                     "wall_s": time.perf_counter() - t0, "losses": losses,
+                     # per optimizer step (the last one's waits are the end of training's): see HostStepClock
+                     "host_step_s": host_clock.steps, "host_step_waited_s": host_clock.waited},
         "host_samples": sampler.summary(),
         "planned": prediction,
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",

@@ -170,7 +170,7 @@ def fill_like_hf_init_(model, std: float, seed: int) -> None:
 
 
 def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct_clip: bool, lr: float = 1e-4,
-                compile_layers: bool = False, dtype: str = "float32"):
+                compile_layers: bool = False, dtype: str = "float32", attn_implementation: str = "sdpa"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -194,7 +194,7 @@ def make_module(config: dict, loss: str, optimizer: str, grad_ckpt: bool, direct
             # skip HF 5's init: its guard re-routes torch.nn.init.normal_ around the mode.)
             with no_init_weights():
                 model = AutoModelForCausalLM.from_config(self.hf_config, dtype=getattr(torch, dtype),
-                                                         attn_implementation="sdpa")
+                                                         attn_implementation=attn_implementation)
             model.tie_weights()
             fill_like_hf_init_(model, std=self.hf_config.initializer_range, seed=0)
             if grad_ckpt:
