@@ -280,6 +280,10 @@ def main() -> None:
     ap.add_argument("--update-during-backward", type=lambda v: {"auto": "auto", "true": True, "false": False}[v],
                     default="auto", help="MegaTrainStrategy(update_during_backward=...): auto (the default), true, "
                                          "false (as benchmarks/scale_plan.py plans)")
+    ap.add_argument("--experts-implementation", choices=["eager", "grouped_mm"],
+                    help="an MoE shape's transformers experts implementation (default: transformers'). gpt-oss in "
+                         "bf16 with grouped_mm hit a device-side assert in torch 2.11's grouped GEMM on the H200 "
+                         "(benchmarks/grouped_mm_check.py); eager loops over the experts that have tokens")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
@@ -301,6 +305,8 @@ def main() -> None:
         config = dict(workloads.MODELS["tiny-llama"]["config"], num_hidden_layers=2)
     else:
         config = shape_at(args.model, args.layers)
+    if args.experts_implementation:
+        config["experts_implementation"] = args.experts_implementation
     full_depth = SHAPES[args.model]["num_hidden_layers"]
     attn = "eager" if config["model_type"] in EAGER else "sdpa"
     micro_batch, seq_len = (2, 64) if args.dry_run else (args.micro_batch, args.seq_len)
@@ -374,7 +380,7 @@ def main() -> None:
         f"{args.model} shape {'TRUNCATED' if config['num_hidden_layers'] < full_depth else 'DEEPENED'} to "
         f"{config['num_hidden_layers']} layers",
         "layers": config["num_hidden_layers"], "attn_implementation": attn, "keep_layers": args.keep_layers,
-        "update_during_backward": args.update_during_backward,
+        "update_during_backward": args.update_during_backward, "experts_implementation": args.experts_implementation,
         "n_params": n_params, "host_state": args.host_state, "gpu_optimizer_groups_option": args.gpu_optimizer_groups,
         "micro_batch": micro_batch, "seq_len": seq_len, "steps": steps, "host_limit_gib": args.host_gib,
         "measured": {"tokens_per_s": micro_batch * seq_len / step_s, "step_s": step_s,
