@@ -8,20 +8,21 @@ context): a small GptOss (hidden 256, 16 experts, top-4, 2 layers, 4 x 256 token
   bf16-mixed, two optimizer steps.
 
     python benchmarks/grouped_mm_check.py             # one line per case and experts implementation: ok, or the error
-    python benchmarks/grouped_mm_check.py grouped_mm  # that implementation only
+    python benchmarks/grouped_mm_check.py grouped_mm --modes megatrain --heads 8   # one case, 8 heads
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 CHILD = """
 import sys
 import torch
-mode, impl = sys.argv[1], sys.argv[2]
+mode, impl, heads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 config = dict(model_type="gpt_oss", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=16,
+              num_attention_heads=heads, num_key_value_heads=2, head_dim=64, num_local_experts=16,
               num_experts_per_tok=4, vocab_size=512, layer_types=["sliding_attention", "full_attention"],
               experts_implementation=impl, pad_token_id=0, eos_token_id=1, use_cache=False)
 torch.manual_seed(0)
@@ -52,13 +53,21 @@ print("ok")
 
 
 def main() -> None:
-    for mode in ("plain", "plain_compiled", "megatrain", "megatrain_compiled"):
-        for impl in sys.argv[1:] or ("grouped_mm", "eager"):
-            r = subprocess.run([sys.executable, "-c", CHILD, mode, impl], capture_output=True, text=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("impls", nargs="*", default=["grouped_mm", "eager"])
+    ap.add_argument("--modes", default="plain,plain_compiled,megatrain,megatrain_compiled")
+    ap.add_argument("--heads", type=int, default=4,
+                    help="attention heads: gpt-oss's sinks parameter has one element per head (4: 8 bf16 bytes)")
+    args = ap.parse_args()
+    for mode in args.modes.split(","):
+        for impl in args.impls:
+            r = subprocess.run([sys.executable, "-c", CHILD, mode, impl, str(args.heads)], capture_output=True,
+                               text=True)
             last = (r.stdout.strip().splitlines() or [""])[-1]
-            error = next((ln for ln in r.stderr.splitlines() if "Assertion" in ln or "Error" in ln), r.stderr[-300:])
             ok = r.returncode == 0 and last == "ok"
-            print(f"{mode} {impl}: {'ok' if ok else 'FAILED: ' + error.strip()[:300]}", flush=True)
+            print(f"{mode} {impl} heads={args.heads}: {'ok' if ok else 'FAILED'}", flush=True)
+            if not ok:  # the traceback's last frames and the error
+                print("\n".join(r.stderr.strip().splitlines()[-24:]), flush=True)
 
 
 if __name__ == "__main__":
