@@ -22,10 +22,18 @@ from pathlib import Path
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner import HOST_STATE_BYTES, Machine, host_os_reserve, plan
-from lightning_megatrain.planner.capacity import largest_models
+from lightning_megatrain.planner.capacity import _with_layers, largest_models
+from lightning_megatrain.planner.constants import COMPACT_ADAM_GPARAMS, TORCH_ADAM_GPARAMS
+from lightning_megatrain.planner.shape import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "benchmarks" / "results" / "2026-11-30-llama-3.1-70b-4l-h200.json"
+RESULTS = ROOT / "benchmarks" / "results"
+# The truncated-depth runs (`benchmarks/memory_pool.py`, 8 x 4,096 tokens, ENGINE's options, every layer recomputed),
+# in pairs of depths of one model; gpt-oss with transformers' eager experts (grouped_mm failed, docs/scale.md).
+RUNS = ("2026-12-04-memory-pool-llama-3.1-70b-2l-h200-23adbf1.json",
+        "2026-12-04-memory-pool-llama-3.1-70b-4l-h200-c61a4e0.json",
+        "2026-12-04-memory-pool-gpt-oss-120b-2l-compact-eager-experts-h200-23adbf1.json",
+        "2026-12-04-memory-pool-gpt-oss-120b-3l-compact-eager-experts-h200-23adbf1.json")
 # Llama-3.1-70B's config.json shape (meta-llama/Llama-3.1-70B; rope scaling does not change a plan)
 LLAMA_31_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                 "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -41,41 +49,49 @@ def machine(host_gib: float) -> Machine:
     return Machine(host_ram_gib=host_gib, gpu_mem_gib=139, cpu_cores=16)
 
 
+# the lent H200 as the runs saw it: MemTotal 125.85 GiB, the GPU's 139.8 GiB total, 16 cores
+H200_AS_RUN = Machine(host_ram_gib=125.85, gpu_mem_gib=139.8, cpu_cores=16)
+
+
 def measured_rows() -> list[dict]:
-    """Each measured 4-layer row beside its plan: host RAM, GPU (the plan's floor, and the floor with the other
-    layers' saved activations kept, as keep_layers="auto" keeps them), tokens/s, and the relative errors."""
-    data = json.loads(MEASURED.read_text())
-    config = LLAMA_31_70B | {"num_hidden_layers": 4}
+    """Each truncated-depth H200 run (``RUNS``) beside the plan of the same run, made now: host RAM (peak RSS), GPU
+    (allocated tensors: the plan less its runtime reserve), tokens/s, and the relative errors of the plan."""
     out = []
-    for r in data["results"]:
-        p = plan(config, seq_len=r["seq_len"], micro_batch=r["micro_batch"], grad_accum=r["accumulate"],
-                 config=ENGINE, machine=machine(125))
-        tokens = r["micro_batch"] * r["seq_len"]
-        floor = (p.gpu_total - p.gpu["runtime reserve"]) / GIB  # allocated tensors: the plan less its reserve
-        kept = floor + (p.n_layers - 1) * p.activation_per_token["saved"] * tokens / GIB
-        host = p.host_total / GIB
+    for name in RUNS:
+        run = json.loads((RESULTS / name).read_text())
+        model = {"llama-3.1-70b": LLAMA_31_70B, "gpt-oss-120b": GPT_OSS_120B}[run["model"].split(" ")[0]]
+        config = _with_layers(load_config(model), run["layers"])
+        p = plan(config, seq_len=run["seq_len"], micro_batch=run["micro_batch"], host_state=run["host_state"],
+                 attn_implementation=run["attn_implementation"], machine=H200_AS_RUN,
+                 config=ENGINE.replace(host_state=run["host_state"], keep_layers=run["keep_layers"]))
+        m = run["measured"]
+        host_steps = sorted(m["host_step_s"][1:])  # the first step's builds the states
+        gpu = (p.gpu_total - p.gpu["runtime reserve"]) / GIB
         out.append({
-            "micro_batch": r["micro_batch"], "seq_len": r["seq_len"], "plan": p,
-            "host_plan": host, "host_measured": r["peak_host_gib"],
-            "host_err": host / r["peak_host_gib"] - 1 if r["peak_host_gib"] else None,
-            "gpu_floor": floor, "gpu_all_kept": kept, "gpu_measured": r["peak_gpu_gib"],
-            "gpu_all_kept_err": kept / r["peak_gpu_gib"] - 1,
-            "tokens_per_s_plan": p.tokens_per_s, "tokens_per_s_measured": r["tokens_per_s"],
-            "tokens_per_s_err": p.tokens_per_s / r["tokens_per_s"] - 1,
-            "step_plan": p.time["step total"], "step_measured": tokens / r["tokens_per_s"],
+            "model": run["model"].split(" ")[0], "layers": run["layers"], "host_state": run["host_state"],
+            "n_params": run["n_params"], "plan": p,
+            "host_plan": p.host_total / GIB, "host_measured": m["peak_host_rss_gib"],
+            "gpu_plan": gpu, "gpu_measured": m["peak_gpu_allocated_gib"],
+            "step_plan": p.time["step total"], "step_measured": m["step_s"],
+            "tokens_per_s_plan": p.tokens_per_s, "tokens_per_s_measured": m["tokens_per_s"],
+            "host_step_measured": host_steps[len(host_steps) // 2],
         })
+        for k in ("host", "gpu", "tokens_per_s"):
+            out[-1][f"{k}_err"] = out[-1][f"{k}_plan"] / out[-1][f"{k}_measured"] - 1
     return out
 
 
-def step_line(rows: list[dict]) -> dict[str, float]:
-    """Step time = fixed + per_token x tokens through two rows, measured and planned: which part the plan misses."""
-    a, b = rows[0], rows[1]
-    ta, tb = a["micro_batch"] * a["seq_len"], b["micro_batch"] * b["seq_len"]
-    out = {}
-    for kind in ("measured", "plan"):
-        slope = (a[f"step_{kind}"] - b[f"step_{kind}"]) / (ta - tb)
-        out[f"{kind}_per_16k"] = slope * 16384
-        out[f"{kind}_fixed"] = a[f"step_{kind}"] - slope * ta
+def per_layer(rows: list[dict]) -> list[dict]:
+    """One decoder layer of each model, from its two depths: step seconds, peak host GiB and the in-run host step,
+    measured and planned (a gpt-oss layer of the pair is a sliding-window one: 2 -> 3 layers)."""
+    out = []
+    for a, b in zip(rows[::2], rows[1::2]):
+        n = b["layers"] - a["layers"]
+        d = {k: (b[k] - a[k]) / n for k in ("step_plan", "step_measured", "host_plan", "host_measured",
+                                             "host_step_measured")}
+        rate = TORCH_ADAM_GPARAMS if a["host_state"] == "fp32" else COMPACT_ADAM_GPARAMS  # 16 cores: as measured
+        d["host_step_plan"] = (b["n_params"] - a["n_params"]) / n / (rate * 1e9)
+        out.append({"model": a["model"], "host_state": a["host_state"], "layers": (a["layers"], b["layers"]), **d})
     return out
 
 
@@ -107,18 +123,19 @@ def _pct(x: float | None) -> str:
 
 def print_measured() -> None:
     rows = measured_rows()
-    print("| micro x seq | host GiB plan / measured | GPU GiB: plan floor; + 3 layers kept / measured | "
+    print("| model, layers, host_state | host GiB plan / measured | GPU GiB allocated plan / measured | "
           "tokens/s plan / measured |")
     print("|---|---|---|---|")
     for r in rows:
-        host = (f"{r['host_plan']:.1f} / {r['host_measured']:.1f} ({_pct(r['host_err'])})" if r["host_measured"]
-                else f"{r['host_plan']:.1f} / not recorded")
-        print(f"| {r['micro_batch']} x {r['seq_len']} | {host} | {r['gpu_floor']:.1f}; {r['gpu_all_kept']:.1f} / "
-              f"{r['gpu_measured']:.1f} ({_pct(r['gpu_all_kept_err'])}) | {r['tokens_per_s_plan']:,.0f} / "
-              f"{r['tokens_per_s_measured']:,} ({_pct(r['tokens_per_s_err'])}) |")
-    line = step_line(rows)
-    print(f"\nstep = fixed + per 16,384 tokens: measured {line['measured_fixed']:.2f} s + "
-          f"{line['measured_per_16k']:.3f} s; planned {line['plan_fixed']:.2f} s + {line['plan_per_16k']:.3f} s")
+        print(f"| {r['model']}, {r['layers']}, `{r['host_state']}` | {r['host_plan']:.1f} / {r['host_measured']:.1f} "
+              f"({_pct(r['host_err'])}) | {r['gpu_plan']:.1f} / {r['gpu_measured']:.1f} ({_pct(r['gpu_err'])}) | "
+              f"{r['tokens_per_s_plan']:,.0f} / {r['tokens_per_s_measured']:,.0f} ({_pct(r['tokens_per_s_err'])}) |")
+    print("\n| one layer of | step s plan / measured | host GiB plan / measured | host step s plan / measured |")
+    print("|---|---|---|---|")
+    for d in per_layer(rows):
+        print(f"| {d['model']} (`{d['host_state']}`, {d['layers'][0]} -> {d['layers'][1]} layers) | "
+              f"{d['step_plan']:.3f} / {d['step_measured']:.3f} | {d['host_plan']:.1f} / {d['host_measured']:.1f} | "
+              f"{d['host_step_plan']:.3f} / {d['host_step_measured']:.3f} |")
 
 
 def print_full() -> None:

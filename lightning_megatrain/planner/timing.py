@@ -180,8 +180,8 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
-        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9)
-        + r * 12 / (HOST_COPY_GBPS * 1e9),
+        # one D2H straight into the pinned host grads, no host pass (engine/residents.py ``drain``)
+        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9),
         **({"layer reduce-scatter + drain (serial)": sum(ranks.drain_first_s) + (grad_accum - 1) * sum(ranks.drain_s),
             "residents' gloo collectives (serial)": ranks.residents_s} if ranks is not None else {}),
         **({"CPU optimizer (beyond the next forward)": max(0.0, host_left - sum(fwd) - head / 3)}

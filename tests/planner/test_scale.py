@@ -28,24 +28,28 @@ def scale():
     return module
 
 
-def test_truncated_70b_against_the_h200_runs(scale):
-    """Host RAM within 10% (+4%); the GPU, with the 3 other layers' saved activations kept as keep_layers="auto"
-    keeps them, within 10% at both batches; tokens/s 27% and 31% below the runs. The two rows put the miss in the
-    step's token-independent part: per 16,384 tokens the plan is 5% above the runs, its fixed part 62% above."""
+def test_truncated_runs_against_their_plans(scale):
+    """The H200 runs of 2 and 4 Llama-3.1-70B layers (fp32) and 2 and 3 gpt-oss-120b layers (compact), 8 x 4,096,
+    every layer recomputed, beside their plans (docs/scale.md): host RAM within 2.5% per run and per layer for both;
+    70B tokens/s within 10% (it was 16-17% slow while the plan priced a host pass over the residents' grads that
+    the engine no longer makes); the GPU planned above the runs (eager activations for compiled layers); gpt-oss
+    tokens/s 2.3-2.4x too fast (eager experts: 3.0 s per layer against 1.07 planned), which the docs say."""
     rows = scale.measured_rows()
-    assert [(r["micro_batch"], r["seq_len"]) for r in rows] == [(32, 1024), (16, 1024)]
+    assert [(r["model"], r["layers"], r["host_state"]) for r in rows] == [
+        ("llama-3.1-70b", 2, "fp32"), ("llama-3.1-70b", 4, "fp32"),
+        ("gpt-oss-120b", 2, "compact"), ("gpt-oss-120b", 3, "compact")]
     H, I, kv = 8192, 28672, 1024  # noqa: E741
     layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H  # q, o; k, v; gate, up, down; 2 norms
-    assert rows[0]["plan"].n_params == 4 * layer + 2 * 128256 * H + H  # 5.52B: untied embeddings, as the issue says
-    assert round(rows[0]["host_plan"], 1) == 94.1 and abs(rows[0]["host_err"]) < 0.10
-    assert rows[1]["host_err"] is None  # not recorded
-    assert [round(r["gpu_all_kept"], 1) for r in rows] == [93.7, 62.6]
-    assert all(abs(r["gpu_all_kept_err"]) < 0.10 for r in rows)
-    assert [round(r["tokens_per_s_plan"]) for r in rows] == [8322, 5007]
-    assert [round(r["tokens_per_s_err"], 2) for r in rows] == [-0.27, -0.31]
-    line = scale.step_line(rows)
-    assert line["plan_per_16k"] / line["measured_per_16k"] - 1 == pytest.approx(0.05, abs=0.01)
-    assert line["plan_fixed"] / line["measured_fixed"] - 1 == pytest.approx(0.62, abs=0.01)
+    assert rows[1]["plan"].n_params == rows[1]["n_params"] == 4 * layer + 2 * 128256 * H + H  # untied embeddings
+    assert all(abs(r["host_err"]) < 0.025 for r in rows)  # -1% to +2.1%
+    assert [round(r["tokens_per_s_err"], 2) for r in rows[:2]] == [-0.06, -0.08]
+    assert all(r["gpu_err"] > 0 for r in rows)  # the plan errs on the side of fitting
+    assert [round(r["tokens_per_s_err"], 1) for r in rows[2:]] == [1.3, 1.4]
+    llama, oss = scale.per_layer(rows)
+    assert abs(llama["host_plan"] / llama["host_measured"] - 1) < 0.01 and abs(oss["host_plan"] / oss["host_measured"]
+                                                                              - 1) < 0.02
+    assert round(llama["step_plan"] / llama["step_measured"] - 1, 2) == 0.15
+    assert round(oss["host_step_plan"] / oss["host_step_measured"] - 1, 2) == -0.05  # the compact rate in a run
 
 
 def test_gpt_oss_120b_shape(scale):
@@ -76,14 +80,14 @@ def test_full_depth_on_a_1_5_and_a_1_tib_host(scale):
     got = {k: (round(r["plan"].host_total / GIB, 1), r["fits"][1536], r["fits"][1024], round(r["plan"].tokens_per_s))
            for k, r in rows.items()}
     assert got == {
-        ("Llama-3.1-70B", "fp32"): (1139.1, True, False, 685),
-        ("Llama-3.1-70B", "int8_moments"): (746.9, True, True, 755),
-        ("Llama-3.1-70B", "compact"): (484.1, True, True, 759),
-        ("Llama-3.1-70B", "compact_kahan"): (615.5, True, True, 759),
-        ("gpt-oss-120b", "fp32"): (1774.5, False, False, 585),
-        ("gpt-oss-120b", "int8_moments"): (1125.1, True, False, 674),
-        ("gpt-oss-120b", "compact"): (689.8, True, True, 831),
-        ("gpt-oss-120b", "compact_kahan"): (907.5, True, True, 831),
+        ("Llama-3.1-70B", "fp32"): (1139.1, True, False, 689),
+        ("Llama-3.1-70B", "int8_moments"): (746.9, True, True, 761),
+        ("Llama-3.1-70B", "compact"): (484.1, True, True, 765),
+        ("Llama-3.1-70B", "compact_kahan"): (615.5, True, True, 765),
+        ("gpt-oss-120b", "fp32"): (1774.5, False, False, 587),
+        ("gpt-oss-120b", "int8_moments"): (1125.1, True, False, 677),
+        ("gpt-oss-120b", "compact"): (689.8, True, True, 834),
+        ("gpt-oss-120b", "compact_kahan"): (907.5, True, True, 834),
     }
     for (_, state), r in rows.items():  # the state is its bytes per parameter; the GPU fits in every row
         assert r["plan"].host_state_bytes_per_param == pytest.approx(sum(planner.HOST_STATE_BYTES[state].values()))
