@@ -6,6 +6,17 @@ ordinary CPU parameters: fp32, or bf16 where ``host_state`` stores bf16 masters 
 [Note: compact host state]). Norms of the grads are accumulated in fp32 whatever their dtype. ``p.grad`` is a view
 into ``FlatGroup.grad`` once a gradient has arrived; Lightning's ``zero_grad(set_to_none=True)`` drops the views,
 and the next :meth:`FlatGroup.accumulate` re-attaches them.
+
+[Note: aligned views]
+The flat buffers (and the device slots, which copy their layout: engine/transfer.py) hold the parameters one after
+another, so a parameter's view starts where the previous ones' elements end. Kernels that read their operands
+through vector loads need 16-byte aligned pointers: torch's grouped GEMM (transformers' default ``grouped_mm``
+experts) refuses an unaligned one ("expected data_ptr to be aligned to 16 bytes"). A small parameter of odd size
+shifts every view after it: a gpt-oss layer with 4 attention heads has a 4-element ``sinks`` first, which left its
+experts' weights 8 bytes off in bf16. :func:`pack_group` therefore lays out the parameters whose element count is a
+multiple of :data:`ALIGN_ELEMENTS` first (in module order), then the others: every view of the first kind starts
+16-byte aligned in any dtype of 1 to 4 bytes, with no padding. Nothing else depends on the order: every reader of a
+group goes through ``params`` and ``offsets``.
 """
 
 from __future__ import annotations
@@ -21,6 +32,10 @@ from lightning_megatrain._hardware import GIB, placeable_host_bytes
 from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.pinned import PAGE, HostRegistry, round_up
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
+
+# A parameter of a multiple of this many elements keeps the next view's alignment ([Note: aligned views]): 16 bytes
+# at 1 byte per element, more at 2 and 4.
+ALIGN_ELEMENTS = 16
 
 
 @dataclass
@@ -197,17 +212,11 @@ def pack_group(
     at a time so host memory peaks at the model plus one group, never twice the model. ``lazy_grad``: the grad
     buffer is allocated when first used (a device group's), else now; it holds ``grad_dtype``.
     """
-    params: list[nn.Parameter] = []
-    index_of: dict[int, int] = {}
-    slot_index = []
-    for slot in slots:
-        if not slot.is_param:
-            continue
-        p = slot.get()
-        if id(p) not in index_of:
-            index_of[id(p)] = len(params)
-            params.append(p)
-        slot_index.append((slot, index_of[id(p)]))
+    unique = {id(s.get()): s.get() for s in slots if s.is_param}  # module order, a tied weight once
+    # the sizes that keep alignment first, each kind in module order ([Note: aligned views])
+    params: list[nn.Parameter] = sorted(unique.values(), key=lambda p: p.numel() % ALIGN_ELEMENTS != 0)
+    index_of = {id(p): k for k, p in enumerate(params)}
+    slot_index = [(slot, index_of[id(slot.get())]) for slot in slots if slot.is_param]
     offsets, total = [], 0
     for p in params:
         offsets.append(total)

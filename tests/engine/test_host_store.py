@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.engine.discovery import tensor_slots
-from lightning_megatrain.engine.host_store import pack_group
+from lightning_megatrain.engine.host_store import ALIGN_ELEMENTS, pack_group
 
 
 def _group(*shapes):
@@ -21,6 +21,24 @@ def test_pack_keeps_values_and_makes_views():
     for p, v in zip(group.params, values):
         assert torch.equal(p, v)
         assert p.untyped_storage().data_ptr() == group.master.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sizes_that_keep_alignment_are_laid_out_first(dtype):
+    """[Note: aligned views]: a 4-element parameter first (gpt-oss's ``sinks`` at 4 heads) shifted every view after it
+    off 16 bytes in bf16; now the parameters of a multiple of ALIGN_ELEMENTS elements come first, each kind in module
+    order, so each of them starts 16-byte aligned, and every view holds its parameter's values."""
+    shapes = ((4,), (16, 8), (3,), (32,), (5, 2), (64,))
+    module = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in shapes)
+    values = {id(p): p.detach().to(dtype) for p in module}
+    group = pack_group(tensor_slots(module), master_dtype=dtype, grad_dtype=dtype)
+    assert [tuple(p.shape) for p in group.params] == [(16, 8), (32,), (64,), (4,), (3,), (5, 2)]
+    assert [p.numel() % ALIGN_ELEMENTS == 0 for p in group.params] == [True] * 3 + [False] * 3
+    assert all(p.data_ptr() % 16 == 0 for p in group.params[:3])
+    assert group.master.data_ptr() % 16 == 0 and group.params[3].data_ptr() % 16 == 0  # the first odd one too
+    assert all(torch.equal(p, values[id(p)]) for p in group.params)
+    assert [tuple(p.shape) for p in module.parameters()] == list(shapes)  # the module's own order is untouched
+    assert sorted(id(p) for p in module.parameters()) == sorted(id(p) for p in group.params)
 
 
 def test_bf16_layout_packs_bf16_views_and_takes_norms_in_fp32():
