@@ -159,6 +159,7 @@ class MegaTrainEngine(FirstBatchPlacement):
             master_bytes=layout.weight_dtype.itemsize,
             grad_bytes=layout.grad_dtype.itemsize,
             grad_numels=[0 if off else n for n, off in zip(layer_numels + [n_resident], lazy[1:] + lazy[:1])],
+            host_state=self.config.host_state,
         )
         if self.on_cuda:
             self._check_gpu_memory(max_layer, n_resident, device_numel)

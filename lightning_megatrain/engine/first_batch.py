@@ -135,7 +135,7 @@ class FirstBatchPlacement:
                                  self.config.host_state)
             return
         host_groups = self._host_groups()
-        check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers))
+        check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers), self.config.host_state)
 
     def _host_groups(self) -> list[FlatGroup]:
         """The groups whose grads and optimizer states live in host memory: every flat group but the device groups;

@@ -13,8 +13,8 @@ import torch
 
 from lightning_megatrain._hardware import GIB, placeable_host_bytes
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
-from lightning_megatrain.engine.host_store import check_host_bytes_to_come
-from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS, CompactAdamW
+from lightning_megatrain.engine.host_store import check_host_bytes_to_come, smaller_state_hint
+from lightning_megatrain.optim.compact_adam import CompactAdamW
 from lightning_megatrain.optim.host_optimizer import overlappable
 from lightning_megatrain.optim.updates import host_state_bytes
 
@@ -51,17 +51,6 @@ def host_bytes_to_come_split(forward_groups: Sequence[FlatGroup], optimizers: Se
     device = forward_groups[:n]
     read = sum(g.grad_dtype.itemsize * g.numel - g.grad_nbytes for g in device) if grads_read else 0
     return host_bytes_to_come(forward_groups[n:], optimizers) + read
-
-
-def smaller_state_hint(host_state: str) -> str:
-    """The refusals' HINT for a smaller state than ``host_state``'s, ending in ", " (empty where none is smaller):
-    ``compact`` (CompactAdamW's layout, which computes in bf16), and Muon's one moment under fp32."""
-    compact = sum(HOST_STATE_LAYOUTS["compact"].bytes_per_param().values())
-    if sum(HOST_STATE_LAYOUTS[host_state].bytes_per_param().values()) <= compact:
-        return ""
-    muon = " or lightning_megatrain.optim.Muon (one fp32 moment)" if host_state == "fp32" else ""
-    return (f"host_state='compact' with torch.optim.AdamW and precision='bf16-mixed' ({compact:.2f} B/param on "
-            f"either memory){muon}, ")
 
 
 def _gib(nbytes: int) -> str:
@@ -107,7 +96,7 @@ def check_split_possible(forward_groups: Sequence[FlatGroup], optimizers: Sequen
     if free is None or to_come(0) <= free:
         return
     if device.type != "cuda" or len(optimizers) != 1 or not device_steppable(optimizers[0], host_state):
-        check_host_bytes_to_come(to_come(0))  # refuses, with the numbers
+        check_host_bytes_to_come(to_come(0), host_state)  # refuses, with the numbers
         return
     n = fewest_host_groups(to_come, free)
     groups = forward_groups[:n]

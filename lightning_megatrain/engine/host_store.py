@@ -242,7 +242,7 @@ def pack_group(
 
 
 def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0, master_bytes: int = 4,
-                      grad_bytes: int = 4, grad_numels: list[int] | None = None) -> None:
+                      grad_bytes: int = 4, grad_numels: list[int] | None = None, host_state: str = "fp32") -> None:
     """Refuse to start when host RAM cannot hold the masters, grads and grad slabs (the optimizer states are checked
     once the optimizers exist, :func:`check_host_bytes_to_come`).
 
@@ -255,6 +255,7 @@ def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0
         grad_numels: parameters per group whose grad buffer setup allocates (default ``group_numels``); the others
             are allocated later or never (device groups, and every group while ``gpu_optimizer_groups="auto"`` is
             undecided: engine/placement.py) and are checked then.
+        host_state: the run's layout; the refusal's HINT names only smaller ones (:func:`smaller_state_hint`).
 
     The fp32 model the user built (4 bytes/param) is freed group by group as it is packed, so it is subtracted.
 
@@ -271,7 +272,7 @@ def check_host_memory(group_numels: list[int], pinned: bool, slab_bytes: int = 0
     need = flats + 3 * block(slab_bytes) - 4 * n_params
     what = "masters and grads" if grad_numels is group_numels else f"masters and {sum(grad_numels) / 1e9:.2f}B grads"
     _refuse_short(need, f"for {n_params / 1e9:.2f}B parameters ({what}: {_size(flats)}"
-                        f"{' pinned' if pinned else ''}, minus the model already loaded)")
+                        f"{' pinned' if pinned else ''}, minus the model already loaded)", host_state)
 
 
 def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
@@ -289,7 +290,7 @@ def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
         )
 
 
-def check_host_bytes_to_come(to_come: int) -> None:
+def check_host_bytes_to_come(to_come: int, host_state: str = "fp32") -> None:
     """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' grads
     not yet allocated and the optimizers' states (engine/host_budget.py ``host_bytes_to_come``).
 
@@ -297,10 +298,21 @@ def check_host_bytes_to_come(to_come: int) -> None:
         RuntimeError: as :func:`check_host_memory`.
     """
     _refuse_short(to_come, "for the grads and optimizer states of the first step (Adam/AdamW: 8 bytes per "
-                           "parameter, Muon's matrices 4, CompactAdamW's 8-bit moments about 2)")
+                           "parameter, Muon's matrices 4, CompactAdamW's 8-bit moments about 2)", host_state)
 
 
-def _refuse_short(need: int, what: str) -> None:
+def smaller_state_hint(host_state: str) -> str:
+    """The refusals' HINT for a smaller state than ``host_state``'s, ending in ", " (empty where none is smaller):
+    ``compact`` (CompactAdamW's layout, which computes in bf16), and Muon's one moment under fp32."""
+    compact = sum(HOST_STATE_LAYOUTS["compact"].bytes_per_param().values())
+    if sum(HOST_STATE_LAYOUTS[host_state].bytes_per_param().values()) <= compact:
+        return ""
+    muon = " or lightning_megatrain.optim.Muon (one fp32 moment)" if host_state == "fp32" else ""
+    return (f"host_state='compact' with torch.optim.AdamW and precision='bf16-mixed' ({compact:.2f} B/param on "
+            f"either memory){muon}, ")
+
+
+def _refuse_short(need: int, what: str, host_state: str = "fp32") -> None:
     bound = placeable_host_bytes()
     if bound is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
@@ -308,9 +320,8 @@ def _refuse_short(need: int, what: str) -> None:
     if need > available:
         raise RuntimeError(
             f"MegaTrainStrategy needs about {_size(need)} more host RAM {what} but only {_size(available)} is "
-            f"available ({limit}). HINT: use a machine with more RAM, a smaller model, an optimizer with less state "
-            "(lightning_megatrain.optim.Muon, CompactAdamW), or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know "
-            "better."
+            f"available ({limit}). HINT: use a machine with more RAM, a smaller model, "
+            f"{smaller_state_hint(host_state)}or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know better."
         )
 
 

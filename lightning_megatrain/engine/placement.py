@@ -63,7 +63,8 @@ from transformers import PretrainedConfig
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short, smaller_state_hint
+from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short
+from lightning_megatrain.engine.host_store import smaller_state_hint
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
 from lightning_megatrain.planner.pool import split_first_batch, split_options
 

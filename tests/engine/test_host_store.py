@@ -138,6 +138,26 @@ def test_host_check_counts_page_locked_buffers_at_their_size(monkeypatch):
     host_store.check_host_memory(numels, pinned=True, master_bytes=2, grad_bytes=2)
 
 
+def test_host_refusals_hint_only_a_smaller_state_than_the_runs(monkeypatch):
+    """The setup's refusal names compact state and Muon under fp32, compact under int8_moments, neither under compact
+    (it is the smallest)."""
+    from lightning_megatrain.engine import host_store
+
+    monkeypatch.setattr(host_store, "placeable_host_bytes", lambda: (1, "MemAvailable"))
+    hints = {}
+    for state in ("fp32", "int8_moments", "compact"):
+        with pytest.raises(RuntimeError) as refused:
+            host_store.check_host_memory([1 << 28], pinned=False, host_state=state)
+        hints[state] = str(refused.value).split("HINT: ")[1]
+        with pytest.raises(RuntimeError) as refused:
+            host_store.check_host_bytes_to_come(1 << 30, state)
+        assert str(refused.value).split("HINT: ")[1] == hints[state]
+    assert "host_state='compact'" in hints["fp32"] and "Muon" in hints["fp32"]
+    assert "host_state='compact'" in hints["int8_moments"] and "Muon" not in hints["int8_moments"]
+    assert "compact" not in hints["compact"] and "Muon" not in hints["compact"]
+    assert all(h.endswith("or set MEGATRAIN_SKIP_MEMORY_CHECK=1 if you know better.") for h in hints.values())
+
+
 def test_host_state_check_counts_each_optimizers_state(monkeypatch):
     # once the optimizers exist: the grads not yet allocated and the states to come, by optimizer (AdamW 8 B/param,
     # Muon's matrices 4 and AdamW's 8 for the rest, SGD without momentum none), the ones already there not again

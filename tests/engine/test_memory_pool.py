@@ -248,9 +248,9 @@ def test_the_split_is_told_whether_device_groups_can_step_the_optimizer(monkeypa
 def test_refusals_suggest_only_a_smaller_state_than_the_runs():
     """The HINT's smaller state: ``compact`` (and Muon) to an fp32 run, ``compact`` to the other layouts, nothing to
     a run already on ``compact``."""
-    assert host_budget.smaller_state_hint("compact") == ""
+    assert host_store.smaller_state_hint("compact") == ""
     for host_state in ("fp32", "int8_moments", "compact_kahan"):
-        hint = host_budget.smaller_state_hint(host_state)
+        hint = host_store.smaller_state_hint(host_state)
         start = "host_state='compact' with torch.optim.AdamW and precision='bf16-mixed' (6.03 B/param"
         assert hint.startswith(start) and hint.endswith(", ")
         assert ("Muon" in hint) == (host_state == "fp32")
