@@ -2,7 +2,7 @@
 does it with the strategy's compiled layers? Each case in its own process (a device-side assert ends the CUDA
 context): a small GptOss (hidden 256, 16 experts, top-4, 2 layers, 4 x 256 tokens), two training steps.
 
-- ``plain``: the model in bf16 on the GPU, forward and backward, no strategy;
+- ``plain``: the model in bf16 on the GPU, two forward and backward passes (no optimizer step), no strategy;
 - ``plain_compiled``: the same with each decoder layer compiled (``layer.compile()``, as a plain user would);
 - ``megatrain`` / ``megatrain_compiled``: ``CausalLMModule`` with ``MegaTrainStrategy(compile_layers=False/True)``,
   bf16-mixed, two optimizer steps.
@@ -58,11 +58,16 @@ def main() -> None:
     ap.add_argument("--modes", default="plain,plain_compiled,megatrain,megatrain_compiled")
     ap.add_argument("--heads", type=int, default=4,
                     help="attention heads: gpt-oss's sinks parameter has one element per head (4: 8 bf16 bytes)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per case (compiling one takes a minute)")
     args = ap.parse_args()
     for mode in args.modes.split(","):
         for impl in args.impls:
-            r = subprocess.run([sys.executable, "-c", CHILD, mode, impl, str(args.heads)], capture_output=True,
-                               text=True)
+            try:
+                r = subprocess.run([sys.executable, "-c", CHILD, mode, impl, str(args.heads)], capture_output=True,
+                                   text=True, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{mode} {impl} heads={args.heads}: TIMEOUT after {args.timeout:g} s", flush=True)
+                continue
             last = (r.stdout.strip().splitlines() or [""])[-1]
             ok = r.returncode == 0 and last == "ok"
             print(f"{mode} {impl} heads={args.heads}: {'ok' if ok else 'FAILED'}", flush=True)

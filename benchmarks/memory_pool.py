@@ -70,13 +70,18 @@ def shape_at(name: str, layers: int | None) -> dict:
 
 
 class HostStepClock:
-    """Benchmark instrumentation: wall seconds of each host optimizer step on its worker thread (``_run``: the
-    update built, which waits for the last grads, then every group) and of the training thread's waits for it,
-    by wrapping the engine's ``OverlappedStep`` (engine/overlap.py) for this process."""
+    """Benchmark instrumentation: wall seconds of each host optimizer step on its worker thread and of the training
+    thread's waits for it, by wrapping the engine's ``OverlappedStep`` (engine/overlap.py) for this process.
+
+    A step's seconds are ``_run``'s: building the update (which waits for the last grads' D2H copies and the
+    clipping factor) and then every group's update, so they exceed the optimizer's own time by that wait (it cancels
+    in the difference of two depths). Layers updated during backward (``update_during_backward``) run on another
+    worker and are not in them. A step's waits are the training thread's blocked seconds from its launch to the
+    next launch, which include the next launch's own wait for it."""
 
     def __init__(self) -> None:
         self.steps: list[float] = []
-        self.waited: list[float] = []  # per step: the training thread's blocked seconds, summed at each launch
+        self.waited: list[float] = []  # per step: the training thread's blocked seconds until the next launch
 
     def install(self) -> None:
         from lightning_megatrain.engine import overlap
@@ -248,12 +253,12 @@ def _rss(pid: int) -> int:
 
 def planned(config: dict, micro_batch: int, seq_len: int, host_gib: float | None, gpu_gib: float | None,
             host_state: str, groups: int | str = "auto", attn_implementation: str = "sdpa",
-            update_during_backward: bool | str = "auto") -> dict:
+            update_during_backward: bool | str = "auto", keep_layers: int | str = "auto") -> dict:
     """The planner's prediction of this run: a machine whose usable host RAM is the budget (or this machine's)."""
     from lightning_megatrain.config import EngineConfig
     from lightning_megatrain.planner import Machine, plan
 
-    engine = EngineConfig(host_state=host_state, gpu_optimizer_groups=groups,
+    engine = EngineConfig(host_state=host_state, gpu_optimizer_groups=groups, keep_layers=keep_layers,
                           update_during_backward=update_during_backward)
     p = plan(workloads.hf_config(config), seq_len=seq_len, micro_batch=micro_batch, config=engine,
              host_state=host_state, attn_implementation=attn_implementation,
@@ -282,11 +287,13 @@ def main() -> None:
                                          "false (as benchmarks/scale_plan.py plans)")
     ap.add_argument("--experts-implementation", choices=["eager", "grouped_mm"],
                     help="an MoE shape's transformers experts implementation (default: transformers'). gpt-oss in "
-                         "bf16 with grouped_mm hit a device-side assert in torch 2.11's grouped GEMM on the H200 "
-                         "(benchmarks/grouped_mm_check.py); eager loops over the experts that have tokens")
+                         "bf16 with grouped_mm and compiled layers hit a device-side assert in torch 2.11's grouped "
+                         "GEMM on the H200 (benchmarks/results/2026-12-04-memory-pool-gpt-oss-120b-2l-compact-"
+                         "grouped-mm-assert-h200-c61a4e0.log); eager loops over the experts that have tokens")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=8, help="optimizer steps; the first 3 are not timed")
+    ap.add_argument("--steps", type=int, default=8,
+                    help="optimizer steps; the first 4 are not timed (the end of the 4th starts the clock)")
     ap.add_argument("--host-gib", type=float, help="host RAM the process sees, GiB (default: the machine's)")
     ap.add_argument("--out", default="benchmarks/results/memory-pool-h200.json")
     ap.add_argument("--watch-gib", type=float,
@@ -314,7 +321,7 @@ def main() -> None:
     on_cuda = torch.cuda.is_available() and not args.dry_run
     gpu_gib = torch.cuda.mem_get_info()[1] / GIB if on_cuda else None
     prediction = planned(config, micro_batch, seq_len, args.host_gib, gpu_gib, args.host_state,
-                         args.gpu_optimizer_groups, attn, args.update_during_backward)
+                         args.gpu_optimizer_groups, attn, args.update_during_backward, args.keep_layers)
     print("planned:", prediction["verdict"], flush=True)
     if args.host_gib is not None:
         force_host_limit(args.host_gib)

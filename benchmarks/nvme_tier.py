@@ -3,16 +3,16 @@
 An NVMe tier (ZeRO-Infinity's) keeps the Adam moments on disk: every optimizer step reads each parameter's moments
 and writes them back, so a step needs ``2 x moments bytes / disk bandwidth`` seconds of disk at least, overlapped at
 best with the whole step. This script measures the disk the way such a tier would use it (large aligned blocks,
-``O_DIRECT`` past the page cache, several threads in flight) and puts that time beside the planner's step for the
-full-depth models of docs/scale.md (one H200, 16 cores, a 1.5 TiB host, 8 x 4,096 tokens, ``benchmarks/scale_plan.py``'s
-engine options):
+``O_DIRECT`` past the page cache where the file system takes it, several threads in flight) and puts that time
+beside the planner's step for the full-depth models of docs/scale.md (one H200, 16 cores, a 1.5 TiB host, 8 x 4,096
+tokens, ``benchmarks/scale_plan.py``'s engine options):
 
     python benchmarks/nvme_tier.py --dir /path/on/the/nvme --gib 16     # the device: the disk its tree lives on
     python benchmarks/nvme_tier.py --dry-run                             # CPU: 64 MiB in a temp folder, the code path
 
 The moments' bytes per parameter are the host state layouts' (optim/compact_adam.py ``HostStateLayout``): 8 for fp32
-moments, 2.03 for the 8-bit ones with their block scales. The file is written once, then read, each timed with its
-``fsync``; it is removed at the end.
+moments, 2.03 for the 8-bit ones with their block scales. The file is written once (timed up to its ``fsync``),
+then read; it is removed at the end.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def bandwidth(path: Path, gib: float, block_mib: int, threads: int) -> dict:
     block = block_mib * MIB
     blocks = max(threads, int(gib * 1024 // block_mib))
     buffers = [mmap.mmap(-1, block) for _ in range(threads)]  # anonymous maps are page-aligned
-    for i, b in enumerate(buffers):
-        b.write(os.urandom(4096) * (block // 4096))  # not zeros: no file system may shortcut them
+    for b in buffers:
+        b.write(os.urandom(block))  # incompressible: no drive or file system may shortcut them
         b.seek(0)
 
     def run(write: bool) -> tuple[float, bool]:
@@ -77,6 +77,9 @@ def bandwidth(path: Path, gib: float, block_mib: int, threads: int) -> dict:
     write_gbps, direct = run(write=True)
     read_gbps, _ = run(write=False)
     path.unlink()
+    if not direct:
+        print(f"WARNING: {path.parent} takes no O_DIRECT: the reads may come from the page cache, not the disk",
+              file=sys.stderr)
     return {"bytes": blocks * block, "block_mib": block_mib, "threads": threads, "o_direct": direct,
             "write_gbps": write_gbps, "read_gbps": read_gbps}
 
@@ -114,6 +117,8 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp() if args.dry_run else args.dir or ".")
     measured = bandwidth(folder / "nvme-tier-probe.bin", 1 / 16 if args.dry_run else args.gib, args.block_mib,
                          args.threads)
+    if args.dry_run:
+        folder.rmdir()
     row = {"measured": measured, "dir": str(folder), "step_model": step_model(measured["read_gbps"],
                                                                              measured["write_gbps"])}
     print(json.dumps(row, indent=1))

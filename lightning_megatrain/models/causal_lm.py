@@ -94,6 +94,10 @@ class CausalLMModule(LightningModule):
             dense mask would take 1 GiB or more (T >= 32K at one row) are refused under "sdpa"
             and "eager", and packed batches of several rows under "flash_attention_*", which
             would let their documents attend to each other.
+        experts_implementation: MoE models' experts backend in transformers 5 (``"eager"``: a loop over the experts
+            that have tokens; ``"grouped_mm"``, ``"batched_mm"``, ...). Default ``None``: transformers' choice
+            (``grouped_mm`` where torch has it). gpt-oss in bf16 with ``grouped_mm`` ended in a device-side assert
+            through the strategy on the H200, ``"eager"`` trained (docs/scale.md, "Against the truncated runs").
         trust_remote_code: Allow custom modelling code from the model repository.
         loss_chunk_size: Target tokens per chunk of the LM-head loss; bounds the loss's extra
             memory to a few ``[loss_chunk_size, vocab_size]`` fp32 buffers.
@@ -112,6 +116,7 @@ class CausalLMModule(LightningModule):
         config: dict[str, Any] | None = None,
         tokenizer: str | None = None,
         attn_implementation: str = AUTO,
+        experts_implementation: str | None = None,
         trust_remote_code: bool = False,
         loss_chunk_size: int = 4096,
         learning_rate: float = 1e-4,
@@ -184,6 +189,8 @@ class CausalLMModule(LightningModule):
             "attn_implementation": hf_attn_implementation(hp.attn_implementation),
             "trust_remote_code": hp.trust_remote_code,
         }
+        if hp.experts_implementation is not None:  # else transformers' own choice, as before the option
+            kwargs["experts_implementation"] = hp.experts_implementation
         if hp.model is not None:
             self.model = AutoModelForCausalLM.from_pretrained(
                 hp.model, config=self.hf_config, **kwargs

@@ -92,9 +92,9 @@ class DPOModule(CausalLMModule):
         disable_dropout: Set every dropout probability of the model's config (``attention_dropout``,
             ``hidden_dropout``, ``resid_pdrop``, ...) and every ``nn.Dropout`` to 0, as TRL does. ``False`` keeps
             the model's dropout in training (the reference is still computed without it). Default ``True``.
-        model, config, tokenizer, attn_implementation, trust_remote_code, loss_chunk_size, learning_rate,
-            weight_decay, betas, eps, warmup_steps, min_lr_ratio: as ``CausalLMModule`` (``loss_chunk_size``: target
-            tokens per chunk of the LM head).
+        model, config, tokenizer, attn_implementation, experts_implementation, trust_remote_code, loss_chunk_size,
+            learning_rate, weight_decay, betas, eps, warmup_steps, min_lr_ratio: as ``CausalLMModule``
+            (``loss_chunk_size``: target tokens per chunk of the LM head).
     """
 
     def __init__(

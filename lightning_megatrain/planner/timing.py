@@ -180,8 +180,12 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
-        # one D2H straight into the pinned host grads, no host pass (engine/residents.py ``drain``)
-        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9),
+        # One rank: one D2H straight into the pinned host grads, no host pass (engine/residents.py ``drain``); not
+        # priced, the host add through a staging buffer where a resident has no grad (a frozen embedding) or the
+        # host grads are not empty at the drain. Several ranks: the residents' grads are reduced on the host
+        # (engine/sharding.py ``reduce_local_grads``), a pass of about 12 bytes per parameter.
+        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9)
+        + (r * 12 / (HOST_COPY_GBPS * 1e9) if ranks is not None else 0),
         **({"layer reduce-scatter + drain (serial)": sum(ranks.drain_first_s) + (grad_accum - 1) * sum(ranks.drain_s),
             "residents' gloo collectives (serial)": ranks.residents_s} if ranks is not None else {}),
         **({"CPU optimizer (beyond the next forward)": max(0.0, host_left - sum(fwd) - head / 3)}

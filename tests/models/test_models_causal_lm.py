@@ -349,3 +349,15 @@ def test_host_computed_target_rows_give_the_same_loss_grads_and_count(tiny_archs
     assert torch.equal(loss, ref)
     assert all(torch.equal(a, b) for a, b in zip(param_grads(module, loss).values(), param_grads(module, ref).values()))
     assert module.on_before_batch_transfer(input_ids, 0) is input_ids  # other batch types pass through
+
+
+@pytest.mark.parametrize("experts", [None, "eager", "grouped_mm"])
+def test_experts_implementation_reaches_the_model(experts):
+    """``experts_implementation`` goes to transformers as its own keyword (the ready gpt-oss configs set "eager"); None
+    leaves transformers' choice, which is grouped_mm in transformers 5 where torch has it."""
+    config = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    module = build(config, experts_implementation=experts)
+    assert module.hparams.experts_implementation == experts
+    assert module.model.config._experts_implementation == (experts or "grouped_mm")

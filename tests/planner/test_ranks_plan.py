@@ -82,7 +82,7 @@ def test_three_b_scaling_on_the_h200_hosts():
     """docs/multi-gpu.md's table: the Llama-3.2-3B shape, 8 x 1024 tokens per micro-batch and rank, accumulation 4."""
     plans = {n: _on(n) for n in HOSTS}
     tokens = {n: round(p.tokens_per_s, -1) for n, p in plans.items()}
-    assert tokens == {1: 8570, 2: 16360, 4: 39420, 8: 87190}
+    assert tokens == {1: 8570, 2: 16120, 4: 38720, 8: 85490}
     assert all(p.fits for p in plans.values())
     assert {n: round(p.host_total / GIB, 1) for n, p in plans.items()} == {1: 54.1, 2: 65.0, 4: 83.3, 8: 119.8}
     assert {n: round(p.gpu_total / GIB, 1) for n, p in plans.items()} == {1: 13.6, 2: 14.9, 4: 14.9, 8: 14.9}
@@ -94,7 +94,7 @@ def test_three_b_scaling_on_the_h200_hosts():
     assert round(two.ranks["residents_gloo_s"], 3) == 0.315
     assert round(two.time["CPU optimizer (serial)"], 3) == 0.446  # half the parameters on 16 of the 32 cores
     alone = plan(LLAMA_3B, **BATCH, machine=Machine(host_ram_gib=256, gpu_mem_gib=139, cpu_cores=32))
-    assert round(alone.tokens_per_s) == 9705 and round(two.tokens_per_s / alone.tokens_per_s, 2) == 1.69
+    assert round(alone.tokens_per_s) == 9705 and round(two.tokens_per_s / alone.tokens_per_s, 2) == 1.66
 
 
 def test_qwen25_14b_on_two_ranks_fits_a_256_gib_host_barely():
@@ -103,7 +103,7 @@ def test_qwen25_14b_on_two_ranks_fits_a_256_gib_host_barely():
     assert round(p.host_total / GIB, 1) == 248.2 and round(p.host_usable / GIB, 1) == 248.3
     assert p.long_context["device_checkpoints"] == 46  # the host leaves the layer inputs 0.4 GiB: most on the GPU
     assert round(p.gpu_total / GIB, 1) == 37.3
-    assert round(p.tokens_per_s, -1) == 3660
+    assert round(p.tokens_per_s, -1) == 3620
 
 
 def test_setup_peak_is_judged():
@@ -157,7 +157,7 @@ def test_command(capsys):
             "--host-ram", "256", "--gpu-mem", "139", "--cpu-cores", "32", "--devices", "2"]
     assert plan_main(args) == 0
     out = capsys.readouterr().out
-    assert "Ranks: 2 (2 per host, one host)" in out and "x 2 ranks" in out and "16,358 tokens/s" in out
+    assert "Ranks: 2 (2 per host, one host)" in out and "x 2 ranks" in out and "16,117 tokens/s" in out
     with pytest.raises(SystemExit):
         plan_main(args + ["--largest"])
     assert "--largest plans one rank" in capsys.readouterr().err
