@@ -1,6 +1,6 @@
-"""The 70B/120B class (docs/scale.md): the plan of the truncated Llama-3.1-70B shape against its H200 runs, the
-gpt-oss-120b shape as the planner reads it, and the full-depth and largest-model tables, pinned as the planner
-computes them (benchmarks/scale_plan.py prints the tables; CPU, no downloads)."""
+"""The 70B/120B class (docs/scale.md): the plans of the truncated Llama-3.1-70B and gpt-oss-120b shapes against
+their H200 runs, the gpt-oss-120b shape as the planner reads it, and the full-depth and largest-model tables, pinned
+as the planner computes them (benchmarks/scale_plan.py prints the tables; CPU, no downloads)."""
 
 from __future__ import annotations
 
