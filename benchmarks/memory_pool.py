@@ -44,9 +44,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import workloads  # noqa: E402
+from scale_plan import GPT_OSS_120B, LLAMA_31_70B  # noqa: E402
 
 GIB = 2**30
-from scale_plan import GPT_OSS_120B, LLAMA_31_70B  # noqa: E402
 
 LLAMA2_13B = dict(workloads._LLAMA, vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                   num_attention_heads=40, num_key_value_heads=40, tie_word_embeddings=False,
@@ -55,18 +55,6 @@ LLAMA2_13B = dict(workloads._LLAMA, vocab_size=32000, hidden_size=5120, intermed
 
 SHAPES = {"llama-2-13b": LLAMA2_13B, "llama-3.1-70b": LLAMA_31_70B,
           "gpt-oss-120b": json.loads(GPT_OSS_120B.read_text())}
-EAGER = {"gpt_oss"}  # model types transformers gives no SDPA (gpt-oss: the attention sinks)
-
-
-def shape_at(name: str, layers: int | None) -> dict:
-    """The HF config dict of ``name`` at ``layers`` decoder layers (its own depth when None), a ``layer_types``
-    pattern repeated to that depth as the planner does (planner/capacity.py)."""
-    config = dict(SHAPES[name])
-    if layers is not None:
-        config["num_hidden_layers"] = layers
-        if config.get("layer_types"):
-            config["layer_types"] = [config["layer_types"][i % len(config["layer_types"])] for i in range(layers)]
-    return config
 
 
 class HostStepClock:
@@ -266,7 +254,7 @@ def planned(config: dict, micro_batch: int, seq_len: int, host_gib: float | None
     return {"fits": p.fits, "gpu_optimizer_groups": p.assumptions["gpu_optimizer_groups"],
             "memory_pool": p.memory_pool, "tokens_per_s": p.tokens_per_s, "host_gib": p.host_total / GIB,
             "host_usable_gib": p.host_usable / GIB, "gpu_peak_gib": p.gpu_total / GIB,
-            "gpu_allocated_gib": (p.gpu_total - p.gpu["runtime reserve"]) / GIB, "time_s": p.time,
+            "gpu_allocated_gib": p.gpu_allocated / GIB, "time_s": p.time,
             "verdict": p.verdict()}
 
 
@@ -307,15 +295,17 @@ def main() -> None:
 
     from lightning_megatrain import MegaTrainStrategy
     from lightning_megatrain._hardware import H100_BF16_PEAK_FLOPS, host_rss_gib
+    from lightning_megatrain.planner import describe
+    from lightning_megatrain.planner.capacity import with_layers
 
     if args.dry_run:
         config = dict(workloads.MODELS["tiny-llama"]["config"], num_hidden_layers=2)
-    else:
-        config = shape_at(args.model, args.layers)
+    else:  # at --layers, a layer_types pattern repeated to that depth as the planner repeats it
+        config = with_layers(SHAPES[args.model], args.layers) if args.layers else dict(SHAPES[args.model])
     if args.experts_implementation:
         config["experts_implementation"] = args.experts_implementation
     full_depth = SHAPES[args.model]["num_hidden_layers"]
-    attn = "eager" if config["model_type"] in EAGER else "sdpa"
+    attn = describe(workloads.hf_config(config)).attn  # transformers' own: eager where it has no SDPA (gpt-oss)
     micro_batch, seq_len = (2, 64) if args.dry_run else (args.micro_batch, args.seq_len)
     steps = 4 if args.dry_run else args.steps
     on_cuda = torch.cuda.is_available() and not args.dry_run

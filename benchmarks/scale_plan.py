@@ -22,8 +22,8 @@ from pathlib import Path
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.planner import HOST_STATE_BYTES, Machine, host_os_reserve, plan
-from lightning_megatrain.planner.capacity import _with_layers, largest_models
-from lightning_megatrain.planner.constants import COMPACT_ADAM_GPARAMS, TORCH_ADAM_GPARAMS
+from lightning_megatrain.planner.capacity import largest_models, with_layers
+from lightning_megatrain.planner.planning import host_update_gparams
 from lightning_megatrain.planner.shape import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,13 +60,13 @@ def measured_rows() -> list[dict]:
     for name in RUNS:
         run = json.loads((RESULTS / name).read_text())
         model = {"llama-3.1-70b": LLAMA_31_70B, "gpt-oss-120b": GPT_OSS_120B}[run["model"].split(" ")[0]]
-        config = _with_layers(load_config(model), run["layers"])
+        config = with_layers(load_config(model), run["layers"])
         p = plan(config, seq_len=run["seq_len"], micro_batch=run["micro_batch"], host_state=run["host_state"],
                  attn_implementation=run["attn_implementation"], machine=H200_AS_RUN,
                  config=ENGINE.replace(host_state=run["host_state"], keep_layers=run["keep_layers"]))
         m = run["measured"]
         host_steps = sorted(m["host_step_s"][1:])  # the first step's builds the states
-        gpu = (p.gpu_total - p.gpu["runtime reserve"]) / GIB
+        gpu = p.gpu_allocated / GIB
         out.append({
             "model": run["model"].split(" ")[0], "layers": run["layers"], "host_state": run["host_state"],
             "n_params": run["n_params"], "plan": p,
@@ -89,7 +89,7 @@ def per_layer(rows: list[dict]) -> list[dict]:
         n = b["layers"] - a["layers"]
         d = {k: (b[k] - a[k]) / n for k in ("step_plan", "step_measured", "host_plan", "host_measured",
                                              "host_step_measured")}
-        rate = TORCH_ADAM_GPARAMS if a["host_state"] == "fp32" else COMPACT_ADAM_GPARAMS  # 16 cores: as measured
+        rate = host_update_gparams("adamw", a["host_state"], overlapped=True)  # on 16 cores, as the runs had
         d["host_step_plan"] = (b["n_params"] - a["n_params"]) / n / (rate * 1e9)
         out.append({"model": a["model"], "host_state": a["host_state"], "layers": (a["layers"], b["layers"]), **d})
     return out

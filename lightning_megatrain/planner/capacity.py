@@ -36,12 +36,19 @@ class Capacity:
     gpu_total: int = 0  # bytes, that plan's GPU peak
 
 
-def _with_layers(config: Any, layers: int) -> Any:
-    out = copy.deepcopy(config)
-    out.num_hidden_layers = layers
-    pattern = getattr(config, "layer_types", None)
+def with_layers(config: Any, layers: int) -> Any:
+    """``config`` (a ``PretrainedConfig`` or an HF config dict) at ``layers`` decoder layers, a copy: a
+    ``layer_types`` pattern (gpt-oss's sliding and full attention) repeated to that depth."""
+    is_dict = isinstance(config, dict)
+    pattern = config.get("layer_types") if is_dict else getattr(config, "layer_types", None)
+    changes: dict[str, Any] = {"num_hidden_layers": layers}
     if isinstance(pattern, list) and pattern:
-        out.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
+        changes["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
+    if is_dict:
+        return {**config, **changes}
+    out = copy.deepcopy(config)
+    for key, value in changes.items():
+        setattr(out, key, value)
     return out
 
 
@@ -98,7 +105,7 @@ def largest_models(model: Any, *, host_states: tuple[str, ...] = tuple(HOST_STAT
         rows += [(state, config.replace(gpu_optimizer_groups="auto"), True) for state in host_states]
     out = []
     for state, row_config, both in rows:
-        at = lambda layers: plan(_with_layers(base, layers), host_state=state, config=row_config,  # noqa: E731
+        at = lambda layers: plan(with_layers(base, layers), host_state=state, config=row_config,  # noqa: E731
                                  **plan_kwargs)
         one, two = at(1), at(2)
         per_layer = two.host_total - one.host_total

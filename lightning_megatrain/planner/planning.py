@@ -131,6 +131,12 @@ class Plan:
         return _gpu_peak(self.gpu)
 
     @property
+    def gpu_allocated(self) -> int:
+        """The GPU peak less the runtime reserve: the tensors ``torch.cuda.max_memory_allocated`` counts, what a run
+        is compared with."""
+        return self.gpu_total - self.gpu["runtime reserve"]
+
+    @property
     def host_usable(self) -> int:
         """Host RAM the plan may use: the limit less what is left to the OS and other processes."""
         return self.host_limit - self.host_reserve
@@ -300,8 +306,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
            "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups,
            "host_state": host_state}
-    opt_rate = TORCH_ADAM_GPARAMS if overlap and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
-    opt_rate = opt_rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
+    opt_rate = host_update_gparams(optimizer, host_state, overlap)
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
@@ -352,10 +357,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     step = t["step total"] = _step_total(t)
     overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
     if not overlap and world == 1:
-        rate = TORCH_ADAM_GPARAMS if optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
-        rate = rate if host_state == "fp32" else COMPACT_ADAM_GPARAMS
         overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{
-            **tkw, "overlap_optimizer": True, "opt_rate": rate * cores / CPU_REF_CORES,
+            **tkw, "overlap_optimizer": True,
+            "opt_rate": host_update_gparams(optimizer, host_state, True) * cores / CPU_REF_CORES,
             "speculated_layers": speculated}))
     tokens = micro_batch * seq_len * grad_accum * world
     active = sum(ly.active for ly in s.layers) + s.resident_params
@@ -405,6 +409,14 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(
             s, micro_batch, seq_len, gkw, {**tkw, "speculated_layers": 0}, gpu_limit)
     return p
+
+
+def host_update_gparams(optimizer: str, host_state: str, overlapped: bool) -> float:
+    """Gparam/s of the host optimizer step on ``CPU_REF_CORES`` cores: CompactAdamW's native kernel for a compact
+    ``host_state``, torch's fused AdamW for an overlapped Adam/AdamW step, else the optimizer's serial rate."""
+    if host_state != "fp32":
+        return COMPACT_ADAM_GPARAMS
+    return TORCH_ADAM_GPARAMS if overlapped and optimizer in ("adamw", "adam") else OPTIMIZERS[optimizer][1]
 
 
 def _step_total(t: dict[str, float]) -> float:

@@ -5,6 +5,7 @@ as the planner computes them (benchmarks/scale_plan.py prints the tables; CPU, n
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from lightning_megatrain import planner
 from lightning_megatrain._hardware import GIB
-from lightning_megatrain.planner.capacity import _with_layers, largest_models
+from lightning_megatrain.planner.capacity import largest_models, with_layers
 from lightning_megatrain.planner.shape import load_config
 from lightning_megatrain.planner.timing import _attn_flops
 
@@ -67,9 +68,13 @@ def test_gpt_oss_120b_shape(scale):
     expert = 128 * (2880 * 2 * 2880 + 2 * 2880 + 2880 * 2880 + 2880)  # gate_up and down, with biases, per expert
     assert ly.moe and ly.active == ly.numel - expert + expert * 4 // 128
     assert _attn_flops(s, s.layers[0], 4096) == 4 * 64 * 64 * 128 * (1 - 128 / (2 * 4096))
-    four = planner.describe(_with_layers(load_config(scale.GPT_OSS_120B), 4))
+    four = planner.describe(with_layers(load_config(scale.GPT_OSS_120B), 4))
     assert [ly.window for ly in four.layers] == [128, None, 128, None]
     assert four.n_params == s.resident_params + 4 * ly.numel
+    hub = json.loads(scale.GPT_OSS_120B.read_text())  # a config dict (benchmarks/memory_pool.py) cut the same way
+    cut = with_layers(hub, 3)
+    assert cut["num_hidden_layers"] == 3 and hub["num_hidden_layers"] == 36  # a copy
+    assert cut["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
 
 
 def test_full_depth_on_a_1_5_and_a_1_tib_host(scale):
