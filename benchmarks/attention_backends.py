@@ -1,12 +1,13 @@
 """Causal attention at long context through each of SDPA's fused backends: time, TFLOP/s, memory and agreement.
 
 One row per (backend, T): bf16 q/k/v laid out as transformers' Llama attention makes them (``[B, T, heads, D]``
-projections viewed as ``[B, heads, T, D]``), ``is_causal=True``, no mask. Timed with CUDA events around ``reps``
+projections viewed as ``[B, heads, T, D]``; ``--contiguous``: ``[B, heads, T, D]`` in memory), ``is_causal=True``,
+no mask. Timed with CUDA events around ``reps``
 calls after one warm-up: the forward alone, then forward and backward. FLOPs (FlashAttention's convention): a
 causal forward is ``2 * B * T^2 * heads * D`` (two matmuls of ``2 * T^2 * D`` per head, halved by the causal mask),
 the backward 2.5 times that. Agreement: the largest absolute difference of the output and of dq against the flash
-backend's, beside flash's own difference from an fp32 math reference on the first 8,192 positions (the rows that
-fit the math kernel; past them no reference exists).
+backend's (and the default's output against cuDNN's: 0 where torch chose it), beside flash's own difference from
+an fp32 math reference on the first 8,192 positions (the rows that fit the math kernel; past them no reference).
 
     python benchmarks/attention_backends.py --seq-lens 32768,131072 --out $OUT/attention-backends.json
 """
@@ -14,6 +15,7 @@ fit the math kernel; past them no reference exists).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -22,16 +24,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "default": None}
 
 
-def _qkv(seq: int, heads: int, head_dim: int, seed: int = 0) -> list[torch.Tensor]:
+def _qkv(seq: int, heads: int, head_dim: int, contiguous: bool, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for _ in range(3):
         # [B, T, heads, D] -> [B, heads, T, D], as the model's view(...).transpose(1, 2)
         x = torch.randn(1, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        out.append(x.transpose(1, 2).requires_grad_())
+        x = x.transpose(1, 2)
+        out.append((x.contiguous() if contiguous else x).requires_grad_())
     return out
 
 
@@ -46,13 +49,15 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def run(backend: str, seq: int, heads: int, head_dim: int, reps: int, reference: dict) -> dict:
-    q, k, v = _qkv(seq, heads, head_dim)
-    grad = torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+def run(backend: str, seq: int, heads: int, head_dim: int, reps: int, reference: dict, contiguous: bool) -> dict:
+    q, k, v = _qkv(seq, heads, head_dim, contiguous)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    grad = torch.randn(1, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     flops_fwd = 2 * seq * seq * heads * head_dim
-    row = dict(backend=backend, seq_len=seq, heads=heads, head_dim=head_dim)
+    row = dict(backend=backend, seq_len=seq, heads=heads, head_dim=head_dim, contiguous=contiguous)
     try:
-        with sdpa_kernel(BACKENDS[backend]):
+        chosen = BACKENDS[backend]  # None: torch's own choice among them
+        with sdpa_kernel(chosen) if chosen is not None else contextlib.nullcontext():
             def fwd():
                 with torch.no_grad():
                     return sdpa(q, k, v, is_causal=True)
@@ -86,6 +91,10 @@ def run(backend: str, seq: int, heads: int, head_dim: int, reps: int, reference:
         else:
             row.update(out_vs_flash=float((out - reference["out"]).abs().max()),
                        dq_vs_flash=float((dq - reference["dq"]).abs().max()))
+        if backend == "cudnn":
+            reference.update(cudnn_out=out)
+        if backend == "default" and "cudnn_out" in reference:  # 0: torch chose cuDNN
+            row.update(out_vs_cudnn=float((out - reference["cudnn_out"]).abs().max()))
     except RuntimeError as err:  # a backend that refuses the shape, or runs out of memory
         row["error"] = str(err).splitlines()[0][:200]
     return row
@@ -96,15 +105,17 @@ def main() -> None:
     ap.add_argument("--seq-lens", default="32768,131072")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--contiguous", action="store_true", help="q, k, v contiguous as [B, heads, T, D]")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--backends", default="flash,cudnn,efficient", help="flash first: the others are compared to it")
+    ap.add_argument("--backends", default="flash,cudnn,efficient,default",
+                    help="flash first: the others are compared to it; default: no backend named (torch chooses)")
     ap.add_argument("--out", default="benchmarks/results/attention-backends.json")
     args = ap.parse_args()
     rows = []
     for seq in (int(s) for s in args.seq_lens.split(",")):
         reference: dict = {}
         for backend in args.backends.split(","):
-            row = run(backend, seq, args.heads, args.head_dim, args.reps, reference)
+            row = run(backend, seq, args.heads, args.head_dim, args.reps, reference, args.contiguous)
             rows.append(row)
             torch.cuda.empty_cache()  # the row's tensors are gone: give their blocks back for a longer T
             print(json.dumps(row), flush=True)

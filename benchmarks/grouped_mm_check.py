@@ -4,6 +4,8 @@ context): a small GptOss (hidden 256, 16 experts, top-4, 2 layers, 4 x 256 token
 
 - ``plain``: the model in bf16 on the GPU, two forward and backward passes (no optimizer step), no strategy;
 - ``plain_compiled``: the same with each decoder layer compiled (``layer.compile()``, as a plain user would);
+- ``plain_dynamic``: compiled with ``dynamic=True`` (the strategy marks the batch and sequence dims dynamic);
+- ``plain_autocast``: fp32 weights under bf16 autocast, layers compiled (as the strategy's bf16-mixed computes);
 - ``megatrain`` / ``megatrain_compiled``: ``CausalLMModule`` with ``MegaTrainStrategy(compile_layers=False/True)``,
   bf16-mixed, two optimizer steps.
 
@@ -14,6 +16,7 @@ context): a small GptOss (hidden 256, 16 experts, top-4, 2 layers, 4 x 256 token
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -31,12 +34,15 @@ if mode.startswith("plain"):
     from transformers import AutoConfig, AutoModelForCausalLM
     kwargs = dict(config)
     cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.bfloat16).cuda()
-    if mode == "plain_compiled":
+    dtype = torch.float32 if mode == "plain_autocast" else torch.bfloat16
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=dtype).cuda()
+    if mode != "plain":
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(dynamic=True if mode == "plain_dynamic" else None)
     for _ in range(2):
-        model(input_ids=ids.cuda(), labels=ids.cuda()).loss.backward()
+        with torch.autocast("cuda", torch.bfloat16, enabled=mode == "plain_autocast"):
+            loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
+        loss.backward()
 else:
     import lightning as L
     from lightning_megatrain import MegaTrainStrategy
@@ -55,16 +61,19 @@ print("ok")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("impls", nargs="*", default=["grouped_mm", "eager"])
-    ap.add_argument("--modes", default="plain,plain_compiled,megatrain,megatrain_compiled")
+    ap.add_argument("--modes", default="plain,plain_compiled,plain_dynamic,plain_autocast,megatrain,megatrain_compiled")
     ap.add_argument("--heads", type=int, default=4,
                     help="attention heads: gpt-oss's sinks parameter has one element per head (4: 8 bf16 bytes)")
+    ap.add_argument("--blocking", action="store_true",
+                    help="CUDA_LAUNCH_BLOCKING=1 in each case: a device-side assert is raised by the op that failed")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per case (compiling one takes a minute)")
     args = ap.parse_args()
     for mode in args.modes.split(","):
         for impl in args.impls:
             try:
+                env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1") if args.blocking else None
                 r = subprocess.run([sys.executable, "-c", CHILD, mode, impl, str(args.heads)], capture_output=True,
-                                   text=True, timeout=args.timeout)
+                                   text=True, timeout=args.timeout, env=env)
             except subprocess.TimeoutExpired:
                 print(f"{mode} {impl} heads={args.heads}: TIMEOUT after {args.timeout:g} s", flush=True)
                 continue
@@ -72,7 +81,7 @@ def main() -> None:
             ok = r.returncode == 0 and last == "ok"
             print(f"{mode} {impl} heads={args.heads}: {'ok' if ok else 'FAILED'}", flush=True)
             if not ok:  # the traceback's last frames and the error
-                print("\n".join(r.stderr.strip().splitlines()[-24:]), flush=True)
+                print("\n".join(r.stderr.strip().splitlines()[-40:]), flush=True)
 
 
 if __name__ == "__main__":
