@@ -278,6 +278,8 @@ def main() -> None:
                          "bf16 with grouped_mm and compiled layers hit a device-side assert in torch 2.11's grouped "
                          "GEMM on the H200 (benchmarks/results/2026-12-04-memory-pool-gpt-oss-120b-2l-compact-"
                          "grouped-mm-assert-h200-c61a4e0.log); eager loops over the experts that have tokens")
+    ap.add_argument("--compile-layers", type=lambda v: {"auto": "auto", "true": True, "false": False}[v],
+                    default="auto", help="MegaTrainStrategy(compile_layers=...): auto (the default), true, false")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8,
@@ -359,7 +361,8 @@ def main() -> None:
     data = torch.randint(0, config["vocab_size"], (micro_batch * steps, seq_len))
     loader = torch.utils.data.DataLoader(data, batch_size=micro_batch)
     strategy = MegaTrainStrategy(host_state=args.host_state, gpu_optimizer_groups=args.gpu_optimizer_groups,
-                                 keep_layers=args.keep_layers, update_during_backward=args.update_during_backward)
+                                 keep_layers=args.keep_layers, update_during_backward=args.update_during_backward,
+                                 compile_layers=args.compile_layers)
     trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, strategy=strategy,
                         precision="bf16-mixed" if on_cuda or dtype == "bfloat16" else "32-true", max_steps=steps,
                         gradient_clip_val=1.0,
@@ -378,6 +381,7 @@ def main() -> None:
         f"{config['num_hidden_layers']} layers",
         "layers": config["num_hidden_layers"], "attn_implementation": attn, "keep_layers": args.keep_layers,
         "update_during_backward": args.update_during_backward, "experts_implementation": args.experts_implementation,
+        "compile_layers": args.compile_layers,
         "n_params": n_params, "host_state": args.host_state, "gpu_optimizer_groups_option": args.gpu_optimizer_groups,
         "micro_batch": micro_batch, "seq_len": seq_len, "steps": steps, "host_limit_gib": args.host_gib,
         "measured": {"tokens_per_s": micro_batch * seq_len / step_s, "step_s": step_s,
