@@ -6,8 +6,8 @@ context): a small GptOss (hidden 256, 16 experts, top-4, 2 layers, 4 x 256 token
 - ``plain_compiled``: the same with each decoder layer compiled (``layer.compile()``, as a plain user would);
 - ``plain_dynamic``: compiled with ``dynamic=True`` (the strategy marks the batch and sequence dims dynamic);
 - ``plain_autocast``: fp32 weights under bf16 autocast, layers compiled (as the strategy's bf16-mixed computes);
-- ``megatrain`` / ``megatrain_compiled``: ``CausalLMModule`` with ``MegaTrainStrategy(compile_layers=False/True)``,
-  bf16-mixed, two optimizer steps.
+- ``megatrain`` / ``megatrain_compiled`` / ``megatrain_auto``: ``CausalLMModule`` with
+  ``MegaTrainStrategy(compile_layers=False/True/"auto")``, bf16-mixed, two optimizer steps.
 
     python benchmarks/grouped_mm_check.py             # one line per case and experts implementation: ok, or the error
     python benchmarks/grouped_mm_check.py grouped_mm --modes megatrain --heads 8   # one case, 8 heads
@@ -44,12 +44,15 @@ if mode.startswith("plain"):
             loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
         loss.backward()
 else:
+    import logging
     import lightning as L
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's placement lines
     from lightning_megatrain import MegaTrainStrategy
     from lightning_megatrain.models import CausalLMModule
     module = CausalLMModule(config=config, attn_implementation="eager")
     loader = torch.utils.data.DataLoader([{"input_ids": row, "labels": row} for row in ids], batch_size=4)
-    strategy = MegaTrainStrategy(compile_layers=mode == "megatrain_compiled", overlap_optimizer=False,
+    compile_layers = {"megatrain": False, "megatrain_compiled": True, "megatrain_auto": "auto"}[mode]
+    strategy = MegaTrainStrategy(compile_layers=compile_layers, overlap_optimizer=False,
                                  gpu_optimizer_groups=0)
     L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=2, logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module, loader)
@@ -79,7 +82,8 @@ def main() -> None:
                 continue
             last = (r.stdout.strip().splitlines() or [""])[-1]
             ok = r.returncode == 0 and last == "ok"
-            print(f"{mode} {impl} heads={args.heads}: {'ok' if ok else 'FAILED'}", flush=True)
+            chose = [line for line in r.stderr.splitlines() if "MegaTrain: compile_layers=" in line]
+            print(f"{mode} {impl} heads={args.heads}: {'ok' if ok else 'FAILED'}", *chose[:1], flush=True)
             if not ok:  # the traceback's last frames and the error
                 print("\n".join(r.stderr.strip().splitlines()[-40:]), flush=True)
 

@@ -63,7 +63,9 @@ def measured_rows() -> list[dict]:
         config = with_layers(load_config(model), run["layers"])
         p = plan(config, seq_len=run["seq_len"], micro_batch=run["micro_batch"], host_state=run["host_state"],
                  attn_implementation=run["attn_implementation"], machine=H200_AS_RUN,
-                 config=ENGINE.replace(host_state=run["host_state"], keep_layers=run["keep_layers"]))
+                 config=ENGINE.replace(host_state=run["host_state"], keep_layers=run["keep_layers"],
+                                       # runs before memory_pool.py's --compile-layers ran "auto": compiled
+                                       compile_layers=run.get("compile_layers", True)))
         m = run["measured"]
         host_steps = sorted(m["host_step_s"][1:])  # the first step's builds the states
         gpu = p.gpu_allocated / GIB

@@ -47,6 +47,16 @@ higher-order op ("HOP: Unsafe side effect": eager checkpointing would replay it 
 the layer's graph broke there and the checkpoint ran eagerly, losing the selective saving. The router's variable is
 restored before the forward returns, so nothing needs replaying: the compiled call runs with dynamo's
 ``skip_fwd_side_effects_in_bwd_under_checkpoint`` on (where this torch has it), and the layer compiles whole again.
+
+Layers left eager: ``compile_layers="auto"`` does not compile a model that :func:`compile_hazard` names. gpt-oss with
+transformers' default experts implementation, ``grouped_mm``, ended its first compiled step through the strategy in
+a device-side assert on the H200 (torch 2.11, transformers 5.17: a 2-layer, 16-expert model and the 120B shape
+truncated to 2 layers), while the same model trained there compiled without the strategy, with or without dynamic
+shapes, and through the strategy with eager layers (benchmarks/grouped_mm_check.py,
+benchmarks/results/2026-12-04-grouped-mm-check-*); the cause is not found. With eager layers and ``grouped_mm`` the
+120B shape trained 2.05x faster than compiled layers with eager experts (10,495 against 5,124 tokens/s at 8 x 4,096,
+2 layers, compact state), so eager layers are the faster of the two that work. An explicit ``compile_layers=True``
+is used as given, with a warning.
 """
 
 from __future__ import annotations
@@ -131,6 +141,18 @@ def _mark_token_dims(arguments: dict[str, Any]) -> None:
                 if -t.dim() <= d < t.dim() and d % t.dim() not in marked and t.shape[d] == sizes[role] >= 2:
                     marked.add(d % t.dim())
                     torch._dynamo.maybe_mark_dynamic(t, d % t.dim())
+
+
+def compile_hazard(hf_config: Any) -> str | None:
+    """Why ``compile_layers="auto"`` leaves this model's decoder layers eager, or ``None`` (see [Note: compiled
+    layers]): ``hf_config`` is the model's HF config (``None``: none known, compiled as usual)."""
+    if getattr(hf_config, "model_type", None) != "gpt_oss":
+        return None
+    # None: transformers' default, grouped_mm wherever it dispatches (a CUDA device)
+    if getattr(hf_config, "_experts_implementation", None) not in (None, "grouped_mm"):
+        return None
+    return ("gpt-oss experts through transformers' grouped_mm hit a device-side assert in compiled layers on the "
+            "H200 (torch 2.11); eager layers train them")
 
 
 def compile_layer_forward(forward: Callable[..., Any]) -> Callable[..., Any]:

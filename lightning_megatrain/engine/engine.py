@@ -33,7 +33,7 @@ from lightning_megatrain.engine.host_store import (
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
 from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.pinned import HostRegistry
-from lightning_megatrain.engine.placement import resolve
+from lightning_megatrain.engine.placement import module_hf_config, resolve
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
@@ -130,7 +130,8 @@ class MegaTrainEngine(FirstBatchPlacement):
             self.config = sharded_config(self.config, self.ranks.world)
         layout = HOST_STATE_LAYOUTS[self.config.host_state]
         check_layout_compute(self.config.host_state, self.compute_dtype)
-        self.config = resolve(self.config, self.device)  # the "auto" options ([Note: auto placement])
+        # the "auto" options ([Note: auto placement])
+        self.config = resolve(self.config, self.device, module_hf_config(module))
         path, stack = find_layer_stack(module, self.config.layers)
         resident_slots = tensor_slots(module, skip=stack)
         check_layers_independent(stack, resident_slots)

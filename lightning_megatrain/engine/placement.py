@@ -8,7 +8,9 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 - ``compile_layers``: on for a CUDA compute device where Triton is usable. Compiled Llama layers fuse the
   elementwise work between the matmuls and keep 31% fewer activation bytes ([Note: compiled layers]); on the H200
   they made plain GPU training of the 3B shape 1.29x faster (docs/planner.md). Off on a CPU compute device, where
-  inductor's C++ build costs more than it saves for the small models one trains there, and where Triton is missing.
+  inductor's C++ build costs more than it saves for the small models one trains there, where Triton is missing, and
+  for a model whose layers failed compiled on the GPU (engine/compiled.py ``compile_hazard``: gpt-oss with
+  grouped_mm experts).
 - ``overlap_optimizer``: on for a CUDA compute device. The host Adam step otherwise idles the GPU for its whole
   length (0.73 s for 3.2B parameters on 16 cores, longer than a 32K-token forward). What made it opt-in, hooks
   reading parameters mid-update, the strategy now covers: it waits for the step before any user hook that runs
@@ -63,6 +65,7 @@ from transformers import PretrainedConfig
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.compiled import compile_hazard
 from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short
 from lightning_megatrain.engine.host_store import smaller_state_hint
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
@@ -77,20 +80,25 @@ def _triton_usable() -> bool:
     return has_triton()
 
 
-def resolve(config: EngineConfig, device: torch.device) -> EngineConfig:
-    """``config`` with every ``"auto"`` decided for ``device`` (see [Note: auto placement]); logs each decision."""
+def resolve(config: EngineConfig, device: torch.device, hf_config: PretrainedConfig | None = None) -> EngineConfig:
+    """``config`` with every ``"auto"`` decided for ``device`` and the model of ``hf_config`` (its HF config, ``None``
+    where it has none) (see [Note: auto placement]); logs each decision."""
     changes: dict[str, object] = {}
     on_cuda = device.type == "cuda"
+    hazard = compile_hazard(hf_config) if on_cuda else None
     if config.compile_layers == "auto":
         triton = on_cuda and _triton_usable()
-        changes["compile_layers"] = triton
+        compiled = changes["compile_layers"] = triton and hazard is None
         reason = (
             "CUDA with Triton: fused elementwise kernels, fewer saved activations; the first step compiles each "
             "layer class"
-            if triton
-            else "Triton is not usable here" if on_cuda else "CPU compute device"
+            if compiled
+            else hazard if triton else "Triton is not usable here" if on_cuda else "CPU compute device"
         )
-        log.info("MegaTrain: compile_layers=%s (auto: %s)", triton, reason)
+        log.info("MegaTrain: compile_layers=%s (auto: %s)", compiled, reason)
+    elif config.compile_layers and hazard is not None:
+        log.warning("MegaTrain: compile_layers=True as given, although %s (compile_layers='auto' leaves them eager)",
+                    hazard)
     overlap = config.overlap_optimizer
     if overlap == "auto":
         overlap = changes["overlap_optimizer"] = on_cuda or config.update_during_backward is True

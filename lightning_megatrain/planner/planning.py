@@ -17,6 +17,7 @@ import torch
 
 from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_os_reserve, host_ram_gib
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.compiled import compile_hazard
 from lightning_megatrain.engine.host_store import check_layout_compute
 from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
@@ -259,8 +260,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                          f"optimizer={optimizer!r}. HINT: optimizer='adamw', or host_state='fp32'.")
     if precision == "32-true":  # the engine's refusal of bf16 masters under fp32 compute
         check_layout_compute(host_state, torch.float32)
-    config = config.replace(
-        **{k: True for k in ("overlap_optimizer", "compile_layers") if getattr(config, k) == "auto"}
+    config = config.replace(  # compile_layers as the engine resolves it on a GPU (engine/placement.py)
+        **{k: True for k in ("overlap_optimizer",) if getattr(config, k) == "auto"},
+        **({"compile_layers": compile_hazard(model) is None} if config.compile_layers == "auto" else {}),
     )
     if config.gpu_optimizer_groups == "auto":
         kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,

@@ -130,7 +130,7 @@ def _tiny_engine(monkeypatch) -> MegaTrainEngine:
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2))
     config = EngineConfig(overlap_optimizer=False, compile_layers=False, keep_layers=0)
-    monkeypatch.setattr(engine_module, "resolve", lambda config, device: config.replace(segment_layers=1,
+    monkeypatch.setattr(engine_module, "resolve", lambda config, device, hf: config.replace(segment_layers=1,
                                                                                          device_checkpoints=0))
 
     class FakeDeviceGroup:

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import GptOssConfig, LlamaConfig
 
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine import placement
@@ -34,6 +34,32 @@ def test_auto_resolves_per_device_and_explicit_values_stay(monkeypatch, caplog):
     explicit = EngineConfig(compile_layers=False, overlap_optimizer=False, gpu_optimizer_groups=3,
                             update_during_backward=False)
     assert placement.resolve(explicit, CUDA) == explicit
+
+
+def _gpt_oss(**kwargs) -> GptOssConfig:
+    return GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_local_experts=4, vocab_size=128, **kwargs)
+
+
+@pytest.mark.parametrize("experts", [None, "grouped_mm", "eager"])
+def test_gpt_oss_with_grouped_mm_experts_stays_eager(monkeypatch, caplog, experts):
+    """gpt-oss whose experts run grouped_mm (transformers' default: ``None``) is not compiled by "auto" on a GPU, and
+    the plan prices it so (engine/compiled.py, ``compile_hazard``); eager experts and other models compile; an
+    explicit ``compile_layers=True`` stays, with a warning."""
+    monkeypatch.setattr(placement, "_triton_usable", lambda: True)
+    hf = _gpt_oss(experts_implementation=experts) if experts else _gpt_oss()
+    hazard = experts != "eager"
+    with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
+        chosen = placement.resolve(EngineConfig(), CUDA, hf)
+    assert chosen.compile_layers is (not hazard)
+    assert ("compile_layers=False (auto: gpt-oss experts through transformers' grouped_mm" in caplog.text) is hazard
+    assert placement.resolve(EngineConfig(), CUDA, LlamaConfig(**LLAMA_3B)).compile_layers is True
+    assert placement.resolve(EngineConfig(), torch.device("cpu"), hf).compile_layers is False
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_megatrain"):
+        assert placement.resolve(EngineConfig(compile_layers=True), CUDA, hf).compile_layers is True
+    assert ("compile_layers=True as given" in caplog.text) is hazard
+    assert plan(hf, seq_len=256, micro_batch=1).assumptions["compile_layers"] is (not hazard)
 
 
 def test_update_during_backward_follows_the_overlapped_step(caplog):
@@ -230,7 +256,7 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
     monkeypatch.setattr(first_batch, "choose_checkpoints", choose)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))
     resolve = engine_module.resolve  # as on a GPU: a CPU compute device resolves them to 1 and 0
-    monkeypatch.setattr(engine_module, "resolve", lambda config, device: resolve(config, device).replace(
+    monkeypatch.setattr(engine_module, "resolve", lambda config, device, hf: resolve(config, device, hf).replace(
         segment_layers="auto", device_checkpoints="auto", sub_segment_layers="auto"))
 
     class Drive(L.Callback):
