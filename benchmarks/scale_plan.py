@@ -29,9 +29,13 @@ from lightning_megatrain.planner.shape import load_config
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # The truncated-depth runs (`benchmarks/memory_pool.py`, 8 x 4,096 tokens, ENGINE's options, every layer recomputed),
-# in pairs of depths of one model; gpt-oss with transformers' eager experts (grouped_mm failed, docs/scale.md).
+# in pairs of depths of one model; gpt-oss with transformers' grouped_mm experts and eager layers (what
+# compile_layers="auto" chooses for it, engine/compiled.py ``compile_hazard``), then with eager experts and compiled
+# layers (the pair before; its experts loop is what the plan does not price, docs/scale.md).
 RUNS = ("2026-12-04-memory-pool-llama-3.1-70b-2l-h200-23adbf1.json",
         "2026-12-04-memory-pool-llama-3.1-70b-4l-h200-c61a4e0.json",
+        "2026-12-04-memory-pool-gpt-oss-120b-2l-compact-grouped-mm-eager-layers-h200-a82a356.json",
+        "2026-12-04-memory-pool-gpt-oss-120b-3l-compact-grouped-mm-eager-layers-h200-f1fa33b.json",
         "2026-12-04-memory-pool-gpt-oss-120b-2l-compact-eager-experts-h200-23adbf1.json",
         "2026-12-04-memory-pool-gpt-oss-120b-3l-compact-eager-experts-h200-23adbf1.json")
 # Llama-3.1-70B's config.json shape (meta-llama/Llama-3.1-70B; rope scaling does not change a plan)
@@ -40,7 +44,9 @@ LLAMA_31_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size":
                 "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 131072}
 GPT_OSS_120B = ROOT / "configs" / "hf" / "gpt-oss-120b.json"  # the Hub config.json without quantization_config
 MODELS = {"Llama-3.1-70B": LLAMA_31_70B, "gpt-oss-120b": GPT_OSS_120B}
-ENGINE = EngineConfig(overlap_optimizer=True, compile_layers=True, gpu_optimizer_groups=0, update_during_backward=False)
+# compile_layers "auto": as the strategy resolves it on a GPU (compiled Llama, eager gpt-oss: engine/compiled.py)
+ENGINE = EngineConfig(overlap_optimizer=True, compile_layers="auto", gpu_optimizer_groups=0,
+                      update_during_backward=False)
 HOSTS_GIB = (1536, 1024)  # "1.5 TB" (the MegaTrain paper's host) and "1 TB" as DIMMs come: 1.5 and 1 TiB
 SEQ, MICRO_BATCH = 4096, 8  # 32,768 tokens per step; gpt-oss's eager attention fits 9 rows of 4,096 on the H200
 
@@ -70,7 +76,9 @@ def measured_rows() -> list[dict]:
         host_steps = sorted(m["host_step_s"][1:])  # the first step's builds the states
         gpu = p.gpu_allocated / GIB
         out.append({
-            "model": run["model"].split(" ")[0], "layers": run["layers"], "host_state": run["host_state"],
+            "model": run["model"].split(" ")[0] + (f" ({run['experts_implementation']} experts)"
+                                                    if run.get("experts_implementation") else ""),
+            "layers": run["layers"], "host_state": run["host_state"],
             "n_params": run["n_params"], "plan": p,
             "host_plan": p.host_total / GIB, "host_measured": m["peak_host_rss_gib"],
             "gpu_plan": gpu, "gpu_measured": m["peak_gpu_allocated_gib"],

@@ -54,7 +54,8 @@ class EngineConfig:
 
     compile_layers: bool | Auto = "auto"
     """Run every decoder layer's forward through ``torch.compile`` (engine/streamed.py, [Note: compiled layers]).
-    ``"auto"``: on where the compute device is a GPU and Triton is usable, else off (engine/placement.py)."""
+    ``"auto"``: on where the compute device is a GPU and Triton is usable, else off, and off for a model whose layers
+    failed compiled there (engine/compiled.py ``compile_hazard``) (engine/placement.py)."""
 
     seq_tile: int | Auto | None = "auto"
     """Sequence positions per tile for the position-wise block of every decoder layer (its MLP or MoE block), in

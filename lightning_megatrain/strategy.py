@@ -130,7 +130,7 @@ class MegaTrainStrategy(CheckpointStrategy):
             grad mode, compiled during the first step (tens of seconds for a large layer on a GPU); dropout masks
             are replayed exactly in the recompute. Needs a working ``torch.compile`` (a C++ compiler on the CPU,
             Triton on CUDA), checked at setup. ``"auto"`` (default): on with a CUDA compute device where Triton is
-            usable, else off ([Note: auto placement]).
+            usable, else off, and off for gpt-oss with grouped_mm experts ([Note: auto placement]).
         seq_tile: sequence positions per tile for each decoder layer's MLP or MoE block, in forward and recompute, so
             its transient memory follows the tile, not the sequence; ``None`` untiled, ``"auto"`` (default) tiled for
             long sequences only (engine/tiling.py, [Note: sequence tiles]). The block's forward runs once more per

@@ -353,7 +353,7 @@ def test_host_computed_target_rows_give_the_same_loss_grads_and_count(tiny_archs
 
 @pytest.mark.parametrize("experts", [None, "eager", "grouped_mm"])
 def test_experts_implementation_reaches_the_model(experts):
-    """``experts_implementation`` goes to transformers as its own keyword (the ready gpt-oss configs set "eager"); None
+    """``experts_implementation`` goes to transformers as its own keyword (an option, for the experts' eager loop); None
     leaves transformers' choice, which is grouped_mm in transformers 5 where torch has it."""
     config = {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
               "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1,

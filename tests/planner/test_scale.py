@@ -31,26 +31,30 @@ def scale():
 
 def test_truncated_runs_against_their_plans(scale):
     """The H200 runs of 2 and 4 Llama-3.1-70B layers (fp32) and 2 and 3 gpt-oss-120b layers (compact), 8 x 4,096,
-    every layer recomputed, beside their plans (docs/scale.md): host RAM within 2.5% per run and per layer for both;
+    every layer recomputed, beside their plans (docs/scale.md): host RAM within 2.5% per run and per layer for all;
     70B tokens/s within 10% (it was 16-17% slow while the plan priced a host pass over the residents' grads that
-    the engine no longer makes); the GPU planned above the runs (eager activations for compiled layers); gpt-oss
-    tokens/s 2.3-2.4x too fast (eager experts: 3.0 s per layer against 1.07 planned), which the docs say."""
+    the engine no longer makes); the GPU planned above the runs (eager activations for compiled layers). gpt-oss
+    with grouped_mm experts and eager layers (compile_layers="auto"'s choice for it): tokens/s +11% and +2% (within
+    10% at 3 layers, not at 2); with eager experts and compiled layers 2.3-2.4x too fast (3.0 s per layer against
+    1.07 planned: the experts' loop, which the plan does not price), which the docs say."""
     rows = scale.measured_rows()
+    grouped, eager = "gpt-oss-120b (grouped_mm experts)", "gpt-oss-120b (eager experts)"
     assert [(r["model"], r["layers"], r["host_state"]) for r in rows] == [
-        ("llama-3.1-70b", 2, "fp32"), ("llama-3.1-70b", 4, "fp32"),
-        ("gpt-oss-120b", 2, "compact"), ("gpt-oss-120b", 3, "compact")]
+        ("llama-3.1-70b", 2, "fp32"), ("llama-3.1-70b", 4, "fp32"), (grouped, 2, "compact"), (grouped, 3, "compact"),
+        (eager, 2, "compact"), (eager, 3, "compact")]
     H, I, kv = 8192, 28672, 1024  # noqa: E741
     layer = 2 * H * H + 2 * H * kv + 3 * H * I + 2 * H  # q, o; k, v; gate, up, down; 2 norms
     assert rows[1]["plan"].n_params == rows[1]["n_params"] == 4 * layer + 2 * 128256 * H + H  # untied embeddings
     assert all(abs(r["host_err"]) < 0.025 for r in rows)  # -1% to +2.1%
-    assert [round(r["tokens_per_s_err"], 2) for r in rows[:2]] == [-0.06, -0.08]
+    assert [round(r["tokens_per_s_err"], 2) for r in rows[:4]] == [-0.06, -0.08, 0.11, 0.02]
     assert all(r["gpu_err"] > 0 for r in rows)  # the plan errs on the side of fitting
-    assert [round(r["tokens_per_s_err"], 1) for r in rows[2:]] == [1.3, 1.4]
-    llama, oss = scale.per_layer(rows)
-    assert abs(llama["host_plan"] / llama["host_measured"] - 1) < 0.01 and abs(oss["host_plan"] / oss["host_measured"]
-                                                                              - 1) < 0.02
+    assert [round(r["tokens_per_s_err"], 1) for r in rows[4:]] == [1.3, 1.4]
+    llama, oss, oss_eager = scale.per_layer(rows)
+    for one in (llama, oss, oss_eager):
+        assert abs(one["host_plan"] / one["host_measured"] - 1) < 0.02
     assert round(llama["step_plan"] / llama["step_measured"] - 1, 2) == 0.15
-    assert round(oss["host_step_plan"] / oss["host_step_measured"] - 1, 2) == -0.05  # the compact rate in a run
+    assert round(oss["step_plan"] / oss["step_measured"] - 1, 2) == 0.28  # a layer 0.83 s, planned 1.07
+    assert round(oss_eager["host_step_plan"] / oss_eager["host_step_measured"] - 1, 2) == -0.05  # compact, in a run
 
 
 def test_gpt_oss_120b_shape(scale):
