@@ -371,3 +371,12 @@ def test_memory_pool_benchmark_dry_run():
     census = json.loads(Path(samples["samples"]).with_name("memory-pool-h200.census.json").read_text())
     assert list(census) == ["after step 1", "after step 3"]
     assert all(c["storages"] > 0 and c["top"] and "MemAvailable" in c["meminfo"] for c in census.values())
+
+
+def test_peer_longest_dry_run_climbs_its_ladder():
+    """benchmarks/peer_longest.py: plain Lightning with HF checkpointing, one subprocess per length, both lengths of
+    the tiny ladder train (the H200 rows are docs/long-context.md's peer table)."""
+    out = _run(str(BENCH / "peer_longest.py"), "--dry-run", timeout=300)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["model"], r["seq_len"], r["ok"]) for r in rows] == [("tiny-llama", 64, True), ("tiny-llama", 128, True)]
+    assert all(r["step_s"] > 0 for r in rows)
