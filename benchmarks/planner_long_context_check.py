@@ -120,7 +120,8 @@ def layer_time(name: str, seq: int, tile: int | None) -> dict:
 
 
 def attention_time(seq: int, heads: int = 32, head_dim: int = 128) -> dict:
-    """Causal flash attention alone (sdpa), bf16 [1, heads, seq, head_dim]: forward, forward + backward."""
+    """Causal attention alone (sdpa: torch picks the kernel, cuDNN on the H200), bf16 [1, heads, seq, head_dim]:
+    forward, forward + backward."""
     torch.cuda.empty_cache()
     q, k, v = (torch.randn(1, heads, seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))

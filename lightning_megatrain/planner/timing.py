@@ -14,7 +14,8 @@ Work Partitioning"), i.e. 4*A*T_k per token with T_k = T/2 (``_keys``). Its back
 forward's 2 (2.5x); we count 2x, as PaLM does, and the rates are measured on the FLOPs counted so. At long sequences
 attention is most of a layer (Llama-2-7B: 73% of the forward at 131,072 tokens, 91% at 524,288), and the rate holds:
 one 7B layer at 131,072 tokens on the H200 ran 517 (forward) and 463 (recompute + backward) TFLOP/s counted this way,
-causal flash attention alone 556 and 463 (benchmarks/results/2026-12-01-planner-long-context-h200.json), against
+causal attention alone (SDPA's cuDNN kernel, torch's choice there: docs/planner.md) 556 and 463
+(benchmarks/results/2026-12-01-planner-long-context-h200.json), against
 ACHIEVED_TFLOPS = 450.
 
 Long context (``step_time``'s docstring): segments replay ``L - ceil(L/k)`` layer forwards per micro-batch (more
