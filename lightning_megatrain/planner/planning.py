@@ -58,7 +58,7 @@ from lightning_megatrain.planner.ranks import (
 )
 from lightning_megatrain.planner.report import render, verdict
 from lightning_megatrain.planner.search import groups_to_hide_optimizer, largest
-from lightning_megatrain.planner.shape import describe
+from lightning_megatrain.planner.shape import describe, load_config
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 
 
@@ -262,7 +262,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         check_layout_compute(host_state, torch.float32)
     config = config.replace(  # compile_layers as the engine resolves it on a GPU (engine/placement.py)
         **{k: True for k in ("overlap_optimizer",) if getattr(config, k) == "auto"},
-        **({"compile_layers": compile_hazard(model) is None} if config.compile_layers == "auto" else {}),
+        **({"compile_layers": compile_hazard(load_config(model)) is None} if config.compile_layers == "auto" else {}),
     )
     if config.gpu_optimizer_groups == "auto":
         kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,

@@ -60,6 +60,10 @@ def test_gpt_oss_with_grouped_mm_experts_stays_eager(monkeypatch, caplog, expert
         assert placement.resolve(EngineConfig(compile_layers=True), CUDA, hf).compile_layers is True
     assert ("compile_layers=True as given" in caplog.text) is hazard
     assert plan(hf, seq_len=256, micro_batch=1).assumptions["compile_layers"] is (not hazard)
+    as_dict = {k: v for k, v in hf.to_dict().items() if k != "experts_implementation"}  # a dict or path: the same
+    if experts:
+        as_dict["experts_implementation"] = experts
+    assert plan(as_dict, seq_len=256, micro_batch=1).assumptions["compile_layers"] is (not hazard)
 
 
 def test_update_during_backward_follows_the_overlapped_step(caplog):
