@@ -241,13 +241,14 @@ def _rss(pid: int) -> int:
 
 def planned(config: dict, micro_batch: int, seq_len: int, host_gib: float | None, gpu_gib: float | None,
             host_state: str, groups: int | str = "auto", attn_implementation: str = "sdpa",
-            update_during_backward: bool | str = "auto", keep_layers: int | str = "auto") -> dict:
+            update_during_backward: bool | str = "auto", keep_layers: int | str = "auto",
+            compile_layers: bool | str = "auto") -> dict:
     """The planner's prediction of this run: a machine whose usable host RAM is the budget (or this machine's)."""
     from lightning_megatrain.config import EngineConfig
     from lightning_megatrain.planner import Machine, plan
 
     engine = EngineConfig(host_state=host_state, gpu_optimizer_groups=groups, keep_layers=keep_layers,
-                          update_during_backward=update_during_backward)
+                          update_during_backward=update_during_backward, compile_layers=compile_layers)
     p = plan(workloads.hf_config(config), seq_len=seq_len, micro_batch=micro_batch, config=engine,
              host_state=host_state, attn_implementation=attn_implementation,
              machine=Machine(host_ram_gib=host_gib, gpu_mem_gib=gpu_gib))
@@ -313,7 +314,8 @@ def main() -> None:
     on_cuda = torch.cuda.is_available() and not args.dry_run
     gpu_gib = torch.cuda.mem_get_info()[1] / GIB if on_cuda else None
     prediction = planned(config, micro_batch, seq_len, args.host_gib, gpu_gib, args.host_state,
-                         args.gpu_optimizer_groups, attn, args.update_during_backward, args.keep_layers)
+                         args.gpu_optimizer_groups, attn, args.update_during_backward, args.keep_layers,
+                         args.compile_layers)
     print("planned:", prediction["verdict"], flush=True)
     if args.host_gib is not None:
         force_host_limit(args.host_gib)

@@ -96,7 +96,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if not row["ok"]:
-                break  # longer ones need more memory still
+                break  # longer ones need more memory (or time) still
     if not args.dry_run:
         with open(args.out, "w") as f:
             json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=1)

@@ -6,8 +6,8 @@ input, autocast without cache, sdpa): bytes saved by its forward and the peak of
 engine/tiling.py's ``SequenceTiles`` as the engine installs it (the MLP and the q/k/v projections in tiles of
 positions, each tile under a checkpoint, with the norms before them folded into the tiles), up to the 524,288-token
 row of the Llama-2-7B shape. The results of 2026-12-01 were measured before the folds, with the MLP alone tiled.
-Then the time of the layer's forward and of its recompute + backward at a long sequence, and of causal flash
-attention alone, against the FLOPs the planner counts.
+Then the time of the layer's forward and of its recompute + backward at a long sequence, and of causal attention
+alone (sdpa: torch picks the kernel, cuDNN on the H200), against the FLOPs the planner counts.
 Usage: python benchmarks/planner_long_context_check.py --out DIR   (writes DIR/planner_long_context_check.json)
 Results: benchmarks/results/2026-12-01-planner-long-context-h200.json (MLP alone tiled), and
 benchmarks/results/2026-12-02-planner-long-context-h200-folds-360d5cf.json (this version, memory part).

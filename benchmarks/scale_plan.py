@@ -1,13 +1,14 @@
-"""The 70B/120B class with `megatrain plan`: the truncated-depth H200 runs of the Llama-3.1-70B shape against the plan,
-the full-depth plans of Llama-3.1-70B and gpt-oss-120b on a 1.5 TiB and a 1 TiB host with one H200 in each
+"""The 70B/120B class with `megatrain plan`: the truncated-depth H200 runs (Llama-3.1-70B, gpt-oss-120b) against
+their plans, the full-depth plans of Llama-3.1-70B and gpt-oss-120b on a 1.5 TiB and a 1 TiB host with one H200 in each
 host_state, and the deepest model of the Llama-3.1-70B width that fits (docs/scale.md holds the tables).
 
 Usage (CPU only; prints markdown):
-  python benchmarks/scale_plan.py measured   # the 4-layer runs (benchmarks/results/*-llama-3.1-70b-4l-h200.json)
+  python benchmarks/scale_plan.py measured   # the truncated runs of ``RUNS`` and one layer of each pair
   python benchmarks/scale_plan.py full       # full depth, each host_state, 1,536 and 1,024 GiB of host RAM
   python benchmarks/scale_plan.py largest    # megatrain plan --largest, 1,536 and 128 GiB of host RAM
 
-Every plan is the engine with its GPU defaults as flags (`--overlap-optimizer --compile-layers`, no device groups
+Every plan is the engine with its GPU defaults (overlapped host step, ``compile_layers="auto"``: compiled Llama,
+uncompiled gpt-oss; no device groups
 and no host updates during backward: ``ENGINE``) on one H200 (139 GiB) with the 16 host cores its rates were measured
 on (planner/constants.py). The runs predate the updates during backward, and their snapshots only take the host
 memory a plan leaves free, so the host RAM each model needs, and what fits, are the same without them.

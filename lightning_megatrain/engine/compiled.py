@@ -148,7 +148,7 @@ def compile_hazard(hf_config: Any) -> str | None:
     layers]): ``hf_config`` is the model's HF config (``None``: none known, compiled as usual)."""
     if getattr(hf_config, "model_type", None) != "gpt_oss":
         return None
-    # None: transformers' default, grouped_mm wherever it dispatches (a CUDA device)
+    # None: transformers' default, grouped_mm
     if getattr(hf_config, "_experts_implementation", None) not in (None, "grouped_mm"):
         return None
     return ("gpt-oss experts through transformers' grouped_mm hit a device-side assert in compiled layers on the "

@@ -34,7 +34,7 @@ op by op from HF's Llama/Qwen/Gemma/Mixtral layers and checked against the tenso
     transient = 8H + 2c*max(I, k*I_e)   recompute output and incoming grad (fp32), grads of the MLP intermediates
 
 with H hidden, A = heads*head_dim, K = kv_heads*head_dim, I intermediate, E experts, k experts per token.
-Llama-3.2-3B on the H200 (benchmarks/planner_gpu_check.py, 2026-11-29, torch 2.11, flash sdpa): 149,608 B/token
+Llama-3.2-3B on the H200 (benchmarks/planner_gpu_check.py, 2026-11-29, torch 2.11, sdpa): 149,608 B/token
 saved, measured = formula to the byte; backward peak 194,664 B/token + the incoming grad 4H allocated before it
 = 206,952 = saved + transient, exactly (plus one weight grad, down_proj's, as a constant). Llama-2-7B (multi-head
 attention) at 32,768 tokens (benchmarks/planner_long_context_check.py, 2026-12-01, torch 2.11): 211,080 B/token
@@ -128,12 +128,12 @@ def _tiled(s: _Shape, layer: _Layer, seq_len: int, c: int, tile: int) -> tuple[f
                                                                     value, rsqrt and output), else 0
                         8H + c*(2A + 2K) + 4A                       then the attention's: the incoming grad and the
                                                                     grad of the residual after attention (fp32), the
-                                                                    grads of q, k, v, out and flash's fp32 dq,
+                                                                    grads of q, k, v, out and the kernel's fp32 dq,
                         [folded attention: + f * (8H + 4 + n_attn*2H)]) + a tile of the norm before attention and of
                                                                     the copies, recomputed in each projection's tile
 
     (``block``: :func:`_block_saved`.) Measured on the H200 with the tiles under ``torch.utils.checkpoint`` and the
-    norm untiled (benchmarks/planner_long_context_check.py, 2026-12-01, torch 2.11, flash sdpa; results in
+    norm untiled (benchmarks/planner_long_context_check.py, 2026-12-01, torch 2.11, sdpa (cuDNN); results in
     benchmarks/results/2026-12-01-planner-long-context-h200.json): ``saved`` to the byte for the Llama-2-7B shape at
     32,768 and 131,072 tokens and the Llama-3.2-3B shape at 65,536; backward peak = saved + transient - 4H (the
     incoming grad, allocated before) + the block's three weight grads, to the byte where the block's phase is the

@@ -217,9 +217,11 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
               options leave as the engine was before them (a sequence up to ``AUTO_MIN_POSITIONS``, ``"auto"``
               resolving to untiled, one checkpoint per layer, all offloaded).
             - ``"auto"`` is planned as the engine decides it on a CUDA device (engine/placement.py, [Note: auto
-              placement]): ``overlap_optimizer`` and ``compile_layers`` on; ``gpu_optimizer_groups`` the suggested
-              count (0 where none hides the host Adam and fits; none under a compact ``host_state``), or, where the
-              host cannot hold every group's state, at least the fewest of the split (planner/pool.py, ``memory_pool``).
+              placement]): ``overlap_optimizer`` on, ``compile_layers`` on except for a model
+              engine/compiled.py's ``compile_hazard`` names (gpt-oss with grouped_mm experts);
+              ``gpu_optimizer_groups`` the suggested count (0 where none hides the host Adam and fits; none under a
+              compact ``host_state``), or, where the host cannot hold every group's state, at least the fewest of the
+              split (planner/pool.py, ``memory_pool``).
         machine: limits, cores and calibrated rates (:class:`Machine`; ``None`` fields read this machine). Host RAM
             fits where it is at most the limit less :func:`host_os_reserve` (``Plan.host_usable``); the long-context
             placement and the largest micro-batch by host RAM are judged against that too.
@@ -260,8 +262,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                          f"optimizer={optimizer!r}. HINT: optimizer='adamw', or host_state='fp32'.")
     if precision == "32-true":  # the engine's refusal of bf16 masters under fp32 compute
         check_layout_compute(host_state, torch.float32)
-    config = config.replace(  # compile_layers as the engine resolves it on a GPU (engine/placement.py)
-        **{k: True for k in ("overlap_optimizer",) if getattr(config, k) == "auto"},
+    # as the engine resolves them on a GPU (engine/placement.py); the plans below get them resolved
+    config = config.replace(
+        **({"overlap_optimizer": True} if config.overlap_optimizer == "auto" else {}),
         **({"compile_layers": compile_hazard(load_config(model)) is None} if config.compile_layers == "auto" else {}),
     )
     if config.gpu_optimizer_groups == "auto":

@@ -50,8 +50,8 @@ def test_truncated_runs_against_their_plans(scale):
     assert all(r["gpu_err"] > 0 for r in rows)  # the plan errs on the side of fitting
     assert [round(r["tokens_per_s_err"], 1) for r in rows[4:]] == [1.3, 1.4]
     llama, oss, oss_eager = scale.per_layer(rows)
-    for one in (llama, oss, oss_eager):
-        assert abs(one["host_plan"] / one["host_measured"] - 1) < 0.02
+    assert abs(llama["host_plan"] / llama["host_measured"] - 1) < 0.01
+    assert all(abs(one["host_plan"] / one["host_measured"] - 1) < 0.02 for one in (oss, oss_eager))
     assert round(llama["step_plan"] / llama["step_measured"] - 1, 2) == 0.15
     assert round(oss["step_plan"] / oss["step_measured"] - 1, 2) == 0.28  # a layer 0.83 s, planned 1.07
     assert round(oss_eager["host_step_plan"] / oss_eager["host_step_measured"] - 1, 2) == -0.05  # compact, in a run
