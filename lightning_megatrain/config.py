@@ -83,6 +83,12 @@ class EngineConfig:
     (backward restores them first). ``"auto"``: 0 unless the host cannot hold them all, then the fewest with which
     the rest fit the host, the GPU memory beyond them left to ``keep_layers`` (engine/placement.py)."""
 
+    attention_memo: bool = False
+    """Keep each recomputed layer's attention outputs (and log-sum-exp) from its forward for its recompute, which
+    then skips the attention kernel: one attention forward less per recomputed layer and step, for ``B x T x heads x
+    head_dim`` compute-dtype values per layer on the GPU until its backward (engine/attention_memo.py, [Note:
+    attention memo]); the same gradients. SDPA attention without mask or dropout only; not yet run on a GPU."""
+
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``
     logits, and return ``logits=None`` (models/hf_loss.py, [Note: HF loss]: same loss and gradients, and when HF's
@@ -157,6 +163,8 @@ class EngineConfig:
         if self.update_during_backward is True and self.overlap_optimizer is False:
             out.append("update_during_backward=True with overlap_optimizer=False: the speculated updates are kept or "
                        "redone by the overlapped step; use overlap_optimizer=True (or 'auto' on a GPU)")
+        if not isinstance(self.attention_memo, bool):
+            out.append(f"attention_memo={self.attention_memo!r}: need True or False")
         if not isinstance(self.chunked_hf_loss, bool):
             out.append(f"chunked_hf_loss={self.chunked_hf_loss!r}: need True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:

@@ -143,6 +143,9 @@ class MegaTrainStrategy(CheckpointStrategy):
         device_checkpoints: saved layer inputs that stay in GPU memory instead of pinned host memory, the last
             layers' first; ``"auto"`` (default): 0 unless the host cannot hold them, then the fewest with which the
             rest fit the host (engine/placement.py).
+        attention_memo: keep each recomputed layer's attention output and log-sum-exp from its forward for its
+            recompute, which skips the attention kernel (engine/attention_memo.py, [Note: attention memo]); the same
+            gradients, for that output's bytes per layer on the GPU. Default False (not yet run on a GPU).
         chunked_hf_loss: HF causal LMs in the module called with ``labels`` (``model(..., labels=...).loss``)
             compute HF's loss with the chunked cross-entropy, without materialising ``[B, T, V]`` logits (at 32K
             tokens and a 128K vocabulary a 15.7 GiB block and its gradient), and return ``logits=None``; the same
@@ -208,6 +211,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         segment_layers: int | Auto = "auto",
         sub_segment_layers: int | Auto = "auto",
         device_checkpoints: int | Auto = "auto",
+        attention_memo: bool = False,
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
         nonfinite: NonFiniteMode = "skip",
@@ -229,6 +233,7 @@ class MegaTrainStrategy(CheckpointStrategy):
             segment_layers=segment_layers,
             sub_segment_layers=sub_segment_layers,
             device_checkpoints=device_checkpoints,
+            attention_memo=attention_memo,
             chunked_hf_loss=chunked_hf_loss,
             cpu_adam=cpu_adam,
             nonfinite=nonfinite,

@@ -72,6 +72,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_megatrain.engine.attention_memo import MEMO_OP, routed
 from lightning_megatrain.engine.tiling import inside_tile
 
 _aten = torch.ops.aten
@@ -97,7 +98,7 @@ _SAVED_OPS = frozenset(
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     )
     if hasattr(_aten, name)
-) | _varlen_ops()
+) | _varlen_ops() | {MEMO_OP}
 
 
 # The forward's side effects inside the checkpoint, left out of the backward's recompute (see [Note: compiled layers]);
@@ -155,16 +156,19 @@ def compile_hazard(hf_config: Any) -> str | None:
             "H200 (torch 2.11); eager layers train them")
 
 
-def compile_layer_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+def compile_layer_forward(forward: Callable[..., Any], attention_memo: bool = False) -> Callable[..., Any]:
     """``torch.compile`` a layer class's ``forward``, saving only matmul and attention outputs for backward, with
-    the batch and sequence dims of its arguments dynamic from the first call (see [Note: compiled layers])."""
+    the batch and sequence dims of its arguments dynamic from the first call (see [Note: compiled layers]).
+    ``attention_memo``: the checkpointed forward routes attention through the memo's op ([Note: attention memo]):
+    dynamo traces the checkpoint's body without the modes entered around the compiled call."""
     names = list(inspect.signature(forward).parameters)[1:]  # after the layer
+    body = functools.partial(routed, forward) if attention_memo else forward
 
     def selective(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(layer, *args, **kwargs)
         return checkpoint(
-            forward, layer, *args, use_reentrant=False,
+            body, layer, *args, use_reentrant=False,
             context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls), **kwargs,
         )
 

@@ -207,7 +207,8 @@ class MegaTrainEngine(FirstBatchPlacement):
         layer_bytes = max_layer * self.compute_dtype.itemsize
         self._policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes)
         self.streamed = StreamedLayers(
-            stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers
+            stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers,
+            self.config.attention_memo,
         )
         self.streamed.backward_updates = self.backward_updates
         # what transformers records inside the layers (router logits) leaves their nodes ([Note: recorded outputs])

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from lightning_megatrain.engine.attention_memo import AttentionMemo, memo_mode
 from lightning_megatrain.engine.backward_updates import BackwardUpdates
 from lightning_megatrain.engine.compiled import compile_layer_forward
 from lightning_megatrain.engine.discovery import TensorSlot
@@ -77,6 +78,7 @@ class StreamedLayers:
         buffers: list[list],
         policy: RecomputePolicy,
         compile_layers: bool = False,
+        attention_memo: bool = False,
     ) -> None:
         self.stack = stack
         self.groups = groups
@@ -99,12 +101,15 @@ class StreamedLayers:
         # Counts each layer's forwards with grad for the host updates during backward ([Note: updates during
         # backward]); set by the engine when it speculates.
         self.backward_updates: BackwardUpdates | None = None
+        # Attention outputs a recomputed layer's forward keeps for its recompute ([Note: attention memo])
+        self.memo = AttentionMemo() if attention_memo else None
         # The function each layer runs: its class's own ``forward``, or that function compiled once per class (see
         # [Note: compiled layers]).
         self.forwards: dict[type, Callable[..., Any]] = {}
         for layer in stack:
             forward = type(layer).forward
-            self.forwards.setdefault(type(layer), compile_layer_forward(forward) if compile_layers else forward)
+            self.forwards.setdefault(
+                type(layer), compile_layer_forward(forward, attention_memo) if compile_layers else forward)
 
     def install(self, device_type: str) -> None:
         self.device_type = device_type
@@ -127,8 +132,18 @@ class StreamedLayers:
         records router logits, see [Note: recorded outputs])."""
         layer = self.stack[index]
         forward = type(layer).forward if eager else self.forwards[type(layer)]
-        with bind(self.bindings(index, weights)):
+        with bind(self.bindings(index, weights)), self.memo_mode():
             return forward(layer, *args, **kwargs)
+
+    def memo_mode(self) -> contextlib.AbstractContextManager:
+        """Attention through the memo's op while a layer runs ([Note: attention memo]); nothing without a memo."""
+        return memo_mode(self.memo) if self.memo is not None else contextlib.nullcontext()
+
+    def memo_recording(self, index: int) -> contextlib.AbstractContextManager:
+        return self.memo.recording(index) if self.memo is not None else contextlib.nullcontext()
+
+    def memo_replaying(self, index: int) -> contextlib.AbstractContextManager:
+        return self.memo.replaying(index) if self.memo is not None else contextlib.nullcontext()
 
     def run_recording(
         self, index: int, weights: list[Tensor], args: tuple, kwargs: dict, keys: frozenset[str]
@@ -209,6 +224,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         if index == 0:
             owner.policy.start_forward()
             owner.kept.clear()
+            if owner.memo is not None:
+                owner.memo.clear()  # a micro-batch that failed mid-way leaves no memos behind
             owner.segments.reset()
         ctx.kept = None
         ctx.stashed = []
@@ -242,7 +259,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         wrt = [x for _, x in inputs_needing_grad] + [w for w in weights if w.requires_grad]
         # Bound as in forward: where dynamo could not trace a compiled layer whole (MoE routing), its selective
         # checkpoint runs eagerly and re-runs the layer's own code here, inside backward.
-        with bind(owner.bindings(index, weights)):
+        with bind(owner.bindings(index, weights)), owner.memo_mode():
             grads = torch.autograd.grad(
                 [o for o, _ in pairs], wrt, grad_outputs=[g for _, g in pairs], allow_unused=True
             ) if pairs else (None,) * len(wrt)
@@ -314,7 +331,7 @@ def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple)
         ctx.segment.records.append(LayerRecord(index, ctx.spec, replay_leaves, position, ctx.rng, ctx.autocast))
     flat = transfer.acquire(index)
     transfer.prefetch(index + 1)
-    with torch.profiler.record_function(f"megatrain::forward_layer_{index}"):
+    with torch.profiler.record_function(f"megatrain::forward_layer_{index}"), owner.memo_recording(index):
         args, kwargs = pytree.tree_unflatten(list(leaves), ctx.spec)
         output, recorded = owner.run_recording(
             index, owner.groups[index].views(flat), args, kwargs, ctx.recorded_keys
@@ -363,6 +380,7 @@ def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], li
         torch.profiler.record_function(f"megatrain::recompute_layer_{index}"),
         replay_state(owner.device_type, ctx.rng, ctx.autocast),
         torch.enable_grad(),
+        owner.memo_replaying(index),
     ):
         args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
         output, recorded = owner.run_recording(index, weights, args, kwargs, ctx.recorded_keys)

@@ -1,0 +1,226 @@
+"""Attention outputs kept from a recomputed layer's forward for its recompute, which then skips the attention kernel.
+
+[Note: attention memo]
+What: a recomputed layer runs its forward twice, once without grad in the forward pass and again with grad before
+its backward ([Note: streamed layer] in engine/streamed.py). At long context attention is most of that forward (the
+Llama-2-7B layer at 131,072 tokens: 73% of its FLOPs, docs/planner.md), so the second run repeats the step's most
+expensive kernel. With ``attention_memo`` each attention call of a recomputed layer's first forward keeps its output
+and log-sum-exp (``B x heads x T x head_dim`` in the compute dtype and ``B x heads x T`` in fp32: 1.0 GiB and 16 MiB
+for that layer in bf16) until the layer's recompute, which takes them instead of running the kernel, and the backward
+kernel runs on them as on its own forward's. The forward kernel is deterministic on the same inputs (the recompute
+replays the forward's RNG and autocast state), so the gradients are those without the memo, bitwise.
+
+How:
+- :func:`memo_mode` (:class:`RouteAttention`, a ``TorchFunctionMode``, with the memo made the active one) is
+  entered around every decoder layer's call and the backward's ``autograd.grad`` (streamed.py):
+  ``F.scaled_dot_product_attention`` without a mask and without dropout goes to the custom op
+  ``megatrain::memo_attention``; every other call passes through unchanged. A compiled layer's checkpointed forward
+  enters the routing again inside its body (:func:`routed`): dynamo traces that body without the modes active around
+  the compiled call. Compiled, the recorded output comes from the no-grad graph and the recompute's q, k, v from the
+  graph with grad, whose fused kernels round differently: the gradients agree to fp32 rounding, not bitwise.
+  A custom op is opaque to dynamo and inductor, so compiled layers ([Note: compiled layers]) call it without a graph
+  break, and its Python body reads the memo's state when it runs, not when it is traced: one graph per grad mode
+  whether the call computes, records or replays. Compiled layers list it among the ops whose outputs they save
+  (compiled.py ``_SAVED_OPS``), so their backward graph never calls it again.
+- :meth:`AttentionMemo.recording` (the forward of a recomputed layer) and :meth:`AttentionMemo.replaying` (its
+  recompute) set that state for one layer. A kept layer, validation and a segment's replay in backward
+  ([Note: recompute segments]) run with neither: the op computes, as SDPA would. Recorded outputs are copies: inductor
+  reuses the buffers of a graph's intermediates.
+- Kernels: on the CPU the one SDPA runs there without a mask (``_scaled_dot_product_flash_attention_for_cpu``), on
+  CUDA cuDNN's (SDPA's own choice on the H200, docs/planner.md), each with its own backward. Grouped key/value heads
+  (``enable_gqa``) go to the CPU kernel as they are (it takes them, as SDPA does: bitwise); on CUDA they are repeated
+  to the query heads first and the repeat's backward sums their gradients (SDPA's kernel sums them in its own order).
+- Checks: a replayed call whose query shape, dtype or device differs from the recorded one, and a recompute that
+  leaves recorded calls unused, raise (the layer took another path on the same inputs).
+
+Cost: the memos of the recomputed layers stay on the device from their forward to their backward; the planner counts
+them (planner/memory.py ``attention_memo_bytes``) and the recompute's attention forward leaves the step's time
+(planner/timing.py). Not used with dropout in attention, an attention mask (packed documents go through their own
+kernels) or a non-SDPA attention (eager attention: gpt-oss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+_aten = torch.ops.aten
+
+
+class AttentionMemo:
+    """The recorded attention outputs of one training micro-batch's recomputed layers (see [Note: attention memo])."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, list[tuple[torch.Size, torch.dtype, torch.device, tuple[Tensor, ...]]]] = {}
+        self.state: tuple[str, int] | None = None  # ("record" | "replay", layer index) while a layer runs
+
+    @contextlib.contextmanager
+    def recording(self, index: int) -> Iterator[None]:
+        self.calls[index] = []
+        self.state = ("record", index)
+        try:
+            yield
+        finally:
+            self.state = None
+
+    @contextlib.contextmanager
+    def replaying(self, index: int) -> Iterator[None]:
+        self.state = ("replay", index)
+        try:
+            yield
+        finally:
+            self.state = None
+        left = self.calls.pop(index, [])
+        if left:
+            raise RuntimeError(
+                f"MegaTrain: layer {index}'s recompute made {len(left)} fewer attention calls than its forward: the "
+                "layer took another path on the same inputs. HINT: MegaTrainStrategy(attention_memo=False)."
+            )
+
+    def bytes(self) -> int:
+        """Device bytes the recorded outputs hold now."""
+        return sum(t.numel() * t.element_size() for calls in self.calls.values() for *_, ts in calls for t in ts)
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.state = None
+
+    def _record(self, q: Tensor, outputs: tuple[Tensor, ...]) -> None:
+        _, index = self.state
+        self.calls[index].append((q.shape, q.dtype, q.device, tuple(t.clone() for t in outputs)))
+
+    def _replay(self, q: Tensor) -> tuple[Tensor, ...]:
+        _, index = self.state
+        calls = self.calls.get(index)
+        if not calls:
+            raise RuntimeError(f"MegaTrain: layer {index}'s recompute made more attention calls than its forward. "
+                               "HINT: MegaTrainStrategy(attention_memo=False).")
+        shape, dtype, device, outputs = calls.pop(0)
+        if (shape, dtype, device) != (q.shape, q.dtype, q.device):
+            raise RuntimeError(f"MegaTrain: layer {index}'s recompute called attention on a query of {tuple(q.shape)}"
+                               f" {q.dtype} {q.device}, its forward on {tuple(shape)} {dtype} {device}. "
+                               "HINT: MegaTrainStrategy(attention_memo=False).")
+        return outputs
+
+
+_ACTIVE: AttentionMemo | None = None  # the engine's memo while its layers run (one engine trains at a time)
+
+
+def _kernel(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, philox_seed, philox_offset) of the forward kernel SDPA runs for these inputs without a mask:
+    ``out`` contiguous ``[B, heads, T, D]``, ``lse`` ``[B, heads, T]`` fp32 (the layouts the fake kernel states)."""
+    if q.device.type == "cuda":
+        out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+    else:
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        seed = offset = None
+
+    def scalar(t: Tensor | None) -> Tensor:  # a fresh int64 scalar each (a custom op's outputs may not alias)
+        return q.new_zeros((), dtype=torch.int64) if t is None else t.reshape(()).to(torch.int64, copy=True)
+
+    return out.contiguous(), lse.reshape(lse.shape[:3]).contiguous().float(), scalar(seed), scalar(offset)
+
+
+@torch.library.custom_op("megatrain::memo_attention", mutates_args=())
+def memo_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Causal or full attention of ``[B, heads, T, D]`` q, k, v without mask or dropout: computed, recorded for the
+    layer's recompute, or replayed from its forward, as the active memo says ([Note: attention memo])."""
+    memo = _ACTIVE
+    if memo is not None and memo.state is not None and memo.state[0] == "replay":
+        return memo._replay(q)
+    outputs = _kernel(q, k, v, is_causal, scale)
+    if memo is not None and memo.state is not None:
+        memo._record(q, outputs)
+    return outputs
+
+
+@memo_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, H, T, D = q.shape  # noqa: N806
+    scalar = q.new_empty((), dtype=torch.int64)
+    return q.new_empty(B, H, T, D), q.new_empty(B, H, T, dtype=torch.float32), scalar, scalar.clone()
+
+
+@torch.library.custom_op("megatrain::memo_attention_backward", mutates_args=())
+def memo_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                            offset: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of :func:`memo_attention` by the backward kernel of the forward's."""
+    if q.device.type == "cuda":
+        T, S = q.shape[2], k.shape[2]  # noqa: N806
+        return tuple(_aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None, T, S, 0.0, is_causal,
+            scale=scale))
+    return tuple(_aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, is_causal, scale=scale))
+
+
+@memo_attention_backward.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor, offset: Tensor,
+      is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, is_causal, scale = inputs
+    out, lse, seed, offset = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple:
+    q, k, v, out, lse, seed, offset = ctx.saved_tensors
+    dq, dk, dv = memo_attention_backward(grad.contiguous(), q, k, v, out, lse, seed, offset, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+memo_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+class RouteAttention(TorchFunctionMode):
+    """Routes mask-free, dropout-free ``F.scaled_dot_product_attention`` calls through :func:`memo_attention`; the
+    other calls pass through (see [Note: attention memo])."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v, *rest = args
+        named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), rest), **kwargs)
+        if named.get("attn_mask") is not None or named.get("dropout_p", 0.0) != 0.0 or q.dim() != 4:
+            return func(*args, **kwargs)
+        if named.get("enable_gqa") and k.shape[1] != q.shape[1] and q.device.type == "cuda":
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scale = named.get("scale")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return memo_attention(q, k, v, bool(named.get("is_causal", False)), float(scale))[0]
+
+
+@contextlib.contextmanager
+def memo_mode(memo: AttentionMemo) -> Iterator[None]:
+    """``memo`` the one :func:`memo_attention` reads, and attention routed to it, while a layer runs."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, memo
+    try:
+        with RouteAttention():
+            yield
+    finally:
+        _ACTIVE = previous
+
+
+MEMO_OP = torch.ops.megatrain.memo_attention.default  # compiled layers save its outputs (compiled.py)
+
+
+def routed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)`` with attention routed through the memo's op: the body of a compiled layer's
+    checkpoint, which dynamo traces without the modes active around the compiled call (compiled.py)."""
+    with RouteAttention():
+        return forward(*args, **kwargs)

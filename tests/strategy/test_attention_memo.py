@@ -1,0 +1,124 @@
+"""``MegaTrainStrategy(attention_memo=True)`` ([Note: attention memo], engine/attention_memo.py) on the CPU in fp32:
+the recompute takes each attention call's output from the layer's forward instead of running the kernel, and losses,
+every gradient and the final weights are bitwise those of the same run without it, with accumulation and clipping,
+grouped key/value heads, an MoE family, recompute segments, sequence tiles, a kept layer and compiled layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_megatrain import MegaTrainStrategy
+from lightning_megatrain.engine import attention_memo
+
+from helpers.families import FAMILIES
+from helpers.parity import assert_records_close, run
+
+HOST_ADAM_RTOL = 1e-3  # as tests/strategy/test_parity.py: later steps amplify last-bit differences through Adam
+
+
+def _assert_bitwise(a, b) -> None:
+    assert a.losses == b.losses
+    for step, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            assert (ga[name] is None) == (gb[name] is None), (step, name)
+            assert ga[name] is None or torch.equal(ga[name], gb[name]), (step, name)
+    assert all(torch.equal(a.params[n], b.params[n]) for n in b.params)
+
+
+def _counted(monkeypatch) -> list[int]:
+    """Counts the attention kernel's runs through the memo's op (the forward's and any recompute's)."""
+    calls = [0]
+    kernel = attention_memo._kernel
+
+    def counting(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(attention_memo, "_kernel", counting)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "mixtral"])
+def test_memo_gives_the_same_training_bitwise_and_skips_the_recompute_kernel(monkeypatch, family):
+    """llama_tied and mixtral have grouped key/value heads (4 query heads, 2 kv: enable_gqa), qwen2 q/k/v biases;
+    3 layers, 3 steps of 2 micro-batches, clip 1.0: the kernel runs once per layer and micro-batch (its forward), not
+    again in the recompute, and the memo is empty after each backward."""
+    options = dict(cpu_adam="torch", keep_layers=0)
+    reference = run(MegaTrainStrategy(**options), family, accumulate=2, clip=1.0)
+    calls = _counted(monkeypatch)
+    strategy = MegaTrainStrategy(attention_memo=True, **options)
+    memo = run(strategy, family, accumulate=2, clip=1.0)
+    _assert_bitwise(memo, reference)
+    layers = FAMILIES[family]().num_hidden_layers
+    assert calls[0] == layers * 2 * 3
+    assert strategy.engine is None or not strategy.engine.streamed.memo.calls
+
+
+def test_memo_with_segments_tiles_and_a_kept_layer(monkeypatch):
+    """Segments of 2 (the second layer's input replayed from the first's in backward, without the memo), tiles of
+    4 positions and the first layer kept (no memo: its graph is kept): bitwise the same options without the memo.
+    Kernel runs per micro-batch: 3 forwards + 1 segment replay (the kept layer's forward is its only one)."""
+    options = dict(cpu_adam="torch", keep_layers=1, segment_layers=2, seq_tile=4)
+    reference = run(MegaTrainStrategy(**options), "llama_tied", accumulate=2, clip=1.0)
+    calls = _counted(monkeypatch)
+    _assert_bitwise(run(MegaTrainStrategy(attention_memo=True, **options), "llama_tied", accumulate=2, clip=1.0),
+                    reference)
+    assert calls[0] == (3 + 1) * 2 * 3
+
+
+def test_families_without_sdpa_pass_through(monkeypatch):
+    """qwen3 here runs eager attention (no SDPA call): the memo records nothing and changes nothing."""
+    options = dict(cpu_adam="torch", keep_layers=0)
+    reference = run(MegaTrainStrategy(**options), "qwen3", steps=2)
+    calls = _counted(monkeypatch)
+    _assert_bitwise(run(MegaTrainStrategy(attention_memo=True, **options), "qwen3", steps=2), reference)
+    assert calls[0] == 0
+
+
+def test_compiled_layers_with_the_memo(monkeypatch):
+    """Compiled layers call the memo's op inside their graphs (no graph break: one graph per grad mode, plus the
+    setup's probe) and save its outputs; the recompute runs no attention kernel. Not bitwise the compiled run without
+    the memo: the recorded output comes from the no-grad graph, whose fused kernels round q, k, v differently from the
+    graph with grad; within 1e-6 at the first step, HOST_ADAM_RTOL after."""
+    from torch._dynamo.utils import counters
+
+    options = dict(cpu_adam="torch", keep_layers=0, compile_layers=True)
+    torch._dynamo.reset()
+    reference = run(MegaTrainStrategy(**options), "llama_tied", accumulate=2)
+    torch._dynamo.reset()
+    counters.clear()
+    calls = _counted(monkeypatch)
+    memo = run(MegaTrainStrategy(attention_memo=True, **options), "llama_tied", accumulate=2)
+    assert counters["stats"]["unique_graphs"] == 2 + 1
+    assert calls[0] == 3 * 2 * 3  # the forwards' only
+    assert_records_close(memo, reference, rtol=1e-6, rtol_updated=HOST_ADAM_RTOL)
+
+
+def test_a_recompute_that_calls_attention_differently_is_refused():
+    memo = attention_memo.AttentionMemo()
+    q = torch.zeros(1, 2, 4, 8)
+    with attention_memo.memo_mode(memo), memo.recording(0):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with pytest.raises(RuntimeError, match="recompute called attention on a query of"):  # noqa: SIM117
+        with attention_memo.memo_mode(memo), memo.replaying(0):
+            torch.nn.functional.scaled_dot_product_attention(q[:, :, :2], q[:, :, :2], q[:, :, :2], is_causal=True)
+    with attention_memo.memo_mode(memo), memo.recording(1):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with pytest.raises(RuntimeError, match="fewer attention calls"), memo.replaying(1):
+        pass
+    with pytest.raises(RuntimeError, match="more attention calls"):  # noqa: SIM117
+        with attention_memo.memo_mode(memo), memo.replaying(2):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_masked_or_dropout_attention_passes_through():
+    memo = attention_memo.AttentionMemo()
+    q = torch.randn(1, 2, 4, 8)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    with attention_memo.memo_mode(memo), memo.recording(0):
+        masked = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert memo.calls[0] == []
+    assert torch.equal(masked, torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask))
