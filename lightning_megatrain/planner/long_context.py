@@ -239,7 +239,7 @@ def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: 
     groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
     gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
            "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups,
-           "host_state": config.host_state}
+           "host_state": config.host_state, "attention_memo": config.attention_memo}
     placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
     longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
                                                          gpu_limit=gpu_limit)

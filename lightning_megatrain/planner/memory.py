@@ -48,6 +48,7 @@ from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_RESERVE_BYTES as SNAPSHOT_RESERVE
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.engine.segments import replay_schedule
+from lightning_megatrain.models.packed_attention import PACKED_SDPA
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.constants import OPTIMIZERS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _LinearAttn, _Shape
@@ -230,9 +231,19 @@ def checkpoints(s: _Shape, segment: int) -> int:
     return -(-len(s.layers) // segment)
 
 
+def attention_memo_bytes(s: _Shape, tokens: int, c: int) -> int:
+    """GPU bytes of the attention memos of one micro-batch of ``tokens`` ([Note: attention memo] in
+    engine/attention_memo.py): each SDPA layer's attention output (compute dtype) and fp32 log-sum-exp, held from the
+    forward to that layer's recompute; every layer counted (the plan recomputes them all). 0 for attention that does
+    not call SDPA (eager: gpt-oss) and for linear-attention layers."""
+    if s.attn not in ("sdpa", PACKED_SDPA):
+        return 0
+    return sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if not layer.linear) * tokens
+
+
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
               num_slots: int, reserve_gib: float, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
-              device_checkpoints: int = 0, sub: int = 1, host_state: str = "fp32"
+              device_checkpoints: int = 0, sub: int = 1, host_state: str = "fp32", attention_memo: bool = False
               ) -> tuple[dict[str, int], tuple[float, float]]:
     """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token. The
     ``gpu_groups`` device groups hold the ``host_state`` layout's state (engine/device_state.py
@@ -245,12 +256,13 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
     the last ``device_checkpoints`` checkpoints (at most :func:`checkpoints`) stay on the GPU. The backward then
     starts from the top one, which needs no restore, so the stream it would have been restored into is not needed:
     saved layer inputs are one stream plus the checkpoints (the same peak for one checkpoint on the GPU as for
-    none)."""
+    none). ``attention_memo``: the memos of :func:`attention_memo_bytes`."""
     tokens, H, V = micro_batch * seq_len, s.hidden, s.vocab
     max_layer = max(layer.numel for layer in s.layers)
     act = max((layer_activation(s, layer, seq_len, c, tile) for layer in s.layers), key=sum)
     resident_on_gpu, layers_on_gpu = _device_numels(s, gpu_groups)
     stream = 4 * H * tokens  # one layer's input: fp32 residual stream [B, T, H]
+    memos = attention_memo_bytes(s, tokens, c) if attention_memo else 0
     on_gpu = min(device_checkpoints, checkpoints(s, segment)) if offload else 0
     if not offload:
         live = checkpoints(s, segment)
@@ -276,6 +288,7 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
                                              * sum(layers_on_gpu)),
         "saved layer inputs": live * stream + 8 * s.head_dim * tokens,
         **({"layer-input checkpoints on the GPU": on_gpu * stream} if on_gpu else {}),
+        **({"attention memos": memos} if memos else {}),
         "runtime reserve": int(reserve_gib * GIB),
         "phase backward: one layer's activations": int(sum(act) * tokens),
         **({"phase backward: the segment's regenerated inputs": regenerated(len(s.layers), segment, sub) * stream}

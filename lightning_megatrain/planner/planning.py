@@ -280,7 +280,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                 host_state=host_state, attn_implementation=attn_implementation, config=config,
                 gkw={"c": PRECISIONS[precision], "offload": offload_activations, "loss": loss,
                      "loss_chunk": loss_chunk_size, "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib,
-                     "host_state": host_state})
+                     "host_state": host_state, "attention_memo": config.attention_memo})
             groups = max(groups, pooled.groups) if pooled.fits else pooled.groups
         p = plan(model, config=config.replace(gpu_optimizer_groups=groups), **kwargs)
         if pooled is not None:
@@ -310,12 +310,12 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     groups, overlap = config.gpu_optimizer_groups, config.overlap_optimizer
     gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
            "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups,
-           "host_state": host_state}
+           "host_state": host_state, "attention_memo": config.attention_memo}
     opt_rate = host_update_gparams(optimizer, host_state, overlap)
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
-           **transfer_bytes(host_state)}
+           "attention_memo": config.attention_memo, **transfer_bytes(host_state)}
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups, "host_state": host_state}
     gpu_extra: dict[str, int] = {}  # several ranks: the GPU items beyond one rank's (planner/ranks.py)

@@ -164,7 +164,8 @@ def _engine_split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineCo
                   host_free: int, to_come: Callable[[int], int], precision: str, loss: str,
                   loss_chunk_size: int, gpu_reserve_gib: float) -> Split:
     gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "host_state": config.host_state}
+           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "host_state": config.host_state,
+           "attention_memo": config.attention_memo}
     return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit,
                  to_come=to_come)
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.segments import replay_schedule
+from lightning_megatrain.models.packed_attention import PACKED_SDPA
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
 
@@ -86,7 +87,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
               overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
               device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4,
               ranks: RankTiming | None = None, speculated_layers: int = 0,
-              copy_gbps: float = HOST_COPY_GBPS, sub: int = 1) -> dict[str, float]:
+              copy_gbps: float = HOST_COPY_GBPS, sub: int = 1, attention_memo: bool = False) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
     when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
@@ -112,12 +113,18 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     ``speculated_layers`` (with ``overlap_optimizer``, one rank): that many host layers, the last ones, start their
     update during the last micro-batch's backward (engine/backward_updates.py, [Note: updates during backward]);
     :func:`host_after_backward` gives the host seconds left when backward ends, which then overlap the next forward.
-    ``copy_gbps``: the host's memory copy rate for their snapshots (read + write bytes per second)."""
+    ``copy_gbps``: the host's memory copy rate for their snapshots (read + write bytes per second).
+
+    ``attention_memo`` ([Note: attention memo] in engine/attention_memo.py): a recomputed layer's recompute takes its
+    attention output from the forward, so its backward loses the attention's forward FLOPs (SDPA layers; a segment's
+    replay still runs it)."""
     on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
     bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
+    if attention_memo and s.attn in ("sdpa", PACKED_SDPA):  # the recompute's attention forward is the memo's
+        bwd = [b - (0 if ly.linear else _attn_flops(s, ly, seq_len) * tok / rate) for b, ly in zip(bwd, s.layers)]
     if tile is not None:  # the tiled block's forward again, tile by tile, before its backward (and the projections')
         bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)

@@ -122,3 +122,26 @@ def test_masked_or_dropout_attention_passes_through():
         torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     assert memo.calls[0] == []
     assert torch.equal(masked, torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+
+
+def test_the_plan_counts_the_memos_and_the_attention_they_save():
+    """The Llama-2-7B shape at 131,072 tokens, every layer recomputed: the memos are every layer's bf16 attention output
+    and fp32 log-sum-exp (32 x 131,072 x 32 x (128 x 2 + 4) bytes: 32.5 GiB) on the GPU, and the step loses one
+    attention forward per layer; the host is unchanged. Eager attention (no SDPA call) plans no memo."""
+    from lightning_megatrain.config import EngineConfig
+    from lightning_megatrain.planner import Machine, describe, plan
+    from lightning_megatrain.planner.timing import _attn_flops
+
+    llama7 = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)
+    machine = Machine(host_ram_gib=125.85, gpu_mem_gib=139.8, cpu_cores=16)
+    off, on = (plan(llama7, seq_len=131072, config=EngineConfig(attention_memo=memo, keep_layers=0),
+                    machine=machine) for memo in (False, True))
+    assert on.gpu["attention memos"] == 32 * 131072 * 32 * (128 * 2 + 4) and "attention memos" not in off.gpu
+    assert on.gpu_total - off.gpu_total == on.gpu["attention memos"] and on.host_total == off.host_total
+    s = describe(llama7)
+    saved = 32 * _attn_flops(s, s.layers[0], 131072) * 131072 / (on.assumptions["achieved_tflops"] * 1e12)
+    assert off.time["GPU compute"] - on.time["GPU compute"] == pytest.approx(saved)
+    assert on.tokens_per_s > 1.15 * off.tokens_per_s
+    eager = plan(llama7, seq_len=4096, attn_implementation="eager", config=EngineConfig(attention_memo=True))
+    assert "attention memos" not in eager.gpu
