@@ -113,19 +113,30 @@ _ACTIVE: AttentionMemo | None = None  # the engine's memo while its layers run (
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, philox_seed, philox_offset) of the forward kernel SDPA runs for these inputs without a mask:
-    ``out`` contiguous ``[B, heads, T, D]``, ``lse`` ``[B, heads, T]`` fp32 (the layouts the fake kernel states)."""
+    """(out, lse, philox_seed, philox_offset) of the forward kernel SDPA runs for these inputs without a mask, in the
+    layouts the fake kernel states (:func:`_layouts`). On CUDA ``out`` and ``lse`` stay as cuDNN made them, so its
+    backward gets exactly its forward's tensors."""
     if q.device.type == "cuda":
         out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, is_causal, False, scale=scale)
-    else:
+    else:  # out and lse as [B, T, heads, ...] in memory: made contiguous, as the fake kernel says
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-        seed = offset = None
+        out, lse, seed, offset = out.contiguous(), lse.contiguous(), None, None
 
     def scalar(t: Tensor | None) -> Tensor:  # a fresh int64 scalar each (a custom op's outputs may not alias)
         return q.new_zeros((), dtype=torch.int64) if t is None else t.reshape(()).to(torch.int64, copy=True)
 
-    return out.contiguous(), lse.reshape(lse.shape[:3]).contiguous().float(), scalar(seed), scalar(offset)
+    return out, lse, scalar(seed), scalar(offset)
+
+
+def _layouts(q: Tensor) -> tuple[Tensor, Tensor]:
+    """Empty ``out`` and ``lse`` as :func:`_kernel` returns them: on CUDA cuDNN's (``out`` in q's memory layout,
+    ``lse`` ``[B, heads, T, 1]`` fp32, torch 2.11 and 2.13), on the CPU contiguous ``[B, heads, T, D]`` and
+    ``[B, heads, T]``."""
+    B, H, T, D = q.shape  # noqa: N806
+    if q.device.type == "cuda":
+        return torch.empty_like(q), q.new_empty(B, H, T, 1, dtype=torch.float32)
+    return q.new_empty(B, H, T, D), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 @torch.library.custom_op("megatrain::memo_attention", mutates_args=())
@@ -144,9 +155,8 @@ def memo_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
 
 @memo_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    B, H, T, D = q.shape  # noqa: N806
     scalar = q.new_empty((), dtype=torch.int64)
-    return q.new_empty(B, H, T, D), q.new_empty(B, H, T, dtype=torch.float32), scalar, scalar.clone()
+    return *_layouts(q), scalar, scalar.clone()
 
 
 @torch.library.custom_op("megatrain::memo_attention_backward", mutates_args=())
@@ -156,7 +166,7 @@ def memo_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
     if q.device.type == "cuda":
         T, S = q.shape[2], k.shape[2]  # noqa: N806
         return tuple(_aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None, T, S, 0.0, is_causal,
+            grad, q, k, v, out, lse, seed, offset, None, None, None, T, S, 0.0, is_causal,
             scale=scale))
     return tuple(_aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, is_causal, scale=scale))
