@@ -12,6 +12,7 @@ from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.engine import attention_memo
 
 from helpers.families import FAMILIES
+from helpers.memo import count_kernel_calls
 from helpers.parity import assert_records_close, run
 
 HOST_ADAM_RTOL = 1e-3  # as tests/strategy/test_parity.py: later steps amplify last-bit differences through Adam
@@ -27,19 +28,6 @@ def _assert_bitwise(a, b) -> None:
     assert all(torch.equal(a.params[n], b.params[n]) for n in b.params)
 
 
-def _counted(monkeypatch) -> list[int]:
-    """Counts the attention kernel's runs through the memo's op (the forward's and any recompute's)."""
-    calls = [0]
-    kernel = attention_memo._kernel
-
-    def counting(*args):
-        calls[0] += 1
-        return kernel(*args)
-
-    monkeypatch.setattr(attention_memo, "_kernel", counting)
-    return calls
-
-
 @pytest.mark.parametrize("family", ["llama_tied", "qwen2", "mixtral"])
 def test_memo_gives_the_same_training_bitwise_and_skips_the_recompute_kernel(monkeypatch, family):
     """llama_tied and mixtral have grouped key/value heads (4 query heads, 2 kv: enable_gqa), qwen2 q/k/v biases;
@@ -47,7 +35,7 @@ def test_memo_gives_the_same_training_bitwise_and_skips_the_recompute_kernel(mon
     again in the recompute, and the memo is empty after each backward."""
     options = dict(cpu_adam="torch", keep_layers=0)
     reference = run(MegaTrainStrategy(**options), family, accumulate=2, clip=1.0)
-    calls = _counted(monkeypatch)
+    calls = count_kernel_calls(monkeypatch)
     strategy = MegaTrainStrategy(attention_memo=True, **options)
     memo = run(strategy, family, accumulate=2, clip=1.0)
     _assert_bitwise(memo, reference)
@@ -62,7 +50,7 @@ def test_memo_with_segments_tiles_and_a_kept_layer(monkeypatch):
     Kernel runs per micro-batch: 3 forwards + 1 segment replay (the kept layer's forward is its only one)."""
     options = dict(cpu_adam="torch", keep_layers=1, segment_layers=2, seq_tile=4)
     reference = run(MegaTrainStrategy(**options), "llama_tied", accumulate=2, clip=1.0)
-    calls = _counted(monkeypatch)
+    calls = count_kernel_calls(monkeypatch)
     _assert_bitwise(run(MegaTrainStrategy(attention_memo=True, **options), "llama_tied", accumulate=2, clip=1.0),
                     reference)
     assert calls[0] == (3 + 1) * 2 * 3
@@ -72,7 +60,7 @@ def test_families_without_sdpa_pass_through(monkeypatch):
     """qwen3 here runs eager attention (no SDPA call): the memo records nothing and changes nothing."""
     options = dict(cpu_adam="torch", keep_layers=0)
     reference = run(MegaTrainStrategy(**options), "qwen3", steps=2)
-    calls = _counted(monkeypatch)
+    calls = count_kernel_calls(monkeypatch)
     _assert_bitwise(run(MegaTrainStrategy(attention_memo=True, **options), "qwen3", steps=2), reference)
     assert calls[0] == 0
 
@@ -89,7 +77,7 @@ def test_compiled_layers_with_the_memo(monkeypatch):
     reference = run(MegaTrainStrategy(**options), "llama_tied", accumulate=2)
     torch._dynamo.reset()
     counters.clear()
-    calls = _counted(monkeypatch)
+    calls = count_kernel_calls(monkeypatch)
     memo = run(MegaTrainStrategy(attention_memo=True, **options), "llama_tied", accumulate=2)
     assert counters["stats"]["unique_graphs"] == 2 + 1
     assert calls[0] == 3 * 2 * 3  # the forwards' only

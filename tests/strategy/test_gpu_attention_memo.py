@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_megatrain.engine import attention_memo
-
 from helpers.gpu import fit_cuda, gpu_strategy
+from helpers.memo import count_kernel_calls
 from helpers.parity import ParityLM, assert_records_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,14 +25,7 @@ def test_cuda_attention_memo_parity(monkeypatch, family, compiled):
     torch._dynamo.reset()
     ref, _ = fit_cuda(gpu_strategy(**options), lambda: ParityLM(family), accumulate=2, clip=1.0,
                       precision="bf16-mixed")
-    calls = [0]
-    kernel = attention_memo._kernel
-
-    def counting(*args):
-        calls[0] += 1
-        return kernel(*args)
-
-    monkeypatch.setattr(attention_memo, "_kernel", counting)
+    calls = count_kernel_calls(monkeypatch)
     torch._dynamo.reset()
     got, _ = fit_cuda(gpu_strategy(attention_memo=True, **options), lambda: ParityLM(family), accumulate=2,
                       clip=1.0, precision="bf16-mixed")
