@@ -54,58 +54,48 @@ _aten = torch.ops.aten
 
 
 class AttentionMemo:
-    """The recorded attention outputs of one training micro-batch's recomputed layers (see [Note: attention memo])."""
+    """Which layer's attention calls the op records or replays now (see [Note: attention memo]). The recorded calls
+    live with the layer's autograd node (streamed.py keeps the list :meth:`recording` yields on its ctx), so a second
+    forward before backward records its own and the memos go when the graph goes."""
 
     def __init__(self) -> None:
-        self.calls: dict[int, list[tuple[torch.Size, torch.dtype, torch.device, tuple[Tensor, ...]]]] = {}
-        self.state: tuple[str, int] | None = None  # ("record" | "replay", layer index) while a layer runs
+        self.state: tuple[str, list, int] | None = None  # ("record" | "replay", the calls, layer index)
 
     @contextlib.contextmanager
-    def recording(self, index: int) -> Iterator[None]:
-        self.calls[index] = []
-        self.state = ("record", index)
+    def recording(self, index: int) -> Iterator[list]:
+        calls: list = []
+        self.state = ("record", calls, index)
         try:
-            yield
+            yield calls
         finally:
             self.state = None
 
     @contextlib.contextmanager
-    def replaying(self, index: int) -> Iterator[None]:
-        self.state = ("replay", index)
+    def replaying(self, index: int, calls: list) -> Iterator[None]:
+        self.state = ("replay", calls, index)
         try:
             yield
         finally:
             self.state = None
-        left = self.calls.pop(index, [])
-        if left:
+        if calls:
             raise RuntimeError(
-                f"MegaTrain: layer {index}'s recompute made {len(left)} fewer attention calls than its forward: the "
+                f"MegaTrain: layer {index}'s recompute made {len(calls)} fewer attention calls than its forward: the "
                 "layer took another path on the same inputs. HINT: MegaTrainStrategy(attention_memo=False)."
             )
 
-    def bytes(self) -> int:
-        """Device bytes the recorded outputs hold now."""
-        return sum(t.numel() * t.element_size() for calls in self.calls.values() for *_, ts in calls for t in ts)
+    def _record(self, key: tuple, outputs: tuple[Tensor, ...]) -> None:
+        _, calls, _ = self.state
+        calls.append((key, tuple(t.clone() for t in outputs)))  # inductor reuses its intermediates' buffers
 
-    def clear(self) -> None:
-        self.calls.clear()
-        self.state = None
-
-    def _record(self, q: Tensor, outputs: tuple[Tensor, ...]) -> None:
-        _, index = self.state
-        self.calls[index].append((q.shape, q.dtype, q.device, tuple(t.clone() for t in outputs)))
-
-    def _replay(self, q: Tensor) -> tuple[Tensor, ...]:
-        _, index = self.state
-        calls = self.calls.get(index)
+    def _replay(self, key: tuple) -> tuple[Tensor, ...]:
+        _, calls, index = self.state
         if not calls:
             raise RuntimeError(f"MegaTrain: layer {index}'s recompute made more attention calls than its forward. "
                                "HINT: MegaTrainStrategy(attention_memo=False).")
-        shape, dtype, device, outputs = calls.pop(0)
-        if (shape, dtype, device) != (q.shape, q.dtype, q.device):
-            raise RuntimeError(f"MegaTrain: layer {index}'s recompute called attention on a query of {tuple(q.shape)}"
-                               f" {q.dtype} {q.device}, its forward on {tuple(shape)} {dtype} {device}. "
-                               "HINT: MegaTrainStrategy(attention_memo=False).")
+        recorded, outputs = calls.pop(0)
+        if recorded != key:
+            raise RuntimeError(f"MegaTrain: layer {index}'s recompute called attention as {key}, its forward as "
+                               f"{recorded}. HINT: MegaTrainStrategy(attention_memo=False).")
         return outputs
 
 
@@ -145,11 +135,12 @@ def memo_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
     """Causal or full attention of ``[B, heads, T, D]`` q, k, v without mask or dropout: computed, recorded for the
     layer's recompute, or replayed from its forward, as the active memo says ([Note: attention memo])."""
     memo = _ACTIVE
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, is_causal, scale)
     if memo is not None and memo.state is not None and memo.state[0] == "replay":
-        return memo._replay(q)
+        return memo._replay(key)
     outputs = _kernel(q, k, v, is_causal, scale)
     if memo is not None and memo.state is not None:
-        memo._record(q, outputs)
+        memo._record(key, outputs)
     return outputs
 
 
@@ -209,6 +200,9 @@ class RouteAttention(TorchFunctionMode):
         if named.get("enable_gqa") and k.shape[1] != q.shape[1] and q.device.type == "cuda":
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        if torch.is_autocast_enabled(q.device.type):  # SDPA runs in autocast's dtype; a custom op is not cast
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         scale = named.get("scale")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return memo_attention(q, k, v, bool(named.get("is_causal", False)), float(scale))[0]

@@ -140,10 +140,11 @@ class StreamedLayers:
         return memo_mode(self.memo) if self.memo is not None else contextlib.nullcontext()
 
     def memo_recording(self, index: int) -> contextlib.AbstractContextManager:
+        """Records layer ``index``'s attention calls into the list it yields (None without a memo)."""
         return self.memo.recording(index) if self.memo is not None else contextlib.nullcontext()
 
-    def memo_replaying(self, index: int) -> contextlib.AbstractContextManager:
-        return self.memo.replaying(index) if self.memo is not None else contextlib.nullcontext()
+    def memo_replaying(self, index: int, calls: list | None) -> contextlib.AbstractContextManager:
+        return self.memo.replaying(index, calls) if calls is not None else contextlib.nullcontext()
 
     def run_recording(
         self, index: int, weights: list[Tensor], args: tuple, kwargs: dict, keys: frozenset[str]
@@ -224,8 +225,6 @@ class StreamedLayerFunction(torch.autograd.Function):
         if index == 0:
             owner.policy.start_forward()
             owner.kept.clear()
-            if owner.memo is not None:
-                owner.memo.clear()  # a micro-batch that failed mid-way leaves no memos behind
             owner.segments.reset()
         ctx.kept = None
         ctx.stashed = []
@@ -331,7 +330,8 @@ def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple)
         ctx.segment.records.append(LayerRecord(index, ctx.spec, replay_leaves, position, ctx.rng, ctx.autocast))
     flat = transfer.acquire(index)
     transfer.prefetch(index + 1)
-    with torch.profiler.record_function(f"megatrain::forward_layer_{index}"), owner.memo_recording(index):
+    with torch.profiler.record_function(f"megatrain::forward_layer_{index}"), owner.memo_recording(index) as memo:
+        ctx.memo = memo  # this forward's attention calls ([Note: attention memo]), for this node's recompute
         args, kwargs = pytree.tree_unflatten(list(leaves), ctx.spec)
         output, recorded = owner.run_recording(
             index, owner.groups[index].views(flat), args, kwargs, ctx.recorded_keys
@@ -380,7 +380,7 @@ def _recompute(ctx, owner: StreamedLayers, index: int) -> tuple[list[Tensor], li
         torch.profiler.record_function(f"megatrain::recompute_layer_{index}"),
         replay_state(owner.device_type, ctx.rng, ctx.autocast),
         torch.enable_grad(),
-        owner.memo_replaying(index),
+        owner.memo_replaying(index, ctx.memo),
     ):
         args, kwargs = pytree.tree_unflatten(leaves, ctx.spec)
         output, recorded = owner.run_recording(index, weights, args, kwargs, ctx.recorded_keys)

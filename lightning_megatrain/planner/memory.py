@@ -231,14 +231,20 @@ def checkpoints(s: _Shape, segment: int) -> int:
     return -(-len(s.layers) // segment)
 
 
-def attention_memo_bytes(s: _Shape, tokens: int, c: int) -> int:
+def memoised(s: _Shape, layer: _Layer, seq_len: int) -> bool:
+    """Whether the attention memo serves ``layer``'s attention at ``seq_len`` ([Note: attention memo]): SDPA called
+    without a mask, so not a sliding window shorter than the row, not linear attention, not eager attention. Packed
+    rows (the varlen kernel) are not served either; the plan assumes one document per row."""
+    return (s.attn in ("sdpa", PACKED_SDPA) and not layer.linear
+            and (layer.window is None or layer.window >= seq_len))
+
+
+def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int) -> int:
     """GPU bytes of the attention memos of one micro-batch of ``tokens`` ([Note: attention memo] in
     engine/attention_memo.py): each SDPA layer's attention output (compute dtype) and fp32 log-sum-exp, held from the
-    forward to that layer's recompute; every layer counted (the plan recomputes them all). 0 for attention that does
-    not call SDPA (eager: gpt-oss) and for linear-attention layers."""
-    if s.attn not in ("sdpa", PACKED_SDPA):
-        return 0
-    return sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if not layer.linear) * tokens
+    forward to that layer's recompute; every layer :func:`memoised` serves counted (the plan recomputes them all)."""
+    per_token = sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if memoised(s, layer, seq_len))
+    return per_token * micro_batch * seq_len
 
 
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
@@ -262,7 +268,7 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
     act = max((layer_activation(s, layer, seq_len, c, tile) for layer in s.layers), key=sum)
     resident_on_gpu, layers_on_gpu = _device_numels(s, gpu_groups)
     stream = 4 * H * tokens  # one layer's input: fp32 residual stream [B, T, H]
-    memos = attention_memo_bytes(s, tokens, c) if attention_memo else 0
+    memos = attention_memo_bytes(s, micro_batch, seq_len, c) if attention_memo else 0
     on_gpu = min(device_checkpoints, checkpoints(s, segment)) if offload else 0
     if not offload:
         live = checkpoints(s, segment)

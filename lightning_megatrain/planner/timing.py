@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.segments import replay_schedule
-from lightning_megatrain.models.packed_attention import PACKED_SDPA
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
+from lightning_megatrain.planner.memory import memoised
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
 
 if TYPE_CHECKING:
@@ -123,8 +123,9 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
     bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
-    if attention_memo and s.attn in ("sdpa", PACKED_SDPA):  # the recompute's attention forward is the memo's
-        bwd = [b - (0 if ly.linear else _attn_flops(s, ly, seq_len) * tok / rate) for b, ly in zip(bwd, s.layers)]
+    if attention_memo:  # the recompute's attention forward is the memo's where it serves the layer
+        bwd = [b - (_attn_flops(s, ly, seq_len) * tok / rate if memoised(s, ly, seq_len) else 0)
+               for b, ly in zip(bwd, s.layers)]
     if tile is not None:  # the tiled block's forward again, tile by tile, before its backward (and the projections')
         bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)
