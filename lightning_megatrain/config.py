@@ -87,7 +87,8 @@ class EngineConfig:
     """Keep each recomputed layer's attention outputs (and log-sum-exp) from its forward for its recompute, which
     then skips the attention kernel: one attention forward less per recomputed layer and step, for ``B x T x heads x
     head_dim`` compute-dtype values per layer on the GPU until its backward (engine/attention_memo.py, [Note:
-    attention memo]); the same gradients. SDPA attention without mask or dropout only; not yet run on a GPU."""
+    attention memo]); the same gradients (bitwise for eager layers on the CPU in fp32, within rounding compiled).
+    SDPA attention without mask or dropout only (on CUDA where SDPA could use cuDNN); not yet run on a GPU."""
 
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``

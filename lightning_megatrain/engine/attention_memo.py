@@ -8,7 +8,8 @@ expensive kernel. With ``attention_memo`` each attention call of a recomputed la
 and log-sum-exp (``B x heads x T x head_dim`` in the compute dtype and ``B x heads x T`` in fp32: 1.0 GiB and 16 MiB
 for that layer in bf16) until the layer's recompute, which takes them instead of running the kernel, and the backward
 kernel runs on them as on its own forward's. The forward kernel is deterministic on the same inputs (the recompute
-replays the forward's RNG and autocast state), so the gradients are those without the memo, bitwise.
+replays the forward's RNG and autocast state), so for eager layers the gradients are those without the memo,
+bitwise (CPU, fp32; compiled layers and CUDA below).
 
 How:
 - :func:`memo_mode` (:class:`RouteAttention`, a ``TorchFunctionMode``, with the memo made the active one) is
@@ -24,8 +25,9 @@ How:
   (compiled.py ``_SAVED_OPS``), so their backward graph never calls it again.
 - :meth:`AttentionMemo.recording` (the forward of a recomputed layer) and :meth:`AttentionMemo.replaying` (its
   recompute) set that state for one layer. A kept layer, validation and a segment's replay in backward
-  ([Note: recompute segments]) run with neither: the op computes, as SDPA would. Recorded outputs are copies: inductor
-  reuses the buffers of a graph's intermediates.
+  ([Note: recompute segments]) run with neither: the op computes with the kernel SDPA would pick (cuDNN on CUDA:
+  calls SDPA could not run there pass through, ``_cudnn_serves``; the inputs in autocast's dtype, as SDPA casts
+  them). Recorded outputs are copies: inductor reuses the buffers of a graph's intermediates.
 - Kernels: on the CPU the one SDPA runs there without a mask (``_scaled_dot_product_flash_attention_for_cpu``), on
   CUDA cuDNN's (SDPA's own choice on the H200, docs/planner.md), each with its own backward. Grouped key/value heads
   (``enable_gqa``) go to the CPU kernel as they are (it takes them, as SDPA does: bitwise); on CUDA they are repeated
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPAParams
 from torch.overrides import TorchFunctionMode
 
 _aten = torch.ops.aten
@@ -103,9 +106,9 @@ _ACTIVE: AttentionMemo | None = None  # the engine's memo while its layers run (
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, philox_seed, philox_offset) of the forward kernel SDPA runs for these inputs without a mask, in the
-    layouts the fake kernel states (:func:`_layouts`). On CUDA ``out`` and ``lse`` stay as cuDNN made them, so its
-    backward gets exactly its forward's tensors."""
+    """(out, lse, philox_seed, philox_offset) of the forward kernel SDPA runs for these inputs without a mask. On CUDA
+    ``out`` and ``lse`` stay as cuDNN made them, so its backward gets its forward's tensors. On fake tensors it is the
+    op's fake kernel too: the aten kernels' meta functions give the shapes and strides."""
     if q.device.type == "cuda":
         out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, is_causal, False, scale=scale)
@@ -117,16 +120,6 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> t
         return q.new_zeros((), dtype=torch.int64) if t is None else t.reshape(()).to(torch.int64, copy=True)
 
     return out, lse, scalar(seed), scalar(offset)
-
-
-def _layouts(q: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty ``out`` and ``lse`` as :func:`_kernel` returns them: on CUDA cuDNN's (``out`` in q's memory layout,
-    ``lse`` ``[B, heads, T, 1]`` fp32, torch 2.11 and 2.13), on the CPU contiguous ``[B, heads, T, D]`` and
-    ``[B, heads, T]``."""
-    B, H, T, D = q.shape  # noqa: N806
-    if q.device.type == "cuda":
-        return torch.empty_like(q), q.new_empty(B, H, T, 1, dtype=torch.float32)
-    return q.new_empty(B, H, T, D), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 @torch.library.custom_op("megatrain::memo_attention", mutates_args=())
@@ -146,27 +139,28 @@ def memo_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: floa
 
 @memo_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    scalar = q.new_empty((), dtype=torch.int64)
-    return *_layouts(q), scalar, scalar.clone()
+    return _kernel(q, k, v, is_causal, scale)
+
+
+def _backward_kernel(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                     offset: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv by the backward kernel of :func:`_kernel`'s (on fake tensors: its meta function)."""
+    if q.device.type == "cuda":
+        T, S = q.shape[2], k.shape[2]  # noqa: N806
+        return tuple(_aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, None, None, T, S, 0.0, is_causal, scale=scale))
+    return tuple(_aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, is_causal, scale=scale))
 
 
 @torch.library.custom_op("megatrain::memo_attention_backward", mutates_args=())
 def memo_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
                             offset: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of :func:`memo_attention` by the backward kernel of the forward's."""
-    if q.device.type == "cuda":
-        T, S = q.shape[2], k.shape[2]  # noqa: N806
-        return tuple(_aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, seed, offset, None, None, None, T, S, 0.0, is_causal,
-            scale=scale))
-    return tuple(_aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, is_causal, scale=scale))
+    return _backward_kernel(grad, q, k, v, out, lse, seed, offset, is_causal, scale)
 
 
-@memo_attention_backward.register_fake
-def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor, offset: Tensor,
-      is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+memo_attention_backward.register_fake(_backward_kernel)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -185,6 +179,18 @@ def _backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple:
 memo_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _cudnn_serves(q: Tensor, k: Tensor, v: Tensor, named: dict) -> bool:
+    """Whether SDPA could run this call on cuDNN's kernel (fp16/bf16 in autocast's or the inputs' dtype, shapes and
+    the GPU cuDNN takes): only then does the memo's op, which calls it directly, route it. Shapes and dtypes only, so
+    a layer's forward and recompute decide alike."""
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    params = SDPAParams(q, k, v, None, 0.0, bool(named.get("is_causal", False)), bool(named.get("enable_gqa")))
+    return torch.backends.cuda.can_use_cudnn_attention(params)
+
+
 class RouteAttention(TorchFunctionMode):
     """Routes mask-free, dropout-free ``F.scaled_dot_product_attention`` calls through :func:`memo_attention`; the
     other calls pass through (see [Note: attention memo])."""
@@ -197,6 +203,8 @@ class RouteAttention(TorchFunctionMode):
         named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), rest), **kwargs)
         if named.get("attn_mask") is not None or named.get("dropout_p", 0.0) != 0.0 or q.dim() != 4:
             return func(*args, **kwargs)
+        if q.device.type == "cuda" and not _cudnn_serves(q, k, v, named):
+            return func(*args, **kwargs)  # SDPA picks another kernel: the memo's op calls cuDNN's
         if named.get("enable_gqa") and k.shape[1] != q.shape[1] and q.device.type == "cuda":
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)

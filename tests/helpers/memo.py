@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch._subclasses.fake_tensor import FakeTensor
+
 from lightning_megatrain.engine import attention_memo
 
 
@@ -12,7 +14,7 @@ def count_kernel_calls(monkeypatch) -> list[int]:
     kernel = attention_memo._kernel
 
     def counting(*args):
-        calls[0] += 1
+        calls[0] += not isinstance(args[0], FakeTensor)  # the op's fake kernel runs it on fake tensors when compiling
         return kernel(*args)
 
     monkeypatch.setattr(attention_memo, "_kernel", counting)

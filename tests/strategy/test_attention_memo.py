@@ -163,3 +163,14 @@ def test_the_plan_counts_the_memos_and_the_attention_they_save():
     windowed = dict(llama7, model_type="mistral", sliding_window=4096)  # a mask past the window: SDPA with a mask
     assert "attention memos" not in plan(windowed, seq_len=8192, config=EngineConfig(attention_memo=True)).gpu
     assert "attention memos" in plan(windowed, seq_len=4096, config=EngineConfig(attention_memo=True)).gpu
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_op_passes_torch_library_opcheck(layout):
+    """Schema, fake kernels (shapes and strides through the aten meta functions), autograd registration and AOT
+    dispatch of the memo's op, on q, k, v contiguous as [B, heads, T, D] or viewed from [B, T, heads, D]."""
+    def qkv() -> torch.Tensor:
+        x = torch.randn(2, 8, 4, 16) if layout == "transposed" else torch.randn(2, 4, 8, 16)
+        return (x.transpose(1, 2) if layout == "transposed" else x).requires_grad_()
+
+    torch.library.opcheck(attention_memo.memo_attention, (qkv(), qkv(), qkv(), True, 0.25))
