@@ -107,19 +107,18 @@ _ACTIVE: AttentionMemo | None = None  # the engine's memo while its layers run (
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, philox_seed, philox_offset) of the forward kernel SDPA runs for these inputs without a mask. On CUDA
-    ``out`` and ``lse`` stay as cuDNN made them, so its backward gets its forward's tensors. On fake tensors it is the
-    op's fake kernel too: the aten kernels' meta functions give the shapes and strides."""
+    ``out`` and ``lse`` stay as cuDNN made them, so its backward gets its forward's tensors; the philox seed and offset
+    are zeros on q's device (the calls routed here have no dropout, so the backward does not read them, and fake and
+    real kernels agree on their device). On fake tensors it is the op's fake kernel too: the aten kernels' meta
+    functions give the shapes and strides."""
     if q.device.type == "cuda":
-        out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+        out, lse = _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, is_causal, False, scale=scale)[:2]
     else:  # out and lse as [B, T, heads, ...] in memory: made contiguous, as the fake kernel says
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-        out, lse, seed, offset = out.contiguous(), lse.contiguous(), None, None
-
-    def scalar(t: Tensor | None) -> Tensor:  # a fresh int64 scalar each (a custom op's outputs may not alias)
-        return q.new_zeros((), dtype=torch.int64) if t is None else t.reshape(()).to(torch.int64, copy=True)
-
-    return out, lse, scalar(seed), scalar(offset)
+        out, lse = out.contiguous(), lse.contiguous()
+    # a fresh int64 scalar each (a custom op's outputs may not alias)
+    return out, lse, q.new_zeros((), dtype=torch.int64), q.new_zeros((), dtype=torch.int64)
 
 
 @torch.library.custom_op("megatrain::memo_attention", mutates_args=())
