@@ -179,13 +179,11 @@ memo_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _cudnn_serves(q: Tensor, k: Tensor, v: Tensor, named: dict) -> bool:
-    """Whether SDPA could run this call on cuDNN's kernel (fp16/bf16 in autocast's or the inputs' dtype, shapes and
-    the GPU cuDNN takes): only then does the memo's op, which calls it directly, route it. Shapes and dtypes only, so
-    a layer's forward and recompute decide alike."""
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
-    if dtype not in (torch.float16, torch.bfloat16):
+    """Whether SDPA could run this call, its inputs already in the dtype it computes in, on cuDNN's kernel (fp16 or
+    bf16, shapes and the GPU cuDNN takes): only then does the memo's op, which calls it directly, route it. Shapes
+    and dtypes only, so a layer's forward and recompute decide alike."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     params = SDPAParams(q, k, v, None, 0.0, bool(named.get("is_causal", False)), bool(named.get("enable_gqa")))
     return torch.backends.cuda.can_use_cudnn_attention(params)
 
@@ -202,14 +200,14 @@ class RouteAttention(TorchFunctionMode):
         named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), rest), **kwargs)
         if named.get("attn_mask") is not None or named.get("dropout_p", 0.0) != 0.0 or q.dim() != 4:
             return func(*args, **kwargs)
+        if torch.is_autocast_enabled(q.device.type):  # SDPA runs in autocast's dtype; a custom op is not cast
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if q.device.type == "cuda" and not _cudnn_serves(q, k, v, named):
             return func(*args, **kwargs)  # SDPA picks another kernel: the memo's op calls cuDNN's
         if named.get("enable_gqa") and k.shape[1] != q.shape[1] and q.device.type == "cuda":
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        if torch.is_autocast_enabled(q.device.type):  # SDPA runs in autocast's dtype; a custom op is not cast
-            dtype = torch.get_autocast_dtype(q.device.type)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         scale = named.get("scale")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return memo_attention(q, k, v, bool(named.get("is_causal", False)), float(scale))[0]
