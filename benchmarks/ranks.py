@@ -6,13 +6,15 @@ single-GPU tokens/s at the 3B shape):
 
   python benchmarks/ranks.py --devices 1 --model llama-3.2-3b --micro-batch 8 --accumulate 4 --out benchmarks/results
   python benchmarks/ranks.py --devices 2 --model llama-3.2-3b --micro-batch 8 --accumulate 4 --out benchmarks/results
+  python benchmarks/ranks.py --devices 2 --system deepspeed_zero3_offload --out benchmarks/results   # the peer
 
-Each writes <date>-ranks-<model>-<device>-x<N>.json (rank 0): tokens/s over all ranks, per GPU, the median step,
-each rank's peak host RSS and peak GPU memory, and the run's options. Workload as benchmarks/throughput.py (random
+Each writes <date>-ranks-<system>-<model>-<device>-x<N>.json (rank 0): tokens/s over all ranks, per GPU, the median
+step, each rank's peak host RSS and peak GPU memory, and the run's options. Workload as benchmarks/throughput.py (random
 init drawn like HF's, synthetic token ids, seq 1024, the chunked loss, AdamW, clipping at 1.0, bf16-mixed), with
 Lightning's distributed sampler giving each rank its own micro-batches. `megatrain` options are the defaults, so the
 single-GPU run overlaps its optimizer step and places device groups, which several ranks do not yet
-(docs/multi-gpu.md).
+(docs/multi-gpu.md). The peer, `--system deepspeed_zero3_offload`, is Lightning's DeepSpeedStrategy (ZeRO-3, parameters
+and optimizer offloaded, pinned) with DeepSpeedCPUAdam and HF gradient checkpointing, as in benchmarks/throughput.py.
 
 CPU check (gloo, the tiny model, 2 steps; what tests/test_benchmark_scripts.py runs):
   python benchmarks/ranks.py --dry-run --devices 2 --out /tmp/ranks
@@ -34,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks import each other
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this package, when it is not installed
 
-from workloads import MODELS, count_params, make_module  # noqa: E402
+from workloads import MODELS, count_params, layer_class, make_module, make_strategy  # noqa: E402
 
 SEQ_LEN = 1024
 
@@ -83,6 +85,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences of 1024 per micro-batch and rank")
     parser.add_argument("--accumulate", type=int, default=4)
     parser.add_argument("--steps", type=int, default=7, help="optimizer steps; the first 2 are warm-up")
+    parser.add_argument("--system", default="megatrain", choices=("megatrain", "deepspeed_zero3_offload"),
+                        help="MegaTrainStrategy() defaults, or the peer (CUDA only)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny-llama, 2 steps of 2 micro-batches")
     args = parser.parse_args()
@@ -94,18 +98,18 @@ def main() -> None:
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    from lightning_megatrain import MegaTrainStrategy
-
     config = MODELS[args.model]["config"]
-    module = make_module(config, loss="chunked", optimizer="adamw", grad_ckpt=False, direct_clip=False)
+    strategy, clip, optimizer, _, _ = make_strategy(args.system, layer_class(config), on_cuda)
+    module = make_module(config, loss="chunked", optimizer=optimizer, direct_clip=False,
+                         grad_ckpt=args.system == "deepspeed_zero3_offload")
     world = args.devices * args.num_nodes
     n_samples = args.micro_batch * args.accumulate * args.steps * world
     data = torch.randint(0, config["vocab_size"], (n_samples, seq_len), generator=torch.Generator().manual_seed(0))
     timer = StepTimer(args.accumulate)
     trainer = Trainer(
         accelerator="cuda" if on_cuda else "cpu", devices=args.devices, num_nodes=args.num_nodes,
-        strategy=MegaTrainStrategy(), precision="bf16-mixed" if on_cuda else "32-true", max_steps=args.steps,
-        accumulate_grad_batches=args.accumulate, gradient_clip_val=1.0, callbacks=[timer.callback()], logger=False,
+        strategy=strategy, precision="bf16-mixed" if on_cuda else "32-true", max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate, gradient_clip_val=clip, callbacks=[timer.callback()], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=args.micro_batch))
@@ -120,18 +124,21 @@ def main() -> None:
     params, _ = count_params(config)
     device = torch.cuda.get_device_name(0).split()[-1].lower() if on_cuda else "cpu"
     row = {
-        "model": args.model, "params": params, "devices": args.devices, "num_nodes": args.num_nodes, "world": world,
+        "system": args.system, "model": args.model, "params": params, "devices": args.devices,
+        "num_nodes": args.num_nodes, "world": world,
         "micro_batch": args.micro_batch, "accumulate": args.accumulate, "seq_len": seq_len,
         "tokens_per_step": tokens_per_step, "tokens_per_gpu_per_step": tokens_per_step // world,
         "step_times_s": timer.times, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
         "tokens_per_s_per_gpu": tokens_per_step / step_s / world,
         "peak_host_gib_by_rank": [p[0] for p in gathered], "peak_gpu_gib_by_rank": [p[1] for p in gathered],
-        "device": device, "dry_run": args.dry_run, "options": dataclasses.asdict(strategy.config),
+        "device": device, "dry_run": args.dry_run,
+        "options": dataclasses.asdict(strategy.config) if args.system == "megatrain" else strategy.config,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y-%m-%d')}-ranks-{args.model}-{device}-x{world}.json"
+    path = args.out / f"{time.strftime('%Y-%m-%d')}-ranks-{args.system}-{args.model}-{device}-x{world}.json"
     path.write_text(json.dumps(row, indent=1, default=str))
-    print(f"{args.model} x{world}: {row['tokens_per_s']:.0f} tokens/s ({row['tokens_per_s_per_gpu']:.0f} per GPU), "
+    print(f"{args.system} {args.model} x{world}: {row['tokens_per_s']:.0f} tokens/s "
+          f"({row['tokens_per_s_per_gpu']:.0f} per GPU), "
           f"median step {step_s:.2f} s -> {path}")
 
 

@@ -89,7 +89,7 @@ from workloads import (
     SYSTEMS,
     attention_flops_per_token,
     count_params,
-    hf_config,
+    layer_class,
     make_module,
     make_strategy,
     split_system,
@@ -423,7 +423,6 @@ def train(spec: dict) -> dict:
     sys.path.insert(0, REPO)  # the device's copy of the tree has the package uninstalled
     import lightning as L
     import torch
-    from transformers import AutoModelForCausalLM
 
     import lightning_megatrain  # noqa: F401  (registers "megatrain")
 
@@ -436,9 +435,7 @@ def train(spec: dict) -> dict:
     model_spec = MODELS[spec["model"]]
     config = model_spec["config"]
     params, active = count_params(config)
-    model_cls = AutoModelForCausalLM._model_mapping[type(hf_config(config))]
-    layer_cls = getattr(sys.modules[model_cls.__module__], model_cls._no_split_modules[0])
-    strategy, clip, optimizer, act_ckpt, notes = make_strategy(spec["system"], layer_cls, on_cuda)
+    strategy, clip, optimizer, act_ckpt, notes = make_strategy(spec["system"], layer_class(config), on_cuda)
     notes += [model_spec["note"]] if "note" in model_spec else []
     if spec["loss"] == "chunked" and spec["system"] == "deepspeed_zero3_offload":
         notes.append("chunked loss: lm_head.weight registered with deepspeed.zero.register_external_parameter")

@@ -117,6 +117,16 @@ def hf_config(config: dict):
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
+def layer_class(config: dict) -> type:
+    """The HF decoder-layer class of ``config``'s model (its ``_no_split_modules[0]``): what ZeRO-3 and FSDP wrap."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    model_cls = AutoModelForCausalLM._model_mapping[type(hf_config(config))]
+    return getattr(sys.modules[model_cls.__module__], model_cls._no_split_modules[0])
+
+
 def count_params(config: dict) -> tuple[int, int]:
     """All and active (MoE: expert weights scaled by top-k / experts) parameters, from a meta-device build."""
     import torch

@@ -17,7 +17,7 @@ def test_ranks_benchmark_dry_run(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ranks.py"), "--dry-run", "--devices", "2",
                            "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = tmp_path.glob("*-ranks-tiny-llama-cpu-x2.json")
+    (path,) = tmp_path.glob("*-ranks-megatrain-tiny-llama-cpu-x2.json")
     row = json.loads(path.read_text())
     assert row["world"] == 2 and row["tokens_per_step"] == 2 * 2 * 2 * 64
     assert len(row["step_times_s"]) == 2 and row["tokens_per_s"] > 0
