@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this package, wh
 from workloads import MODELS, count_params, layer_class, make_module, make_strategy  # noqa: E402
 
 SEQ_LEN = 1024
+START = time.perf_counter()
 
 
 class StepTimer:
@@ -61,6 +62,8 @@ class StepTimer:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 now = time.perf_counter()
+                if trainer.is_global_zero:  # where a run's minutes go (setup and compile against steps)
+                    print(f"[ranks] step {trainer.global_step} ends {now - START:.1f} s after start", flush=True)
                 if timer._last is not None:
                     timer.times.append(now - timer._last)
                 timer._last = now
