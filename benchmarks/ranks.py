@@ -119,8 +119,9 @@ def main() -> None:
     strategy = trainer.strategy
     measured = timer.times[1:] if len(timer.times) > 1 else timer.times  # the first interval holds step 2's warm-up
     step_s = median(measured)
-    peaks = torch.tensor([peak_host_gib(), torch.cuda.max_memory_allocated() / 2**30 if on_cuda else 0.0])
-    gathered = strategy.all_gather(peaks.to(strategy.root_device)).reshape(-1, 2).cpu().tolist()
+    peaks = torch.tensor([peak_host_gib(), torch.cuda.max_memory_allocated() / 2**30 if on_cuda else 0.0,
+                          torch.get_num_threads()])  # the host step's threads (Lightning's launcher sets them)
+    gathered = strategy.all_gather(peaks.to(strategy.root_device)).reshape(-1, 3).cpu().tolist()
     if not strategy.is_global_zero:
         return
     tokens_per_step = args.micro_batch * args.accumulate * seq_len * world
@@ -134,6 +135,7 @@ def main() -> None:
         "step_times_s": timer.times, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
         "tokens_per_s_per_gpu": tokens_per_step / step_s / world,
         "peak_host_gib_by_rank": [p[0] for p in gathered], "peak_gpu_gib_by_rank": [p[1] for p in gathered],
+        "threads_by_rank": [int(p[2]) for p in gathered],
         "device": device, "dry_run": args.dry_run,
         "options": dataclasses.asdict(strategy.config) if args.system == "megatrain" else strategy.config,
     }

@@ -176,9 +176,15 @@ class MegaTrainEngine(FirstBatchPlacement):
             OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
         )
         gate = self._gate = overlap.wait if overlap is not None else None
+        if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
+            names = {id(p): name for name, p in module.named_parameters()}
+            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group])
+            self.sharding.adopt(previous)  # a layer packed from its placeholders is NaN ([Note: sharded layer masters])
         if registry is not None:
+            # several ranks drain each layer's reduced grads into its owned share ([Note: sharded layer masters])
+            owned = None if self.sharding is None else [self.sharding.shard_of(g).owned for g in self.groups]
             self.transfer = CudaTransfer(
-                self.groups, self.device, self.compute_dtype, self.config.num_slots, registry, gate
+                self.groups, self.device, self.compute_dtype, self.config.num_slots, registry, gate, owned
             )
             resident_buffers = [s for s in resident_slots if not s.is_param]
             self.residents = Residents(
@@ -188,10 +194,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         else:
             self.transfer = HostTransfer(self.groups, self.compute_dtype, gate)
             buffers = [[] for _ in layer_buffers]
-        if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
-            names = {id(p): name for name, p in module.named_parameters()}
-            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group])
-            self.sharding.adopt(previous)  # a layer packed from its placeholders is NaN ([Note: sharded layer masters])
+        if self.sharding is not None:
             self.transfer = ShardedTransfer(self.transfer, self.sharding, self.groups)
             self._step = ShardedOptimizerStep(
                 self.sharding, resident_group, self.config, self.device, self.transfer, self.residents

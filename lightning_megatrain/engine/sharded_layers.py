@@ -13,7 +13,13 @@ layer (forward, the recompute in backward, a segment's replay, validation and pr
 - on CUDA (NCCL): the slot's upload (engine/transfer.py, [Note: slot lifecycle]) copies this rank's owned master
   over its own PCIe link into its part of a device gather buffer ``[N * S]`` and all-gathers the layer there over
   NCCL, on the H2D stream, before the slot's ``ready`` event; the slot is then filled from it as from a master.
-  **Not run yet on GPUs** (docs/multi-gpu.md).
+
+In backward the layer's grads go the other way (``drain``): reduce-scattered over the ranks where they were computed,
+and this rank's mean added into its owned grad. On CUDA that reduce-scatter runs on the compute stream right after
+the layer's backward (NCCL's stream waits for it, the compute stream for NCCL's), and the ``[S]`` mean takes the
+gradient drain the layers take with one rank ([Note: gradient drain]: D2H stream, pinned owned grad, the drain
+worker), so the training thread never waits for the host. The drain is built over the owned shares and carries
+fp32 (the mean is fp32), its slabs too.
 
 Every acquire is a collective, so every rank must run the same layers in the same order: training, validation and
 test do (Lightning's ``DistributedSampler`` pads every rank to as many batches; predict's does not pad, so uneven
@@ -78,7 +84,7 @@ class ShardedTransfer:
         return flat if flat.dtype == dtype else flat.to(dtype)
 
     def _upload(self, index: int, staging: Tensor) -> None:
-        """UNTESTED ON GPUS. Fill ``staging[:numel]`` with layer ``index`` whole, on the current (H2D) stream: this
+        """Fill ``staging[:numel]`` with layer ``index`` whole, on the current (H2D) stream: this
         rank's owned master H2D into its part of the device gather buffer, the NCCL all-gather of the layer there,
         then one device copy into the slot (see the note)."""
         shard: GroupShard = self._shards[index]
@@ -93,8 +99,18 @@ class ShardedTransfer:
         staging[: shard.group.numel].copy_(gathered[: shard.group.numel])
 
     def drain(self, index: int, grads: list[Tensor | None]) -> None:
-        self._state.reduce_grads(self._shards[index], grads)
+        """Reduce-scatter layer ``index``'s grads and add this rank's mean into its owned grads: synchronously on the
+        CPU; on CUDA the reduce-scatter runs behind the layer's backward on the compute stream and the wrapped
+        backend's drain, built over the owned shares, carries the ``[S]`` mean to the host like a layer's grads (one
+        D2H into the pinned owned grad, or a device-side sum with the earlier micro-batches': [Note: gradient
+        drain])."""
+        shard = self._shards[index]
+        if self._on_host:
+            self._state.reduce_grads(shard, grads)
+            return
+        _, pieces = self._state.reduced_pieces(shard, grads)
+        self._inner.drain(index, pieces)
 
     def take_host_added(self) -> bool:
-        """The owned grads are host adds: clipping takes their norm on the host."""
+        """The owned grads' norm is taken on the host (each rank's part of the global norm, all-reduced)."""
         return True

@@ -43,9 +43,10 @@ Collectives, in the same order on every rank (no rank ever decides alone whether
 
 Process groups: the default group carries the device tensors (NCCL on CUDA, gloo on the CPU); the host tensors go
 over a gloo group made at setup when the default is NCCL (:class:`Ranks`). On the CPU both are the same gloo group.
-The CUDA path is the same code: the layer grads are reduce-scattered on the device over NCCL and the owned shard
-copied to the host; each rank uploads its owned master of a layer and the GPUs all-gather the layer over NCCL into
-the slot ([Note: sharded layer masters]; not run on GPUs yet, docs/multi-gpu.md); the residents are gathered on the
+On CUDA the layer grads are reduce-scattered on the device over NCCL and the owned share goes to the host through the
+gradient drain, asynchronously ([Note: gradient drain]); each rank uploads its owned master of a layer and the GPUs
+all-gather the layer over NCCL into the slot ([Note: sharded layer masters]); the residents' grads are
+reduce-scattered on the device and copied to the host synchronously once per step, their masters gathered on the
 host and uploaded whole.
 """
 
@@ -291,22 +292,33 @@ class ShardedState:
 
     def reduce_grads(self, shard: GroupShard, grads: list[Tensor | None]) -> None:
         """Reduce-scatter one group's grads (one per parameter, ``None`` = none on this rank) over the ranks and add
-        the mean into the owned grads (see the module note). A collective: every rank calls it for the same group."""
+        the mean into the owned grads (see the module note), synchronously. A collective: every rank calls it for the
+        same group. (A layer's grads on CUDA take the asynchronous drain instead: engine/sharded_layers.py.)"""
+        mine, pieces = self.reduced_pieces(shard, grads)
+        mine = mine.cpu()  # [S] fp32 host
+        shard.owned.accumulate([None if v is None else mine[o : o + v.numel()]
+                                for v, o in zip(pieces, shard.owned.offsets)], packed=mine)
+
+    def reduced_pieces(self, shard: GroupShard, grads: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
+        """The mean over ranks of one group's grads, this rank's share: ``[S]`` fp32 where the grads are, and its
+        view per owned piece (``None`` for a parameter no rank has a gradient of). A collective (see
+        :meth:`reduce_grads`). Reads the device only on a rank where some parameter has no gradient (an expert no
+        token reached): the presence flags are all-reduced on every rank, and a rank with every grad knows they are
+        all set."""
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
         group = shard.group
-        padded = torch.zeros(self.ranks.world * shard.size, dtype=torch.float32, device=device)
+        padded = torch.zeros(self.ranks.world * shard.size, dtype=torch.float32, device=device)  # [N * S]
         present = torch.zeros(len(group.params), dtype=torch.float32, device=device)
         for k, (p, offset, g) in enumerate(zip(group.params, group.offsets, grads)):
             if g is not None:
                 padded[offset : offset + p.numel()].copy_(g.reshape(-1))
                 present[k] = 1.0
         self.ranks.all_reduce_(present)
-        mine = self.ranks.reduce_scatter(padded).div_(self.ranks.world).cpu()  # [S] fp32 host
-        flags = present.cpu().tolist()
+        mine = self.ranks.reduce_scatter(padded).div_(self.ranks.world)  # [S]
+        flags = [1.0] * len(grads) if all(g is not None for g in grads) else present.cpu().tolist()
         owned = shard.owned
-        views = [mine[o : o + p.numel()] if flags[k] else None
-                 for p, o, k in zip(owned.params, owned.offsets, shard.piece_param)]
-        owned.accumulate(views, packed=mine)
+        return mine, [mine[o : o + p.numel()] if flags[k] else None
+                      for p, o, k in zip(owned.params, owned.offsets, shard.piece_param)]
 
     def reduce_local_grads(self, shard: GroupShard) -> None:
         """Reduce the grads the parameters of ``shard.group`` hold (the residents': accumulated locally over the

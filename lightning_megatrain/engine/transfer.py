@@ -196,6 +196,7 @@ class CudaTransfer:
         num_slots: int,
         registry: HostRegistry,
         gate: Gate | None = None,
+        drain_groups: list[FlatGroup] | None = None,
     ) -> None:
         self.groups = groups
         self.gate = gate or _no_gate
@@ -223,8 +224,11 @@ class CudaTransfer:
         self.upload: Callable[[int, Tensor], None] | None = None
         self.offload = ActivationOffload(device, self.h2d_stream, self.d2h_stream, registry)  # engine/offload.py
         self._clock = 0
+        # the host grads each layer's drain writes: the layers' own, or with several ranks each layer's owned share,
+        # drained as the fp32 mean its reduce-scatter leaves (engine/sharded_layers.py)
         self.grad_drain = GradDrain(  # engine/drain.py
-            groups, device, compute_dtype, registry, self.h2d_stream, self.d2h_stream, self.device_groups
+            drain_groups or groups, device, compute_dtype if drain_groups is None else torch.float32, registry,
+            self.h2d_stream, self.d2h_stream, self.device_groups,
         )
 
     # ----------------------------------------------------------------------------------------------- H2D / slots
