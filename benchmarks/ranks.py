@@ -45,8 +45,10 @@ START = time.perf_counter()
 class StepTimer:
     """Wall time of each optimizer step (the device synchronized at each boundary), and the peaks at the end."""
 
-    def __init__(self, accumulate: int) -> None:
+    def __init__(self, accumulate: int, profile_step: int | None = None) -> None:
         self.accumulate = accumulate
+        self.profile_step = profile_step  # the optimizer step (1-based) rank 0 profiles and prints, or None
+        self.profiler = None
         self.times: list[float] = []
         self._last: float | None = None
 
@@ -56,6 +58,13 @@ class StepTimer:
         timer = self
 
         class _Timer(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+                starting = batch_idx % timer.accumulate == 0 and trainer.global_step + 1 == timer.profile_step
+                if starting and trainer.is_global_zero:
+                    timer.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                        torch.profiler.ProfilerActivity.CUDA])
+                    timer.profiler.__enter__()
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
                 if (batch_idx + 1) % timer.accumulate:
                     return
@@ -64,6 +73,12 @@ class StepTimer:
                 now = time.perf_counter()
                 if trainer.is_global_zero:  # where a run's minutes go (setup and compile against steps)
                     print(f"[ranks] step {trainer.global_step} ends {now - START:.1f} s after start", flush=True)
+                if timer.profiler is not None and trainer.global_step == timer.profile_step:
+                    timer.profiler.__exit__(None, None, None)  # rank 0's step: where its wall time goes
+                    averages = timer.profiler.key_averages()
+                    print(averages.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+                    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+                    timer.profiler = None
                 if timer._last is not None:
                     timer.times.append(now - timer._last)
                 timer._last = now
@@ -88,6 +103,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences of 1024 per micro-batch and rank")
     parser.add_argument("--accumulate", type=int, default=4)
     parser.add_argument("--steps", type=int, default=7, help="optimizer steps; the first 2 are warm-up")
+    parser.add_argument("--profile-step", type=int, help="print rank 0's torch.profiler tables of this step")
     parser.add_argument("--system", default="megatrain", choices=("megatrain", "deepspeed_zero3_offload"),
                         help="MegaTrainStrategy() defaults, or the peer (CUDA only)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -108,7 +124,7 @@ def main() -> None:
     world = args.devices * args.num_nodes
     n_samples = args.micro_batch * args.accumulate * args.steps * world
     data = torch.randint(0, config["vocab_size"], (n_samples, seq_len), generator=torch.Generator().manual_seed(0))
-    timer = StepTimer(args.accumulate)
+    timer = StepTimer(args.accumulate, args.profile_step)
     trainer = Trainer(
         accelerator="cuda" if on_cuda else "cpu", devices=args.devices, num_nodes=args.num_nodes,
         strategy=strategy, precision="bf16-mixed" if on_cuda else "32-true", max_steps=args.steps,

@@ -185,7 +185,9 @@ class GradDrain:
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(uploaded)
             self.d2h_stream.wait_event(packed_ready)
-            total.add_(packed)  # fp32 += compute dtype, the same sum the slab path's host add makes
+            # fp32 += compute dtype, the same sum the slab path's host add makes; ``packed`` is shorter than the
+            # group only for the last rank's owned share, whose padding stays zero (engine/sharded_layers.py)
+            total[: packed.numel()].add_(packed)
             summed = total.to(group.grad_dtype)  # [numel] as the host holds it (``total`` itself for fp32)
             # Read by clip_grad_norm_ on the compute stream only after wait_drained() synchronized on ``done``.
             group.device_norm_sq = norm_sq(summed)

@@ -236,7 +236,11 @@ def shard_group(group: FlatGroup, ranks: Ranks, registry: HostRegistry | None, w
             piece_start.append(a - offset)
 
     def new_grad() -> Tensor:
-        return torch.zeros(size, dtype=torch.float32) if registry is None else registry.empty(size, torch.float32)
+        # zeros: the last rank's pieces may end before S, and the drain writes only the pieces (the padding stays 0
+        # for the flat norm and the device-side sums, engine/drain.py)
+        if registry is None:
+            return torch.zeros(size, dtype=torch.float32)
+        return registry.empty(size, torch.float32, init=torch.Tensor.zero_)
 
     owned = FlatGroup(params=pieces, offsets=offsets, master=owned_master, new_grad=new_grad)
     return GroupShard(group, owned, padded, size, piece_param, piece_start)
