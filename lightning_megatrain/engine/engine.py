@@ -178,7 +178,8 @@ class MegaTrainEngine(FirstBatchPlacement):
         gate = self._gate = overlap.wait if overlap is not None else None
         if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
             names = {id(p): name for name, p in module.named_parameters()}
-            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group])
+            self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group],
+                                         device=self.device)
             self.sharding.adopt(previous)  # a layer packed from its placeholders is NaN ([Note: sharded layer masters])
         if registry is not None:
             # several ranks drain each layer's reduced grads into its owned share ([Note: sharded layer masters])

@@ -36,18 +36,20 @@ Collectives, in the same order on every rank (no rank ever decides alone whether
   reduction of the accumulated grads would leave them.
 - *end of backward, residents* (engine/sharded_step.py, ``ShardedOptimizerStep.finalize_gradients``): the
   residents' grads (the parameters' ``.grad`` on the CPU backend, the host grads the CUDA residents' drain writes)
-  accumulate locally over the micro-batches and are reduce-scattered once, on the host group.
+  accumulate locally over the micro-batches and are reduce-scattered once (on CUDA uploaded and reduced over NCCL,
+  the owned share copied back: ``ShardedState.device``; on the CPU over gloo).
 - *clipping and the finite check*: the squared norm of the owned grads is all-reduced (sum) into the global one;
-  the loss is all-reduced too, so every rank takes the same skip decision.
-- *after the update*: the residents' owned master is all-gathered in place into ``padded`` (host group).
+  the loss is all-reduced too, so every rank takes the same skip decision (host group, a few bytes).
+- *after the update*: the residents' owned master is all-gathered into ``padded`` (on CUDA through the device and
+  NCCL, on the CPU in place over gloo).
 
 Process groups: the default group carries the device tensors (NCCL on CUDA, gloo on the CPU); the host tensors go
 over a gloo group made at setup when the default is NCCL (:class:`Ranks`). On the CPU both are the same gloo group.
 On CUDA the layer grads are reduce-scattered on the device over NCCL and the owned share goes to the host through the
 gradient drain, asynchronously ([Note: gradient drain]); each rank uploads its owned master of a layer and the GPUs
-all-gather the layer over NCCL into the slot ([Note: sharded layer masters]); the residents' grads are
-reduce-scattered on the device and copied to the host synchronously once per step, their masters gathered on the
-host and uploaded whole.
+all-gather the layer over NCCL into the slot ([Note: sharded layer masters]); the residents' grads and masters take
+the device too, synchronously, once per step (uploaded, reduced or gathered over NCCL, copied back), and the
+residents are uploaded whole from ``padded`` as with one rank.
 """
 
 from __future__ import annotations
@@ -255,11 +257,16 @@ class ShardedState:
         registry: page-locked allocations (CUDA), or ``None``.
         names: ``id(parameter) -> name`` for every parameter of the module.
         whole: the groups every rank keeps whole (the residents); the others are sharded.
+        device: where the whole groups' grads are reduced and their masters gathered: the compute device (CUDA:
+            over NCCL, through pinned host buffers), or ``None`` for the host (gloo).
     """
 
     def __init__(self, groups: list[FlatGroup], ranks: Ranks, registry: HostRegistry | None, names: dict[int, str],
-                 whole: list[FlatGroup | None] = ()) -> None:
+                 whole: list[FlatGroup | None] = (), device: torch.device | None = None) -> None:
         self.ranks = ranks
+        # Gloo over the host's loopback moved the 3B shape's 1.6 GB of residents at about 1 GB/s on the H200 x2
+        # host (2.5 s of a 6 s step, benchmarks/results/*ranks*profile*): on CUDA they go over PCIe and NCCL.
+        self.device = device if device is not None and device.type != "cpu" else None
         self.names = names  # id(parameter) -> its qualified name in the module, for checkpoints
         kept = {id(g) for g in whole if g is not None}
         self.shards = [shard_group(g, ranks, registry, whole=id(g) in kept) for g in groups]
@@ -309,13 +316,13 @@ class ShardedState:
         :meth:`reduce_grads`). Reads the device only on a rank where some parameter has no gradient (an expert no
         token reached): the presence flags are all-reduced on every rank, and a rank with every grad knows they are
         all set."""
-        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        device = self.device or next((g.device for g in grads if g is not None), torch.device("cpu"))
         group = shard.group
         padded = torch.zeros(self.ranks.world * shard.size, dtype=torch.float32, device=device)  # [N * S]
         present = torch.zeros(len(group.params), dtype=torch.float32, device=device)
         for k, (p, offset, g) in enumerate(zip(group.params, group.offsets, grads)):
             if g is not None:
-                padded[offset : offset + p.numel()].copy_(g.reshape(-1))
+                padded[offset : offset + p.numel()].copy_(g.reshape(-1), non_blocking=True)  # a host grad: H2D
                 present[k] = 1.0
         self.ranks.all_reduce_(present)
         mine = self.ranks.reduce_scatter(padded).div_(self.ranks.world)  # [S]
@@ -336,8 +343,15 @@ class ShardedState:
         """Refresh the whole groups' gathered copy from the owners (after an optimizer step or a load); a sharded
         group is gathered when its layer runs (engine/sharded_layers.py)."""
         for shard in self.shards:
-            if not shard.sharded:
+            if shard.sharded:
+                continue
+            if self.device is None:
                 self.ranks.all_gather_(shard.padded)
+                continue
+            gathered = torch.empty(shard.padded.numel(), dtype=torch.float32, device=self.device)  # [N * S]
+            own = shard.owned.master.to(self.device, non_blocking=True)  # [S], from pinned memory
+            self.ranks.all_gather(gathered, own)
+            shard.padded.copy_(gathered)  # waits: the next step's residents upload from it
 
     def gather_whole(self, shard: GroupShard) -> Tensor:
         """A new 1D fp32 host buffer ``[world * S]`` holding ``shard``'s group whole: its master is ``[:numel]``. A
