@@ -306,8 +306,14 @@ class ShardedState:
         the mean into the owned grads (see the module note), synchronously. A collective: every rank calls it for the
         same group. (A layer's grads on CUDA take the asynchronous drain instead: engine/sharded_layers.py.)"""
         mine, pieces = self.reduced_pieces(shard, grads)
+        owned = shard.owned
+        fresh = all(v is not None for v in pieces) and all(p.grad is None for p in owned.params)
+        if mine.device.type != "cpu" and fresh:
+            owned.grad.copy_(mine)  # one D2H straight into the pinned owned grad (waits for the reduction)
+            owned.attach_grads()
+            return
         mine = mine.cpu()  # [S] fp32 host
-        shard.owned.accumulate([None if v is None else mine[o : o + v.numel()]
+        owned.accumulate([None if v is None else mine[o : o + v.numel()]
                                 for v, o in zip(pieces, shard.owned.offsets)], packed=mine)
 
     def reduced_pieces(self, shard: GroupShard, grads: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:

@@ -69,9 +69,6 @@ NVLINK_GBPS = 360.0
 # Between hosts, per GPU and direction: ASSUMED one 400 Gb/s NIC per GPU (a DGX H200's ConnectX-7s) at 80% of its
 # 50 GB/s line rate. No two hosts were available to measure it; ``--inter-host-gbps`` overrides it.
 INTER_HOST_GBPS = 40.0
-# gloo over TCP between the ranks of one host (the residents' grads and masters, the host group): ASSUMED, not
-# measured (loopback TCP with a copy at each end runs at a few GB/s).
-GLOO_GBPS = 5.0
 # one small collective (the per-layer presence flags, the grad norm, the finite check): ASSUMED launch + sync latency
 COLLECTIVE_LATENCY_S = 50e-6
 # GPU memory of the NCCL communicator (its per-channel, per-peer buffers): ASSUMED, not measured

@@ -327,7 +327,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     if world > 1:
         gpu_extra = rank_gpu_items(s, world=world)
         tkw["ranks"] = rank_timing(s, devices=devices, num_nodes=num_nodes, nvlink_gbps=m.nvlink_gbps,
-                                   inter_host_gbps=m.inter_host_gbps, d2h_gbps=m.pcie_d2h_gbps, cores=cores)
+                                   inter_host_gbps=m.inter_host_gbps, h2d_gbps=m.pcie_h2d_gbps,
+                                   d2h_gbps=m.pcie_d2h_gbps)
     # the long-context options (planner/long_context.py): host memory free for the checkpoints is the limit less
     # every other host item, which no sequence length changes (per rank: a host's ranks share it evenly)
     host_free = (host_usable - sum(v for k, v in host_of(micro_batch).items() if k != "activation offload")) // devices

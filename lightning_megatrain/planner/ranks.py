@@ -8,8 +8,9 @@ otherwise, for the rank's own micro-batch):
 
 - host: masters ``4 * sum(S_layer) + 4 * W * S_res`` (the residents whole on every rank), owned grads ``4 * (sum
   S_layer + S_res)``, Adam states ``8 * (sum S_layer + S_res)``, the residents' grads whole until their
-  reduce-scatter at the end of backward ``4 * resident params``, the landing of one layer's reduce-scatter ``4 *
-  max S_layer``, the grad slabs, the offloaded layer inputs and the process allowance as with one rank. A host holds
+  reduce-scatter at the end of backward ``4 * resident params`` (every reduce-scatter lands on the device and is
+  copied into the pinned owned grad), the grad slabs, the offloaded layer inputs and the process allowance as with
+  one rank. A host holds
   N of these; at setup each rank also packs the whole model once (``4 B/param``, freed before the first step), so
   the setup peak per host is ``N * (4 * params + process)``, judged against the host's usable RAM too;
 - GPU: one rank's items plus the all-gather buffer ``4 * W * max S_layer`` (engine/sharded_layers.py keeps it)
@@ -20,13 +21,15 @@ Time per step, per rank (timing.py's ``step_time`` with a :class:`RankTiming`):
 - each layer's upload is this rank's shard over its own PCIe link (``4 * S`` bytes) followed, on the same H2D stream,
   by the all-gather of the layer (``4 * W * S`` bytes); the H2D stream runs ahead of compute, so both hide behind
   the previous layer's compute as the single-rank upload does (only the excess is exposed);
-- each layer's backward ends with a reduce-scatter of its fp32 grads (``4 * W * S`` bytes), the copy of this rank's
-  ``S`` to the host and its copy (first micro-batch of a step, ``8 * S`` bytes of host memory traffic) or add (the
-  later ones, ``12 * S``) into the owned grad at the rank's share of ``HOST_COPY_GBPS``, with a small
-  all-reduce of presence flags first. The engine waits for the copy (docs/multi-gpu.md, "Speed on CUDA"), so these
-  are serial, every micro-batch of an accumulation;
-- the residents' grads are reduce-scattered once per step and their masters all-gathered after the step, on the host
-  over gloo (``GLOO_GBPS``), serial; the grad norm and the finite check are one small all-reduce each;
+- each layer's backward ends with a small all-reduce of presence flags and a reduce-scatter of its fp32 grads
+  (``4 * W * S`` bytes) on the compute stream (serial: the next layer's backward waits for them); this rank's ``[S]``
+  mean then takes the gradient drain as a layer's grads do with one rank (``4 * S`` bytes D2H into the pinned owned
+  grad, or for the later micro-batches of a step the owned grad uploaded, summed on the device and written back),
+  hidden behind the backward of the layers below as timing.py prices the single-rank drain;
+- the residents' grads are reduce-scattered once per step and their masters all-gathered after the step, through
+  the device: the host grads uploaded (``4 * W * S_res``), reduce-scattered over NCCL and the owned ``S_res``
+  copied back into the owned grad; the owned master uploaded, all-gathered and copied back whole. Serial; the grad
+  norm and the finite check are one small all-reduce each (gloo);
 - the host Adam steps ``sum S_layer + S_res`` parameters on the rank's ``cores // N`` cores (Lightning's launcher
   sets ``OMP_NUM_THREADS`` so), serially: ``overlap_optimizer`` and ``gpu_optimizer_groups`` are refused with
   several ranks (engine/sharding.py ``sharded_config``), their ``"auto"`` off.
@@ -38,7 +41,9 @@ An all-gather or reduce-scatter of ``D`` bytes in all (the padded group) over a 
 
 Not modelled: NCCL's kernels take SMs from the concurrent compute; the ranks' PCIe links and host memory are assumed
 not to limit each other (each rank its full ``pcie_h2d_gbps``); the device copy from the all-gather buffer into the
-slot (8 B/param at HBM speed); the ``.cpu()`` copy lands in pageable memory, planned at the pinned rate.
+slot (8 B/param at HBM speed); the residents' owned grad copied back through pageable memory, planned at the pinned
+rate. Measured once (benchmarks/results/2026-12-04-ranks-*, two H200s, before the drains and the residents moved
+off the host): see docs/multi-gpu.md.
 """
 
 from __future__ import annotations
@@ -48,9 +53,6 @@ from dataclasses import dataclass
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.planner.constants import (
     COLLECTIVE_LATENCY_S,
-    CPU_REF_CORES,
-    GLOO_GBPS,
-    HOST_COPY_GBPS,
     NCCL_GPU_GIB,
     OPTIMIZERS,
 )
@@ -60,14 +62,13 @@ from lightning_megatrain.planner.shape import _Shape
 @dataclass(frozen=True)
 class RankTiming:
     """What timing.py's ``step_time`` needs for several ranks: per layer, the elements of this rank's shard, the
-    seconds of its all-gather (on the H2D stream, after the shard's upload) and of its serial grad drain (the first
-    micro-batch of a step copies into the owned grad, the later ones add); per step, the parameters the rank's host
-    optimizer steps and the serial seconds of the residents' collectives."""
+    seconds of its all-gather (on the H2D stream, after the shard's upload) and of its reduce-scatter (serial, on
+    the compute stream); per step, the parameters the rank's host optimizer steps and the serial seconds of the
+    residents' collectives."""
 
     shard_numels: list[int]
     gather_s: list[float]
-    drain_first_s: list[float]
-    drain_s: list[float]
+    reduce_s: list[float]
     optimizer_params: int
     residents_s: float
 
@@ -86,22 +87,16 @@ def ring_seconds(nbytes: float, devices: int, num_nodes: int, nvlink_gbps: float
 
 
 def rank_timing(s: _Shape, *, devices: int, num_nodes: int, nvlink_gbps: float, inter_host_gbps: float,
-                d2h_gbps: float, cores: int) -> RankTiming:
-    """:class:`RankTiming` of one rank of ``devices * num_nodes`` (see the note); ``cores`` of its host."""
+                h2d_gbps: float, d2h_gbps: float) -> RankTiming:
+    """:class:`RankTiming` of one rank of ``devices * num_nodes`` (see the note)."""
     world = devices * num_nodes
     ring = lambda b: ring_seconds(b, devices, num_nodes, nvlink_gbps, inter_host_gbps)  # noqa: E731
-    per_rank = max(1, cores // devices)
-    copy = HOST_COPY_GBPS * min(1.0, per_rank / CPU_REF_CORES) * 1e9  # the rank's share of the host's copy rate
     shards = [shard(ly.numel, world) for ly in s.layers]
-    drain = [COLLECTIVE_LATENCY_S + ring(4 * world * n) + 4 * n / (d2h_gbps * 1e9) for n in shards]
-    first = [d + 8 * n / copy for d, n in zip(drain, shards)]  # host_store.py ``accumulate``: a copy (read, write)
-    drain = [d + 12 * n / copy for d, n in zip(drain, shards)]  # an add (read both, write one)
+    reduce = [2 * COLLECTIVE_LATENCY_S + ring(4 * world * n) for n in shards]  # the flags, the grads
     r = shard(s.resident_params, world)
-    # gloo between the ranks of a host, the network between hosts: the slower bounds the ring
-    gloo = lambda b: ring_seconds(b, devices, num_nodes, GLOO_GBPS, min(inter_host_gbps, GLOO_GBPS))  # noqa: E731
-    residents = 2 * gloo(4 * world * r) + 2 * COLLECTIVE_LATENCY_S  # grads, masters; the norm and the finite check
-    return RankTiming(shard_numels=shards, gather_s=[ring(4 * world * n) for n in shards], drain_first_s=first,
-                      drain_s=drain,
+    up, down = 4 * (world + 1) * r / (h2d_gbps * 1e9), 4 * (world + 1) * r / (d2h_gbps * 1e9)  # grads and masters
+    residents = up + down + 2 * ring(4 * world * r) + 4 * COLLECTIVE_LATENCY_S  # + the flags, finite check, norm
+    return RankTiming(shard_numels=shards, gather_s=[ring(4 * world * n) for n in shards], reduce_s=reduce,
                       optimizer_params=sum(shards) + r, residents_s=residents)
 
 
@@ -115,7 +110,6 @@ def rank_host_items(s: _Shape, one_rank: dict[str, int], *, world: int, devices:
         "grads": 4 * (layers + r),
         "optimizer states": OPTIMIZERS[optimizer][0] * (layers + r),
         "resident grads (whole)": 4 * s.resident_params,
-        "reduce-scatter landing": 4 * max(shard(ly.numel, world) for ly in s.layers),
         **{k: v for k, v in one_rank.items() if k not in ("masters", "grads", "optimizer states")},
     }
     return {k: devices * v for k, v in per_rank.items()}
@@ -145,8 +139,8 @@ def rank_summary(s: _Shape, *, devices: int, num_nodes: int, host: dict[str, int
         "setup_host_bytes": setup,
         "cores_per_rank": max(1, cores // devices),
         "gathers_s": time["  of which layer all-gathers"],
-        "reduce_scatter_drains_s": time["layer reduce-scatter + drain (serial)"],
-        "residents_gloo_s": time["residents' gloo collectives (serial)"],
-        "assumptions": {"nvlink_gbps": nvlink_gbps, "inter_host_gbps": inter_host_gbps, "gloo_gbps": GLOO_GBPS,
+        "reduce_scatters_s": time["layer reduce-scatters (serial)"],
+        "residents_s": time["residents' collectives (serial)"],
+        "assumptions": {"nvlink_gbps": nvlink_gbps, "inter_host_gbps": inter_host_gbps,
                         "collective_latency_s": COLLECTIVE_LATENCY_S, "nccl_gpu_gib": NCCL_GPU_GIB},
     }

@@ -125,11 +125,11 @@ def _ranks_lines(p: Plan) -> list[str]:
         f"    host RAM at setup: {g(rk['setup_host_bytes'])} per host (each rank packs the whole model in fp32 "
         "before cutting its share)",
         f"    collectives per step: layer all-gathers {rk['gathers_s'] * 1e3:.1f} ms (on the H2D stream, behind "
-        f"compute), layer reduce-scatters + drains {rk['reduce_scatter_drains_s'] * 1e3:.1f} ms (serial), "
-        f"residents over gloo {rk['residents_gloo_s'] * 1e3:.1f} ms (serial)",
+        f"compute), layer reduce-scatters {rk['reduce_scatters_s'] * 1e3:.1f} ms (serial), "
+        f"residents through the GPUs {rk['residents_s'] * 1e3:.1f} ms (serial)",
         f"    host Adam on {rk['cores_per_rank']} cores per rank; throughput above is the whole job's, MFU per GPU",
         f"    assumed: NVLink {a['nvlink_gbps']:g} GB/s" + (f", inter-host {a['inter_host_gbps']:g} GB/s" if
-        rk["num_nodes"] > 1 else "") + f" per GPU and direction (ring busbw), gloo {a['gloo_gbps']:g} GB/s, "
+        rk["num_nodes"] > 1 else "") + f" per GPU and direction (ring busbw), "
         f"{a['collective_latency_s'] * 1e6:.0f} us per small collective, NCCL {a['nccl_gpu_gib']:g} GiB of GPU "
         "memory; not modelled: NCCL's SMs taken from compute, shared PCIe or host memory bandwidth",
     ]

@@ -106,9 +106,9 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     receives without an fp32 staging copy, docs/compact-state.md).
 
     ``ranks``: one rank of several (planner/ranks.py, [Note: planning several ranks]): each upload is the rank's
-    shard followed by the layer's all-gather on the H2D stream; each layer's grads are reduce-scattered and drained
-    serially (no accumulation upload); the host optimizer steps the rank's shard; the residents' collectives add
-    serial seconds. ``None``: one rank, the model above.
+    shard followed by the layer's all-gather on the H2D stream; each layer's grads are reduce-scattered on the
+    compute stream (serial) and the rank's fp32 ``[S]`` mean drained as one rank drains a layer; the host optimizer
+    steps the rank's shard; the residents' collectives add serial seconds. ``None``: one rank, the model above.
 
     ``speculated_layers`` (with ``overlap_optimizer``, one rank): that many host layers, the last ones, start their
     update during the last micro-batch's backward (engine/backward_updates.py, [Note: updates during backward]);
@@ -146,7 +146,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     # Grads go D2H (fp32, or bf16 for bf16 host grads) straight into the pinned host grads. The 1st micro-batch of a
     # step writes them; later ones first upload them (H2D) and write back the sum made on the device (engine/drain.py,
     # [Note: gradient drain]).
-    grads = [gb * ly.numel for ly in s.layers] if ranks is None else [0] * L  # several ranks: serial drain_s
+    grads = [gb * ly.numel for ly in s.layers] if ranks is None else [4 * n for n in ranks.shard_numels]
     grads_up = [[0] * len(s.layers), [0] * len(on_gpu_layers) + grads[len(on_gpu_layers):]]  # device groups sum there
     exposed, fill = 0.0, 0.0
     for m in range(grad_accum):
@@ -159,10 +159,10 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
             load += grads_up[min(m, 1)][i]
             if ranks is None:
                 exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
-            else:  # the upload and the restore behind the layer's backward and its serial drain
-                load = (up[i - 1] if 0 <= i - 1 < L - num_slots else 0) + sum(up[j] for j in replays[i])
-                load += (stash[i - segment] if i - segment >= 0 else 0) / (h2d * 1e9)
-                exposed += max(0.0, load - bwd[i] - (ranks.drain_s if m else ranks.drain_first_s)[i])
+            else:  # the shard's upload and gather, the restore and the grads' upload behind the layer's backward
+                up_s = (up[i - 1] if 0 <= i - 1 < L - num_slots else 0) + sum(up[j] for j in replays[i])
+                up_s += ((stash[i - segment] if i - segment >= 0 else 0) + grads_up[min(m, 1)][i]) / both
+                exposed += max(0.0, max(up_s, grads[i] / both) - bwd[i])
         fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
     head = 6 * s.vocab * H * tok / rate
     compute = sum(fwd) + sum(bwd) + head
@@ -185,18 +185,15 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
                                   + sum(stash) / (h2d * 1e9))
         + (grad_accum - 1) * sum(grads) / (h2d * 1e9),
         **({"  of which layer all-gathers": grad_accum * gathers} if ranks is not None else {}),
-        "D2H busy": grad_accum * (sum(grads) + sum(stash) + (4 * sum(ranks.shard_numels) if ranks else 0))
-        / (d2h * 1e9),
+        "D2H busy": grad_accum * (sum(grads) + sum(stash)) / (d2h * 1e9),
         "transfers exposed": exposed,
         "pipeline fill + last drain": fill,
-        # One rank: one D2H straight into the pinned host grads, no host pass (engine/residents.py ``drain``); not
-        # priced, the host add through a staging buffer where a resident has no grad (a frozen embedding) or the
-        # host grads are not empty at the drain. Several ranks: the residents' grads are reduced on the host
-        # (engine/sharding.py ``reduce_local_grads``), a pass of about 12 bytes per parameter.
-        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9)
-        + (r * 12 / (HOST_COPY_GBPS * 1e9) if ranks is not None else 0),
-        **({"layer reduce-scatter + drain (serial)": sum(ranks.drain_first_s) + (grad_accum - 1) * sum(ranks.drain_s),
-            "residents' gloo collectives (serial)": ranks.residents_s} if ranks is not None else {}),
+        # One D2H straight into the pinned host grads, no host pass (engine/residents.py ``drain``); not priced, the
+        # host add through a staging buffer where a resident has no grad (a frozen embedding) or the host grads are
+        # not empty at the drain. Several ranks reduce them after (``residents' collectives``).
+        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9),
+        **({"layer reduce-scatters (serial)": grad_accum * sum(ranks.reduce_s),
+            "residents' collectives (serial)": ranks.residents_s} if ranks is not None else {}),
         **({"CPU optimizer (beyond the next forward)": max(0.0, host_left - sum(fwd) - head / 3)}
            if overlap_optimizer else {"CPU optimizer (serial)": optimizer_s}),
     }
