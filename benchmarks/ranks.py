@@ -62,7 +62,8 @@ class StepTimer:
                 starting = batch_idx % timer.accumulate == 0 and trainer.global_step + 1 == timer.profile_step
                 if starting and trainer.is_global_zero:
                     timer.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                                        torch.profiler.ProfilerActivity.CUDA])
+                                                                        torch.profiler.ProfilerActivity.CUDA],
+                                                            with_stack=True)
                     timer.profiler.__enter__()
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -78,6 +79,12 @@ class StepTimer:
                     averages = timer.profiler.key_averages()
                     print(averages.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
                     print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+                    # who waits for the device: the Python stacks of the synchronizing calls
+                    stacks = timer.profiler.key_averages(group_by_stack_n=8)
+                    waits = sorted((e for e in stacks if "Synchronize" in e.key), key=lambda e: -e.cpu_time_total)
+                    for event in waits[:8]:
+                        print(f"{event.key}: {event.count} calls, {event.cpu_time_total / 1e3:.1f} ms")
+                        print("    " + "\n    ".join(event.stack))
                     timer.profiler = None
                 if timer._last is not None:
                     timer.times.append(now - timer._last)
