@@ -36,7 +36,14 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.tiling import tile_length
 from lightning_megatrain.planner.constants import PRECISIONS
 from lightning_megatrain.planner.machine import Machine
-from lightning_megatrain.planner.memory import _gpu_peak, checkpoints, gpu_bytes, regenerated, replayed_forwards
+from lightning_megatrain.planner.memory import (
+    _gpu_peak,
+    checkpoints,
+    gpu_bytes,
+    gpu_keywords,
+    regenerated,
+    replayed_forwards,
+)
 from lightning_megatrain.planner.shape import _Shape, describe
 
 # The longest-sequence search: multiples of this many positions, up to LONGEST_CAP.
@@ -237,9 +244,8 @@ def place_checkpoints(model: Any, *, seq_len: int, micro_batch: int, gpu_limit: 
         raise ValueError(f"seq_len, micro_batch must be >= 1; got {seq_len}, {micro_batch}")
     s = describe(model, attn_implementation=attn_implementation)
     groups = config.gpu_optimizer_groups if config.gpu_optimizer_groups != "auto" else 0
-    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "gpu_groups": groups,
-           "host_state": config.host_state, "attention_memo": config.attention_memo}
+    gkw = {**gpu_keywords(config, precision=precision, loss=loss, loss_chunk=loss_chunk_size,
+                          reserve_gib=gpu_reserve_gib), "gpu_groups": groups}
     placed = place(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit)
     longest = None if placed.fits else longest_placeable(s, micro_batch, config=config, gkw=gkw, host_free=host_free,
                                                          gpu_limit=gpu_limit)

@@ -43,14 +43,17 @@ saved and a backward peak of 274,248 = saved + transient - 4H + down_proj's grad
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_megatrain._hardware import GIB
+from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_RESERVE_BYTES as SNAPSHOT_RESERVE
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
 from lightning_megatrain.engine.segments import replay_schedule
 from lightning_megatrain.models.packed_attention import PACKED_SDPA
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
-from lightning_megatrain.planner.constants import OPTIMIZERS
+from lightning_megatrain.planner.constants import OPTIMIZERS, PRECISIONS
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _LinearAttn, _Shape
 
 # host_state -> host bytes per parameter of the weights ("masters"), the grads and the Adam moments, from the layouts
@@ -245,6 +248,17 @@ def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int) -> i
     forward to that layer's recompute; every layer :func:`memoised` serves counted (the plan recomputes them all)."""
     per_token = sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if memoised(s, layer, seq_len))
     return per_token * micro_batch * seq_len
+
+
+def gpu_keywords(config: EngineConfig, *, precision: str, loss: str, loss_chunk: int, reserve_gib: float,
+                 offload: bool = True, host_state: str | None = None) -> dict[str, Any]:
+    """:func:`gpu_bytes`' keyword arguments for the engine options ``config`` (``host_state`` overrides the config's),
+    without ``gpu_groups`` and the long-context ones, which each caller decides: the one place an option that changes
+    the GPU items is read for them."""
+    return {"c": PRECISIONS[precision], "offload": offload, "loss": loss, "loss_chunk": loss_chunk,
+            "num_slots": config.num_slots, "reserve_gib": reserve_gib,
+            "host_state": host_state if host_state is not None else config.host_state,
+            "attention_memo": config.attention_memo}
 
 
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,

@@ -43,6 +43,7 @@ from lightning_megatrain.planner.memory import (
     _gpu_peak,
     checkpoints,
     gpu_bytes,
+    gpu_keywords,
     host_bytes,
     speculated_layers,
     transfer_bytes,
@@ -278,9 +279,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             pooled = auto_split(  # both memories as one pool ([Note: memory pool]), in the host_state layout
                 model, alone.host, alone.host_usable, alone.gpu_limit, micro_batch=micro_batch, seq_len=seq_len,
                 host_state=host_state, attn_implementation=attn_implementation, config=config,
-                gkw={"c": PRECISIONS[precision], "offload": offload_activations, "loss": loss,
-                     "loss_chunk": loss_chunk_size, "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib,
-                     "host_state": host_state, "attention_memo": config.attention_memo})
+                gkw=gpu_keywords(config, precision=precision, loss=loss, loss_chunk=loss_chunk_size,
+                                 reserve_gib=m.gpu_reserve_gib, offload=offload_activations, host_state=host_state))
             groups = max(groups, pooled.groups) if pooled.fits else pooled.groups
         p = plan(model, config=config.replace(gpu_optimizer_groups=groups), **kwargs)
         if pooled is not None:
@@ -308,9 +308,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     host_usable = host_limit - host_os_reserve(host_limit)
     gpu_limit = int((m.gpu_mem_gib or gpu_mem_gib() or GPU_REF_GIB) * GIB)
     groups, overlap = config.gpu_optimizer_groups, config.overlap_optimizer
-    gkw = {"c": c, "offload": offload_activations, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": m.gpu_reserve_gib, "gpu_groups": groups,
-           "host_state": host_state, "attention_memo": config.attention_memo}
+    gkw = {**gpu_keywords(config, precision=precision, loss=loss, loss_chunk=loss_chunk_size,
+                          reserve_gib=m.gpu_reserve_gib, offload=offload_activations, host_state=host_state),
+           "gpu_groups": groups}
     opt_rate = host_update_gparams(optimizer, host_state, overlap)
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,

@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from lightning_megatrain._hardware import ENGINE_HOST_SLACK_GIB, GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
-from lightning_megatrain.planner.constants import GPU_RESERVE_GIB, PRECISIONS, SPLIT_HOST_MARGIN_GIB
+from lightning_megatrain.planner.constants import GPU_RESERVE_GIB, SPLIT_HOST_MARGIN_GIB
 from lightning_megatrain.planner.long_context import Placement, place
-from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, gpu_bytes
+from lightning_megatrain.planner.memory import HOST_STATE_BYTES, _gpu_peak, gpu_bytes, gpu_keywords
 from lightning_megatrain.planner.shape import _Shape, describe
 
 
@@ -163,9 +163,7 @@ def auto_split(model: object, host: dict[str, int], host_usable: int, gpu_limit:
 def _engine_split(s: _Shape, micro_batch: int, seq_len: int, *, config: EngineConfig, gpu_limit: int,
                   host_free: int, to_come: Callable[[int], int], precision: str, loss: str,
                   loss_chunk_size: int, gpu_reserve_gib: float) -> Split:
-    gkw = {"c": PRECISIONS[precision], "offload": True, "loss": loss, "loss_chunk": loss_chunk_size,
-           "num_slots": config.num_slots, "reserve_gib": gpu_reserve_gib, "host_state": config.host_state,
-           "attention_memo": config.attention_memo}
+    gkw = gpu_keywords(config, precision=precision, loss=loss, loss_chunk=loss_chunk_size, reserve_gib=gpu_reserve_gib)
     return split(s, micro_batch, seq_len, config=config, gkw=gkw, host_free=host_free, gpu_limit=gpu_limit,
                  to_come=to_come)
 
