@@ -368,7 +368,8 @@ class MegaTrainEngine(FirstBatchPlacement):
         gathered first ([Note: sharded host state])."""
         if self.sharding is not None:
             self.sharding.gather()
-        for group in self.flat_groups:
+        owned = self.sharding.owned_groups if self.sharding is not None else []  # the drain's groups with ranks
+        for group in (*self.flat_groups, *owned):
             group.device_norm_sq = None
         if self.transfer is not None:
             self.transfer.invalidate()

@@ -94,12 +94,14 @@ class FlatGroup:
         one contiguous buffer, used for a single large copy/add when every parameter takes the same path.
         """
         if packed is not None and all(g is not None for g in grads):
+            # ``packed`` may be shorter than the group: a rank's owned share whose pieces end before its padding
+            # (engine/sharding.py), which stays zero
             if all(p.grad is None for p in self.params):
-                self.grad.copy_(packed)
+                self.grad[: packed.numel()].copy_(packed)
                 self.attach_grads()
                 return
             if self.grads_are_views():
-                self.grad.add_(packed)
+                self.grad[: packed.numel()].add_(packed)
                 return
         for p, view, g in zip(self.params, self.views(self.grad), grads):
             if g is None:

@@ -59,7 +59,8 @@ class ShardedOptimizerStep(OptimizerStep):
         return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
 
     def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
-        self._reduce_residents()  # manual optimization clips before optimizer.step() finalizes the grads
+        self.land_for_clipping()  # manual optimization clips before optimizer.step() finalizes the grads
+        self._reduce_residents()
         # decided together: which rank's pieces show the optimizer missing a parameter depends on the shards, and a
         # rank that raised alone would leave the others in the norm's all-reduce
         whole = self.state.ranks.all_reduce_(torch.tensor([float(self.clips_whole(params))]), op=dist.ReduceOp.MIN)

@@ -9,8 +9,8 @@ otherwise, for the rank's own micro-batch):
 - host: masters ``4 * sum(S_layer) + 4 * W * S_res`` (the residents whole on every rank), owned grads ``4 * (sum
   S_layer + S_res)``, Adam states ``8 * (sum S_layer + S_res)``, the residents' grads whole until their
   reduce-scatter at the end of backward ``4 * resident params`` (every reduce-scatter lands on the device and is
-  copied into the pinned owned grad), the grad slabs, the offloaded layer inputs and the process allowance as with
-  one rank. A host holds
+  copied into the pinned owned grad), the drain's grad slabs (three of the largest share, fp32: ``12 * max
+  S_layer``), the offloaded layer inputs and the process allowance as with one rank. A host holds
   N of these; at setup each rank also packs the whole model once (``4 B/param``, freed before the first step), so
   the setup peak per host is ``N * (4 * params + process)``, judged against the host's usable RAM too;
 - GPU: one rank's items plus the all-gather buffer ``4 * W * max S_layer`` (engine/sharded_layers.py keeps it)
@@ -111,6 +111,7 @@ def rank_host_items(s: _Shape, one_rank: dict[str, int], *, world: int, devices:
         "optimizer states": OPTIMIZERS[optimizer][0] * (layers + r),
         "resident grads (whole)": 4 * s.resident_params,
         **{k: v for k, v in one_rank.items() if k not in ("masters", "grads", "optimizer states")},
+        "grad slabs": 3 * 4 * max(shard(ly.numel, world) for ly in s.layers),  # the drain's, fp32 over the shares
     }
     return {k: devices * v for k, v in per_rank.items()}
 

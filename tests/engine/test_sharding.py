@@ -263,3 +263,21 @@ def test_sharded_pieces_and_resume_follow_the_aligned_layout(tmp_path):
         main, shard = split_checkpoint({"epoch": 0, "global_step": 1, "state_dict": {}}, path, sharded_params(state))
         torch.save(shard, shard_path(path, rank, 2))
     torch.testing.assert_close(whole_params(load_shard_files(main, path)), values)
+
+
+def test_the_last_ranks_short_share_drains_through_a_slab():
+    """The last rank's pieces end before its share's padding (21 parameters on 4 ranks: S = 6, rank 3 owns 3). The
+    CUDA drain lands a layer's mean through a slab when the layer's previous drain is still queued (engine/drain.py
+    ``add_packed``): the packed grads are then shorter than the owned grad, both when the owned grads start empty
+    (a copy) and when they accumulate (an add); the padding stays zero."""
+    from lightning_megatrain.engine.drain import add_packed
+
+    owned = _state(3, 4, _layer(), whole=False).shards[0].owned
+    n = sum(p.numel() for p in owned.params)
+    assert (n, owned.numel) == (3, 6)
+    slab = torch.arange(1.0, 9.0)  # [8]: a slab is as long as the largest share, longer than this one
+    add_packed(owned, [True] * len(owned.params), slab)
+    torch.testing.assert_close(owned.grad, torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 0.0]), rtol=0, atol=0)
+    add_packed(owned, [True] * len(owned.params), slab)
+    torch.testing.assert_close(owned.grad, torch.tensor([2.0, 4.0, 6.0, 0.0, 0.0, 0.0]), rtol=0, atol=0)
+    assert all(p.grad is not None for p in owned.params)
