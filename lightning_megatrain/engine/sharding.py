@@ -313,8 +313,8 @@ class ShardedState:
             owned.attach_grads()
             return
         mine = mine.cpu()  # [S] fp32 host
-        owned.accumulate([None if v is None else mine[o : o + v.numel()]
-                                for v, o in zip(pieces, shard.owned.offsets)], packed=mine)
+        owned.accumulate([None if v is None else mine[o : o + v.numel()] for v, o in zip(pieces, owned.offsets)],
+                         packed=mine)
 
     def reduced_pieces(self, shard: GroupShard, grads: list[Tensor | None]) -> tuple[Tensor, list[Tensor | None]]:
         """The mean over ranks of one group's grads, this rank's share: ``[S]`` fp32 where the grads are, and its

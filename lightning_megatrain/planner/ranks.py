@@ -41,9 +41,9 @@ An all-gather or reduce-scatter of ``D`` bytes in all (the padded group) over a 
 
 Not modelled: NCCL's kernels take SMs from the concurrent compute; the ranks' PCIe links and host memory are assumed
 not to limit each other (each rank its full ``pcie_h2d_gbps``); the device copy from the all-gather buffer into the
-slot (8 B/param at HBM speed); the residents' owned grad copied back through pageable memory, planned at the pinned
-rate. Measured once (benchmarks/results/2026-12-04-ranks-*, two H200s, before the drains and the residents moved
-off the host): see docs/multi-gpu.md.
+slot (8 B/param at HBM speed); a resident without a gradient on some rank, whose reduced share lands in pageable
+memory and is added on the host. Measured once (benchmarks/results/2026-12-04-ranks-*, two H200s, before the
+drains and the residents moved off the host): see docs/multi-gpu.md.
 """
 
 from __future__ import annotations
