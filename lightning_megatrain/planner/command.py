@@ -127,4 +127,26 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
               else render_capacities(str(ns.model)[:60], capacities))
         return 0
     print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
+    engine_flags = (ns.overlap_optimizer, ns.update_during_backward, ns.gpu_optimizer_groups, ns.compile_layers)
+    if not ns.json and engine_flags == (False, False, 0, False):
+        print(_defaults_line(ns.model, p, host_state=ns.host_state, devices=ns.devices, num_nodes=ns.num_nodes,
+                             **{**kwargs, "config": config.replace(overlap_optimizer="auto", compile_layers="auto",
+                                                                   update_during_backward="auto",
+                                                                   gpu_optimizer_groups="auto")}))
     return 0
+
+
+def _defaults_line(model: object, p: object, **kwargs: object) -> str:
+    """The lines under a plan made with the command's engine defaults (eager layers, a serial host step, no device
+    groups): what ``MegaTrainStrategy()``'s ``"auto"`` options plan instead, and the flags that plan them (with
+    several ranks only compiled layers: the rest is refused there)."""
+    try:
+        auto = plan(model, **kwargs)
+    except ValueError as err:  # an option "auto" cannot take here: say so rather than fail the plan above
+        return f"  MegaTrainStrategy()'s own defaults could not be planned: {err}"
+    several = kwargs["devices"] * kwargs["num_nodes"] > 1
+    flags = "--compile-layers" if several else (
+        "--overlap-optimizer --update-during-backward --gpu-optimizer-groups auto --compile-layers")
+    return (f"  The plan above has the command's defaults: eager layers, a serial host step, no device groups. "
+            f"MegaTrainStrategy()'s own\n  (\"auto\") plan {auto.tokens_per_s:,.0f} tokens/s and "
+            f"{'fits' if auto.fits else 'does not fit'}: {flags}")

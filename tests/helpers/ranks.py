@@ -72,22 +72,35 @@ class Block(nn.Module):
 
 class RankLM(LightningModule):
     """``embed`` -> 3 ``Block`` -> ``norm`` -> ``head``; next-token loss over fixed random tokens; AdamW with a
-    decayed and an undecayed param group."""
+    decayed and an undecayed param group. ``manual``: manual optimization, clipping the grads at 0.05 (norm) between
+    ``manual_backward`` and ``optimizer.step()``, before the engine finalizes them."""
 
-    def __init__(self, micro_batch: int) -> None:
+    def __init__(self, micro_batch: int, manual: bool = False) -> None:
         super().__init__()
         self.micro_batch = micro_batch
+        self.automatic_optimization = not manual
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
         h = self.embed(batch[:, :-1])  # [B, T-1, W]
         for block in self.blocks:
             h = block(h)
         logits = self.head(self.norm(h))  # [B, T-1, V]
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.automatic_optimization:
+            return self.loss(batch)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+        return loss
 
     def train_dataloader(self) -> DataLoader:
         data = torch.randint(0, VOCAB, (N_SAMPLES, SEQ), generator=torch.Generator().manual_seed(1234))

@@ -162,6 +162,26 @@ def test_command(capsys):
     assert plan_main(args) == 0
     out = capsys.readouterr().out
     assert "Ranks: 2 (2 per host, one host)" in out and "x 2 ranks" in out and "25,124 tokens/s" in out
+    assert '("auto") plan 27,211 tokens/s and fits: --compile-layers\n' in out  # the rest is refused with ranks
     with pytest.raises(SystemExit):
         plan_main(args + ["--largest"])
     assert "--largest plans one rank" in capsys.readouterr().err
+
+
+def test_command_names_the_strategys_defaults(capsys):
+    """The command plans eager layers and a serial host step unless told otherwise; such a plan ends with what
+    MegaTrainStrategy()'s "auto" options plan (one GPU of the 32-core host: 19,911 tokens/s measured,
+    benchmarks/results/2026-12-04-ranks-megatrain-llama-3.2-3b-h200x2-x1-4cd4237.json) and the flags that plan it;
+    with any of those flags given, the plan is what they say and the lines are not printed."""
+    args = ["--model", json.dumps(LLAMA_3B), "--seq-len", "1024", "--micro-batch", "8", "--grad-accum", "4",
+            "--host-ram", "256", "--gpu-mem", "139", "--cpu-cores", "32"]
+    flags = ["--overlap-optimizer", "--update-during-backward", "--gpu-optimizer-groups", "auto", "--compile-layers"]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    assert "9,705 tokens/s" in out
+    assert f'("auto") plan 19,334 tokens/s and fits: {" ".join(flags)}' in out
+    assert plan_main([*args, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "Throughput 19,334 tokens/s" in out and "command's defaults" not in out
+    assert plan_main([*args, "--compile-layers"]) == 0
+    assert "command's defaults" not in capsys.readouterr().out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.ranks import fit, launch
+from helpers.ranks import GLOBAL_BATCH, RankLM, fit, launch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,3 +41,19 @@ def test_two_gpu_checkpoint_resumes_on_one(tmp_path):
     for name, state in saved[0].end_state.items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(one.start_state[name][key].float(), state[key].float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_manual_optimization_clips_landed_grads(tmp_path, world):
+    """Manual optimization clips between ``manual_backward`` and ``optimizer.step()``, while the layers' drains may
+    still be writing the host grads and the residents' grads are still on the device: clipping lands them first
+    (``OptimizerStep.land_for_clipping``). One GPU and two against single-GPU Lightning, weights after two steps."""
+    module = lambda w: RankLM(GLOBAL_BATCH // w, manual=True)  # noqa: E731
+    if world == 2:
+        runs = launch(2, tmp_path, timeout=600, start_method="spawn", accelerator="cuda", steps=2, grads=False,
+                      module=module)
+    else:
+        runs = [fit(1, accelerator="cuda", steps=2, grads=False, module=module)]
+    reference = fit(1, strategy="auto", accelerator="cuda", steps=2, grads=False, module=module)
+    for run in runs:
+        torch.testing.assert_close(run.params, {k: v.cpu() for k, v in reference.params.items()}, **TOL)

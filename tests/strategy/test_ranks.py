@@ -230,37 +230,25 @@ def test_one_rank_still_saves_after_an_exception(tmp_path):
 
 
 class EvalLM(RankLM):
-    """:class:`RankLM` with a validation and test loss over 8 fixed samples, a predict step (per-sample loss over
-    ``n_predict`` samples, one per batch) and, with ``manual``, manual optimization clipping its grads at 0.05."""
+    """:class:`RankLM` with a validation and test loss over 8 fixed samples and a predict step (per-sample loss over
+    ``n_predict`` samples, one per batch)."""
 
-    def __init__(self, micro_batch: int, n_predict: int = 8, manual: bool = False) -> None:
+    def __init__(self, micro_batch: int, n_predict: int = 8) -> None:
         super().__init__(micro_batch)
         self.n_predict = n_predict
-        self.automatic_optimization = not manual
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        if self.automatic_optimization:
-            return super().training_step(batch, batch_idx)
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        loss = super().training_step(batch, batch_idx)
-        self.manual_backward(loss)
-        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
-        optimizer.step()
-        return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
+        loss = self.loss(batch)
         self.log("val_loss", loss, sync_dist=True)
         return loss
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
+        loss = self.loss(batch)
         self.log("test_loss", loss, sync_dist=True)
         return loss
 
     def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return super().training_step(batch, batch_idx)
+        return self.loss(batch)
 
     def _eval_loader(self, n: int, batch_size: int) -> DataLoader:
         data = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
@@ -298,8 +286,8 @@ def test_manual_optimization_clips_the_residents_too(tmp_path):
     """Manual optimization calls ``clip_gradients`` before ``optimizer.step()``, where the residents' grads were
     still local (reduced only when the step finalized them): the global norm missed them and they were not clipped.
     The weights after two clipped steps equal one process's."""
-    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH // world, manual=True))
-    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: EvalLM(GLOBAL_BATCH, manual=True))
+    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: RankLM(GLOBAL_BATCH // world, manual=True))
+    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: RankLM(GLOBAL_BATCH, manual=True))
     for rank, run in enumerate(runs):
         _assert_close(run.params, reference.params, f"rank {rank}, weights")
 
