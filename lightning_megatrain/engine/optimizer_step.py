@@ -164,18 +164,6 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         if self.residents is not None:
             self.residents.wait_landed()
 
-    def land_for_clipping(self) -> None:
-        """Make every host grad final before clipping reads and scales them, unless they are left landing on purpose
-        (``_late_grads``). Manual optimization clips after ``manual_backward`` and before ``optimizer.step()``, so
-        before :meth:`finalize_gradients` has drained the residents or waited for the layers' drains (on CUDA the
-        D2H may still be writing the buffers the clip scales); after it, this finds nothing left to do."""
-        if self._late_grads:
-            return
-        self.wait_for_host_step()
-        if self.residents is not None:
-            self.residents.drain(wait=True)
-        self.transfer.wait_drained()
-
     # - clipping
 
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float, defer: bool = False) -> bool:
@@ -188,7 +176,6 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         torch.
         """
         groups = self.groups
-        self.land_for_clipping()
         if self._late_grads and {id(p) for p in params} != {id(p) for g in groups for p in g.params}:
             self._late_grads = False  # torch's clipping may read p.grad below: land them now
             self._land_grads()

@@ -58,6 +58,16 @@ class ShardedOptimizerStep(OptimizerStep):
         """The squared global grad norm: the owned grads' squared norms summed over the ranks."""
         return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
 
+    def land_for_clipping(self) -> None:
+        """Make every host grad final before clipping reads and scales them. Manual optimization clips after
+        ``manual_backward`` and before ``optimizer.step()`` finalizes the grads: on CUDA the layers' drains may still
+        be writing the owned grads and the residents' grads are still on the device. Safe to repeat: with several
+        ranks there are no device groups and no overlapped step (refused), so a drained resident keeps no grad for
+        the step's own drain to send again, and no clipping factor is left for the step to apply."""
+        if self.residents is not None:
+            self.residents.drain(wait=True)
+        self.transfer.wait_drained()
+
     def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
         self.land_for_clipping()  # manual optimization clips before optimizer.step() finalizes the grads
         self._reduce_residents()

@@ -46,8 +46,10 @@ def test_two_gpu_checkpoint_resumes_on_one(tmp_path):
 @pytest.mark.parametrize("world", [1, 2])
 def test_manual_optimization_clips_landed_grads(tmp_path, world):
     """Manual optimization clips between ``manual_backward`` and ``optimizer.step()``, while the layers' drains may
-    still be writing the host grads and the residents' grads are still on the device: clipping lands them first
-    (``OptimizerStep.land_for_clipping``). One GPU and two against single-GPU Lightning, weights after two steps."""
+    still be writing the host grads and the residents' grads are still on the device. Two ranks land them first
+    (``ShardedOptimizerStep.land_for_clipping``); one GPU does not (its device groups and overlapped step make a
+    second drain or a reset clipping factor possible), which this checks. Against single-GPU Lightning, weights
+    after two steps."""
     module = lambda w: RankLM(GLOBAL_BATCH // w, manual=True)  # noqa: E731
     if world == 2:
         runs = launch(2, tmp_path, timeout=600, start_method="spawn", accelerator="cuda", steps=2, grads=False,
