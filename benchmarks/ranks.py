@@ -76,21 +76,26 @@ class StepTimer:
                     print(f"[ranks] step {trainer.global_step} ends {now - START:.1f} s after start", flush=True)
                 if timer.profiler is not None and trainer.global_step == timer.profile_step:
                     timer.profiler.__exit__(None, None, None)  # rank 0's step: where its wall time goes
-                    averages = timer.profiler.key_averages()
-                    print(averages.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
-                    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
-                    # who waits for the device: the Python stacks of the synchronizing calls
-                    stacks = timer.profiler.key_averages(group_by_stack_n=8)
-                    waits = sorted((e for e in stacks if "Synchronize" in e.key), key=lambda e: -e.cpu_time_total)
-                    for event in waits[:8]:
-                        print(f"{event.key}: {event.count} calls, {event.cpu_time_total / 1e3:.1f} ms")
-                        print("    " + "\n    ".join(event.stack))
+                    print_profile(timer.profiler)
                     timer.profiler = None
                 if timer._last is not None:
                     timer.times.append(now - timer._last)
                 timer._last = now
 
         return _Timer()
+
+
+def print_profile(profiler: torch.profiler.profile) -> None:
+    """The profiled step's ops by total and by self CPU time, and the Python stacks of the calls that wait for the
+    device (``cuda*Synchronize``)."""
+    averages = profiler.key_averages()
+    print(averages.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    stacks = profiler.key_averages(group_by_stack_n=8)
+    waits = sorted((e for e in stacks if "Synchronize" in e.key), key=lambda e: -e.cpu_time_total)
+    for event in waits[:8]:
+        print(f"{event.key}: {event.count} calls, {event.cpu_time_total / 1e3:.1f} ms")
+        print("    " + "\n    ".join(event.stack))
 
 
 def peak_host_gib() -> float:

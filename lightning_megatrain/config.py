@@ -88,7 +88,8 @@ class EngineConfig:
     then skips the attention kernel: one attention forward less per recomputed layer and step, for ``B x T x heads x
     head_dim`` compute-dtype values per layer on the GPU until its backward (engine/attention_memo.py, [Note:
     attention memo]); the same gradients (bitwise for eager layers on the CPU in fp32, within rounding compiled).
-    SDPA attention without mask or dropout only (on CUDA where SDPA could use cuDNN); not yet run on a GPU."""
+    SDPA attention without mask or dropout only (on CUDA where SDPA could use cuDNN). GPU-tested on an H200
+    (tests/strategy/test_gpu_attention_memo.py); its speed at long context is not measured yet, so it is off."""
 
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``

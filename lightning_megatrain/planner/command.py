@@ -129,14 +129,14 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     print(json.dumps(p.to_dict(), indent=2) if ns.json else p.report())
     engine_flags = (ns.overlap_optimizer, ns.update_during_backward, ns.gpu_optimizer_groups, ns.compile_layers)
     if not ns.json and engine_flags == (False, False, 0, False):
-        print(_defaults_line(ns.model, p, host_state=ns.host_state, devices=ns.devices, num_nodes=ns.num_nodes,
+        print(_defaults_line(ns.model, host_state=ns.host_state, devices=ns.devices, num_nodes=ns.num_nodes,
                              **{**kwargs, "config": config.replace(overlap_optimizer="auto", compile_layers="auto",
                                                                    update_during_backward="auto",
                                                                    gpu_optimizer_groups="auto")}))
     return 0
 
 
-def _defaults_line(model: object, p: object, **kwargs: object) -> str:
+def _defaults_line(model: object, **kwargs: object) -> str:
     """The lines under a plan made with the command's engine defaults (eager layers, a serial host step, no device
     groups): what ``MegaTrainStrategy()``'s ``"auto"`` options plan instead, and the flags that plan them (with
     several ranks only compiled layers: the rest is refused there)."""

@@ -243,9 +243,10 @@ def memoised(s: _Shape, layer: _Layer, seq_len: int) -> bool:
 
 
 def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int) -> int:
-    """GPU bytes of the attention memos of one micro-batch of ``tokens`` ([Note: attention memo] in
-    engine/attention_memo.py): each SDPA layer's attention output (compute dtype) and fp32 log-sum-exp, held from the
-    forward to that layer's recompute; every layer :func:`memoised` serves counted (the plan recomputes them all)."""
+    """GPU bytes of the attention memos of one micro-batch (``micro_batch`` rows of ``seq_len``; [Note: attention
+    memo] in engine/attention_memo.py): each SDPA layer's attention output (compute dtype) and fp32 log-sum-exp, held
+    from the forward to that layer's recompute; every layer :func:`memoised` serves counted (the plan recomputes them
+    all)."""
     per_token = sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if memoised(s, layer, seq_len))
     return per_token * micro_batch * seq_len
 

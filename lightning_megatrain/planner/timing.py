@@ -136,10 +136,13 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
             replays[first + i] = [first + j for j in replayed]
     bwd = [b + sum(fwd[j] for j in r) for b, r in zip(bwd, replays)]
     wb, gb = weight_bytes, grad_bytes
-    up = [wb * ly.numel / (h2d * 1e9) for ly in s.layers]  # host masters stream and are cast on the GPU
-    if ranks is not None:  # this rank's shard, then the all-gather of the layer, on the H2D stream
-        up = [wb * n / (h2d * 1e9) + g for n, g in zip(ranks.shard_numels, ranks.gather_s)]
-    up = [0.0] * len(on_gpu_layers) + up[len(on_gpu_layers):]
+    # Each layer's upload: the bytes its host master (several ranks: this rank's shard) moves over PCIe, cast on the
+    # GPU, then the seconds of the layer's all-gather on the same H2D stream (several ranks); none for device groups.
+    n_dev = len(on_gpu_layers)
+    numels = [ly.numel for ly in s.layers] if ranks is None else ranks.shard_numels
+    up_bytes = [0] * n_dev + [wb * n for n in numels[n_dev:]]
+    gather = [0.0] * L if ranks is None else ranks.gather_s
+    up = [b / (h2d * 1e9) + g for b, g in zip(up_bytes, gather)]  # alone on the H2D stream (forward)
     act = 4 * H * tok if offload else 0
     on_host = firsts[: max(len(firsts) - device_checkpoints, 0)] if offload else []
     stash = [act if i in on_host else 0 for i in range(L)]  # D2H in forward, H2D (restore) in backward
@@ -153,16 +156,10 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         for i in range(L):  # forward: upload i+1 and offload input i while i computes
             exposed += max(0.0, max(up[i + 1] if i + 1 < L else 0, stash[i] / (d2h * 1e9)) - fwd[i])
         for i in reversed(range(L)):  # backward: upload i-1 (not for the layers still in slots), restore its input
-            load = (wb * s.layers[i - 1].numel if len(on_gpu_layers) <= i - 1 < L - num_slots else 0)
+            uploads = ([i - 1] if 0 <= i - 1 < L - num_slots else []) + replays[i]  # and the replayed layers'
+            load = sum(up_bytes[j] for j in uploads) + grads_up[min(m, 1)][i]
             load += stash[i - segment] if i - segment >= 0 else 0  # the segment below's checkpoint, prefetched
-            load += sum(wb * s.layers[j].numel for j in replays[i] if j >= len(on_gpu_layers))  # replayed weights
-            load += grads_up[min(m, 1)][i]
-            if ranks is None:
-                exposed += max(0.0, max(load / both, grads[i] / both) - bwd[i])
-            else:  # the shard's upload and gather, the restore and the grads' upload behind the layer's backward
-                up_s = (up[i - 1] if 0 <= i - 1 < L - num_slots else 0) + sum(up[j] for j in replays[i])
-                up_s += ((stash[i - segment] if i - segment >= 0 else 0) + grads_up[min(m, 1)][i]) / both
-                exposed += max(0.0, max(up_s, grads[i] / both) - bwd[i])
+            exposed += max(0.0, max(load / both + sum(gather[j] for j in uploads), grads[i] / both) - bwd[i])
         fill += up[0] + grads[0] / (d2h * 1e9)  # the first upload and the last drain are never hidden
     head = 6 * s.vocab * H * tok / rate
     compute = sum(fwd) + sum(bwd) + head

@@ -162,7 +162,7 @@ def test_command(capsys):
     assert plan_main(args) == 0
     out = capsys.readouterr().out
     assert "Ranks: 2 (2 per host, one host)" in out and "x 2 ranks" in out and "25,124 tokens/s" in out
-    assert '("auto") plan 27,211 tokens/s and fits: --compile-layers\n' in out  # the rest is refused with ranks
+    assert '("auto") plan 26,763 tokens/s and fits: --compile-layers\n' in out  # the rest is refused with ranks
     with pytest.raises(SystemExit):
         plan_main(args + ["--largest"])
     assert "--largest plans one rank" in capsys.readouterr().err
