@@ -113,7 +113,7 @@ class MegaTrainPrecision(Precision):
         # The backward's drains write the host grads that an overlapped optimizer step may still be reading.
         engine = self.engine
         engine.step.wait_for_host_step()
-        engine.step.open_backward_updates()  # the armed step's drains count from here ([Note: updates during backward])
+        engine.step.backward_starts()  # grads pending until finalized; the armed step's drains count from here
         # Unread device-group grads stay on the GPU; their sums restart at optimizer.zero_grad(), which an
         # optimizer_zero_grad of the module's own might not call (engine/device_state.py).
         engine.set_grads_read(self._grads_read(module) or is_overridden("optimizer_zero_grad", module))

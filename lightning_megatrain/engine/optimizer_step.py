@@ -118,6 +118,7 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         self._device_param_ids: frozenset[int] = frozenset()  # the host step skips them
         self._deferred_grad_scale: Tensor | None = None  # clipping factor the optimizer step applies
         self._late_grads = False  # this step's host grads are still landing ([Note: late grads])
+        self._grads_final = False  # finalize_gradients ran since the last backward started (backward_starts)
         self._norm_sq: Tensor | None = None  # the step's squared global grad norm once measured (device: late grads)
         self._found_inf: Tensor | None = None  # device 0-dim fp32, 1.0 = skip: the device step's flag (late grads)
         self._stats_host: Tensor | None = None  # pinned [3] fp32: clip factor, squared grad norm, loss (late grads)
@@ -136,13 +137,28 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
 
     # - end of backward: the host grads
 
+    def backward_starts(self) -> None:
+        """A backward starts (the precision plugin's ``pre_backward``): its grads are not final until
+        :meth:`finalize_gradients`, and the armed step's drains count from here ([Note: updates during backward])."""
+        self._grads_final = False
+        self.open_backward_updates()
+
     def finalize_gradients(self, grads_read: bool = True) -> None:
         """Drain the residents and make every host fp32 grad final, or leave the last copies landing for the
-        overlapped host step when nothing reads them before it ([Note: late grads]).
+        overlapped host step when nothing reads them before it ([Note: late grads]). Once per backward: manual
+        optimization clips before ``optimizer.step()`` finalizes, so clipping finalizes first (:meth:`clip_grad_norm_`)
+        and the step's own call then keeps the grads, and the clipping factor, as they are. A second drain would send
+        a device group's resident grads to the host twice.
 
         Args:
             grads_read: code may read ``p.grad`` before the optimizer step (hooks, or a step that is not overlapped).
         """
+        if not self._grads_final:
+            self._grads_final = True
+            self._finalize(grads_read)
+
+    def _finalize(self, grads_read: bool) -> None:
+        """:meth:`finalize_gradients`' work, once per backward (the sharded step adds the residents' reduction)."""
         self._deferred_grad_scale = self._stats_copied = self._norm_sq = self._found_inf = None
         self._clip_fired = False
         self.wait_for_host_step()  # the residents' drain below writes grads an overlapped step may still read
@@ -175,6 +191,9 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         ``params`` is not exactly the set of parameters the engine holds grads for, so the caller falls back to
         torch.
         """
+        # manual optimization clips between manual_backward and optimizer.step(): the layers' drains may still be
+        # writing the host grads, and the residents' grads are still on the device
+        self.finalize_gradients(grads_read=True)
         groups = self.groups
         if self._late_grads and {id(p) for p in params} != {id(p) for g in groups for p in g.params}:
             self._late_grads = False  # torch's clipping may read p.grad below: land them now

@@ -39,13 +39,13 @@ class ShardedOptimizerStep(OptimizerStep):
             shard_optimizer(optimizer, self.state)
         return host
 
-    def finalize_gradients(self, grads_read: bool = True) -> None:
-        super().finalize_gradients(grads_read)
+    def _finalize(self, grads_read: bool) -> None:
+        super()._finalize(grads_read)
         self._reduce_residents()
 
     def _reduce_residents(self) -> None:
-        """Reduce the residents' local grads into the owned grads where some rank holds any: at the end of backward,
-        and before clipping, which manual optimization calls before ``optimizer.step()`` finalizes. Whether to is
+        """Reduce the residents' local grads into the owned grads where some rank holds any, when the grads are
+        finalized (at the end of backward, or by clipping first under manual optimization). Whether to is
         one flag all-reduced (every rank takes the same branch); once reduced, no ``p.grad`` is left."""
         if self._resident is None:
             return
@@ -58,19 +58,9 @@ class ShardedOptimizerStep(OptimizerStep):
         """The squared global grad norm: the owned grads' squared norms summed over the ranks."""
         return self.state.ranks.all_reduce_(host_norm_sq(self.groups).reshape(1).clone())[0]
 
-    def land_for_clipping(self) -> None:
-        """Make every host grad final before clipping reads and scales them. Manual optimization clips after
-        ``manual_backward`` and before ``optimizer.step()`` finalizes the grads: on CUDA the layers' drains may still
-        be writing the owned grads and the residents' grads are still on the device. Safe to repeat: with several
-        ranks there are no device groups and no overlapped step (refused), so a drained resident keeps no grad for
-        the step's own drain to send again, and no clipping factor is left for the step to apply."""
-        if self.residents is not None:
-            self.residents.drain(wait=True)
-        self.transfer.wait_drained()
-
     def clip_grad_norm_(self, params: list[Tensor], max_norm: float, defer: bool = False) -> bool:
-        self.land_for_clipping()  # manual optimization clips before optimizer.step() finalizes the grads
-        self._reduce_residents()
+        # every rank lands and reduces its grads before the norm (manual optimization clips before optimizer.step())
+        self.finalize_gradients(grads_read=True)
         # decided together: which rank's pieces show the optimizer missing a parameter depends on the shards, and a
         # rank that raised alone would leave the others in the norm's all-reduce
         whole = self.state.ranks.all_reduce_(torch.tensor([float(self.clips_whole(params))]), op=dist.ReduceOp.MIN)

@@ -65,6 +65,25 @@ def test_without_overlap_or_device_groups_the_step_runs_at_once():
     assert "zero_grad" not in vars(host)  # not hooked: nothing runs after the step returned
 
 
+def test_clipping_before_the_step_finalizes_once_and_the_step_keeps_its_factor():
+    # Manual optimization clips between manual_backward and optimizer.step(): clipping lands the grads first (the
+    # layers' drains, the residents'), and the step's own finalization then changes nothing: no second drain (a
+    # device group's resident grads would reach the host twice) and the deferred factor kept for the update.
+    residents = mock.Mock(norm_after_landing=False)
+    transfer = SimpleNamespace(take_host_added=lambda: False, wait_drained=mock.Mock())
+    step = OptimizerStep(EngineConfig(), torch.device("cpu"), [], SimpleNamespace(wait_all=mock.Mock()), transfer,
+                         residents)
+    step._host_norm_sq = lambda: torch.tensor(4.0)  # norm 2 against max_norm 1: the clip fires
+    for backward in range(2):
+        step.backward_starts()
+        assert step.clip_grad_norm_([], 1.0, defer=True)
+        assert residents.drain.call_args_list == [mock.call(wait=True)] * (backward + 1)
+        assert transfer.wait_drained.call_count == backward + 1  # landed before the norm was read
+        step.finalize_gradients(grads_read=True)  # optimizer.step()'s, after the clip
+        assert residents.drain.call_count == backward + 1 and transfer.wait_drained.call_count == backward + 1
+        torch.testing.assert_close(step._deferred_grad_scale, torch.tensor(1.0 / (2.0 + 1e-6)))
+
+
 def test_engine_step_exists_between_setup_and_teardown():
     engine = MegaTrainEngine(nn.Linear(1, 1), torch.device("cpu"), torch.float32)
     with pytest.raises(RuntimeError, match=r"MegaTrainEngine.step exists between setup\(\) and teardown\(\)"):

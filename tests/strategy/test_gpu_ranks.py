@@ -1,7 +1,9 @@
 """Several CUDA ranks (NCCL for the layers' grads, gloo for host tensors): ``MegaTrainStrategy`` with ``devices=2``
-trains as plain single-GPU Lightning on the same global batch, and a 2-rank checkpoint resumes on one GPU.
+trains as plain single-GPU Lightning on the same global batch, and a 2-rank checkpoint resumes on one GPU; manual
+optimization clips landed grads on one GPU and on two.
 
-Skipped without two CUDA GPUs (CI); on the x2 machine: ``python -m pytest -m gpu tests/strategy/test_gpu_ranks.py``.
+Skipped without CUDA GPUs (CI; the two-rank cases without two); on the x2 machine:
+``python -m pytest -m gpu tests/strategy/test_gpu_ranks.py``.
 Tolerance 1e-4 relative, as the other fp32 GPU parity tests (cuBLAS sums in another order than the CPU).
 """
 
@@ -12,13 +14,12 @@ import torch
 
 from helpers.ranks import GLOBAL_BATCH, RankLM, fit, launch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
-]
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
+@two_gpus
 @pytest.mark.parametrize("options", [{}, {"keep_layers": 0, "compile_layers": False}])
 @pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, 0.05)])
 def test_two_gpus_train_as_one(tmp_path, options, accumulate, clip):
@@ -33,6 +34,7 @@ def test_two_gpus_train_as_one(tmp_path, options, accumulate, clip):
         torch.testing.assert_close(run.params, {k: v.cpu() for k, v in reference.params.items()}, **TOL)
 
 
+@two_gpus
 def test_two_gpu_checkpoint_resumes_on_one(tmp_path):
     ckpt = tmp_path / "two.ckpt"
     saved = launch(2, tmp_path / "save", timeout=600, start_method="spawn", accelerator="cuda", steps=2,
@@ -43,19 +45,21 @@ def test_two_gpu_checkpoint_resumes_on_one(tmp_path):
             torch.testing.assert_close(one.start_state[name][key].float(), state[key].float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_manual_optimization_clips_landed_grads(tmp_path, world):
+@pytest.mark.parametrize(("world", "options"), [
+    (1, {}), (1, {"gpu_optimizer_groups": 0}), pytest.param(2, {}, marks=two_gpus)])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_manual_optimization_clips_landed_grads(tmp_path, world, options):
     """Manual optimization clips between ``manual_backward`` and ``optimizer.step()``, while the layers' drains may
-    still be writing the host grads and the residents' grads are still on the device. Two ranks land them first
-    (``ShardedOptimizerStep.land_for_clipping``); one GPU does not (its device groups and overlapped step make a
-    second drain or a reset clipping factor possible), which this checks. Against single-GPU Lightning, weights
-    after two steps."""
+    still be writing the host grads and the residents' grads are still on the device: clipping finalizes the grads
+    first, and the step's own finalization keeps them and the clipping factor (engine/optimizer_step.py). One GPU
+    with its default device groups and with the host step alone, and two ranks; against single-GPU Lightning,
+    weights after two steps."""
     module = lambda w: RankLM(GLOBAL_BATCH // w, manual=True)  # noqa: E731
     if world == 2:
         runs = launch(2, tmp_path, timeout=600, start_method="spawn", accelerator="cuda", steps=2, grads=False,
-                      module=module)
+                      module=module, **options)
     else:
-        runs = [fit(1, accelerator="cuda", steps=2, grads=False, module=module)]
+        runs = [fit(1, accelerator="cuda", steps=2, grads=False, module=module, **options)]
     reference = fit(1, strategy="auto", accelerator="cuda", steps=2, grads=False, module=module)
     for run in runs:
         torch.testing.assert_close(run.params, {k: v.cpu() for k, v in reference.params.items()}, **TOL)
