@@ -1,13 +1,17 @@
-"""The longest sequence plain GPU Lightning trains on this machine: the peer a Lightning user has before MegaTrain.
+"""The longest sequence a peer trains on this machine: plain GPU Lightning (what a Lightning user has before
+MegaTrain) or DeepSpeed ZeRO-3 offload (what one reaches for when the model does not fit).
 
-Plain Lightning (``Trainer(strategy="auto")`` on one GPU, bf16-mixed), the model's parameters, grads and fused AdamW
-states on the GPU (16 bytes per parameter), HF gradient checkpointing (``use_reentrant=False``), clip 1.0, one row of
-``T`` random token ids per step, HF's loss (``labels=``, the full ``[T, V]`` logits) or the project's chunked loss
-(``--loss chunked``). Two optimizer steps per ``T`` (the second backward holds the Adam states too: the peak), each
-``T`` in its own subprocess; a model's ladder stops at its first failure (out of memory or past its time). Row keys:
-model, seq_len, loss, ok, step_s (the second step), peak_gpu_alloc_gib, peak_gpu_reserved_gib, error.
+``--system plain``: ``Trainer(strategy="auto")`` on one GPU, bf16-mixed, the model's parameters, grads and fused
+AdamW states on the GPU (16 bytes per parameter). ``--system deepspeed_zero3_offload``: Lightning's DeepSpeedStrategy,
+ZeRO-3 with parameters and optimizer offloaded to pinned host memory, DeepSpeedCPUAdam (benchmarks/workloads.py).
+Both: HF gradient checkpointing (``use_reentrant=False``), clip 1.0, one row of ``T`` random token ids per step, HF's
+loss (``labels=``, the full ``[T, V]`` logits) or the project's chunked loss (``--loss chunked``). Two optimizer
+steps per ``T`` (the second backward holds the Adam states too: the peak), each ``T`` in its own subprocess; a
+model's ladder stops at its first failure (out of memory or past its time). Row keys: system, model, seq_len, loss,
+ok, step_s (the second step), peak_gpu_alloc_gib, peak_gpu_reserved_gib, peak_host_gib (VmHWM), error.
 
     python benchmarks/peer_longest.py --models llama-3.2-3b:32768,65536,131072 --out $OUT/peer-longest.json
+    python benchmarks/peer_longest.py --system deepspeed_zero3_offload --models llama-2-7b:16384,32768 --timeout 300
     python benchmarks/peer_longest.py --dry-run    # tiny-llama on this machine's CPU
 """
 
@@ -28,9 +32,9 @@ def _child(spec: dict) -> dict:
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
-    from workloads import MODELS, make_module
+    from workloads import MODELS, layer_class, make_module, make_strategy
 
-    from lightning_megatrain._hardware import GIB
+    from lightning_megatrain._hardware import GIB, host_rss_gib
 
     on_cuda = torch.cuda.is_available()
     seq = spec["seq_len"]
@@ -50,15 +54,19 @@ def _child(spec: dict) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t0)
 
-    module = make_module(config, loss=spec["loss"], optimizer="adamw_fused" if on_cuda else "adamw", grad_ckpt=True,
-                         direct_clip=True)
-    trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, precision="bf16-mixed" if on_cuda
-                        else "32-true", max_steps=2, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
+    plain = spec["system"] == "plain"
+    strategy, clip, optimizer, _, _ = make_strategy(spec["system"], layer_class(config), on_cuda)
+    module = make_module(config, loss=spec["loss"], optimizer=optimizer if on_cuda or not plain else "adamw",
+                         grad_ckpt=True, direct_clip=plain)  # Lightning refuses to clip a fused optimizer itself
+    trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, strategy=strategy,
+                        precision="bf16-mixed" if on_cuda else "32-true", max_steps=2, gradient_clip_val=clip,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Timer()])
     trainer.fit(module, DataLoader(data, batch_size=1))
     return {"ok": True, "step_s": times[-1],
             "peak_gpu_alloc_gib": torch.cuda.max_memory_allocated() / GIB if on_cuda else None,
-            "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None}
+            "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
+            "peak_host_gib": host_rss_gib("VmHWM")}
 
 
 def main() -> None:
@@ -66,6 +74,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-3.2-3b:32768,65536,131072,262144",
                                                     "llama-2-7b:16384,32768,65536"],
                     help="model:T1,T2,... ladders, shortest first")
+    ap.add_argument("--system", default="plain", choices=["plain", "deepspeed_zero3_offload"])
     ap.add_argument("--loss", default="hf", choices=["hf", "chunked"])
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per T")
     ap.add_argument("--out", default="benchmarks/results/peer-longest.json")
@@ -80,7 +89,7 @@ def main() -> None:
     for ladder in ladders:
         model, lengths = ladder.split(":")
         for seq in (int(t) for t in lengths.split(",")):
-            spec = {"model": model, "seq_len": seq, "loss": args.loss}
+            spec = {"system": args.system, "model": model, "seq_len": seq, "loss": args.loss}
             row = dict(spec, ok=False)
             try:
                 r = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
@@ -101,8 +110,9 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=1)
     for r in rows:
-        print(f"| {r['model']} | {r['seq_len']:,} | {'ok' if r['ok'] else 'FAILED'} | {r.get('step_s')} | "
-              f"{r.get('peak_gpu_alloc_gib')} | {r.get('error', '')[:120]} |")
+        print(f"| {r['system']} | {r['model']} | {r['seq_len']:,} | {'ok' if r['ok'] else 'FAILED'} | "
+              f"{r.get('step_s')} | {r.get('peak_gpu_alloc_gib')} | {r.get('peak_host_gib')} | "
+              f"{r.get('error', '')[:120]} |")
 
 
 if __name__ == "__main__":

@@ -378,5 +378,6 @@ def test_peer_longest_dry_run_climbs_its_ladder():
     the tiny ladder train (the H200 rows are docs/long-context.md's peer table)."""
     out = _run(str(BENCH / "peer_longest.py"), "--dry-run", timeout=300)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [(r["model"], r["seq_len"], r["ok"]) for r in rows] == [("tiny-llama", 64, True), ("tiny-llama", 128, True)]
+    assert [(r["system"], r["model"], r["seq_len"], r["ok"]) for r in rows] == [
+        ("plain", "tiny-llama", 64, True), ("plain", "tiny-llama", 128, True)]
     assert all(r["step_s"] > 0 for r in rows)
