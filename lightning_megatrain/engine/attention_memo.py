@@ -44,6 +44,7 @@ kernels) or a non-SDPA attention (eager attention: gpt-oss).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -178,14 +179,33 @@ def _backward(ctx: Any, grad: Tensor, *unused: Tensor) -> tuple:
 memo_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _cudnn_serves(q: Tensor, k: Tensor, v: Tensor, named: dict) -> bool:
+def _cudnn_serves(q: Tensor, k: Tensor, named: dict) -> bool:
     """Whether SDPA could run this call, its inputs already in the dtype it computes in, on cuDNN's kernel (fp16 or
-    bf16, shapes and the GPU cuDNN takes): only then does the memo's op, which calls it directly, route it. Shapes
-    and dtypes only, so a layer's forward and recompute decide alike."""
+    bf16, head dims and the GPU cuDNN takes): only then does the memo's op, which calls it directly, route it.
+    Decided once per static property (:func:`_cudnn_takes`), so a compiled layer's graph holds the answer: the check
+    itself (``SDPAParams``, a pybind object) is opaque to dynamo, and calling it in the traced body broke the graph
+    at attention, which ran the whole layer's selective checkpoint eagerly."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    params = SDPAParams(q, k, v, None, 0.0, bool(named.get("is_causal", False)), bool(named.get("enable_gqa")))
-    return torch.backends.cuda.can_use_cudnn_attention(params)
+    return _cudnn_takes(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], bool(named.get("is_causal", False)),
+                        bool(named.get("enable_gqa")))
+
+
+@torch.compiler.assume_constant_result
+def _cudnn_takes(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, is_causal: bool,
+                 enable_gqa: bool) -> bool:
+    """SDPA's own cuDNN check (``can_use_cudnn_attention``) on a probe of 256 positions with these static properties,
+    cached; a constant to dynamo. The sequence length is not among them: a batch and sequence dim are dynamic in a
+    compiled layer, and cuDNN's kernel would fail loudly, not silently, on a length its checks refused."""
+    return _cudnn_probe(device, dtype, heads, kv_heads, head_dim, is_causal, enable_gqa)
+
+
+@functools.cache
+def _cudnn_probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, is_causal: bool,
+                 enable_gqa: bool) -> bool:
+    q = torch.empty(1, heads, 256, head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, kv_heads, 256, head_dim, device=device, dtype=dtype)
+    return torch.backends.cuda.can_use_cudnn_attention(SDPAParams(q, kv, kv, None, 0.0, is_causal, enable_gqa))
 
 
 class RouteAttention(TorchFunctionMode):
@@ -203,7 +223,7 @@ class RouteAttention(TorchFunctionMode):
         if torch.is_autocast_enabled(q.device.type):  # SDPA runs in autocast's dtype; a custom op is not cast
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        if q.device.type == "cuda" and not _cudnn_serves(q, k, v, named):
+        if q.device.type == "cuda" and not _cudnn_serves(q, k, named):
             return func(*args, **kwargs)  # SDPA picks another kernel: the memo's op calls cuDNN's
         if named.get("enable_gqa") and k.shape[1] != q.shape[1] and q.device.type == "cuda":
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

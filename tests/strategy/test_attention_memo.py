@@ -83,6 +83,23 @@ def test_compiled_layers_with_the_memo(monkeypatch):
     assert_records_close(memo, reference, rtol=1e-6, rtol_updated=HOST_ADAM_RTOL)
 
 
+def test_the_routing_traces_whole_in_a_compiled_graph():
+    """The cuDNN check the routing makes on CUDA (``_cudnn_serves``) is a constant to dynamo: SDPA's own check is a
+    pybind object dynamo cannot trace, and a break there ran compiled layers' checkpoints eagerly. On the CPU the
+    check says no (no cuDNN), traced without a break; batch and sequence dims dynamic, as compiled layers mark them
+    (engine/compiled.py), heads and head dim static."""
+    def routed(q: torch.Tensor) -> torch.Tensor:
+        return q * 2 if attention_memo._cudnn_serves(q, q, {"is_causal": True}) else q + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(routed, fullgraph=True)
+    for batch, length in ((2, 8), (3, 12)):
+        q = torch.ones(batch, 2, length, 16, dtype=torch.bfloat16)  # [B, heads, T, head_dim]
+        torch._dynamo.maybe_mark_dynamic(q, 0)
+        torch._dynamo.maybe_mark_dynamic(q, 2)
+        torch.testing.assert_close(compiled(q), q + 1)
+
+
 def test_a_recompute_that_calls_attention_differently_is_refused():
     memo = attention_memo.AttentionMemo()
     q = torch.zeros(1, 2, 4, 8)
