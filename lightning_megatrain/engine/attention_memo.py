@@ -185,7 +185,7 @@ def _cudnn_serves(q: Tensor, k: Tensor, named: dict) -> bool:
     Decided once per static property (:func:`_cudnn_takes`), so a compiled layer's graph holds the answer: the check
     itself (``SDPAParams``, a pybind object) is opaque to dynamo, and calling it in the traced body broke the graph
     at attention, which ran the whole layer's selective checkpoint eagerly."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     return _cudnn_takes(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], bool(named.get("is_causal", False)),
                         bool(named.get("enable_gqa")))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPAParams
 
 from lightning_megatrain import MegaTrainStrategy
 from lightning_megatrain.engine import attention_memo
@@ -83,13 +84,23 @@ def test_compiled_layers_with_the_memo(monkeypatch):
     assert_records_close(memo, reference, rtol=1e-6, rtol_updated=HOST_ADAM_RTOL)
 
 
-def test_the_routing_traces_whole_in_a_compiled_graph():
-    """The cuDNN check the routing makes on CUDA (``_cudnn_serves``) is a constant to dynamo: SDPA's own check is a
-    pybind object dynamo cannot trace, and a break there ran compiled layers' checkpoints eagerly. On the CPU the
-    check says no (no cuDNN), traced without a break; batch and sequence dims dynamic, as compiled layers mark them
-    (engine/compiled.py), heads and head dim static."""
+def test_the_routing_traces_whole_in_a_compiled_graph(monkeypatch):
+    """The cuDNN check the routing makes on CUDA is a constant to dynamo (``_cudnn_takes``): SDPA's own check takes
+    an ``SDPAParams``, a pybind object dynamo cannot trace, and a break there ran compiled layers' checkpoints
+    eagerly. The probe, a stand-in here (no cuDNN on the CPU) that builds such an object, runs at trace time, once per
+    static property; batch and sequence dims dynamic, as compiled layers mark them (engine/compiled.py)."""
+    probes = []
+
+    def probe(device, dtype, heads, kv_heads, head_dim, is_causal, enable_gqa):
+        q = torch.empty(1, heads, 256, head_dim, dtype=dtype)
+        probes.append(SDPAParams(q, q, q, None, 0.0, is_causal, enable_gqa))
+        return True
+
+    monkeypatch.setattr(attention_memo, "_cudnn_probe", probe)
+
     def routed(q: torch.Tensor) -> torch.Tensor:
-        return q * 2 if attention_memo._cudnn_serves(q, q, {"is_causal": True}) else q + 1
+        takes = attention_memo._cudnn_takes(q.device, q.dtype, q.shape[1], q.shape[1], q.shape[-1], True, False)
+        return q * 2 if takes else q + 1
 
     torch._dynamo.reset()
     compiled = torch.compile(routed, fullgraph=True)
@@ -97,7 +108,8 @@ def test_the_routing_traces_whole_in_a_compiled_graph():
         q = torch.ones(batch, 2, length, 16, dtype=torch.bfloat16)  # [B, heads, T, head_dim]
         torch._dynamo.maybe_mark_dynamic(q, 0)
         torch._dynamo.maybe_mark_dynamic(q, 2)
-        torch.testing.assert_close(compiled(q), q + 1)
+        torch.testing.assert_close(compiled(q), q * 2)
+    assert len(probes) == 1
 
 
 def test_a_recompute_that_calls_attention_differently_is_refused():
