@@ -75,6 +75,9 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
         "the strategy decides it, with the state split between host and GPU where the host cannot hold it all")
     add("--compile-layers", action="store_true",
         help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
+    add("--attention-memo", action="store_true",
+        help="as MegaTrainStrategy(attention_memo=True): a recomputed layer's attention output kept from its forward "
+        "for its recompute (GPU memory for time; docs/long-context.md)")
     add("--loss-chunk-size", type=int, default=4096)
     add("--seq-tile", type=_auto_int(none=True), default="auto", metavar="auto|none|N",
         help="as MegaTrainStrategy(seq_tile=...): positions per tile of the MLP/MoE block (default auto: "
@@ -107,7 +110,8 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
                               update_during_backward=ns.update_during_backward,
                               gpu_optimizer_groups=ns.gpu_optimizer_groups, compile_layers=ns.compile_layers,
                               seq_tile=ns.seq_tile, segment_layers=ns.segment_layers,
-                              sub_segment_layers=ns.sub_segment_layers, device_checkpoints=ns.device_checkpoints)
+                              sub_segment_layers=ns.sub_segment_layers, device_checkpoints=ns.device_checkpoints,
+                              attention_memo=ns.attention_memo)
         machine = Machine(host_ram_gib=ns.host_ram, gpu_mem_gib=ns.gpu_mem, cpu_cores=ns.cpu_cores,
                           achieved_tflops=ns.tflops, nvlink_gbps=ns.nvlink_gbps, inter_host_gbps=ns.inter_host_gbps)
         kwargs = dict(seq_len=ns.seq_len, micro_batch=ns.micro_batch, grad_accum=ns.grad_accum,

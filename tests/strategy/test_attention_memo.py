@@ -194,6 +194,21 @@ def test_the_plan_counts_the_memos_and_the_attention_they_save():
     assert "attention memos" in plan(windowed, seq_len=4096, config=EngineConfig(attention_memo=True)).gpu
 
 
+def test_the_plan_command_plans_the_memo(capsys):
+    """``megatrain plan --attention-memo`` plans as ``MegaTrainStrategy(attention_memo=True)``."""
+    import json
+
+    from lightning_megatrain.planner.command import plan_main
+
+    args = ["--model", json.dumps(dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4)), "--seq-len", "512", "--json"]
+    plans = []
+    for flag in ([], ["--attention-memo"]):
+        assert plan_main([*args, *flag]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert "attention memos" not in plans[0]["gpu"] and plans[1]["gpu"]["attention memos"] > 0
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_the_op_passes_torch_library_opcheck(layout):
     """Schema, fake kernels (shapes and strides through the aten meta functions), autograd registration and AOT
