@@ -6,8 +6,10 @@ One optimizer step, as :class:`OptimizerStep` runs it (the precision plugin call
   implementation (optim/host_optimizer.py; ``CompactAdamW`` under a compact ``host_state``, optim/compact_update.py;
   Muon stays itself, optim/muon.py) and has ``zero_grad`` wait for the step in flight.
 - **end of backward**: :meth:`~OptimizerStep.finalize_gradients` drains the residents and waits for every layer's
-  drain, or leaves the last copies landing ([Note: late grads]).
-- **clipping**: :meth:`~OptimizerStep.clip_grad_norm_` takes the global norm from the per-layer norms measured on the
+  drain, or leaves the last copies landing ([Note: late grads]); once per backward
+  (:meth:`~OptimizerStep.backward_starts`).
+- **clipping**: :meth:`~OptimizerStep.clip_grad_norm_` finalizes the grads first where nothing has (manual
+  optimization clips before ``optimizer.step()``), takes the global norm from the per-layer norms measured on the
   device and scales the flat host grads, or leaves the factor to the update.
 - **the finite check**: :meth:`~OptimizerStep.check_finite` decides whether the step updates at all ([Note:
   all-or-nothing steps]).
