@@ -62,7 +62,8 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
     add("--gpu-mem", type=float, help=f"GiB (default: this machine's GPU, else {GPU_REF_GIB:.0f} as on an H200)")
     add("--cpu-cores", type=int)
     add("--tflops", type=float, help=f"achieved TFLOP/s on executed FLOPs (default {ACHIEVED_TFLOPS:.0f} bf16, "
-        f"{COMPILED_TFLOPS:.0f} with --compile-layers)")
+        f"{COMPILED_TFLOPS:.0f} with --compile-layers); named, attention runs at it too (else at its kernel's "
+        "measured rates on long rows)")
     add("--no-offload", action="store_true", help="keep every layer's input on the GPU")
     add("--num-slots", type=int, default=2)
     add("--overlap-optimizer", action="store_true",

@@ -27,6 +27,17 @@ ACHIEVED_TFLOPS = 450.0
 # (3.21B on the H200: 21,459 / 16,589 tokens/s at 32K tokens, 21,672 / 16,802 at 64K with the chunked loss;
 # benchmarks/results/2026-11-29-llama-3.2-3b-h200.json); applied to the whole step: 450 x 1.29.
 COMPILED_TFLOPS = 580.0
+# Attention where SDPA runs it without a mask (cuDNN's kernel, torch's choice on the H200; the same kernel in eager
+# and compiled layers), on the FLOPs timing.py counts: causal, the backward counted 2x the forward. Measured alone,
+# 32 heads x 128, bf16, at 131,072 tokens (benchmarks/attention_backends.py,
+# benchmarks/results/2026-12-04-attention-backends-h200-a82a356.json): forward 571 (690 at 32,768), backward 530 on
+# FlashAttention's 2.5x count, so 424 on this one. Below ACHIEVED/COMPILED for the backward: at long context, where
+# attention is most of a layer, one rate for the whole layer planned the 7B steps 8-15% fast, these within 5%
+# (benchmarks/planner_attention_check.py). Used from ATTN_RATES_FROM_SEQ tokens per row, the shortest measured;
+# shorter rows keep the one rate, calibrated on runs at 4,096 that include their (small) attention.
+ATTN_FWD_TFLOPS = 570.0
+ATTN_BWD_TFLOPS = 425.0
+ATTN_RATES_FROM_SEQ = 32768
 FP32_TFLOPS = 50.0  # 32-true: H200 datasheet fp32 (non-tensor) ~67 TFLOP/s; assumed ~75% achieved, not measured
 PEAK_TFLOPS = H100_BF16_PEAK_FLOPS / 1e12  # dense bf16 datasheet peak (_hardware.py); MFU is quoted against it
 

@@ -23,6 +23,9 @@ from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
 from lightning_megatrain.planner.constants import (
     ACHIEVED_TFLOPS,
+    ATTN_BWD_TFLOPS,
+    ATTN_FWD_TFLOPS,
+    ATTN_RATES_FROM_SEQ,
     COMPACT_ADAM_GPARAMS,
     COMPILED_TFLOPS,
     CPU_REF_CORES,
@@ -315,7 +318,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
-           "attention_memo": config.attention_memo, **transfer_bytes(host_state)}
+           "attention_memo": config.attention_memo, **transfer_bytes(host_state),
+           # the attention kernel's measured rates, where measured: long rows, bf16, no rate named by the machine
+           "attn_tflops": (ATTN_FWD_TFLOPS, ATTN_BWD_TFLOPS)
+           if seq_len >= ATTN_RATES_FROM_SEQ and not m.achieved_tflops and c < 4 else None}
     hkw = {"c": c, "optimizer": optimizer, "offload": offload_activations, "process_gib": m.process_gib,
            "pinned_pow2": m.pinned_pow2_rounding, "gpu_groups": groups, "host_state": host_state}
     gpu_extra: dict[str, int] = {}  # several ranks: the GPU items beyond one rank's (planner/ranks.py)
@@ -383,7 +389,8 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         tokens_per_s=tokens / step, model_tflops=model_flops * tokens / step / 1e12,
         mfu=model_flops * tokens / step / (world * PEAK_TFLOPS * 1e12),
         mfu_with_attention=(model_flops + attn) * tokens / step / (world * PEAK_TFLOPS * 1e12),
-        assumptions={"achieved_tflops": tflops, "pcie_h2d_gbps": m.pcie_h2d_gbps, "pcie_d2h_gbps": m.pcie_d2h_gbps,
+        assumptions={"achieved_tflops": tflops, "attention_tflops": list(tkw["attn_tflops"] or []) or None,
+                     "pcie_h2d_gbps": m.pcie_h2d_gbps, "pcie_d2h_gbps": m.pcie_d2h_gbps,
                      "pcie_duplex_gbps": m.pcie_duplex_gbps, "cpu_cores": cores, "num_slots": config.num_slots,
                      "loss_chunk_size": loss_chunk_size, "attn_implementation": s.attn,
                      "optimizer_overlaps_gpu": overlap, "pinned_pow2_rounding": m.pinned_pow2_rounding,

@@ -5,18 +5,18 @@ FLOPs (per token): layers 8*N_active (6N fwd+bwd, Kaplan et al. 2020, "Scaling L
 +2N for the forward recomputed in backward), attention 16*A*T_k per layer (PaLM, Chowdhery et al. 2022, app. B,
 counts 12*H*T for fwd+bwd over all T keys; we count the keys a causal mask leaves, T_k ~ T/2, because flash kernels
 skip masked blocks, and add one forward 4*A*T_k for the recompute), LM head 6*V*H. They run at the achieved rates of
-constants.py (measured on these executed FLOPs).
+constants.py (measured on these executed FLOPs); from ``ATTN_RATES_FROM_SEQ`` tokens per row, mask-free SDPA attention
+runs at its kernel's own measured rates instead (``attn_tflops``).
 
 Attention, per layer and row of T positions (A = heads * head_dim): the forward's QK^T and PV take 2A FLOPs each per
 (query, key) pair, and causal query t attends to t keys, so 4A * T(T+1)/2 ~ 4 * T^2 * A / 2 FLOPs: the causal forward
 count of FlashAttention-2's benchmarks (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
 Work Partitioning"), i.e. 4*A*T_k per token with T_k = T/2 (``_keys``). Its backward executes 5 matmuls to the
 forward's 2 (2.5x); we count 2x, as PaLM does, and the rates are measured on the FLOPs counted so. At long sequences
-attention is most of a layer (Llama-2-7B: 73% of the forward at 131,072 tokens, 91% at 524,288), and the rate holds:
-one 7B layer at 131,072 tokens on the H200 ran 517 (forward) and 463 (recompute + backward) TFLOP/s counted this way,
-causal attention alone (SDPA's cuDNN kernel, torch's choice there: docs/planner.md) 556 and 463
-(benchmarks/results/2026-12-01-planner-long-context-h200.json), against
-ACHIEVED_TFLOPS = 450.
+attention is most of a layer (Llama-2-7B: 73% of the forward at 131,072 tokens, 91% at 524,288): one eager 7B layer
+at 131,072 tokens on the H200 ran 517 (forward) and 463 (recompute + backward) TFLOP/s counted this way
+(benchmarks/results/2026-12-01-planner-long-context-h200.json); attention at its kernel's rates (SDPA's cuDNN, 570
+and 425: constants.py) and the rest at ACHIEVED_TFLOPS = 450 make those 528 and 460.
 
 Long context (``step_time``'s docstring): segments replay ``L - ceil(L/k)`` layer forwards per micro-batch (more
 nested: memory.py ``replayed_forwards``), a tiled
@@ -87,7 +87,8 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
               overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
               device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4,
               ranks: RankTiming | None = None, speculated_layers: int = 0,
-              copy_gbps: float = HOST_COPY_GBPS, sub: int = 1, attention_memo: bool = False) -> dict[str, float]:
+              copy_gbps: float = HOST_COPY_GBPS, sub: int = 1, attention_memo: bool = False,
+              attn_tflops: tuple[float, float] | None = None) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
     when it is the slower of the two. ``gpu_groups`` (engine/device_state.py): those groups neither upload weights
@@ -117,15 +118,24 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
 
     ``attention_memo`` ([Note: attention memo] in engine/attention_memo.py): a recomputed layer's recompute takes its
     attention output from the forward, so its backward loses the attention's forward FLOPs (SDPA layers; a segment's
-    replay still runs it)."""
+    replay still runs it).
+
+    ``attn_tflops``: (forward, backward) TFLOP/s of the attention kernel where SDPA runs a layer's attention without a
+    mask (constants.py ``ATTN_FWD_TFLOPS``); the layer's other FLOPs, and attention elsewhere, run at ``tflops``.
+    ``None``: everything at ``tflops``."""
     on_gpu_resident, on_gpu_layers = _device_numels(s, gpu_groups)
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
-    fwd = [(2 * ly.active + _attn_flops(s, ly, seq_len)) * tok / rate for ly in s.layers]
-    bwd = [3 * f for f in fwd]  # recompute (1x forward) + backward (2x forward)
+    lin = [2 * ly.active * tok / rate for ly in s.layers]  # a layer's forward matmuls
+    attn = [_attn_flops(s, ly, seq_len) * tok for ly in s.layers]  # its attention's forward FLOPs
+    kernel = [attn_tflops is not None and s.attn == "sdpa" and memoised(s, ly, seq_len) for ly in s.layers]
+    f_rate, b_rate = (attn_tflops[0] * 1e12, attn_tflops[1] * 1e12) if attn_tflops is not None else (rate, rate)
+    attn_f = [a / (f_rate if k else rate) for a, k in zip(attn, kernel)]  # the attention's forward, seconds
+    fwd = [li + af for li, af in zip(lin, attn_f)]
+    # recompute (1x forward) + backward (2x forward: the matmuls, and the attention at its backward rate)
+    bwd = [f + 2 * li + 2 * a / (b_rate if k else rate) for f, li, a, k in zip(fwd, lin, attn, kernel)]
     if attention_memo:  # the recompute's attention forward is the memo's where it serves the layer
-        bwd = [b - (_attn_flops(s, ly, seq_len) * tok / rate if memoised(s, ly, seq_len) else 0)
-               for b, ly in zip(bwd, s.layers)]
+        bwd = [b - (af if memoised(s, ly, seq_len) else 0) for b, af, ly in zip(bwd, attn_f, s.layers)]
     if tile is not None:  # the tiled block's forward again, tile by tile, before its backward (and the projections')
         bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)

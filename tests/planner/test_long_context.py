@@ -328,3 +328,35 @@ def test_docs_long_context_examples_are_the_commands_output(shape, seq_len, caps
     assert f'--seq-len {seq_len} ' in docs
     for line in shown:
         assert line in docs, line
+
+
+def test_attention_takes_its_kernels_measured_rates_on_long_rows():
+    """From 32,768 tokens per row (the shortest measured) a bf16 plan prices mask-free SDPA attention at the
+    kernel's own rates (planner/constants.py ATTN_FWD_TFLOPS, ATTN_BWD_TFLOPS); shorter rows, fp32 compute, a rate
+    the machine names, eager attention and sliding windows shorter than the row keep the one rate. At 131,072 tokens
+    the 7B step is then slower, by the attention's forward and backward seconds at those rates."""
+    from lightning_megatrain.planner.constants import ATTN_BWD_TFLOPS, ATTN_FWD_TFLOPS, COMPILED_TFLOPS
+    from lightning_megatrain.planner.planning import describe
+    from lightning_megatrain.planner.timing import _attn_flops
+
+    compiled = EngineConfig(compile_layers=True, keep_layers=0)
+    rates = lambda **kw: planner.plan(LLAMA_7B, machine=kw.pop("machine", H200), **kw).assumptions[  # noqa: E731
+        "attention_tflops"]
+    assert rates(seq_len=32768) == [ATTN_FWD_TFLOPS, ATTN_BWD_TFLOPS]
+    assert rates(seq_len=16384) is None and rates(seq_len=32768, precision="32-true") is None
+    assert rates(seq_len=32768, machine=dataclasses.replace(H200, achieved_tflops=400)) is None
+    long = planner.plan(LLAMA_7B, seq_len=131072, config=compiled, machine=H200)
+    one_rate = planner.plan(LLAMA_7B, seq_len=131072, config=compiled,
+                            machine=dataclasses.replace(H200, achieved_tflops=COMPILED_TFLOPS))
+    s = describe(LLAMA_7B)
+    attn = 32 * _attn_flops(s, s.layers[0], 131072) * 131072  # the forward's attention FLOPs, all layers
+    # forward + recompute at the forward rate, backward (counted 2x) at the backward rate, against one rate for all
+    extra = attn * (2 / ATTN_FWD_TFLOPS + 2 / ATTN_BWD_TFLOPS - 4 / COMPILED_TFLOPS) / 1e12
+    assert long.time["GPU compute"] - one_rate.time["GPU compute"] == pytest.approx(extra)
+    windowed = dict(LLAMA_7B, model_type="mistral", sliding_window=4096)
+    for model, attn_implementation in ((LLAMA_7B, "eager"), (windowed, None)):  # the rates named, not applied
+        kw = dict(seq_len=32768, attn_implementation=attn_implementation)
+        named = planner.plan(model, machine=H200, **kw)
+        rate = named.assumptions["achieved_tflops"]
+        alone = planner.plan(model, machine=dataclasses.replace(H200, achieved_tflops=rate), **kw)
+        assert named.assumptions["attention_tflops"] and named.time["GPU compute"] == alone.time["GPU compute"]

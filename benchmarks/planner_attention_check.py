@@ -1,0 +1,84 @@
+"""The planner's step time against the measured long-context runs: each row of the named results re-planned offline
+with the options the engine resolved in that run (its ``placement``), on the machine it ran on (one H200: 139.8 GiB
+usable GPU, 125.85 GiB host, 16 cores), once with the attention kernel's own measured rates (constants.py
+``ATTN_FWD_TFLOPS``, ``ATTN_BWD_TFLOPS``: what ``plan()`` uses) and once with one rate for the whole layer (before
+them). No GPU: this reads committed results.
+
+    python benchmarks/planner_attention_check.py --out benchmarks/results/planner-attention-check.json
+
+Row keys: result, layers, seq_len, attention_memo, measured_tokens_per_s, planned (the rates now), planned_one_rate,
+error_pct and error_one_rate_pct ((planned - measured) / measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# The full-depth 7B runs, defaults and with the memo (compiled layers): the plan recomputes every layer and these
+# kept 1-3 of 32. (The 4-layer runs keep all 4 from their second step: nothing to compare the recompute with.)
+RUNS = (
+    "2026-12-02-long-context-llama-2-7b-32l-defaults-bb2b8ae.json",
+    "2026-12-04-long-context-llama-2-7b-32l-memo-h200-83af007.json",
+)
+H200 = dict(host_ram_gib=125.85, gpu_mem_gib=139.8, cpu_cores=16)
+
+
+def replan(run: dict, one_rate: bool) -> float:
+    from workloads import MODELS, hf_config
+
+    from lightning_megatrain.config import EngineConfig
+    from lightning_megatrain.planner import Machine, plan, planning
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in run["placement"].items() if k in fields})
+    model = hf_config(dict(MODELS[run["model"]]["config"], num_hidden_layers=run["layers"],
+                           max_position_embeddings=run["seq_len"]))
+    with mock.patch.object(planning, "ATTN_FWD_TFLOPS", planning.COMPILED_TFLOPS if one_rate else
+                           planning.ATTN_FWD_TFLOPS), \
+            mock.patch.object(planning, "ATTN_BWD_TFLOPS", planning.COMPILED_TFLOPS if one_rate else
+                              planning.ATTN_BWD_TFLOPS):
+        p = plan(model, seq_len=run["seq_len"], micro_batch=1, grad_accum=1, precision="bf16-mixed", loss="chunked",
+                 config=config, machine=Machine(**H200))
+    return p.tokens_per_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    rows = []
+    for name in RUNS:
+        with open(os.path.join(RESULTS, name)) as f:
+            runs = json.load(f)
+        for run in runs:
+            if run.get("error") or not run.get("tokens_per_s"):
+                continue
+            measured = run["tokens_per_s"]
+            now, before = replan(run, one_rate=False), replan(run, one_rate=True)
+            rows.append({"result": name, "layers": run["layers"], "seq_len": run["seq_len"],
+                         "attention_memo": bool(run["placement"].get("attention_memo")),
+                         "measured_tokens_per_s": measured, "planned": now, "planned_one_rate": before,
+                         "error_pct": 100 * (now - measured) / measured,
+                         "error_one_rate_pct": 100 * (before - measured) / measured})
+    print("| layers | tokens | memo | measured tokens/s | planned | error | one rate | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['layers']} | {r['seq_len']:,} | {'yes' if r['attention_memo'] else 'no'} | "
+              f"{r['measured_tokens_per_s']:,.0f} | {r['planned']:,.0f} | {r['error_pct']:+.1f}% | "
+              f"{r['planned_one_rate']:,.0f} | {r['error_one_rate_pct']:+.1f}% |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": H200, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
