@@ -128,6 +128,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     lin = [2 * ly.active * tok / rate for ly in s.layers]  # a layer's forward matmuls
     attn = [_attn_flops(s, ly, seq_len) * tok for ly in s.layers]  # its attention's forward FLOPs
+    # the layers whose attention SDPA runs without a mask (one document per row): the kernel the rates were measured on
     kernel = [attn_tflops is not None and s.attn == "sdpa" and memoised(s, ly, seq_len) for ly in s.layers]
     f_rate, b_rate = (attn_tflops[0] * 1e12, attn_tflops[1] * 1e12) if attn_tflops is not None else (rate, rate)
     attn_f = [a / (f_rate if k else rate) for a, k in zip(attn, kernel)]  # the attention's forward, seconds
