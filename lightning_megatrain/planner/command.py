@@ -20,6 +20,7 @@ from lightning_megatrain.planner import (
     OPTIMIZERS,
     PRECISIONS,
     Machine,
+    Plan,
     plan,
 )
 from lightning_megatrain.planner.capacity import largest_models, render_capacities
@@ -37,6 +38,9 @@ def _auto_int(none: bool = False):
             raise argparse.ArgumentTypeError(f"need auto{', none' if none else ''} or an int; got {text!r}") from None
 
     return parse
+
+
+MEMO_WORTH_NAMING = 1.05  # a plan the attention memo makes this much faster, and fits, ends with a line that says so
 
 
 def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
@@ -138,7 +142,19 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
                              **{**kwargs, "config": config.replace(overlap_optimizer="auto", compile_layers="auto",
                                                                    update_during_backward="auto",
                                                                    gpu_optimizer_groups="auto")}))
+    if not ns.json and not ns.attention_memo and ns.devices * ns.num_nodes == 1:
+        memo = plan(ns.model, host_state=ns.host_state, **{**kwargs, "config": config.replace(attention_memo=True)})
+        if "attention memos" in memo.gpu and memo.fits and memo.tokens_per_s >= MEMO_WORTH_NAMING * p.tokens_per_s:
+            print(_memo_line(p, memo))
     return 0
+
+
+def _memo_line(p: Plan, memo: Plan) -> str:
+    """The line under a plan that the attention memo would make ``MEMO_WORTH_NAMING`` faster or more, still fitting:
+    long rows, whose attention is most of a layer (docs/long-context.md)."""
+    return (f"  The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True)): "
+            f"{memo.tokens_per_s:,.0f} tokens/s ({memo.tokens_per_s / p.tokens_per_s - 1:+.0%}) and fits "
+            f"(GPU peak {memo.gpu_total / 2**30:.1f} GiB)")
 
 
 def _defaults_line(model: object, **kwargs: object) -> str:
