@@ -56,8 +56,10 @@ def _child(spec: dict) -> dict:
 
     plain = spec["system"] == "plain"
     strategy, clip, optimizer, _, _ = make_strategy(spec["system"], layer_class(config), on_cuda)
-    module = make_module(config, loss=spec["loss"], optimizer=optimizer if on_cuda or not plain else "adamw",
-                         grad_ckpt=True, direct_clip=plain)  # Lightning refuses to clip a fused optimizer itself
+    if plain and not on_cuda:
+        optimizer = "adamw"  # the dry run: torch's AdamW on the CPU, not the GPU's fused one
+    module = make_module(config, loss=spec["loss"], optimizer=optimizer, grad_ckpt=True,
+                         direct_clip=plain)  # Lightning refuses to clip a fused optimizer itself
     trainer = L.Trainer(accelerator="cuda" if on_cuda else "cpu", devices=1, strategy=strategy,
                         precision="bf16-mixed" if on_cuda else "32-true", max_steps=2, gradient_clip_val=clip,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -234,10 +234,11 @@ def checkpoints(s: _Shape, segment: int) -> int:
     return -(-len(s.layers) // segment)
 
 
-def memoised(s: _Shape, layer: _Layer, seq_len: int) -> bool:
-    """Whether the attention memo serves ``layer``'s attention at ``seq_len`` ([Note: attention memo]): SDPA called
-    without a mask, so not a sliding window shorter than the row, not linear attention, not eager attention. Packed
-    rows (the varlen kernel) are not served either; the plan assumes one document per row."""
+def mask_free_sdpa(s: _Shape, layer: _Layer, seq_len: int) -> bool:
+    """Whether SDPA runs ``layer``'s attention at ``seq_len`` without a mask: not a sliding window shorter than the
+    row, not linear attention, not eager attention. Those layers are the ones the attention memo serves ([Note:
+    attention memo]) and, unpacked, the ones the attention kernel's measured rates price (timing.py). Packed rows (the
+    varlen kernel) are not served by the memo either; the plan assumes one document per row."""
     return (s.attn in ("sdpa", PACKED_SDPA) and not layer.linear
             and (layer.window is None or layer.window >= seq_len))
 
@@ -245,9 +246,9 @@ def memoised(s: _Shape, layer: _Layer, seq_len: int) -> bool:
 def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int) -> int:
     """GPU bytes of the attention memos of one micro-batch (``micro_batch`` rows of ``seq_len``; [Note: attention
     memo] in engine/attention_memo.py): each SDPA layer's attention output (compute dtype) and fp32 log-sum-exp, held
-    from the forward to that layer's recompute; every layer :func:`memoised` serves counted (the plan recomputes them
-    all)."""
-    per_token = sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if memoised(s, layer, seq_len))
+    from the forward to that layer's recompute; every layer :func:`mask_free_sdpa` names counted (the plan recomputes
+    them all)."""
+    per_token = sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if mask_free_sdpa(s, layer, seq_len))
     return per_token * micro_batch * seq_len
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.segments import replay_schedule
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
-from lightning_megatrain.planner.memory import memoised
+from lightning_megatrain.planner.memory import mask_free_sdpa
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
 
 if TYPE_CHECKING:
@@ -128,15 +128,15 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     lin = [2 * ly.active * tok / rate for ly in s.layers]  # a layer's forward matmuls
     attn = [_attn_flops(s, ly, seq_len) * tok for ly in s.layers]  # its attention's forward FLOPs
-    # the layers whose attention SDPA runs without a mask (one document per row): the kernel the rates were measured on
-    kernel = [attn_tflops is not None and s.attn == "sdpa" and memoised(s, ly, seq_len) for ly in s.layers]
+    # the layers whose attention SDPA runs without a mask, one document per row: the kernel the rates were measured on
+    kernel = [attn_tflops is not None and s.attn == "sdpa" and mask_free_sdpa(s, ly, seq_len) for ly in s.layers]
     f_rate, b_rate = (attn_tflops[0] * 1e12, attn_tflops[1] * 1e12) if attn_tflops is not None else (rate, rate)
     attn_f = [a / (f_rate if k else rate) for a, k in zip(attn, kernel)]  # the attention's forward, seconds
     fwd = [li + af for li, af in zip(lin, attn_f)]
     # recompute (1x forward) + backward (2x forward: the matmuls, and the attention at its backward rate)
     bwd = [f + 2 * li + 2 * a / (b_rate if k else rate) for f, li, a, k in zip(fwd, lin, attn, kernel)]
     if attention_memo:  # the recompute's attention forward is the memo's where it serves the layer
-        bwd = [b - (af if memoised(s, ly, seq_len) else 0) for b, af, ly in zip(bwd, attn_f, s.layers)]
+        bwd = [b - (af if mask_free_sdpa(s, ly, seq_len) else 0) for b, af, ly in zip(bwd, attn_f, s.layers)]
     if tile is not None:  # the tiled block's forward again, tile by tile, before its backward (and the projections')
         bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)
