@@ -40,7 +40,8 @@ def replan(run: dict) -> tuple[float, float]:
     from lightning_megatrain.planner import Machine, plan
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    config = EngineConfig(**{k: v for k, v in run["placement"].items() if k in fields})
+    # runs from before the memo existed ran without it ("auto" would plan it now)
+    config = EngineConfig(**{"attention_memo": False, **{k: v for k, v in run["placement"].items() if k in fields}})
     model = hf_config(dict(MODELS[run["model"]]["config"], num_hidden_layers=run["layers"],
                            max_position_embeddings=run["seq_len"]))
     kw = dict(seq_len=run["seq_len"], micro_batch=1, grad_accum=1, precision="bf16-mixed", loss="chunked",

@@ -83,14 +83,18 @@ class EngineConfig:
     (backward restores them first). ``"auto"``: 0 unless the host cannot hold them all, then the fewest with which
     the rest fit the host, the GPU memory beyond them left to ``keep_layers`` (engine/placement.py)."""
 
-    attention_memo: bool = False
+    attention_memo: bool | Auto = "auto"
     """Keep each recomputed layer's attention outputs (and log-sum-exp) from its forward for its recompute, which
     then skips the attention kernel: one attention forward less per recomputed layer and step, for ``B x T x heads x
     head_dim`` compute-dtype values per layer on the GPU until its backward (engine/attention_memo.py, [Note:
     attention memo]); the same gradients (bitwise for eager layers on the CPU in fp32, within rounding compiled).
     SDPA attention without mask or dropout only (on CUDA where SDPA could use cuDNN). On the H200 the Llama-2-7B
-    shape at 131,072 tokens steps in 43.1 s with it against 49.3 s (docs/long-context.md). Off by default: its GPU
-    memory comes out of what ``keep_layers`` and the checkpoints would use, and it is measured at that length only."""
+    shape at 131,072 tokens steps in 43.1 s with it against 49.3 s (docs/long-context.md). ``"auto"``: decided at
+    the first training micro-batch (again at a longer one) on a CUDA device with one rank: on where the planner's
+    plan of that micro-batch with the memos fits the GPU beside the layer-input checkpoints and is at least
+    ``MEMO_MIN_GAIN`` faster than without (planner/constants.py: long rows), the checkpoints then placed with them
+    (engine/placement.py ``choose_attention_memo``); off on a CPU compute device, with several ranks and outside
+    training."""
 
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``
@@ -166,8 +170,8 @@ class EngineConfig:
         if self.update_during_backward is True and self.overlap_optimizer is False:
             out.append("update_during_backward=True with overlap_optimizer=False: the speculated updates are kept or "
                        "redone by the overlapped step; use overlap_optimizer=True (or 'auto' on a GPU)")
-        if not isinstance(self.attention_memo, bool):
-            out.append(f"attention_memo={self.attention_memo!r}: need True or False")
+        if not isinstance(self.attention_memo, bool) and self.attention_memo != "auto":
+            out.append(f"attention_memo={self.attention_memo!r}: need 'auto', True or False")
         if not isinstance(self.chunked_hf_loss, bool):
             out.append(f"chunked_hf_loss={self.chunked_hf_loss!r}: need True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:
@@ -182,7 +186,8 @@ class EngineConfig:
 
     def for_stage(self, fitting: bool, gradient_clip_algorithm: object) -> EngineConfig:
         """The options a Trainer stage runs with (``MegaTrainStrategy.setup``): ``gpu_optimizer_groups`` hold
-        optimizer states, so none without an optimizer step (``fitting=False``).
+        optimizer states, so none without an optimizer step (``fitting=False``), and ``attention_memo="auto"`` is off
+        there (nothing is recomputed without a backward).
 
         Raises:
             ValueError: ``gpu_optimizer_groups`` > 0 with the Trainer's ``gradient_clip_algorithm="value"``.
@@ -194,8 +199,9 @@ class EngineConfig:
                 "got gradient_clip_algorithm='value'. "
                 "HINT: use gradient_clip_algorithm='norm' or gpu_optimizer_groups=0."
             )
-        # gpu_optimizer_groups hold optimizer states: none without an optimizer step
-        return self if fitting else self.replace(gpu_optimizer_groups=0)
+        # gpu_optimizer_groups hold optimizer states: none without an optimizer step; no recompute, no memo
+        memo = {"attention_memo": False} if self.attention_memo == "auto" else {}
+        return self if fitting else self.replace(gpu_optimizer_groups=0, **memo)
 
     def checkpoints_unplanned(self) -> tuple[int, int, int]:
         """``(segment_layers, device_checkpoints, sub_segment_layers)`` where nothing plans them: each ``"auto"`` as

@@ -145,8 +145,10 @@ class MegaTrainStrategy(CheckpointStrategy):
             rest fit the host (engine/placement.py).
         attention_memo: keep each recomputed layer's attention output and log-sum-exp from its forward for its
             recompute, which skips the attention kernel (engine/attention_memo.py, [Note: attention memo]); the same
-            gradients, for that output's bytes per layer on the GPU. Default False; worth it at long context (the
-            7B shape at 131,072 tokens on an H200: 13% less time per step, docs/long-context.md).
+            gradients, for that output's bytes per layer on the GPU. Worth it at long context (the 7B shape at
+            131,072 tokens on an H200: 13% less time per step, docs/long-context.md); ``"auto"`` (default): on where
+            the planner finds it fits the GPU beside the checkpoints and makes the step 5% faster, decided at the
+            first training micro-batch on a GPU (engine/placement.py).
         chunked_hf_loss: HF causal LMs in the module called with ``labels`` (``model(..., labels=...).loss``)
             compute HF's loss with the chunked cross-entropy, without materialising ``[B, T, V]`` logits (at 32K
             tokens and a 128K vocabulary a 15.7 GiB block and its gradient), and return ``logits=None``; the same
@@ -212,7 +214,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         segment_layers: int | Auto = "auto",
         sub_segment_layers: int | Auto = "auto",
         device_checkpoints: int | Auto = "auto",
-        attention_memo: bool = False,
+        attention_memo: bool | Auto = "auto",
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
         nonfinite: NonFiniteMode = "skip",

@@ -212,7 +212,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         self._policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes)
         self.streamed = StreamedLayers(
             stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers,
-            self.config.attention_memo,
+            self.config.attention_memo is True,  # "auto": decided at the first training micro-batch
         )
         self.streamed.backward_updates = self.backward_updates
         # what transformers records inside the layers (router logits) leaves their nodes ([Note: recorded outputs])
@@ -220,6 +220,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         self.streamed.install(self.device.type)
         # "auto" starts as one checkpoint per layer, all offloaded ([Note: recompute segments]); placed (and
         # checked) for the first training micro-batch's tokens, again for any longer one
+        self._memo_option = self.config.attention_memo
         self._checkpoint_options = (
             self.config.segment_layers, self.config.device_checkpoints, self.config.sub_segment_layers
         )

@@ -1,6 +1,7 @@
 """What the engine decides at the first training micro-batch, whose shape the decisions need: the split of the state
-between host and GPU (``gpu_optimizer_groups="auto"``) and where the layer-input checkpoints go (``segment_layers``,
-``sub_segment_layers``, ``device_checkpoints``), placed again for any longer micro-batch; and what waits for that split
+between host and GPU (``gpu_optimizer_groups="auto"``), the attention memos (``attention_memo="auto"``) and where
+the layer-input checkpoints go (``segment_layers``, ``sub_segment_layers``, ``device_checkpoints``), the memos and
+the checkpoints decided again for any longer micro-batch; and what waits for that split
 (the host-state check, loaded optimizer states). The decisions themselves are engine/placement.py's ([Note: auto
 placement]); :class:`FirstBatchPlacement` applies them to the engine, which inherits it."""
 
@@ -25,6 +26,7 @@ from lightning_megatrain.engine.host_budget import (
 )
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_bytes_to_come
 from lightning_megatrain.engine.placement import (
+    choose_attention_memo,
     choose_checkpoints,
     choose_gpu_optimizer_groups,
     module_hf_config,
@@ -59,6 +61,7 @@ class FirstBatchPlacement:
     _unsettled: list[torch.optim.Optimizer]
     _grads_deferred: bool
     _checkpoint_options: tuple[Any, Any, Any]  # segment_layers, device_checkpoints, sub_segment_layers as given
+    _memo_option: Any  # attention_memo as given
     _placed_tokens: int
     on_cuda: bool
     flat_groups: list[FlatGroup]
@@ -145,9 +148,10 @@ class FirstBatchPlacement:
         return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
 
     def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
-        """``segment_layers``, ``device_checkpoints`` and ``sub_segment_layers`` for the training micro-batch ``batch``:
-        decided where "auto", checked against the free host and GPU memory where given ([Note: recompute
-        segments]). Runs at the first micro-batch and again at any longer one (:meth:`checkpoints_outgrown`)."""
+        """``attention_memo``, then ``segment_layers``, ``device_checkpoints`` and ``sub_segment_layers`` for the
+        training micro-batch ``batch``: decided where "auto", the checkpoints checked against the free host and GPU
+        memory where given ([Note: recompute segments]). Runs at the first micro-batch and again at any longer one
+        (:meth:`checkpoints_outgrown`)."""
         shape = token_shape(batch)
         hf_config = module_hf_config(self.module)
         given = dict(zip(("segment_layers", "device_checkpoints", "sub_segment_layers"), self._checkpoint_options))
@@ -155,6 +159,9 @@ class FirstBatchPlacement:
         if shape is None or hf_config is None:
             k, n, m = self.config.replace(**given).checkpoints_unplanned()
             why = "no [B, T] token ids in the batch" if shape is None else "no HF config in the module to plan with"
+            if self.config.attention_memo == "auto":
+                log.info("MegaTrain: attention_memo=False (auto: %s)", why)
+                self.config = self.config.replace(attention_memo=False)
         else:
             host_groups = self._host_groups()
             if self._placed_tokens:
@@ -167,11 +174,17 @@ class FirstBatchPlacement:
             pool = self.transfer.host_bytes().get("offload_cache", 0)
             if self.backward_updates is not None:
                 pool += self.backward_updates.release()
-            k, n, m, why = choose_checkpoints(
-                hf_config, *shape, grad_accum, config=self.config.replace(**given), compute_dtype=self.compute_dtype,
-                chunked_loss=chunked_loss, gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool,
-            )
+            limits = dict(compute_dtype=self.compute_dtype, chunked_loss=chunked_loss,
+                          gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
+                          host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool)
+            if self._memo_option == "auto":  # the memos first: the checkpoints are placed beside them
+                memo, memo_why = choose_attention_memo(
+                    hf_config, *shape, grad_accum, config=self.config.replace(attention_memo="auto", **given), **limits)
+                log.info("MegaTrain: attention_memo=%s (auto: %s)", memo, memo_why)
+                self.config = self.config.replace(attention_memo=memo)
+                self.streamed.use_memo(memo)
+            k, n, m, why = choose_checkpoints(hf_config, *shape, grad_accum, config=self.config.replace(**given),
+                                              **limits)
         log.info("MegaTrain: segment_layers=%d, sub_segment_layers=%d, device_checkpoints=%d (%s: %s)", k, m, n,
                  "auto" if auto else "as given, checked", why)
         self.config = self.config.replace(segment_layers=k, device_checkpoints=n, sub_segment_layers=m)

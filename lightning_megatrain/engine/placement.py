@@ -50,6 +50,14 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   compute device, where a layer's input stays in host memory with its activations. ``seq_tile`` is not decided here:
   engine/tiling.py's ``tile_length`` resolves it per sequence, and the plan counts its tiles.
 
+- ``attention_memo``: decided with the checkpoints, before them, at the first training micro-batch and again at a
+  longer one (:func:`choose_attention_memo`): on where the memos fit the GPU beside the checkpoints placed with them
+  and the planner's plan of this micro-batch is ``MEMO_MIN_GAIN`` faster with them (planner/constants.py; the rule:
+  planner/planning.py ``memo_pays``), which only long rows are: at 131,072 tokens the Llama-2-7B shape's attention is
+  73% of its layers' FLOPs and the memo saved 13% of the step on the H200, at 4,096 it cannot save 5%. The planner
+  decides ``"auto"`` by the same rule. Off on a CPU compute device, with several ranks (engine/sharding.py) and
+  outside training; ``True`` and ``False`` are used as given.
+
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
 
@@ -69,6 +77,8 @@ from lightning_megatrain.engine.compiled import compile_hazard
 from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short
 from lightning_megatrain.engine.host_store import smaller_state_hint
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
+from lightning_megatrain.planner.constants import MEMO_MIN_GAIN
+from lightning_megatrain.planner.planning import memo_pays
 from lightning_megatrain.planner.pool import split_first_batch, split_options
 
 log = logging.getLogger(__name__)
@@ -126,6 +136,10 @@ def resolve(config: EngineConfig, device: torch.device, hf_config: PretrainedCon
     if config.gpu_optimizer_groups == "auto" and not on_cuda:
         changes["gpu_optimizer_groups"] = 0
         log.info("MegaTrain: gpu_optimizer_groups=0 (auto: CPU compute device)")
+    if config.attention_memo == "auto" and not on_cuda:
+        changes["attention_memo"] = False
+        log.info("MegaTrain: attention_memo=False (auto: CPU compute device; the memo's gain is planned for cuDNN's "
+                 "attention on a GPU)")
     unplanned = zip(("segment_layers", "device_checkpoints", "sub_segment_layers"), config.checkpoints_unplanned())
     for name, value in unplanned:
         if getattr(config, name) == "auto" and not on_cuda:
@@ -257,6 +271,58 @@ def _plan_first_batch(hf_config: PretrainedConfig, micro_batch: int, seq_len: in
         config=config.replace(gpu_optimizer_groups=0),
         machine=Machine(gpu_mem_gib=gpu_bytes / GIB),
     )
+
+
+def choose_attention_memo(
+    hf_config: PretrainedConfig,
+    micro_batch: int,
+    seq_len: int,
+    grad_accum: int,
+    *,
+    config: EngineConfig,
+    compute_dtype: torch.dtype,
+    chunked_loss: bool,
+    gpu_bytes: int,
+    host_bytes: int,
+) -> tuple[bool, str]:
+    """``attention_memo="auto"`` for a training micro-batch of ``micro_batch x seq_len`` tokens: ``(on, why)`` (see
+    [Note: auto placement]). Called by the engine where :func:`choose_checkpoints` is, just before it, with the same
+    arguments; pass the chosen value in ``config`` to that call, which places the checkpoints beside the memos.
+
+    The checkpoints are placed twice (:func:`~lightning_megatrain.planner.place_checkpoints`), with and without the
+    memos, against the engine's limits; each placement is then timed by the planner's plan of this micro-batch with
+    exactly that placement (host memory not judged there: the placement already was), and the memos are taken where
+    they fit and ``memo_pays`` says so. Off where the planner cannot describe the model."""
+    if compute_dtype not in (torch.float16, torch.bfloat16):
+        return False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16"
+    run = _run_options(hf_config, compute_dtype, chunked_loss)
+    try:
+        placed = {memo: place_checkpoints(hf_config, seq_len=seq_len, micro_batch=micro_batch, gpu_limit=gpu_bytes,
+                                          host_free=host_bytes, **run, config=config.replace(attention_memo=memo))[0]
+                  for memo in (False, True)}
+        if not placed[False].fits:
+            return False, "the checkpoints do not fit even without the memos"
+        if not placed[True].fits:
+            return False, f"the memos do not fit beside the checkpoints: {placed[True].why}"
+        machine = Machine(gpu_mem_gib=gpu_bytes / GIB, host_ram_gib=float(1 << 30))  # placed against the host above
+        plans = {memo: plan(hf_config, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **run,
+                            machine=machine, config=config.replace(
+                                attention_memo=memo, segment_layers=p.segment_layers,
+                                sub_segment_layers=p.sub_segment_layers, device_checkpoints=p.device_checkpoints))
+                 for memo, p in placed.items()}
+    except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
+        return False, f"the planner cannot describe this model ({type(e).__name__}: {e})"
+    without, memo = plans[False], plans[True]
+    if "attention memos" not in memo.gpu:
+        return False, "no layer's attention is SDPA without a mask (the memo serves no layer)"
+    gain = memo.tokens_per_s / without.tokens_per_s
+    tokens = f"{micro_batch} x {seq_len} tokens"
+    if not memo_pays(without, memo):
+        return False, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB) plan {gain - 1:+.0%} "
+                       f"tokens/s, under the {MEMO_MIN_GAIN - 1:.0%} they must gain")
+    return True, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB on the GPU) plan "
+                  f"{gain - 1:+.0%} tokens/s ({without.tokens_per_s:,.0f} -> {memo.tokens_per_s:,.0f}): the "
+                  "recompute skips the attention forward")
 
 
 def choose_checkpoints(

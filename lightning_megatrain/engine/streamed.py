@@ -101,15 +101,31 @@ class StreamedLayers:
         # Counts each layer's forwards with grad for the host updates during backward ([Note: updates during
         # backward]); set by the engine when it speculates.
         self.backward_updates: BackwardUpdates | None = None
-        # Attention outputs a recomputed layer's forward keeps for its recompute ([Note: attention memo])
-        self.memo = AttentionMemo() if attention_memo else None
+        # Attention outputs a recomputed layer's forward keeps for its recompute ([Note: attention memo]); None
+        # without the memo (set by use_memo)
+        self.memo: AttentionMemo | None = None
         # The function each layer runs: its class's own ``forward``, or that function compiled once per class (see
-        # [Note: compiled layers]).
+        # [Note: compiled layers]), with attention routed to the memo's op or not; both kinds kept once built
         self.forwards: dict[type, Callable[..., Any]] = {}
-        for layer in stack:
-            forward = type(layer).forward
-            self.forwards.setdefault(
-                type(layer), compile_layer_forward(forward, attention_memo) if compile_layers else forward)
+        self._compiled: dict[tuple[type, bool], Callable[..., Any]] = {}
+        self.compile_layers = compile_layers
+        self.use_memo(attention_memo)
+
+    def use_memo(self, on: bool) -> None:
+        """Run the layers with the attention memo or without it from the next micro-batch on (the engine decides
+        ``attention_memo="auto"`` at the first training micro-batch: engine/placement.py). Call it between
+        micro-batches: the memos recorded so far are consumed by their backward."""
+        if on == (self.memo is not None) and self.forwards:
+            return
+        self.memo = AttentionMemo() if on else None
+        for layer in self.stack:
+            kind = type(layer)
+            if self.compile_layers:  # compiled with the routing in its checkpointed body, or without
+                if (kind, on) not in self._compiled:
+                    self._compiled[kind, on] = compile_layer_forward(kind.forward, on)
+                self.forwards[kind] = self._compiled[kind, on]
+            else:
+                self.forwards[kind] = kind.forward
 
     def install(self, device_type: str) -> None:
         self.device_type = device_type

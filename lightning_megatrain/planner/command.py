@@ -24,6 +24,7 @@ from lightning_megatrain.planner import (
     plan,
 )
 from lightning_megatrain.planner.capacity import largest_models, render_capacities
+from lightning_megatrain.planner.planning import memo_pays
 
 
 def _auto_int(none: bool = False):
@@ -38,9 +39,6 @@ def _auto_int(none: bool = False):
             raise argparse.ArgumentTypeError(f"need auto{', none' if none else ''} or an int; got {text!r}") from None
 
     return parse
-
-
-MEMO_WORTH_NAMING = 1.05  # a plan the attention memo makes this much faster, and fits, ends with a line that says so
 
 
 def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
@@ -82,7 +80,8 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
         help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
     add("--attention-memo", action="store_true",
         help="as MegaTrainStrategy(attention_memo=True): a recomputed layer's attention output kept from its forward "
-        "for its recompute (GPU memory for time; docs/long-context.md)")
+        "for its recompute (GPU memory for time; docs/long-context.md). Without it a plan the memo would make 5%% "
+        "faster, still fitting, ends with a line saying so: the strategy's attention_memo='auto' takes it")
     add("--loss-chunk-size", type=int, default=4096)
     add("--seq-tile", type=_auto_int(none=True), default="auto", metavar="auto|none|N",
         help="as MegaTrainStrategy(seq_tile=...): positions per tile of the MLP/MoE block (default auto: "
@@ -141,19 +140,21 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
         print(_defaults_line(ns.model, host_state=ns.host_state, devices=ns.devices, num_nodes=ns.num_nodes,
                              **{**kwargs, "config": config.replace(overlap_optimizer="auto", compile_layers="auto",
                                                                    update_during_backward="auto",
-                                                                   gpu_optimizer_groups="auto")}))
+                                                                   gpu_optimizer_groups="auto",
+                                                                   attention_memo="auto")}))
     if not ns.json and not ns.attention_memo and ns.devices * ns.num_nodes == 1:
         memo = plan(ns.model, host_state=ns.host_state, **{**kwargs, "config": config.replace(attention_memo=True)})
-        if "attention memos" in memo.gpu and memo.fits and memo.tokens_per_s >= MEMO_WORTH_NAMING * p.tokens_per_s:
+        if memo_pays(p, memo):
             print(_memo_line(p, memo))
     return 0
 
 
 def _memo_line(p: Plan, memo: Plan) -> str:
-    """The line under a plan that the attention memo would make ``MEMO_WORTH_NAMING`` faster or more, still fitting:
-    long rows, whose attention is most of a layer (docs/long-context.md)."""
-    return (f"  The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True)): "
-            f"{memo.tokens_per_s:,.0f} tokens/s ({memo.tokens_per_s / p.tokens_per_s - 1:+.0%}) and fits "
+    """The line under a plan that the attention memo would make ``MEMO_MIN_GAIN`` faster or more, still fitting
+    (planning.py ``memo_pays``, the rule of the strategy's ``attention_memo="auto"``): long rows, whose attention is
+    most of a layer (docs/long-context.md)."""
+    return (f"  The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True); its default 'auto' "
+            f"takes it): {memo.tokens_per_s:,.0f} tokens/s ({memo.tokens_per_s / p.tokens_per_s - 1:+.0%}) and fits "
             f"(GPU peak {memo.gpu_total / 2**30:.1f} GiB)")
 
 

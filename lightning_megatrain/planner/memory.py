@@ -260,7 +260,7 @@ def gpu_keywords(config: EngineConfig, *, precision: str, loss: str, loss_chunk:
     return {"c": PRECISIONS[precision], "offload": offload, "loss": loss, "loss_chunk": loss_chunk,
             "num_slots": config.num_slots, "reserve_gib": reserve_gib,
             "host_state": host_state if host_state is not None else config.host_state,
-            "attention_memo": config.attention_memo}
+            "attention_memo": config.attention_memo is True}  # "auto": none until decided (engine/placement.py)
 
 
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,

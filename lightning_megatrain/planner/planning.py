@@ -33,6 +33,7 @@ from lightning_megatrain.planner.constants import (
     GPU_REF_GIB,
     HOST_COPY_GBPS,
     HOST_REF_GIB,
+    MEMO_MIN_GAIN,
     OPTIMIZERS,
     PEAK_TFLOPS,
     PRECISIONS,
@@ -48,6 +49,7 @@ from lightning_megatrain.planner.memory import (
     gpu_bytes,
     gpu_keywords,
     host_bytes,
+    mask_free_sdpa,
     speculated_layers,
     transfer_bytes,
 )
@@ -117,6 +119,9 @@ class Plan:
     # several ranks (planner/ranks.py, [Note: planning several ranks]): the layout, the per-rank host items, the
     # setup peak, the collectives' seconds and their assumptions; None (and absent from to_dict and report) for one
     ranks: dict[str, Any] | None = None
+    # seconds of a step the attention memos could save at most: the attention forward of every layer they serve, at
+    # the lower of its rates; 0 in fp32 (cuDNN's kernel, the one the memo calls, runs fp16/bf16). Not in to_dict
+    memo_bound: float = 0.0
 
     @property
     def host_total(self) -> int:
@@ -159,6 +164,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        del d["memo_bound"]
         for optional in ("long_context", "memory_pool", "ranks"):
             if d[optional] is None:
                 del d[optional]
@@ -271,11 +277,11 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         **({"overlap_optimizer": True} if config.overlap_optimizer == "auto" else {}),
         **({"compile_layers": compile_hazard(load_config(model)) is None} if config.compile_layers == "auto" else {}),
     )
+    kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
+                  optimizer=optimizer, loss=loss, loss_chunk_size=loss_chunk_size,
+                  attn_implementation=attn_implementation, offload_activations=offload_activations, machine=m,
+                  host_state=host_state, devices=devices, num_nodes=num_nodes)
     if config.gpu_optimizer_groups == "auto":
-        kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
-                      optimizer=optimizer, loss=loss, loss_chunk_size=loss_chunk_size,
-                      attn_implementation=attn_implementation, offload_activations=offload_activations, machine=m,
-                      host_state=host_state, devices=devices, num_nodes=num_nodes)
         alone = plan(model, config=config.replace(gpu_optimizer_groups=0), **kwargs)
         groups, pooled = alone.suggested_gpu_optimizer_groups or 0, None
         if alone.host_total > alone.host_usable and optimizer in ("adamw", "adam"):
@@ -290,6 +296,12 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             p.memory_pool = {"groups": groups, "fewest": pooled.groups, "device_params": sum(pooled.numels[:groups]),
                              "fits": pooled.fits, "why": pooled.why}
         return p
+    if config.attention_memo == "auto":  # as the engine decides it (engine/placement.py choose_attention_memo)
+        without = plan(model, config=config.replace(attention_memo=False), **kwargs)
+        if not memo_may_pay(without):
+            return without
+        memo = plan(model, config=config.replace(attention_memo=True), **kwargs)
+        return memo if memo_pays(without, memo) else without
     if precision not in PRECISIONS or optimizer not in OPTIMIZERS or loss not in ("chunked", "naive"):
         raise ValueError(f"precision in {list(PRECISIONS)}, optimizer in {list(OPTIMIZERS)}, loss in "
                          f"['chunked', 'naive']; got {precision!r}, {optimizer!r}, {loss!r}")
@@ -318,7 +330,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
-           "attention_memo": config.attention_memo, **transfer_bytes(host_state),
+           "attention_memo": config.attention_memo is True, **transfer_bytes(host_state),
            # the attention kernel's measured rates, where measured: long rows, bf16, no rate named by the machine
            "attn_tflops": (ATTN_FWD_TFLOPS, ATTN_BWD_TFLOPS)
            if seq_len >= ATTN_RATES_FROM_SEQ and not m.achieved_tflops and c < 4 else None}
@@ -411,6 +423,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                                                  gpu_limit=gpu_limit) if offload_activations else None,
         }
     p.host_state = host_state
+    if c < 4:
+        served = sum(_attn_flops(s, ly, seq_len) for ly in s.layers if mask_free_sdpa(s, ly, seq_len))
+        slowest = min((tflops, *(tkw["attn_tflops"] or ()))) * 1e12
+        p.memo_bound = micro_batch * seq_len * grad_accum * served / slowest
     if world > 1:
         setup = rank_setup_bytes(s, devices=devices, process_bytes=int(m.process_gib * GIB))
         p.ranks = rank_summary(s, devices=devices, num_nodes=num_nodes, host=host, setup=setup, time=t,
@@ -422,6 +438,19 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         p.suggested_gpu_optimizer_groups = groups_to_hide_optimizer(
             s, micro_batch, seq_len, gkw, {**tkw, "speculated_layers": 0}, gpu_limit)
     return p
+
+
+def memo_may_pay(without: Plan) -> bool:
+    """Whether the memos could make ``without`` (a plan without them) ``MEMO_MIN_GAIN`` faster at all: it saves at
+    most ``without.memo_bound`` of its step. Where it cannot, the plan with them is not made."""
+    step = without.tokens_per_step / without.tokens_per_s
+    return without.memo_bound >= step * (1 - 1 / MEMO_MIN_GAIN)
+
+
+def memo_pays(without: Plan, memo: Plan) -> bool:
+    """The rule of ``attention_memo="auto"`` (config.py) and of ``megatrain plan``'s line naming the memos: the plan
+    with them (``memo``) fits and is ``MEMO_MIN_GAIN`` faster than the same plan without (``without``)."""
+    return "attention memos" in memo.gpu and memo.fits and memo.tokens_per_s >= MEMO_MIN_GAIN * without.tokens_per_s
 
 
 def host_update_gparams(optimizer: str, host_state: str, overlapped: bool) -> float:

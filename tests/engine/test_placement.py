@@ -237,6 +237,46 @@ def test_checkpoint_options_resolve_on_a_cpu_compute_device(caplog):
     assert (cuda.segment_layers, cuda.device_checkpoints) == ("auto", "auto")  # decided at the first micro-batch
 
 
+def _memo(seq_len, gpu_gib=139.7, host_gib=16.7, dtype=torch.bfloat16, shape=LLAMA_7B):
+    config = EngineConfig(compile_layers=True, overlap_optimizer=True, gpu_optimizer_groups=0)  # as on the H200
+    return placement.choose_attention_memo(LlamaConfig(**shape), 1, seq_len, 1, config=config, compute_dtype=dtype,
+                                           chunked_loss=True, gpu_bytes=int(gpu_gib * GIB),
+                                           host_bytes=int(host_gib * GIB))
+
+
+def test_auto_memo_where_it_fits_and_pays():
+    # the Llama-2-7B shape on the H200's limits (16.7 GiB of pinned host memory free for checkpoints, as the 131,072
+    # run had): at 131,072 and 262,144 tokens the memos fit beside the checkpoints placed with them and plan +18% and
+    # +13% (the plan `megatrain plan` names); at 4,096 they cannot gain 5%; at 524,288 they do not fit beside the
+    # checkpoints, nor at 131,072 on a GPU of 60 GiB; fp32 compute does not run cuDNN's kernel
+    on, why = _memo(131_072)
+    assert on and why.startswith("at 1 x 131072 tokens the memos (32.5 GiB on the GPU) plan +18% tokens/s (2,539 -> ")
+    assert _memo(262_144)[0]
+    off, why = _memo(4096)
+    assert not off and why.startswith("at 1 x 4096 tokens the memos (1.0 GiB) plan +") and "under the 5%" in why
+    off, why = _memo(524_288)
+    assert not off and why.startswith("the memos do not fit beside the checkpoints: ")
+    off, why = _memo(131_072, gpu_gib=60)
+    assert not off and "the GPU peak is 61.2 GiB of 60.0 GiB" in why
+    assert _memo(131_072, dtype=torch.float32) == (
+        False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16")
+    from transformers import T5Config
+
+    off, why = placement.choose_attention_memo(T5Config(), 1, 4096, 1, config=EngineConfig(), chunked_loss=True,
+                                               compute_dtype=torch.bfloat16, gpu_bytes=139 * GIB, host_bytes=GIB)
+    assert not off and why.startswith("the planner cannot describe this model (ValueError")
+
+
+def test_auto_memo_is_off_on_a_cpu_compute_device_and_outside_training(caplog):
+    with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
+        assert placement.resolve(EngineConfig(), torch.device("cpu")).attention_memo is False
+    assert "attention_memo=False (auto: CPU compute device" in caplog.text
+    assert placement.resolve(EngineConfig(), CUDA).attention_memo == "auto"  # decided at the first micro-batch
+    assert placement.resolve(EngineConfig(attention_memo=True), torch.device("cpu")).attention_memo is True
+    assert EngineConfig().for_stage(False, None).attention_memo is False
+    assert EngineConfig().for_stage(True, None).attention_memo == "auto"
+
+
 def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
     # the checkpoints are placed for the first training micro-batch's tokens and again, "auto" still "auto", for any
     # longer one; shorter or equal ones reuse the placement. The engine is driven directly (its CUDA caller,
@@ -254,14 +294,22 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
 
     def choose(hf_config, micro_batch, seq_len, grad_accum, *, config, **kwargs):
         calls.append((micro_batch, seq_len, config.segment_layers, config.device_checkpoints,
-                      config.sub_segment_layers))
+                      config.sub_segment_layers, config.attention_memo))
         return 2, 1, 3, "stub"
 
+    # the memos are decided first, "auto" still "auto" at the longer micro-batch, and the checkpoints placed with them
+    memos = []
+
+    def choose_memo(hf_config, micro_batch, seq_len, grad_accum, *, config, **kwargs):
+        memos.append((seq_len, config.attention_memo))
+        return seq_len < 32, "stub"
+
     monkeypatch.setattr(first_batch, "choose_checkpoints", choose)
+    monkeypatch.setattr(first_batch, "choose_attention_memo", choose_memo)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))
-    resolve = engine_module.resolve  # as on a GPU: a CPU compute device resolves them to 1 and 0
+    resolve = engine_module.resolve  # as on a GPU: a CPU compute device resolves them to 1 and 0 (and no memo)
     monkeypatch.setattr(engine_module, "resolve", lambda config, device, hf: resolve(config, device, hf).replace(
-        segment_layers="auto", device_checkpoints="auto", sub_segment_layers="auto"))
+        segment_layers="auto", device_checkpoints="auto", sub_segment_layers="auto", attention_memo="auto"))
 
     class Drive(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -269,8 +317,10 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
             short, first, longer = (torch.zeros(2, n, dtype=torch.long) for n in (8, 16, 32))
             assert not engine.checkpoints_outgrown(first)  # nothing placed yet: the first placement is elsewhere
             engine.place_checkpoints(first, 1, trainer.strategy.optimizers, True)
+            self.memo = [engine.streamed.memo is not None]
             self.outgrown = [engine.checkpoints_outgrown(b) for b in (short, first, longer)]
             engine.place_checkpoints(longer, 1, trainer.strategy.optimizers, True)
+            self.memo.append(engine.streamed.memo is not None)
             segments = engine.streamed.segments
             self.segments = (segments.layers, segments.device_checkpoints, segments.sub)
 
@@ -279,5 +329,6 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
         ParityLM("llama_tied"), torch.utils.data.DataLoader(make_data()[:2], batch_size=2)
     )
     assert drive.outgrown == [False, False, True]
-    assert calls == [(2, 16, "auto", "auto", "auto"), (2, 32, "auto", "auto", "auto")]
+    assert calls == [(2, 16, "auto", "auto", "auto", True), (2, 32, "auto", "auto", "auto", False)]
+    assert memos == [(16, "auto"), (32, "auto")] and drive.memo == [True, False]
     assert drive.segments == (2, 1, 3)

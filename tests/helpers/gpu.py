@@ -10,9 +10,9 @@ from helpers.parity import run
 
 
 def gpu_strategy(**options) -> MegaTrainStrategy:
-    """One mechanism at a time: the "auto" choices (compiled layers, overlapped step, device groups) off unless a
-    test names them; ``test_cuda_defaults_parity`` (tests/test_gpu_defaults.py) runs the defaults."""
-    off = {"compile_layers": False, "overlap_optimizer": False, "gpu_optimizer_groups": 0}
+    """One mechanism at a time: the "auto" choices (compiled layers, overlapped step, device groups, attention memo)
+    off unless a test names them; ``test_cuda_defaults_parity`` (tests/test_gpu_defaults.py) runs the defaults."""
+    off = {"compile_layers": False, "overlap_optimizer": False, "gpu_optimizer_groups": 0, "attention_memo": False}
     return MegaTrainStrategy(**{**off, **options})
 
 

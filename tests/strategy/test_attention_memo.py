@@ -168,6 +168,63 @@ def test_a_second_forward_before_backward_keeps_its_own_memos():
     _assert_bitwise(memo, reference)
 
 
+def test_the_memo_switched_between_micro_batches(monkeypatch):
+    """``StreamedLayers.use_memo``, how the engine applies ``attention_memo="auto"`` at the first training micro-batch
+    (engine/first_batch.py), switches the memo on and off between micro-batches: bitwise the run without it; the
+    kernel runs through the memo's op only while it is on (the forwards of 2 steps of 2 micro-batches), the third
+    step running SDPA itself."""
+    import lightning as L
+
+    class Switch(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            trainer.strategy.engine.streamed.use_memo(batch_idx < 4)
+
+    options = dict(cpu_adam="torch", keep_layers=0)
+    reference = run(MegaTrainStrategy(attention_memo=False, **options), "llama_tied", accumulate=2, clip=1.0)
+    calls = count_kernel_calls(monkeypatch)
+    switched = run(MegaTrainStrategy(attention_memo=False, **options), "llama_tied", accumulate=2, clip=1.0,
+                   callbacks=[Switch()])
+    _assert_bitwise(switched, reference)
+    assert calls[0] == FAMILIES["llama_tied"]().num_hidden_layers * 2 * 2
+
+
+def test_auto_plans_the_memo_where_it_pays(monkeypatch):
+    """``attention_memo="auto"`` in the planner, the engine's rule (planning.py ``memo_pays``): the plan with the
+    memos where it fits and is ``MEMO_MIN_GAIN`` faster (the Llama-2-7B shape at 131,072 tokens: +18%), else the plan
+    without: at 4,096 tokens (the memos could save under 1% of the step: the plan with them is not even made), at
+    524,288 (they do not fit beside the checkpoints), in fp32 (cuDNN's kernel runs fp16/bf16) and with two ranks."""
+    from lightning_megatrain.config import EngineConfig
+    from lightning_megatrain.planner import Machine, plan, planning
+
+    llama7 = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)
+    machine = Machine(host_ram_gib=125.85, gpu_mem_gib=139.8, cpu_cores=16)
+
+    def plans(seq_len, **kwargs):
+        return [plan(llama7, seq_len=seq_len, config=EngineConfig(attention_memo=memo), machine=machine, **kwargs)
+                for memo in ("auto", False, True)]
+
+    auto, off, on = plans(131072)
+    assert on.tokens_per_s > 1.15 * off.tokens_per_s and on.fits
+    assert auto.to_dict() == on.to_dict()
+    for seq_len, kwargs in ((4096, {}), (524288, {}), (131072, {"precision": "32-true"})):
+        auto, off, on = plans(seq_len, **kwargs)
+        assert auto.to_dict() == off.to_dict() and "attention memos" in on.gpu, seq_len
+        assert not planning.memo_pays(off, on)
+    assert not plans(524288)[2].fits and plans(131072, precision="32-true")[0].memo_bound == 0
+    made, real = [], planning.plan
+
+    def counting(*args, config, **kwargs):
+        made.append(config.attention_memo)
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(planning, "plan", counting)
+    short = planning.plan(llama7, seq_len=4096, config=EngineConfig(attention_memo="auto"), machine=machine)
+    assert short.memo_bound < 0.01 * short.time["step total"] and True not in made
+    two = plan(llama7, seq_len=131072, config=EngineConfig(attention_memo="auto"), machine=machine, devices=2)
+    assert "attention memos" not in two.gpu  # several ranks: "auto" is off (engine/sharding.py)
+
+
 def test_the_plan_counts_the_memos_and_the_attention_they_save():
     """The Llama-2-7B shape at 131,072 tokens, every layer recomputed: the memos are every layer's bf16 attention output
     and fp32 log-sum-exp (32 x 131,072 x 32 x (128 x 2 + 4) bytes: 32.5 GiB) on the GPU, and the step loses one

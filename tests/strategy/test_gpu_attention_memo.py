@@ -42,3 +42,29 @@ def test_cuda_attention_memo_parity(monkeypatch, family, compiled):
     assert not counters["graph_break"], dict(counters["graph_break"])
     # bf16 compute; the repeated kv heads' gradients summed in another order than cuDNN's own GQA
     assert_records_close(got, ref, rtol=1e-2)
+
+
+def test_cuda_auto_memo_switched_on_at_the_first_micro_batch(monkeypatch, caplog):
+    """``attention_memo="auto"`` (the default) taken at the first training micro-batch, as the engine applies it
+    (engine/first_batch.py): the compiled layers are built again with the routing there, the recompute runs no
+    attention kernel, no graph breaks, and training agrees with the run without the memo. The decision is stubbed
+    (this small model's plan is not the point: tests/engine/test_placement.py tests the planner's rule)."""
+    import logging
+
+    from lightning_megatrain.engine import first_batch
+
+    options = dict(cpu_adam="torch", keep_layers=0, compile_layers=True)
+    torch._dynamo.reset()
+    ref, _ = fit_cuda(gpu_strategy(attention_memo=False, **options), lambda: ParityLM("llama_tied", lr=1e-4),
+                      accumulate=2, clip=1.0, precision="bf16-mixed")
+    monkeypatch.setattr(first_batch, "choose_attention_memo", lambda *args, **kwargs: (True, "stub"))
+    calls = count_kernel_calls(monkeypatch)
+    torch._dynamo.reset()
+    counters.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_megatrain"):
+        got, _ = fit_cuda(gpu_strategy(attention_memo="auto", **options), lambda: ParityLM("llama_tied", lr=1e-4),
+                          accumulate=2, clip=1.0, precision="bf16-mixed")
+    assert "attention_memo=True (auto: stub)" in caplog.text
+    assert calls[0] == ParityLM("llama_tied").model.config.num_hidden_layers * 2 * 3
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_records_close(got, ref, rtol=1e-2)
