@@ -7,8 +7,9 @@ ZeRO-3 with parameters and optimizer offloaded to pinned host memory, DeepSpeedC
 Both: HF gradient checkpointing (``use_reentrant=False``), clip 1.0, one row of ``T`` random token ids per step, HF's
 loss (``labels=``, the full ``[T, V]`` logits) or the project's chunked loss (``--loss chunked``). Two optimizer
 steps per ``T`` (the second backward holds the Adam states too: the peak), each ``T`` in its own subprocess; a
-model's ladder stops at its first failure (out of memory or past its time). Row keys: system, model, seq_len, loss,
-ok, step_s (the second step), peak_gpu_alloc_gib, peak_gpu_reserved_gib, peak_host_gib (VmHWM), error.
+model's ladder stops at its first failure (out of memory, killed, or past its time; a failed child's last stderr lines
+go to stdout). Row keys: system, model, seq_len, loss, ok, step_s (the second step), peak_gpu_alloc_gib,
+peak_gpu_reserved_gib, peak_host_gib (VmHWM), error.
 
     python benchmarks/peer_longest.py --models llama-3.2-3b:32768,65536,131072 --out $OUT/peer-longest.json
     python benchmarks/peer_longest.py --system deepspeed_zero3_offload --models llama-2-7b:16384,32768 --timeout 300
@@ -99,9 +100,13 @@ def main() -> None:
                 found = [line[4:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
                 if found:
                     row.update(json.loads(found[-1]))
+                elif r.returncode < 0:  # a signal: SIGKILL is most often the kernel's OOM killer (host memory)
+                    row["error"] = f"killed by signal {-r.returncode} (9: SIGKILL, most often host memory)"
                 else:  # the last line of the error: CUDA out of memory, ...
                     errors = [line for line in r.stderr.splitlines() if "Error" in line or "error" in line]
                     row["error"] = (errors or r.stderr.strip().splitlines() or ["no output"])[-1][:300]
+                if not found:  # the child's last words, for the log
+                    print("\n".join(r.stderr.strip().splitlines()[-15:]), flush=True)
             except subprocess.TimeoutExpired:
                 row["error"] = f"timeout after {args.timeout:g} s"
             rows.append(row)

@@ -187,9 +187,10 @@ def test_ready_config_sizes_come_from_the_planner(name, capsys):
     shape = CONFIGS / "hf" / f"{_SHAPE.get(name, name)}.json"  # the numbers of the Hub's config.json
     kwargs = dict(seq_len=data["cutoff_len"], grad_accum=accum, precision=trainer["precision"],
                   loss_chunk_size=model["loss_chunk_size"], attn_implementation=model["attn_implementation"],
-                  # the headers' `megatrain plan` commands give no engine flags: eager layers, serial host step
+                  # the headers' `megatrain plan` commands give no engine flags: eager layers, serial host step, no
+                  # memos
                   config=EngineConfig(num_slots=trainer["strategy"]["init_args"]["num_slots"], overlap_optimizer=False,
-                                      compile_layers=False, gpu_optimizer_groups=0),
+                                      compile_layers=False, gpu_optimizer_groups=0, attention_memo=False),
                   machine=machine)
     p = planner.plan(shape, micro_batch=micro_batch, **kwargs)
     fits = lambda q: q.gpu_total <= q.gpu_limit and q.host_total <= q.host_limit - q.host_reserve

@@ -113,6 +113,12 @@ class RankLM(LightningModule):
                                  lr=1e-2)
 
 
+def manual_module(world: int) -> RankLM:
+    """The manual-optimization :class:`RankLM` of one of ``world`` ranks on the global batch: a module factory for
+    :func:`fit` and :func:`launch`, top-level so that spawned ranks can unpickle it."""
+    return RankLM(GLOBAL_BATCH // world, manual=True)
+
+
 @dataclass
 class Run:
     """What one rank recorded."""

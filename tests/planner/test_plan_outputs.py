@@ -1,8 +1,9 @@
 """Plans whose long-context options resolve to the engine before them (untiled, one segment per layer, every layer
 input offloaded) print what was pinned: ``report()`` and the JSON of ``to_dict()``, byte for byte, for the ready
-configs and the shapes the other planner tests use. Last regenerated for the attention kernel's measured rates (rows of
-32,768 tokens or more: planner/constants.py ``ATTN_FWD_TFLOPS``; the 7B plan at 1 x 32,768 is slower, every plan
-names them in its assumptions); before that for the host updates during backward
+configs and the shapes the other planner tests use. Last regenerated for ``attention_memo="auto"`` (the 7B defaults'
+plan at 1 x 32,768 takes the memos: +10% tokens/s for 8.1 GiB of GPU memory); before that for the attention kernel's
+measured rates (rows of 32,768 tokens or more: planner/constants.py ``ATTN_FWD_TFLOPS``; the 7B plan at 1 x 32,768 is
+slower, every plan names them in its assumptions); before that for the host updates during backward
 (``update_during_backward``, planner/timing.py ``host_after_backward``): the overlapped plans gain their snapshots
 and a shorter host step (the suggested device groups are counted without them), the serial ones a new overlapped
 step in their warning.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.ranks import GLOBAL_BATCH, RankLM, fit, launch
+from helpers.ranks import fit, launch, manual_module
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -54,7 +54,7 @@ def test_manual_optimization_clips_landed_grads(tmp_path, world, options):
     first, and the step's own finalization keeps them and the clipping factor (engine/optimizer_step.py). One GPU
     with its default device groups and with the host step alone, and two ranks; against single-GPU Lightning,
     weights after two steps."""
-    module = lambda w: RankLM(GLOBAL_BATCH // w, manual=True)  # noqa: E731
+    module = manual_module  # top-level: the spawned ranks unpickle it
     if world == 2:
         runs = launch(2, tmp_path, timeout=600, start_method="spawn", accelerator="cuda", steps=2, grads=False,
                       module=module, **options)

@@ -22,7 +22,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from torch.utils.data import DataLoader
 
-from helpers.ranks import GLOBAL_BATCH, SEQ, VOCAB, RankLM, fit, launch
+from helpers.ranks import GLOBAL_BATCH, SEQ, VOCAB, RankLM, fit, launch, manual_module
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 RTOL = 1e-5
@@ -286,8 +286,8 @@ def test_manual_optimization_clips_the_residents_too(tmp_path):
     """Manual optimization calls ``clip_gradients`` before ``optimizer.step()``, where the residents' grads were
     still local (reduced only when the step finalized them): the global norm missed them and they were not clipped.
     The weights after two clipped steps equal one process's."""
-    runs = launch(2, tmp_path, steps=2, grads=False, module=lambda world: RankLM(GLOBAL_BATCH // world, manual=True))
-    reference = fit(1, strategy="auto", steps=2, grads=False, module=lambda world: RankLM(GLOBAL_BATCH, manual=True))
+    runs = launch(2, tmp_path, steps=2, grads=False, module=manual_module)
+    reference = fit(1, strategy="auto", steps=2, grads=False, module=manual_module)
     for rank, run in enumerate(runs):
         _assert_close(run.params, reference.params, f"rank {rank}, weights")
 
