@@ -153,22 +153,24 @@ def _memo_line(p: Plan, memo: Plan) -> str:
     """The line under a plan that the attention memo would make ``MEMO_MIN_GAIN`` faster or more, still fitting
     (planning.py ``memo_pays``, the rule of the strategy's ``attention_memo="auto"``): long rows, whose attention is
     most of a layer (docs/long-context.md)."""
-    return (f"  The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True); its default 'auto' "
-            f"takes it): {memo.tokens_per_s:,.0f} tokens/s ({memo.tokens_per_s / p.tokens_per_s - 1:+.0%}) and fits "
+    gain = memo.tokens_per_s / p.tokens_per_s - 1
+    return (f"  The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True); 'auto' takes it "
+            f"by this rule): {memo.tokens_per_s:,.0f} tokens/s ({gain:+.0%}) and fits "
             f"(GPU peak {memo.gpu_total / 2**30:.1f} GiB)")
 
 
 def _defaults_line(model: object, **kwargs: object) -> str:
     """The lines under a plan made with the command's engine defaults (eager layers, a serial host step, no device
-    groups): what ``MegaTrainStrategy()``'s ``"auto"`` options plan instead, and the flags that plan them (with
-    several ranks only compiled layers: the rest is refused there)."""
+    groups, no attention memos): what ``MegaTrainStrategy()``'s ``"auto"`` options plan instead, and the flags that
+    plan them (with several ranks only compiled layers: the rest is refused there)."""
     try:
         auto = plan(model, **kwargs)
     except ValueError as err:  # an option "auto" cannot take here: say so rather than fail the plan above
         return f"  MegaTrainStrategy()'s own defaults could not be planned: {err}"
     several = kwargs["devices"] * kwargs["num_nodes"] > 1
     flags = "--compile-layers" if several else (
-        "--overlap-optimizer --update-during-backward --gpu-optimizer-groups auto --compile-layers")
-    return (f"  The plan above has the command's defaults: eager layers, a serial host step, no device groups. "
-            f"MegaTrainStrategy()'s own\n  (\"auto\") plan {auto.tokens_per_s:,.0f} tokens/s and "
+        "--overlap-optimizer --update-during-backward --gpu-optimizer-groups auto --compile-layers"
+        + (" --attention-memo" if "attention memos" in auto.gpu else ""))
+    return (f"  The plan above has the command's defaults: eager layers, a serial host step, no device groups or "
+            f"memos.\n  MegaTrainStrategy()'s own (\"auto\") plan {auto.tokens_per_s:,.0f} tokens/s and "
             f"{'fits' if auto.fits else 'does not fit'}: {flags}")

@@ -213,6 +213,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
               optimizer state on the GPU (engine/device_state.py).
             - ``compile_layers``: the bf16 rate becomes ``COMPILED_TFLOPS``. Memory stays planned for eager layers
               (compiled ones save less).
+            - ``attention_memo``: True plans the memos (memory.py ``attention_memo_bytes``) and the attention forward
+              they save (timing.py); ``"auto"`` as the engine decides it (engine/placement.py
+              ``choose_attention_memo``): the plan with them where :func:`memo_pays`, else the plan without (only
+              that one is made where ``Plan.memo_bound`` says they cannot gain ``MEMO_MIN_GAIN``).
             - ``keep_layers`` is not modelled: the plan recomputes every layer (``keep_layers=0``), so its GPU peak
               is the floor that must fit. ``"auto"`` keeps the graphs of as many layers as fill the GPU memory left
               above that floor (engine/recompute.py); a fixed count needs more than the plan shows.

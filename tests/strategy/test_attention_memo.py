@@ -191,7 +191,7 @@ def test_the_memo_switched_between_micro_batches(monkeypatch):
 def test_auto_plans_the_memo_where_it_pays(monkeypatch):
     """``attention_memo="auto"`` in the planner, the engine's rule (planning.py ``memo_pays``): the plan with the
     memos where it fits and is ``MEMO_MIN_GAIN`` faster (the Llama-2-7B shape at 131,072 tokens: +18%), else the plan
-    without: at 4,096 tokens (the memos could save under 1% of the step: the plan with them is not even made), at
+    without: at 4,096 tokens (the memos could save about 1% of the step: the plan with them is not even made), at
     524,288 (they do not fit beside the checkpoints), in fp32 (cuDNN's kernel runs fp16/bf16) and with two ranks."""
     from lightning_megatrain.config import EngineConfig
     from lightning_megatrain.planner import Machine, plan, planning
@@ -207,11 +207,13 @@ def test_auto_plans_the_memo_where_it_pays(monkeypatch):
     auto, off, on = plans(131072)
     assert on.tokens_per_s > 1.15 * off.tokens_per_s and on.fits
     assert auto.to_dict() == on.to_dict()
-    for seq_len, kwargs in ((4096, {}), (524288, {}), (131072, {"precision": "32-true"})):
-        auto, off, on = plans(seq_len, **kwargs)
-        assert auto.to_dict() == off.to_dict() and "attention memos" in on.gpu, seq_len
-        assert not planning.memo_pays(off, on)
-    assert not plans(524288)[2].fits and plans(131072, precision="32-true")[0].memo_bound == 0
+    for seq_len in (4096, 524288):
+        auto, off, on = plans(seq_len)
+        assert auto.to_dict() == off.to_dict() and "attention memos" in on.gpu and not planning.memo_pays(off, on)
+    assert not plans(524288)[2].fits
+    # fp32: memos asked for are planned as asked; "auto" knows that the kernel the memo calls (cuDNN's) runs bf16 only
+    auto, off, _ = plans(131072, precision="32-true")
+    assert auto.to_dict() == off.to_dict() and off.memo_bound == 0
     made, real = [], planning.plan
 
     def counting(*args, config, **kwargs):
@@ -220,7 +222,7 @@ def test_auto_plans_the_memo_where_it_pays(monkeypatch):
 
     monkeypatch.setattr(planning, "plan", counting)
     short = planning.plan(llama7, seq_len=4096, config=EngineConfig(attention_memo="auto"), machine=machine)
-    assert short.memo_bound < 0.01 * short.time["step total"] and True not in made
+    assert short.memo_bound < 0.02 * short.time["step total"] and True not in made
     two = plan(llama7, seq_len=131072, config=EngineConfig(attention_memo="auto"), machine=machine, devices=2)
     assert "attention memos" not in two.gpu  # several ranks: "auto" is off (engine/sharding.py)
 
@@ -269,7 +271,8 @@ def test_the_plan_command_plans_the_memo(capsys):
     llama7 = json.dumps(dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                              num_hidden_layers=32, num_attention_heads=32))
     machine = ["--gpu-mem", "139", "--host-ram", "125", "--cpu-cores", "16"]
-    said = "The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True)): "
+    said = ("The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True); 'auto' takes it by this "
+            "rule): ")
     for seq_len, named in (("131072", True), ("4096", False)):
         assert plan_main(["--model", llama7, "--seq-len", seq_len, *machine]) == 0
         assert (said in capsys.readouterr().out.splitlines()[-1]) is named
