@@ -166,7 +166,7 @@ def main() -> None:
         row.update(json.loads(found[-1]) if found else {"error": f"exit {proc.returncode}: " + out[-1500:]})
         for line in out.splitlines():
             if ("MegaTrain:" in line or "Error" in line) and not line.startswith("ROW "):
-                print(line[:300])
+                print(line[:1500])  # the placement lines carry their numbers at the end
         rows.append(row)
         print(json.dumps({k: row.get(k) for k in ("seq_len", "step_s", "tokens_per_s", "mfu_attn_causal",
                                                    "peak_gpu_reserved_gib", "peak_host_gib", "error")}), flush=True)

@@ -27,6 +27,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RUNS = (
     "2026-12-02-long-context-llama-2-7b-32l-defaults-bb2b8ae.json",
     "2026-12-04-long-context-llama-2-7b-32l-memo-h200-83af007.json",
+    # 262,144 with the defaults again, attention_memo="auto" declining the memos (one measured step)
+    "2026-12-04-long-context-llama-2-7b-32l-262k-auto-memo-h200-3120d8e.json",
 )
 H200 = dict(host_ram_gib=125.85, gpu_mem_gib=139.8, cpu_cores=16)
 

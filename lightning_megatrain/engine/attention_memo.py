@@ -38,7 +38,9 @@ How:
 Cost: the memos of the recomputed layers stay on the device from their forward to their backward; the planner counts
 them (planner/memory.py ``attention_memo_bytes``) and the recompute's attention forward leaves the step's time
 (planner/timing.py). Not used with dropout in attention, an attention mask (packed documents go through their own
-kernels) or a non-SDPA attention (eager attention: gpt-oss).
+kernels) or a non-SDPA attention (eager attention: gpt-oss). ``attention_memo="auto"``, the default, weighs the two
+with the planner at the first training micro-batch (engine/placement.py ``choose_attention_memo``) and switches the
+layers over (streamed.py ``StreamedLayers.use_memo``).
 """
 
 from __future__ import annotations
