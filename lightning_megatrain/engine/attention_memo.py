@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,15 @@ from torch.overrides import TorchFunctionMode
 _aten = torch.ops.aten
 
 
+class _Calls(list):
+    """One recorded forward's attention calls, in call order: a list that can be weakly referenced and is one
+    member of a weak set by identity."""
+
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+
 class AttentionMemo:
     """Which layer's attention calls the op records or replays now (see [Note: attention memo]). The recorded calls
     live with the layer's autograd node (streamed.py keeps the list :meth:`recording` yields on its ctx), so a second
@@ -66,10 +76,18 @@ class AttentionMemo:
 
     def __init__(self) -> None:
         self.state: tuple[str, list, int] | None = None  # ("record" | "replay", the calls, layer index)
+        # the calls of every recording whose node is alive (weak: they go with the graph)
+        self._recorded: weakref.WeakSet[_Calls] = weakref.WeakSet()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a recorded forward's calls still wait for its recompute (its graph alive, its backward not run)."""
+        return any(len(calls) for calls in self._recorded)
 
     @contextlib.contextmanager
     def recording(self, index: int) -> Iterator[list]:
-        calls: list = []
+        calls = _Calls()
+        self._recorded.add(calls)
         self.state = ("record", calls, index)
         try:
             yield calls

@@ -147,6 +147,25 @@ class FirstBatchPlacement:
             return self.sharding.owned_groups
         return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
 
+    def _choose_memo(self, hf_config, shape, grad_accum, given, limits, again: bool) -> None:
+        """``attention_memo="auto"`` for this micro-batch (engine/placement.py ``choose_attention_memo``), switched on
+        at the first placement only: ``keep_layers="auto"`` measured the GPU memory its kept layers may take at the
+        first micro-batch, with or without the memos, and memos added later would come on top of them. A later
+        placement may switch them off (they no longer fit or pay), except while a forward's memos still wait for its
+        backward (manual optimization holding a graph across steps)."""
+        if again and self.config.attention_memo is False:
+            memo, why = False, ("off since the first micro-batch: the kept layers' GPU memory was measured there "
+                                "without memos")
+        else:
+            memo, why = choose_attention_memo(
+                hf_config, *shape, grad_accum, config=self.config.replace(attention_memo="auto", **given), **limits)
+            pending = self.streamed.memo is not None and self.streamed.memo.pending
+            if not memo and pending:
+                memo, why = True, f"kept on while a forward's memos wait for its backward ({why})"
+        log.info("MegaTrain: attention_memo=%s (auto: %s)", memo, why)
+        self.config = self.config.replace(attention_memo=memo)
+        self.streamed.use_memo(memo)
+
     def place_checkpoints(self, batch, grad_accum, optimizers, chunked_loss) -> None:
         """``attention_memo``, then ``segment_layers``, ``device_checkpoints`` and ``sub_segment_layers`` for the
         training micro-batch ``batch``: decided where "auto", the checkpoints checked against the free host and GPU
@@ -164,7 +183,8 @@ class FirstBatchPlacement:
                 self.config = self.config.replace(attention_memo=False)
         else:
             host_groups = self._host_groups()
-            if self._placed_tokens:
+            again = self._placed_tokens > 0
+            if again:
                 log.info("MegaTrain: a micro-batch of %d x %d tokens, more than the %d the layer-input checkpoints "
                          "were placed for: placing them again", *shape, self._placed_tokens)
                 self.wait_for_optimizer()  # an overlapped step may still be allocating host Adam states
@@ -178,11 +198,7 @@ class FirstBatchPlacement:
                           gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
                           host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool)
             if self._memo_option == "auto":  # the memos first: the checkpoints are placed beside them
-                memo, memo_why = choose_attention_memo(
-                    hf_config, *shape, grad_accum, config=self.config.replace(attention_memo="auto", **given), **limits)
-                log.info("MegaTrain: attention_memo=%s (auto: %s)", memo, memo_why)
-                self.config = self.config.replace(attention_memo=memo)
-                self.streamed.use_memo(memo)
+                self._choose_memo(hf_config, shape, grad_accum, given, limits, again)
             k, n, m, why = choose_checkpoints(hf_config, *shape, grad_accum, config=self.config.replace(**given),
                                               **limits)
         log.info("MegaTrain: segment_layers=%d, sub_segment_layers=%d, device_checkpoints=%d (%s: %s)", k, m, n,

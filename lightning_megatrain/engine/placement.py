@@ -291,8 +291,9 @@ def choose_attention_memo(
 
     The checkpoints are placed twice (:func:`~lightning_megatrain.planner.place_checkpoints`), with and without the
     memos, against the engine's limits; each placement is then timed by the planner's plan of this micro-batch with
-    exactly that placement (host memory not judged there: the placement already was), and the memos are taken where
-    they fit and ``memo_pays`` says so. Off where the planner cannot describe the model."""
+    exactly that placement, on this machine's host RAM and cores and in ``config.host_state`` (whether the plan fits
+    is not read: the placement was judged against the memory measured), and the memos are taken where they fit and
+    ``memo_pays`` says so. Off where the planner cannot describe the model."""
     if compute_dtype not in (torch.float16, torch.bfloat16):
         return False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16"
     run = _run_options(hf_config, compute_dtype, chunked_loss)
@@ -304,9 +305,9 @@ def choose_attention_memo(
             return False, "the checkpoints do not fit even without the memos"
         if not placed[True].fits:
             return False, f"the memos do not fit beside the checkpoints: {placed[True].why}"
-        machine = Machine(gpu_mem_gib=gpu_bytes / GIB, host_ram_gib=float(1 << 30))  # placed against the host above
+        machine = Machine(gpu_mem_gib=gpu_bytes / GIB)  # this machine's host RAM and cores
         plans = {memo: plan(hf_config, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **run,
-                            machine=machine, config=config.replace(
+                            machine=machine, host_state=config.host_state, config=config.replace(
                                 attention_memo=memo, segment_layers=p.segment_layers,
                                 sub_segment_layers=p.sub_segment_layers, device_checkpoints=p.device_checkpoints))
                  for memo, p in placed.items()}
@@ -317,7 +318,7 @@ def choose_attention_memo(
         return False, "no layer's attention is SDPA without a mask (the memo serves no layer)"
     gain = memo.tokens_per_s / without.tokens_per_s
     tokens = f"{micro_batch} x {seq_len} tokens"
-    if not memo_pays(without, memo):
+    if not memo_pays(without, memo, fits=True):  # fits: placed above, against the memory the engine measured
         return False, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB) plan {gain - 1:+.0%} "
                        f"tokens/s, under the {MEMO_MIN_GAIN - 1:.0%} they must gain")
     return True, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB on the GPU) plan "

@@ -114,9 +114,17 @@ class StreamedLayers:
     def use_memo(self, on: bool) -> None:
         """Run the layers with the attention memo or without it from the next micro-batch on (the engine decides
         ``attention_memo="auto"`` at the first training micro-batch: engine/placement.py). Call it between
-        micro-batches: the memos recorded so far are consumed by their backward."""
+        micro-batches.
+
+        Raises:
+            RuntimeError: switching off while a forward's memos still wait for its backward (the recompute replays
+                them through the memo's routing).
+        """
         if on == (self.memo is not None) and self.forwards:
             return
+        if not on and self.memo is not None and self.memo.pending:
+            raise RuntimeError("MegaTrain: the attention memo cannot be switched off while a forward's memos wait for "
+                               "its backward")
         self.memo = AttentionMemo() if on else None
         for layer in self.stack:
             kind = type(layer)

@@ -451,10 +451,13 @@ def memo_may_pay(without: Plan) -> bool:
     return without.memo_bound >= step * (1 - 1 / MEMO_MIN_GAIN)
 
 
-def memo_pays(without: Plan, memo: Plan) -> bool:
+def memo_pays(without: Plan, memo: Plan, fits: bool | None = None) -> bool:
     """The rule of ``attention_memo="auto"`` (config.py) and of ``megatrain plan``'s line naming the memos: the plan
-    with them (``memo``) fits and is ``MEMO_MIN_GAIN`` faster than the same plan without (``without``)."""
-    return "attention memos" in memo.gpu and memo.fits and memo.tokens_per_s >= MEMO_MIN_GAIN * without.tokens_per_s
+    with them (``memo``) fits and is ``MEMO_MIN_GAIN`` faster than the same plan without (``without``). ``fits``:
+    whether the memos fit where the caller judged it (the engine, against the memory it measured), else
+    ``memo.fits``."""
+    fitting = memo.fits if fits is None else fits
+    return "attention memos" in memo.gpu and fitting and memo.tokens_per_s >= MEMO_MIN_GAIN * without.tokens_per_s
 
 
 def host_update_gparams(optimizer: str, host_state: str, overlapped: bool) -> float:

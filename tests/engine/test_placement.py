@@ -237,6 +237,15 @@ def test_checkpoint_options_resolve_on_a_cpu_compute_device(caplog):
     assert (cuda.segment_layers, cuda.device_checkpoints) == ("auto", "auto")  # decided at the first micro-batch
 
 
+@pytest.fixture
+def h200_host(monkeypatch):
+    """The plans of ``choose_attention_memo`` read this machine's host RAM and cores: the H200's here."""
+    from lightning_megatrain.planner import planning
+
+    monkeypatch.setattr(planning, "host_ram_gib", lambda: 125.85)
+    monkeypatch.setattr(planning, "cpu_cores", lambda: 16)
+
+
 def _memo(seq_len, gpu_gib=139.7, host_gib=16.7, dtype=torch.bfloat16, shape=LLAMA_7B):
     config = EngineConfig(compile_layers=True, overlap_optimizer=True, gpu_optimizer_groups=0)  # as on the H200
     return placement.choose_attention_memo(LlamaConfig(**shape), 1, seq_len, 1, config=config, compute_dtype=dtype,
@@ -244,7 +253,7 @@ def _memo(seq_len, gpu_gib=139.7, host_gib=16.7, dtype=torch.bfloat16, shape=LLA
                                            host_bytes=int(host_gib * GIB))
 
 
-def test_auto_memo_where_it_fits_and_pays():
+def test_auto_memo_where_it_fits_and_pays(h200_host):
     # the Llama-2-7B shape on the H200's limits (16.7 GiB of pinned host memory free for checkpoints, as the 131,072
     # run had): at 131,072 and 262,144 tokens the memos fit beside the checkpoints placed with them and plan +18% and
     # +13% (the plan `megatrain plan` names); at 4,096 they cannot gain 5%; at 524,288 they do not fit beside the
@@ -297,12 +306,14 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
                       config.sub_segment_layers, config.attention_memo))
         return 2, 1, 3, "stub"
 
-    # the memos are decided first, "auto" still "auto" at the longer micro-batch, and the checkpoints placed with them
+    # the memos are decided first ("auto" still "auto" at the longer micro-batch) and the checkpoints placed with
+    # them; off at a longer micro-batch, they are not decided again at a still longer one (keep_layers="auto"
+    # measured its GPU budget at the first micro-batch)
     memos = []
 
     def choose_memo(hf_config, micro_batch, seq_len, grad_accum, *, config, **kwargs):
         memos.append((seq_len, config.attention_memo))
-        return seq_len < 32, "stub"
+        return seq_len != 32, "stub"
 
     monkeypatch.setattr(first_batch, "choose_checkpoints", choose)
     monkeypatch.setattr(first_batch, "choose_attention_memo", choose_memo)
@@ -321,6 +332,8 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
             self.outgrown = [engine.checkpoints_outgrown(b) for b in (short, first, longer)]
             engine.place_checkpoints(longer, 1, trainer.strategy.optimizers, True)
             self.memo.append(engine.streamed.memo is not None)
+            engine.place_checkpoints(torch.zeros(2, 64, dtype=torch.long), 1, trainer.strategy.optimizers, True)
+            self.memo.append(engine.streamed.memo is not None)
             segments = engine.streamed.segments
             self.segments = (segments.layers, segments.device_checkpoints, segments.sub)
 
@@ -329,6 +342,7 @@ def test_a_longer_micro_batch_places_the_checkpoints_again(monkeypatch):
         ParityLM("llama_tied"), torch.utils.data.DataLoader(make_data()[:2], batch_size=2)
     )
     assert drive.outgrown == [False, False, True]
-    assert calls == [(2, 16, "auto", "auto", "auto", True), (2, 32, "auto", "auto", "auto", False)]
-    assert memos == [(16, "auto"), (32, "auto")] and drive.memo == [True, False]
+    assert calls == [(2, 16, "auto", "auto", "auto", True), (2, 32, "auto", "auto", "auto", False),
+                     (2, 64, "auto", "auto", "auto", False)]
+    assert memos == [(16, "auto"), (32, "auto")] and drive.memo == [True, False, False]
     assert drive.segments == (2, 1, 3)

@@ -170,14 +170,17 @@ def test_a_second_forward_before_backward_keeps_its_own_memos():
 
 def test_the_memo_switched_between_micro_batches(monkeypatch):
     """``StreamedLayers.use_memo``, how the engine applies ``attention_memo="auto"`` at the first training micro-batch
-    (engine/first_batch.py), switches the memo on and off between micro-batches: bitwise the run without it; the
-    kernel runs through the memo's op only while it is on (the forwards of 2 steps of 2 micro-batches), the third
-    step running SDPA itself."""
+    (engine/first_batch.py), switches the memo on and off between micro-batches, here inside an accumulated step:
+    bitwise the run without it; the kernel runs through the memo's op only while it is on (the forwards of the first
+    3 of 6 micro-batches), the others running SDPA itself. Switching off while a forward's memos wait for its backward
+    is refused."""
     import lightning as L
+
+    from helpers.parity import ParityLM
 
     class Switch(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            trainer.strategy.engine.streamed.use_memo(batch_idx < 4)
+            trainer.strategy.engine.streamed.use_memo(batch_idx < 3)
 
     options = dict(cpu_adam="torch", keep_layers=0)
     reference = run(MegaTrainStrategy(attention_memo=False, **options), "llama_tied", accumulate=2, clip=1.0)
@@ -185,7 +188,16 @@ def test_the_memo_switched_between_micro_batches(monkeypatch):
     switched = run(MegaTrainStrategy(attention_memo=False, **options), "llama_tied", accumulate=2, clip=1.0,
                    callbacks=[Switch()])
     _assert_bitwise(switched, reference)
-    assert calls[0] == FAMILIES["llama_tied"]().num_hidden_layers * 2 * 2
+    assert calls[0] == FAMILIES["llama_tied"]().num_hidden_layers * 3
+
+    class Pending(ParityLM):  # the forward's memos are recorded, its backward not run yet
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            with pytest.raises(RuntimeError, match="switched off while a forward's memos wait for its backward"):
+                self.trainer.strategy.engine.streamed.use_memo(False)
+            return loss
+
+    run(MegaTrainStrategy(attention_memo=True, **options), None, module=lambda: Pending("llama_tied"), steps=1)
 
 
 def test_auto_plans_the_memo_where_it_pays(monkeypatch):
