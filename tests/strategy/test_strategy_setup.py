@@ -93,7 +93,7 @@ def test_arguments_become_one_engine_config():
     # a CPU device refuses 1 when fitting; the "auto" options resolved for a CPU compute device
     assert check.config == strategy.config.replace(
         gpu_optimizer_groups=0, overlap_optimizer=False, compile_layers=False, segment_layers=1, device_checkpoints=0,
-        sub_segment_layers=1, update_during_backward=False,
+        sub_segment_layers=1, update_during_backward=False, attention_memo=False,
     )
 
 
