@@ -1,7 +1,7 @@
 """What the engine decides at the first training micro-batch, whose shape the decisions need: the split of the state
 between host and GPU (``gpu_optimizer_groups="auto"``), the attention memos (``attention_memo="auto"``) and where
-the layer-input checkpoints go (``segment_layers``, ``sub_segment_layers``, ``device_checkpoints``), the memos and
-the checkpoints decided again for any longer micro-batch; and what waits for that split
+the layer-input checkpoints go (``segment_layers``, ``sub_segment_layers``, ``device_checkpoints``), the checkpoints
+placed again for any longer micro-batch (where the memos may only be switched off); and what waits for that split
 (the host-state check, loaded optimizer states). The decisions themselves are engine/placement.py's ([Note: auto
 placement]); :class:`FirstBatchPlacement` applies them to the engine, which inherits it."""
 

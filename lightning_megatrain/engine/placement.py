@@ -50,13 +50,14 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   compute device, where a layer's input stays in host memory with its activations. ``seq_tile`` is not decided here:
   engine/tiling.py's ``tile_length`` resolves it per sequence, and the plan counts its tiles.
 
-- ``attention_memo``: decided with the checkpoints, before them, at the first training micro-batch and again at a
-  longer one (:func:`choose_attention_memo`): on where the memos fit the GPU beside the checkpoints placed with them
-  and the planner's plan of this micro-batch is ``MEMO_MIN_GAIN`` faster with them (planner/constants.py; the rule:
-  planner/planning.py ``memo_pays``), which only long rows are: at 131,072 tokens the Llama-2-7B shape's attention is
-  73% of its layers' FLOPs and the memo saved 13% of the step on the H200, at 4,096 it cannot save 5%. The planner
-  decides ``"auto"`` by the same rule. Off on a CPU compute device, with several ranks (engine/sharding.py) and
-  outside training; ``True`` and ``False`` are used as given.
+- ``attention_memo``: decided with the checkpoints, before them, at the first training micro-batch, where
+  ``keep_layers="auto"`` then measures its budget with or without the memos, so a longer micro-batch may only switch
+  them off (:func:`choose_attention_memo`; engine/first_batch.py). On where the memos fit the GPU beside the
+  checkpoints placed with them and the planner's plan of this micro-batch is ``MEMO_MIN_GAIN`` faster with them
+  (planner/constants.py; the rule: planner/result.py ``memo_pays``), which only long rows are: at 131,072 tokens the
+  Llama-2-7B shape's attention is 73% of its layers' FLOPs and the memo saved 13% of the step on the H200, at 4,096
+  it cannot save 5%. The planner decides ``"auto"`` by the same rule. Off on a CPU compute device, with several
+  ranks (engine/sharding.py) and outside training; ``True`` and ``False`` are used as given.
 
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
@@ -78,8 +79,8 @@ from lightning_megatrain.engine.host_budget import fewest_host_groups, host_shor
 from lightning_megatrain.engine.host_store import smaller_state_hint
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
 from lightning_megatrain.planner.constants import MEMO_MIN_GAIN
-from lightning_megatrain.planner.planning import memo_pays
 from lightning_megatrain.planner.pool import split_first_batch, split_options
+from lightning_megatrain.planner.result import memo_pays
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ does, and models host RAM and GPU memory in bytes and the time of one optimizer 
   :func:`place_checkpoints`);
 - ``ranks.py``: several ranks (``devices``, ``num_nodes``): host RAM per host, GPU memory per rank, the collectives'
   time ([Note: planning several ranks]);
-- ``planning.py``: :func:`plan` and :class:`Plan`;
+- ``planning.py``: :func:`plan`;
+- ``result.py``: :class:`Plan`, its result, and ``memo_pays`` (the attention memo's rule of "auto");
 - ``search.py``: the largest micro-batch that fits, the fewest device groups that hide the host Adam;
 - ``plan_warnings.py``: a plan's warnings, each with its numbers and the fix.
 
@@ -48,7 +49,8 @@ from lightning_megatrain.planner.constants import (
 from lightning_megatrain.planner.long_context import Placement, longest_seq_len, place_checkpoints
 from lightning_megatrain.planner.machine import Machine
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES, gpu_bytes, host_bytes, layer_activation
-from lightning_megatrain.planner.planning import Plan, host_os_reserve, plan
+from lightning_megatrain.planner.planning import host_os_reserve, plan
+from lightning_megatrain.planner.result import Plan
 from lightning_megatrain.planner.shape import describe, load_config
 from lightning_megatrain.planner.timing import _attn_flops, step_time
 

@@ -17,7 +17,8 @@ from typing import Any
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.optim.compact_adam import HOST_STATE_LAYOUTS
 from lightning_megatrain.planner.memory import HOST_STATE_BYTES
-from lightning_megatrain.planner.planning import Plan, plan
+from lightning_megatrain.planner.planning import plan
+from lightning_megatrain.planner.result import Plan
 from lightning_megatrain.planner.shape import load_config
 
 

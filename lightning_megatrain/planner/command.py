@@ -24,7 +24,7 @@ from lightning_megatrain.planner import (
     plan,
 )
 from lightning_megatrain.planner.capacity import largest_models, render_capacities
-from lightning_megatrain.planner.planning import memo_pays
+from lightning_megatrain.planner.result import memo_pays
 
 
 def _auto_int(none: bool = False):
@@ -151,7 +151,7 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
 
 def _memo_line(p: Plan, memo: Plan) -> str:
     """The line under a plan that the attention memo would make ``MEMO_MIN_GAIN`` faster or more, still fitting
-    (planning.py ``memo_pays``, the rule of the strategy's ``attention_memo="auto"``): long rows, whose attention is
+    (result.py ``memo_pays``, the rule of the strategy's ``attention_memo="auto"``): long rows, whose attention is
     most of a layer (docs/long-context.md)."""
     gain = memo.tokens_per_s / p.tokens_per_s - 1
     return (f"  The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True); 'auto' takes it "

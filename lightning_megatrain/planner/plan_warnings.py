@@ -12,7 +12,7 @@ from lightning_megatrain.planner.memory import transfer_bytes
 from lightning_megatrain.planner.shape import _Shape
 
 if TYPE_CHECKING:
-    from lightning_megatrain.planner.planning import Plan
+    from lightning_megatrain.planner.result import Plan
 
 
 def plan_warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str]:

@@ -1,4 +1,4 @@
-"""``megatrain plan``'s report: a :class:`~lightning_megatrain.planner.planning.Plan` as a readable table, and its
+"""``megatrain plan``'s report: a :class:`~lightning_megatrain.planner.result.Plan` as a readable table, and its
 one-line verdict."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from lightning_megatrain.planner.constants import HOST_OS_RESERVE_FRACTION, HOST
 from lightning_megatrain.planner.long_context import SEQ_STEP
 
 if TYPE_CHECKING:
-    from lightning_megatrain.planner.planning import Plan
+    from lightning_megatrain.planner.result import Plan
 
 
 def render(p: Plan) -> str:

@@ -201,12 +201,13 @@ def test_the_memo_switched_between_micro_batches(monkeypatch):
 
 
 def test_auto_plans_the_memo_where_it_pays(monkeypatch):
-    """``attention_memo="auto"`` in the planner, the engine's rule (planning.py ``memo_pays``): the plan with the
+    """``attention_memo="auto"`` in the planner, the engine's rule (result.py ``memo_pays``): the plan with the
     memos where it fits and is ``MEMO_MIN_GAIN`` faster (the Llama-2-7B shape at 131,072 tokens: +18%), else the plan
     without: at 4,096 tokens (the memos could save about 1% of the step: the plan with them is not even made), at
     524,288 (they do not fit beside the checkpoints), in fp32 (cuDNN's kernel runs fp16/bf16) and with two ranks."""
     from lightning_megatrain.config import EngineConfig
     from lightning_megatrain.planner import Machine, plan, planning
+    from lightning_megatrain.planner.result import memo_pays
 
     llama7 = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)
@@ -221,7 +222,7 @@ def test_auto_plans_the_memo_where_it_pays(monkeypatch):
     assert auto.to_dict() == on.to_dict()
     for seq_len in (4096, 524288):
         auto, off, on = plans(seq_len)
-        assert auto.to_dict() == off.to_dict() and "attention memos" in on.gpu and not planning.memo_pays(off, on)
+        assert auto.to_dict() == off.to_dict() and "attention memos" in on.gpu and not memo_pays(off, on)
     assert not plans(524288)[2].fits
     # fp32: memos asked for are planned as asked; "auto" knows that the kernel the memo calls (cuDNN's) runs bf16 only
     auto, off, _ = plans(131072, precision="32-true")
