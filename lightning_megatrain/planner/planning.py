@@ -46,7 +46,6 @@ from lightning_megatrain.planner.memory import (
     gpu_bytes,
     gpu_keywords,
     host_bytes,
-    mask_free_sdpa,
     speculated_layers,
     transfer_bytes,
 )
@@ -62,7 +61,7 @@ from lightning_megatrain.planner.ranks import (
 from lightning_megatrain.planner.result import Plan, memo_may_pay, memo_pays
 from lightning_megatrain.planner.search import groups_to_hide_optimizer, largest
 from lightning_megatrain.planner.shape import describe, load_config
-from lightning_megatrain.planner.timing import _attn_flops, step_time
+from lightning_megatrain.planner.timing import _attn_flops, memo_saved_s, step_time
 
 
 def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1, precision: str = "bf16-mixed",
@@ -308,10 +307,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
                                                  gpu_limit=gpu_limit) if offload_activations else None,
         }
     p.host_state = host_state
-    if c < 4:
-        served = sum(_attn_flops(s, ly, seq_len) for ly in s.layers if mask_free_sdpa(s, ly, seq_len))
-        slowest = min((tflops, *(tkw["attn_tflops"] or ()))) * 1e12
-        p.memo_bound = micro_batch * seq_len * grad_accum * served / slowest
+    if c < 4:  # fp32: the memo's kernel (cuDNN's) runs fp16/bf16 only
+        p.memo_bound = memo_saved_s(s, micro_batch, seq_len, grad_accum=grad_accum, tflops=tflops,
+                                    attn_tflops=tkw["attn_tflops"])
     if world > 1:
         setup = rank_setup_bytes(s, devices=devices, process_bytes=int(m.process_gib * GIB))
         p.ranks = rank_summary(s, devices=devices, num_nodes=num_nodes, host=host, setup=setup, time=t,

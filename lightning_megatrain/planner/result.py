@@ -65,8 +65,8 @@ class Plan:
     # several ranks (planner/ranks.py, [Note: planning several ranks]): the layout, the per-rank host items, the
     # setup peak, the collectives' seconds and their assumptions; None (and absent from to_dict and report) for one
     ranks: dict[str, Any] | None = None
-    # seconds of a step the attention memos could save at most: the attention forward of every layer they serve, at
-    # the lower of its rates; 0 in fp32 (cuDNN's kernel, the one the memo calls, runs fp16/bf16). Not in to_dict
+    # seconds of compute the attention memos take out of the step, the most they can shorten it (timing.py
+    # memo_saved_s); 0 in fp32 (cuDNN's kernel, the one the memo calls, runs fp16/bf16). Not in to_dict
     memo_bound: float = 0.0
 
     @property

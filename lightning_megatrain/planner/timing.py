@@ -55,6 +55,33 @@ def _attn_flops(s: _Shape, layer: _Layer, seq_len: int) -> float:
     return 4 * s.heads * s.head_dim * _keys(seq_len, layer.window)
 
 
+def _attention_forward(s: _Shape, tok: int, seq_len: int, rate: float, attn_tflops: tuple[float, float] | None
+                       ) -> tuple[list[float], list[bool], list[float]]:
+    """Per layer, for ``tok`` tokens of rows of ``seq_len``: its attention's forward FLOPs, whether its kernel's own
+    rates price it (SDPA without a mask, one document per row: the kernel ``attn_tflops`` were measured on), and that
+    forward's seconds (at ``attn_tflops[0]`` there, else at ``rate``, FLOP/s)."""
+    attn = [_attn_flops(s, ly, seq_len) * tok for ly in s.layers]
+    kernel = [attn_tflops is not None and s.attn == "sdpa" and mask_free_sdpa(s, ly, seq_len) for ly in s.layers]
+    f_rate = attn_tflops[0] * 1e12 if attn_tflops is not None else rate
+    return attn, kernel, [a / (f_rate if k else rate) for a, k in zip(attn, kernel)]
+
+
+def _memo_saved(s: _Shape, seq_len: int, attn_f: list[float]) -> list[float]:
+    """Per layer, the seconds of ``attn_f`` (its attention's forward) the memo saves in its recompute: all of it
+    where the memo serves the layer, else 0."""
+    return [af if mask_free_sdpa(s, ly, seq_len) else 0.0 for af, ly in zip(attn_f, s.layers)]
+
+
+def memo_saved_s(s: _Shape, micro_batch: int, seq_len: int, *, grad_accum: int, tflops: float,
+                 attn_tflops: tuple[float, float] | None) -> float:
+    """Seconds of compute the attention memos take out of one optimizer step (:func:`step_time` with
+    ``attention_memo``): every recomputed layer's attention forward they serve, each micro-batch; the most they can
+    shorten the step."""
+    tok = micro_batch * seq_len
+    _, _, attn_f = _attention_forward(s, tok, seq_len, tflops * 1e12, attn_tflops)
+    return grad_accum * sum(_memo_saved(s, seq_len, attn_f))
+
+
 def host_after_backward(bwd: list[float], speculated: list[int], host_params: int, opt_rate: float,
                         copy_gbps: float = HOST_COPY_GBPS) -> float:
     """Host seconds of the optimizer step left when the last micro-batch's backward ends, where the layers of
@@ -127,16 +154,13 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     tok, H, rate = micro_batch * seq_len, s.hidden, tflops * 1e12
     both = min(h2d, d2h, duplex / 2) * 1e9  # per direction while both directions are busy
     lin = [2 * ly.active * tok / rate for ly in s.layers]  # a layer's forward matmuls
-    attn = [_attn_flops(s, ly, seq_len) * tok for ly in s.layers]  # its attention's forward FLOPs
-    # the layers whose attention SDPA runs without a mask, one document per row: the kernel the rates were measured on
-    kernel = [attn_tflops is not None and s.attn == "sdpa" and mask_free_sdpa(s, ly, seq_len) for ly in s.layers]
-    f_rate, b_rate = (attn_tflops[0] * 1e12, attn_tflops[1] * 1e12) if attn_tflops is not None else (rate, rate)
-    attn_f = [a / (f_rate if k else rate) for a, k in zip(attn, kernel)]  # the attention's forward, seconds
+    attn, kernel, attn_f = _attention_forward(s, tok, seq_len, rate, attn_tflops)
+    b_rate = attn_tflops[1] * 1e12 if attn_tflops is not None else rate
     fwd = [li + af for li, af in zip(lin, attn_f)]
     # recompute (1x forward) + backward (2x forward: the matmuls, and the attention at its backward rate)
     bwd = [f + 2 * li + 2 * a / (b_rate if k else rate) for f, li, a, k in zip(fwd, lin, attn, kernel)]
     if attention_memo:  # the recompute's attention forward is the memo's where it serves the layer
-        bwd = [b - (af if mask_free_sdpa(s, ly, seq_len) else 0) for b, af, ly in zip(bwd, attn_f, s.layers)]
+        bwd = [b - saved for b, saved in zip(bwd, _memo_saved(s, seq_len, attn_f))]
     if tile is not None:  # the tiled block's forward again, tile by tile, before its backward (and the projections')
         bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)
