@@ -38,6 +38,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PEAK_FLOPS = 989e12
 
 
+def _step_counters() -> dict:
+    """Counters whose growth over a step says what one-time work it did: graphs dynamo compiled (a recompile) and the
+    process's minor page faults (host memory touched for the first time)."""
+    import resource
+
+    from torch._dynamo.utils import counters
+
+    return {"graphs_compiled": counters["stats"]["unique_graphs"],
+            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt}
+
+
 def _child(spec: dict) -> dict:
     import lightning as L
     import torch
@@ -58,17 +69,22 @@ def _child(spec: dict) -> dict:
         def __init__(self) -> None:
             self.times: list[float] = []
             self.losses: list[float] = []
+            self.per_step: list[dict] = []  # what each step added: compiled graphs, host page faults, kept layers
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if on_cuda:
                 torch.cuda.synchronize()  # benchmark marks only, never in the engine's path
             self.t0 = time.perf_counter()
+            self.before = _step_counters()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if on_cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
             self.losses.append(float(outputs["loss"]))
+            after = _step_counters()
+            self.per_step.append({k: after[k] - self.before[k] for k in after}
+                                 | {"kept_layers": len(trainer.strategy.engine.streamed.kept)})
             if batch_idx == 0:  # the engine's choices, resolved by the first micro-batch (gone after teardown)
                 engine = trainer.strategy.engine
                 self.config = engine.config
@@ -104,6 +120,7 @@ def _child(spec: dict) -> dict:
         "placement": {k: v for k, v in vars(timer.config).items() if k != "layers"},
         "segments": timer.segments,
         "kept_layers_first_step": timer.kept,
+        "per_step": timer.per_step,
     }
     try:
         from lightning_megatrain.planner import Machine, plan
@@ -165,8 +182,8 @@ def main() -> None:
         found = [line[4:] for line in out.splitlines() if line.startswith("ROW ")]
         row.update(json.loads(found[-1]) if found else {"error": f"exit {proc.returncode}: " + out[-1500:]})
         for line in out.splitlines():
-            if ("MegaTrain:" in line or "Error" in line) and not line.startswith("ROW "):
-                print(line[:1500])  # the placement lines carry their numbers at the end
+            if ("MegaTrain:" in line or "Error" in line or "ecompil" in line) and not line.startswith("ROW "):
+                print(line[:1500])  # the placement lines carry their numbers at the end; TORCH_LOGS=recompiles
         rows.append(row)
         print(json.dumps({k: row.get(k) for k in ("seq_len", "step_s", "tokens_per_s", "mfu_attn_causal",
                                                    "peak_gpu_reserved_gib", "peak_host_gib", "error")}), flush=True)
