@@ -47,17 +47,30 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 RngState = tuple[Tensor, Tensor | None]  # CPU generator state, CUDA generator state (None off CUDA)
-AutocastState = tuple[bool, torch.dtype]
+AutocastState = tuple[bool, torch.dtype, bool]  # enabled, dtype, cache enabled
+
+
+def autocast_state(device_type: str) -> AutocastState:
+    """The autocast state a layer's forward runs under, for its replay and recompute (:func:`replay_state`).
+
+    The cast cache's flag is part of it: dynamo guards a compiled layer on it with the grad mode. Lightning's
+    precision plugins enter autocast with the cache off, and the recompute runs in the backward's thread, where it
+    is on; a recompute that left it as it found it got a graph of its own, and the first kept layer's forward (grad
+    on, cache off) a third one, compiled in the second step (on the H200 the Llama-3.2-3B shape's second step took
+    4.3 s longer than the later ones at 32,768 tokens, 20 s at 131,072)."""
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled())
 
 
 @contextlib.contextmanager
 def replay_state(device_type: str, rng: RngState, autocast: AutocastState) -> Iterator[None]:
-    """Run under a forward's saved RNG and autocast state, restoring the caller's RNG after (dropout masks replay)."""
+    """Run under a forward's saved RNG and autocast state (:func:`autocast_state`), restoring the caller's RNG after
+    (dropout masks replay)."""
     cpu_rng, device_rng = rng
-    enabled, dtype = autocast
+    enabled, dtype, cache = autocast
     with (
         torch.random.fork_rng(devices=[torch.cuda.current_device()] if device_rng is not None else []),
-        torch.autocast(device_type, dtype=dtype, enabled=enabled),
+        torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache),
     ):
         torch.set_rng_state(cpu_rng)
         if device_rng is not None:

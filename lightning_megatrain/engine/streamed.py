@@ -40,7 +40,7 @@ from lightning_megatrain.engine.discovery import TensorSlot
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.recompute import RecomputePolicy
 from lightning_megatrain.engine.recorded import Recorded, RecordedOutputs, capture
-from lightning_megatrain.engine.segments import LayerRecord, Segments, replay_state
+from lightning_megatrain.engine.segments import LayerRecord, Segments, autocast_state, replay_state
 from lightning_megatrain.engine.transfer import Transfer
 
 # Marks where a tensor stood among a layer's output leaves (a real output leaf may be None).
@@ -338,7 +338,7 @@ def _forward_recomputable(ctx, owner: StreamedLayers, index: int, leaves: tuple)
     and what its recorders captured ([Note: recorded outputs])."""
     transfer = owner.transfer
     ctx.rng = _capture_rng(owner.device_type)
-    ctx.autocast = (torch.is_autocast_enabled(owner.device_type), torch.get_autocast_dtype(owner.device_type))
+    ctx.autocast = autocast_state(owner.device_type)
     ctx.other_leaves = [None if isinstance(x, Tensor) else x for x in leaves]
     ctx.save_for_backward(*(leaves[i] for i in ctx.saved_positions))
     segments = owner.segments

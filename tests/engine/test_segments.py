@@ -206,3 +206,29 @@ def test_schedule_of_nested_segments():
     peak, replays = segments_module.replay_schedule(8, 3)
     assert peak == 3 and replays == ((), (), (0, 1), (), (), (3, 4), (), tuple(range(7)))
     assert [segments_module.replay_schedule(16, m)[0] for m in (1, 2, 3, 4, 5, 15, 16)] == [15, 8, 6, 6, 6, 14, 15]
+
+
+def test_every_layer_call_runs_under_the_forwards_autocast_state(monkeypatch):
+    """bf16-mixed (the precision plugin's autocast, cast cache off), the first layer kept, segments of 2: the kept
+    forward, the no-grad forwards, the segment's replay and the recomputes (in backward, after the plugin's autocast
+    exited) all run under one autocast state, cache flag included. Dynamo guards a compiled layer on that flag with
+    the grad mode: a recompute under another flag compiled a graph of its own, and the kept forward a third, in the
+    second step (segments.py ``autocast_state``)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    seen: list[tuple] = []
+
+    def spied(forward):
+        def call(self, *args, **kwargs):
+            seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                         torch.is_autocast_cache_enabled()))
+            return forward(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", spied(LlamaDecoderLayer.forward))
+    run(MegaTrainStrategy(cpu_adam="torch", keep_layers=1, segment_layers=2), "llama_tied", steps=2,
+        precision="bf16-mixed")
+    # per micro-batch: 3 forwards (1 kept with grad), 1 replay of layer 1 without grad, 2 recomputes with grad
+    assert len(seen) == 2 * (3 + 1 + 2)
+    assert {s[0] for s in seen} == {True, False}
+    assert set(s[1:] for s in seen) == {(True, torch.bfloat16, False)}, set(seen)
