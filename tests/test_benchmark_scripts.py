@@ -384,15 +384,18 @@ def test_peer_longest_dry_run_climbs_its_ladder():
 
 
 def test_planner_attention_check_holds_the_long_runs_within_ten_percent(tmp_path):
-    """benchmarks/planner_attention_check.py re-plans the committed full-depth 7B long-context runs: with the attention
-    kernel's own rates the steps of 131,072 tokens or more (every layer but 1-3 recomputed, past their warm-up) are
-    planned within 10% (one rate for the whole layer: 8-15% fast), and the committed result is what it prints."""
+    """benchmarks/planner_attention_check.py re-plans the committed full-depth long-context runs (the 7B and 3B
+    shapes): with the attention kernel's own rates the steps of 131,072 tokens or more are planned within 10% (one
+    rate for the whole layer: 8-17% fast), all but the row whose only measured step compiled a graph (flagged, not
+    a measure of the planner); and the committed result is what it prints."""
     out = tmp_path / "check.json"
     _run(str(BENCH / "planner_attention_check.py"), "--out", str(out), timeout=120)
     rows = json.loads(out.read_text())["rows"]
-    long = [r for r in rows if r["seq_len"] >= 131072]
-    assert len(long) == 4 and any(r["attention_memo"] for r in long)
+    long = [r for r in rows if r["seq_len"] >= 131072 and "compile" not in r["measured_steps"]]
+    assert len(long) == 6 and {r["model"] for r in long} == {"llama-2-7b", "llama-3.2-3b"}
+    assert any(r["attention_memo"] for r in long) and not all(r["attention_memo"] for r in long)
     assert all(abs(r["error_pct"]) < 10 for r in long), long
-    assert max(r["error_one_rate_pct"] for r in long) > 10
+    assert min(r["error_one_rate_pct"] for r in long) > 7 and max(r["error_one_rate_pct"] for r in long) > 10
+    assert sum("compile" in r["measured_steps"] for r in rows) == 1
     committed = json.loads((BENCH / "results" / "2026-12-04-planner-attention-check.json").read_text())["rows"]
     assert [round(r["planned"]) for r in committed] == [round(r["planned"]) for r in rows]
