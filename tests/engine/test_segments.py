@@ -176,7 +176,7 @@ def test_nested_replay_runs_and_holds_what_the_schedule_says(k, sub):
     from torch.utils import _pytree as pytree
 
     _, spec = pytree.tree_flatten(((torch.zeros(1),), {}))
-    state = (torch.get_rng_state(), None), (False, torch.bfloat16)
+    state = (torch.get_rng_state(), None), (False, torch.bfloat16, False)
     segment = segments_module.Segment(0, torch.zeros(1), sub)
     segment.records = [segments_module.LayerRecord(i, spec, [None], 0, *state) for i in range(k)]
     ran: list[int] = []
