@@ -100,7 +100,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['model']} ({r['layers']}L) | {r['seq_len']:,} | {'yes' if r['attention_memo'] else 'no'} | "
-              f"{r['measured_steps']} | {r['measured_tokens_per_s']:,.0f} | {r['planned']:,.0f} | {r['error_pct']:+.1f}% | "
+              f"{r['measured_steps']} | {r['measured_tokens_per_s']:,.0f} | {r['planned']:,.0f} | "
+              f"{r['error_pct']:+.1f}% | "
               f"{r['planned_one_rate']:,.0f} | {r['error_one_rate_pct']:+.1f}% |")
     if args.out:
         with open(args.out, "w") as f:
