@@ -22,6 +22,15 @@ CheckpointFormat = Literal["file", "sharded"]
 CHECKPOINT_FORMATS = ("file", "sharded")
 
 
+def memo_layers(attention_memo: bool | int | str, n_layers: int) -> int:
+    """How many of ``n_layers`` layers, the last ones, keep their attention memos under the option
+    ``attention_memo``: all for ``True``, none for ``False`` and an undecided ``"auto"``, at most ``n_layers`` for an
+    int. The one reading of the option (the engine's layers, the planner's memory and time)."""
+    if isinstance(attention_memo, bool) or attention_memo == "auto":
+        return n_layers if attention_memo is True else 0
+    return min(int(attention_memo), n_layers)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine places and moves state. Every field is a ``MegaTrainStrategy`` argument of the same name."""
@@ -83,18 +92,20 @@ class EngineConfig:
     (backward restores them first). ``"auto"``: 0 unless the host cannot hold them all, then the fewest with which
     the rest fit the host, the GPU memory beyond them left to ``keep_layers`` (engine/placement.py)."""
 
-    attention_memo: bool | Auto = "auto"
+    attention_memo: bool | int | Auto = "auto"
     """Keep each recomputed layer's attention outputs (and log-sum-exp) from its forward for its recompute, which
     then skips the attention kernel: one attention forward less per recomputed layer and step, for ``B x T x heads x
     head_dim`` compute-dtype values per layer on the GPU until its backward (engine/attention_memo.py, [Note:
     attention memo]); the same gradients (bitwise for eager layers on the CPU in fp32, within rounding compiled).
     SDPA attention without mask or dropout only (on CUDA where SDPA could use cuDNN). On the H200 the Llama-2-7B
-    shape at 131,072 tokens steps in 43.1 s with it against 49.3 s (docs/long-context.md). ``"auto"``: decided at
-    the first training micro-batch (a longer one may switch it off) on a CUDA device with one rank: on where the
-    planner's plan of that micro-batch with the memos fits the GPU beside the layer-input checkpoints and is at
-    least ``MEMO_MIN_GAIN`` faster than without (planner/constants.py: long rows), the checkpoints then placed with
-    them (engine/placement.py ``choose_attention_memo``); off on a CPU compute device, with several ranks and
-    outside training."""
+    shape at 131,072 tokens steps in 43.1 s with it against 49.3 s (docs/long-context.md). ``True``: every layer's
+    memos; an int ``N``: the last ``N`` layers' only, for the GPU memory the layer-input checkpoints leave where all
+    of them do not fit beside the checkpoints (``megatrain plan`` names such an ``N`` where it pays; not decided by
+    "auto"). ``"auto"``: decided at the first training micro-batch (a longer one may switch it off) on a CUDA device
+    with one rank: on where the planner's plan of that micro-batch with the memos fits the GPU beside the
+    layer-input checkpoints and is at least ``MEMO_MIN_GAIN`` faster than without (planner/constants.py: long rows),
+    the checkpoints then placed with them (engine/placement.py ``choose_attention_memo``); off on a CPU compute
+    device, with several ranks and outside training."""
 
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``
@@ -170,8 +181,9 @@ class EngineConfig:
         if self.update_during_backward is True and self.overlap_optimizer is False:
             out.append("update_during_backward=True with overlap_optimizer=False: the speculated updates are kept or "
                        "redone by the overlapped step; use overlap_optimizer=True (or 'auto' on a GPU)")
-        if not isinstance(self.attention_memo, bool) and self.attention_memo != "auto":
-            out.append(f"attention_memo={self.attention_memo!r}: need 'auto', True or False")
+        memo = self.attention_memo
+        if not (isinstance(memo, bool) or memo == "auto" or (type(memo) is int and memo >= 0)):
+            out.append(f"attention_memo={memo!r}: need 'auto', True, False or an int >= 0 (the last layers')")
         if not isinstance(self.chunked_hf_loss, bool):
             out.append(f"chunked_hf_loss={self.chunked_hf_loss!r}: need True or False")
         if self.cpu_adam not in CPU_ADAM_MODES:
@@ -202,6 +214,10 @@ class EngineConfig:
         # gpu_optimizer_groups hold optimizer states: none without an optimizer step; no recompute, no memo
         memo = {"attention_memo": False} if self.attention_memo == "auto" else {}
         return self if fitting else self.replace(gpu_optimizer_groups=0, **memo)
+
+    def memo_layers(self, n_layers: int) -> int:
+        """How many of ``n_layers`` layers keep their attention memos (:func:`memo_layers`)."""
+        return memo_layers(self.attention_memo, n_layers)
 
     def checkpoints_unplanned(self) -> tuple[int, int, int]:
         """``(segment_layers, device_checkpoints, sub_segment_layers)`` where nothing plans them: each ``"auto"`` as

@@ -148,7 +148,8 @@ class MegaTrainStrategy(CheckpointStrategy):
             gradients, for that output's bytes per layer on the GPU. Worth it at long context (the 7B shape at
             131,072 tokens on an H200: 13% less time per step, docs/long-context.md); ``"auto"`` (default): on where
             the planner finds it fits the GPU beside the checkpoints and makes the step 5% faster, decided at the
-            first training micro-batch on a GPU (engine/placement.py).
+            first training micro-batch on a GPU (engine/placement.py); an int ``N``: the last ``N`` layers' only,
+            for the GPU memory the checkpoints leave (``megatrain plan`` names one where it pays).
         chunked_hf_loss: HF causal LMs in the module called with ``labels`` (``model(..., labels=...).loss``)
             compute HF's loss with the chunked cross-entropy, without materialising ``[B, T, V]`` logits (at 32K
             tokens and a 128K vocabulary a 15.7 GiB block and its gradient), and return ``logits=None``; the same
@@ -214,7 +215,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         segment_layers: int | Auto = "auto",
         sub_segment_layers: int | Auto = "auto",
         device_checkpoints: int | Auto = "auto",
-        attention_memo: bool | Auto = "auto",
+        attention_memo: bool | int | Auto = "auto",
         chunked_hf_loss: bool = True,
         cpu_adam: CpuAdamMode = "auto",
         nonfinite: NonFiniteMode = "skip",

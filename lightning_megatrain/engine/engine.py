@@ -212,7 +212,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         self._policy = RecomputePolicy(self.config.keep_layers, self.device, layer_bytes)
         self.streamed = StreamedLayers(
             stack, self.groups, self.transfer, buffers, self._policy, self.config.compile_layers,
-            self.config.attention_memo is True,  # "auto": decided at the first training micro-batch
+            self.config.memo_layers(len(stack)),  # "auto": none until the first training micro-batch decides
         )
         self.streamed.backward_updates = self.backward_updates
         # what transformers records inside the layers (router logits) leaves their nodes ([Note: recorded outputs])

@@ -109,7 +109,7 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
         update_during_backward=False,
         gpu_optimizer_groups=0,
         keep_layers=0 if config.keep_layers == "auto" else config.keep_layers,
-        attention_memo=config.attention_memo is True,  # "auto" is planned for one rank
+        attention_memo=False if config.attention_memo == "auto" else config.attention_memo,  # planned for one rank
         segment_layers=segment_layers,
         sub_segment_layers=sub_segment_layers,
     )

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from lightning_megatrain.config import memo_layers
 from lightning_megatrain.engine.attention_memo import AttentionMemo, memo_mode
 from lightning_megatrain.engine.backward_updates import BackwardUpdates
 from lightning_megatrain.engine.compiled import compile_layer_forward
@@ -78,7 +79,7 @@ class StreamedLayers:
         buffers: list[list],
         policy: RecomputePolicy,
         compile_layers: bool = False,
-        attention_memo: bool = False,
+        attention_memo: bool | int = False,
     ) -> None:
         self.stack = stack
         self.groups = groups
@@ -102,8 +103,9 @@ class StreamedLayers:
         # backward]); set by the engine when it speculates.
         self.backward_updates: BackwardUpdates | None = None
         # Attention outputs a recomputed layer's forward keeps for its recompute ([Note: attention memo]); None
-        # without the memo (set by use_memo)
+        # without the memo; the layers from ``memo_from`` on record theirs (set by use_memo)
         self.memo: AttentionMemo | None = None
+        self.memo_from = len(stack)
         # The function each layer runs: its class's own ``forward``, or that function compiled once per class (see
         # [Note: compiled layers]), with attention routed to the memo's op or not; both kinds kept once built
         self.forwards: dict[type, Callable[..., Any]] = {}
@@ -111,20 +113,25 @@ class StreamedLayers:
         self.compile_layers = compile_layers
         self.use_memo(attention_memo)
 
-    def use_memo(self, on: bool) -> None:
-        """Run the layers with the attention memo or without it from the next micro-batch on (the engine decides
+    def use_memo(self, layers: bool | int) -> None:
+        """Run the layers with the attention memo (``True``: every layer's; an int: the last ``layers`` layers',
+        config.py ``memo_layers``) or without it from the next micro-batch on (the engine decides
         ``attention_memo="auto"`` at the first training micro-batch: engine/placement.py). Call it between
-        micro-batches.
+        micro-batches. The other layers' attention still goes through the memo's op, which computes it without
+        recording, as for a kept layer.
 
         Raises:
             RuntimeError: switching off while a forward's memos still wait for its backward (the recompute replays
                 them through the memo's routing).
         """
-        if on == (self.memo is not None) and self.forwards:
-            return
+        count = memo_layers(layers, len(self.stack))
+        on = count > 0
         if not on and self.memo is not None and self.memo.pending:
             raise RuntimeError("MegaTrain: the attention memo cannot be switched off while a forward's memos wait for "
                                "its backward")
+        self.memo_from = len(self.stack) - count
+        if on == (self.memo is not None) and self.forwards:
+            return
         self.memo = AttentionMemo() if on else None
         for layer in self.stack:
             kind = type(layer)
@@ -164,8 +171,10 @@ class StreamedLayers:
         return memo_mode(self.memo) if self.memo is not None else contextlib.nullcontext()
 
     def memo_recording(self, index: int) -> contextlib.AbstractContextManager:
-        """Records layer ``index``'s attention calls into the list it yields (None without a memo)."""
-        return self.memo.recording(index) if self.memo is not None else contextlib.nullcontext()
+        """Records layer ``index``'s attention calls into the list it yields (None without a memo for the layer)."""
+        if self.memo is None or index < self.memo_from:
+            return contextlib.nullcontext()
+        return self.memo.recording(index)
 
     def memo_replaying(self, index: int, calls: list | None) -> contextlib.AbstractContextManager:
         return self.memo.replaying(index, calls) if calls is not None else contextlib.nullcontext()

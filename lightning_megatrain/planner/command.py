@@ -78,10 +78,12 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
         "the strategy decides it, with the state split between host and GPU where the host cannot hold it all")
     add("--compile-layers", action="store_true",
         help="as MegaTrainStrategy(compile_layers=True): decoder layers through torch.compile")
-    add("--attention-memo", action="store_true",
+    add("--attention-memo", nargs="?", const=True, default=False, type=int, metavar="N",
         help="as MegaTrainStrategy(attention_memo=True): a recomputed layer's attention output kept from its forward "
-        "for its recompute (GPU memory for time; docs/long-context.md). Without it a plan the memo would make 5%% "
-        "faster, still fitting, ends with a line saying so: the strategy's attention_memo='auto' takes it")
+        "for its recompute (GPU memory for time; docs/long-context.md); with N, the last N layers' only. Without it "
+        "a plan the memos would make 5%% faster, still fitting, ends with a line saying so: the strategy's "
+        "attention_memo='auto' takes every layer's; where those do not fit or pay, the line names the N whose memos "
+        "fit the GPU memory the plan leaves, if they pay")
     add("--loss-chunk-size", type=int, default=4096)
     add("--seq-tile", type=_auto_int(none=True), default="auto", metavar="auto|none|N",
         help="as MegaTrainStrategy(seq_tile=...): positions per tile of the MLP/MoE block (default auto: "
@@ -142,21 +144,33 @@ def plan_main(argv: Sequence[str], prog: str = "megatrain plan") -> int:
                                                                    update_during_backward="auto",
                                                                    gpu_optimizer_groups="auto",
                                                                    attention_memo="auto")}))
-    if not ns.json and not ns.attention_memo and ns.devices * ns.num_nodes == 1:
-        memo = plan(ns.model, host_state=ns.host_state, **{**kwargs, "config": config.replace(attention_memo=True)})
-        if memo_pays(p, memo):
-            print(_memo_line(p, memo))
+    if not ns.json and ns.attention_memo is False and ns.devices * ns.num_nodes == 1:
+        line = _memo_line(p, ns.model, host_state=ns.host_state, **{**kwargs, "config": config})
+        if line:
+            print(line)
     return 0
 
 
-def _memo_line(p: Plan, memo: Plan) -> str:
-    """The line under a plan that the attention memo would make ``MEMO_MIN_GAIN`` faster or more, still fitting
+def _memo_line(p: Plan, model: object, *, config: EngineConfig, **kwargs: object) -> str | None:
+    """The line under a plan that the attention memos would make ``MEMO_MIN_GAIN`` faster or more, still fitting
     (result.py ``memo_pays``, the rule of the strategy's ``attention_memo="auto"``): long rows, whose attention is
-    most of a layer (docs/long-context.md)."""
+    most of a layer (docs/long-context.md). Every layer's memos, which "auto" takes; where those do not fit or pay,
+    those of the last ``Plan.memo_fitting`` layers (the GPU memory ``p`` leaves), an explicit option. None where
+    neither pays."""
+    memo = plan(model, config=config.replace(attention_memo=True), **kwargs)
+    if memo_pays(p, memo):
+        flag, option, note = "--attention-memo", "attention_memo=True", "; 'auto' takes it by this rule"
+    elif 0 < p.memo_fitting < p.n_layers:
+        memo = plan(model, config=config.replace(attention_memo=p.memo_fitting), **kwargs)
+        if not memo_pays(p, memo):
+            return None
+        flag, option = f"--attention-memo {p.memo_fitting}", f"attention_memo={p.memo_fitting}"
+        note = f": the last {p.memo_fitting} layers' memos, in the GPU memory the plan leaves; 'auto' does not take it"
+    else:
+        return None
     gain = memo.tokens_per_s / p.tokens_per_s - 1
-    return (f"  The plan above with --attention-memo (MegaTrainStrategy(attention_memo=True); 'auto' takes it "
-            f"by this rule): {memo.tokens_per_s:,.0f} tokens/s ({gain:+.0%}) and fits "
-            f"(GPU peak {memo.gpu_total / 2**30:.1f} GiB)")
+    return (f"  The plan above with {flag} (MegaTrainStrategy({option}){note}): {memo.tokens_per_s:,.0f} tokens/s "
+            f"({gain:+.0%}) and fits (GPU peak {memo.gpu_total / 2**30:.1f} GiB)")
 
 
 def _defaults_line(model: object, **kwargs: object) -> str:

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_megatrain._hardware import GIB
-from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.config import EngineConfig, memo_layers
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_RESERVE_BYTES as SNAPSHOT_RESERVE
 from lightning_megatrain.engine.device_state import gpu_bytes_per_param
@@ -243,13 +243,27 @@ def mask_free_sdpa(s: _Shape, layer: _Layer, seq_len: int) -> bool:
             and (layer.window is None or layer.window >= seq_len))
 
 
-def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int) -> int:
-    """GPU bytes of the attention memos of one micro-batch (``micro_batch`` rows of ``seq_len``; [Note: attention
-    memo] in engine/attention_memo.py): each SDPA layer's attention output (compute dtype) and fp32 log-sum-exp, held
-    from the forward to that layer's recompute; every layer :func:`mask_free_sdpa` names counted (the plan recomputes
-    them all)."""
-    per_token = sum(s.heads * (s.head_dim * c + 4) for layer in s.layers if mask_free_sdpa(s, layer, seq_len))
+def memo_served(s: _Shape, seq_len: int, attention_memo: bool | int) -> list[bool]:
+    """Per layer, whether the attention memos of the option ``attention_memo`` serve it ([Note: attention memo] in
+    engine/attention_memo.py): among the last layers that keep memos (config.py ``memo_layers``) and
+    :func:`mask_free_sdpa`. The plan recomputes every layer, so each of them is counted."""
+    first = len(s.layers) - memo_layers(attention_memo, len(s.layers))
+    return [i >= first and mask_free_sdpa(s, layer, seq_len) for i, layer in enumerate(s.layers)]
+
+
+def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int, attention_memo: bool | int = True
+                         ) -> int:
+    """GPU bytes of the attention memos of one micro-batch (``micro_batch`` rows of ``seq_len``): each served
+    layer's (:func:`memo_served`) attention output (compute dtype) and fp32 log-sum-exp, held from the forward to
+    that layer's recompute."""
+    per_token = s.heads * (s.head_dim * c + 4) * sum(memo_served(s, seq_len, attention_memo))
     return per_token * micro_batch * seq_len
+
+
+def memo_layers_fitting(s: _Shape, micro_batch: int, seq_len: int, c: int, room: int) -> int:
+    """The most last layers whose memos fit ``room`` bytes of GPU memory (0 where none do)."""
+    return max((n for n in range(len(s.layers) + 1) if attention_memo_bytes(s, micro_batch, seq_len, c, n) <= room),
+               default=0)
 
 
 def gpu_keywords(config: EngineConfig, *, precision: str, loss: str, loss_chunk: int, reserve_gib: float,
@@ -257,15 +271,16 @@ def gpu_keywords(config: EngineConfig, *, precision: str, loss: str, loss_chunk:
     """:func:`gpu_bytes`' keyword arguments for the engine options ``config`` (``host_state`` overrides the config's),
     without ``gpu_groups`` and the long-context ones, which each caller decides: the one place an option that changes
     the GPU items is read for them."""
+    memo = config.attention_memo
     return {"c": PRECISIONS[precision], "offload": offload, "loss": loss, "loss_chunk": loss_chunk,
             "num_slots": config.num_slots, "reserve_gib": reserve_gib,
             "host_state": host_state if host_state is not None else config.host_state,
-            "attention_memo": config.attention_memo is True}  # "auto": none until decided (engine/placement.py)
+            "attention_memo": False if memo == "auto" else memo}  # "auto": none until decided (engine/placement.py)
 
 
 def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: bool, loss: str, loss_chunk: int,
               num_slots: int, reserve_gib: float, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
-              device_checkpoints: int = 0, sub: int = 1, host_state: str = "fp32", attention_memo: bool = False
+              device_checkpoints: int = 0, sub: int = 1, host_state: str = "fp32", attention_memo: bool | int = False
               ) -> tuple[dict[str, int], tuple[float, float]]:
     """GPU items in bytes for one micro-batch, and the (saved, transient) activation bytes per token. The
     ``gpu_groups`` device groups hold the ``host_state`` layout's state (engine/device_state.py
@@ -284,7 +299,7 @@ def gpu_bytes(s: _Shape, micro_batch: int, seq_len: int, *, c: int, offload: boo
     act = max((layer_activation(s, layer, seq_len, c, tile) for layer in s.layers), key=sum)
     resident_on_gpu, layers_on_gpu = _device_numels(s, gpu_groups)
     stream = 4 * H * tokens  # one layer's input: fp32 residual stream [B, T, H]
-    memos = attention_memo_bytes(s, micro_batch, seq_len, c) if attention_memo else 0
+    memos = attention_memo_bytes(s, micro_batch, seq_len, c, attention_memo)
     on_gpu = min(device_checkpoints, checkpoints(s, segment)) if offload else 0
     if not offload:
         live = checkpoints(s, segment)

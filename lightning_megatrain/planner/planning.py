@@ -17,6 +17,7 @@ from lightning_megatrain._hardware import GIB, cpu_cores, gpu_mem_gib, host_os_r
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.compiled import compile_hazard
 from lightning_megatrain.engine.host_store import check_layout_compute
+from lightning_megatrain.engine.recompute import DEVICE_FRACTION
 from lightning_megatrain.engine.sharding import sharded_config
 from lightning_megatrain.engine.tiling import AUTO_MIN_POSITIONS
 from lightning_megatrain.planner.constants import (
@@ -46,6 +47,7 @@ from lightning_megatrain.planner.memory import (
     gpu_bytes,
     gpu_keywords,
     host_bytes,
+    memo_layers_fitting,
     speculated_layers,
     transfer_bytes,
 )
@@ -94,9 +96,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             - ``compile_layers``: the bf16 rate becomes ``COMPILED_TFLOPS``. Memory stays planned for eager layers
               (compiled ones save less).
             - ``attention_memo``: True plans the memos (memory.py ``attention_memo_bytes``) and the attention forward
-              they save (timing.py); ``"auto"`` as the engine decides it (engine/placement.py
-              ``choose_attention_memo``): the plan with them where :func:`memo_pays`, else the plan without (only
-              that one is made where ``Plan.memo_bound`` says they cannot gain ``MEMO_MIN_GAIN``).
+              they save (timing.py), an int ``N`` those of the last ``N`` layers; ``"auto"`` as the engine decides
+              it (engine/placement.py ``choose_attention_memo``): the plan with every layer's where
+              :func:`memo_pays`, else the plan without (only that one is made where ``Plan.memo_bound`` says they
+              cannot gain ``MEMO_MIN_GAIN``).
             - ``keep_layers`` is not modelled: the plan recomputes every layer (``keep_layers=0``), so its GPU peak
               is the floor that must fit. ``"auto"`` keeps the graphs of as many layers as fill the GPU memory left
               above that floor (engine/recompute.py); a fixed count needs more than the plan shows.
@@ -214,7 +217,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     tkw = {"c": c, "grad_accum": grad_accum, "offload": offload_activations, "tflops": tflops, "h2d": m.pcie_h2d_gbps,
            "d2h": m.pcie_d2h_gbps, "duplex": m.pcie_duplex_gbps, "num_slots": config.num_slots,
            "opt_rate": opt_rate * rank_cores / CPU_REF_CORES, "overlap_optimizer": overlap, "gpu_groups": groups,
-           "attention_memo": config.attention_memo is True, **transfer_bytes(host_state),
+           "attention_memo": gkw["attention_memo"], **transfer_bytes(host_state),
            # the attention kernel's measured rates, where measured: long rows, bf16, no rate named by the machine
            "attn_tflops": (ATTN_FWD_TFLOPS, ATTN_BWD_TFLOPS)
            if seq_len >= ATTN_RATES_FROM_SEQ and not m.achieved_tflops and c < 4 else None}
@@ -310,6 +313,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     if c < 4:  # fp32: the memo's kernel (cuDNN's) runs fp16/bf16 only
         p.memo_bound = memo_saved_s(s, micro_batch, seq_len, grad_accum=grad_accum, tflops=tflops,
                                     attn_tflops=tkw["attn_tflops"])
+        # the partial memos' room: the share of the GPU keep_layers="auto" fills too, the rest for fragmentation
+        p.memo_fitting = memo_layers_fitting(s, micro_batch, seq_len, c, int(DEVICE_FRACTION * gpu_limit)
+                                             - p.gpu_total + gpu.get("attention memos", 0))
     if world > 1:
         setup = rank_setup_bytes(s, devices=devices, process_bytes=int(m.process_gib * GIB))
         p.ranks = rank_summary(s, devices=devices, num_nodes=num_nodes, host=host, setup=setup, time=t,

@@ -68,6 +68,10 @@ class Plan:
     # seconds of compute the attention memos take out of the step, the most they can shorten it (timing.py
     # memo_saved_s); 0 in fp32 (cuDNN's kernel, the one the memo calls, runs fp16/bf16). Not in to_dict
     memo_bound: float = 0.0
+    # the most last layers whose memos fit the GPU memory this plan leaves within the share keep_layers="auto" fills
+    # (engine/recompute.py DEVICE_FRACTION; memory.py memo_layers_fitting): the partial memos ``megatrain plan``
+    # weighs where all layers' do not fit or pay; 0 in fp32. Not in to_dict
+    memo_fitting: int = 0
 
     @property
     def host_total(self) -> int:
@@ -110,7 +114,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        del d["memo_bound"]
+        del d["memo_bound"], d["memo_fitting"]
         for optional in ("long_context", "memory_pool", "ranks"):
             if d[optional] is None:
                 del d[optional]

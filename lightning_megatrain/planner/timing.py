@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from lightning_megatrain.engine.backward_updates import SNAPSHOT_BYTES_PER_PARAM as SNAPSHOT_BYTES
 from lightning_megatrain.engine.segments import replay_schedule
 from lightning_megatrain.planner.constants import HOST_COPY_GBPS
-from lightning_megatrain.planner.memory import mask_free_sdpa
+from lightning_megatrain.planner.memory import mask_free_sdpa, memo_served
 from lightning_megatrain.planner.shape import _device_numels, _Layer, _Shape
 
 if TYPE_CHECKING:
@@ -66,10 +66,10 @@ def _attention_forward(s: _Shape, tok: int, seq_len: int, rate: float, attn_tflo
     return attn, kernel, [a / (f_rate if k else rate) for a, k in zip(attn, kernel)]
 
 
-def _memo_saved(s: _Shape, seq_len: int, attn_f: list[float]) -> list[float]:
-    """Per layer, the seconds of ``attn_f`` (its attention's forward) the memo saves in its recompute: all of it
-    where the memo serves the layer, else 0."""
-    return [af if mask_free_sdpa(s, ly, seq_len) else 0.0 for af, ly in zip(attn_f, s.layers)]
+def _memo_saved(s: _Shape, seq_len: int, attn_f: list[float], attention_memo: bool | int = True) -> list[float]:
+    """Per layer, the seconds of ``attn_f`` (its attention's forward) the memos of ``attention_memo`` save in its
+    recompute: all of it where they serve the layer (memory.py ``memo_served``), else 0."""
+    return [af if served else 0.0 for af, served in zip(attn_f, memo_served(s, seq_len, attention_memo))]
 
 
 def memo_saved_s(s: _Shape, micro_batch: int, seq_len: int, *, grad_accum: int, tflops: float,
@@ -114,7 +114,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
               overlap_optimizer: bool = False, gpu_groups: int = 0, tile: int | None = None, segment: int = 1,
               device_checkpoints: int = 0, weight_bytes: int = 4, grad_bytes: int = 4,
               ranks: RankTiming | None = None, speculated_layers: int = 0,
-              copy_gbps: float = HOST_COPY_GBPS, sub: int = 1, attention_memo: bool = False,
+              copy_gbps: float = HOST_COPY_GBPS, sub: int = 1, attention_memo: bool | int = False,
               attn_tflops: tuple[float, float] | None = None) -> dict[str, float]:
     """Seconds per optimizer step. Transfers overlap compute layer by layer (exposed = what exceeds it); with
     ``overlap_optimizer`` the host Adam runs beside the next step's first forward (engine/overlap.py), which it paces
@@ -143,9 +143,9 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     :func:`host_after_backward` gives the host seconds left when backward ends, which then overlap the next forward.
     ``copy_gbps``: the host's memory copy rate for their snapshots (read + write bytes per second).
 
-    ``attention_memo`` ([Note: attention memo] in engine/attention_memo.py): a recomputed layer's recompute takes its
-    attention output from the forward, so its backward loses the attention's forward FLOPs (SDPA layers; a segment's
-    replay still runs it).
+    ``attention_memo`` (``True``, or the last ``N`` layers: memory.py ``memo_served``; [Note: attention memo] in
+    engine/attention_memo.py): a served layer's recompute takes its attention output from the forward, so its
+    backward loses the attention's forward FLOPs (SDPA layers; a segment's replay still runs it).
 
     ``attn_tflops``: (forward, backward) TFLOP/s of the attention kernel where SDPA runs a layer's attention without a
     mask (constants.py ``ATTN_FWD_TFLOPS``); the layer's other FLOPs, and attention elsewhere, run at ``tflops``.
@@ -160,7 +160,7 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
     # recompute (1x forward) + backward (2x forward: the matmuls, and the attention at its backward rate)
     bwd = [f + 2 * li + 2 * a / (b_rate if k else rate) for f, li, a, k in zip(fwd, lin, attn, kernel)]
     if attention_memo:  # the recompute's attention forward is the memo's where it serves the layer
-        bwd = [b - saved for b, saved in zip(bwd, _memo_saved(s, seq_len, attn_f))]
+        bwd = [b - saved for b, saved in zip(bwd, _memo_saved(s, seq_len, attn_f, attention_memo))]
     if tile is not None:  # the tiled block's forward again, tile by tile, before its backward (and the projections')
         bwd = [b + 2 * (ly.mlp_active + ly.folded_attn_params) * tok / rate for b, ly in zip(bwd, s.layers)]
     L = len(s.layers)

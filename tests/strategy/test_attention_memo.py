@@ -44,6 +44,19 @@ def test_memo_gives_the_same_training_bitwise_and_skips_the_recompute_kernel(mon
     assert calls[0] == layers * 2 * 3
 
 
+@pytest.mark.parametrize("layers", [1, 2, 5])
+def test_the_last_layers_memos_only(monkeypatch, layers):
+    """``attention_memo=N``: only the last ``N`` of the 3 layers record; the others' recompute runs the kernel
+    again (5: all 3). Bitwise the run without memos, with accumulation and clipping."""
+    options = dict(cpu_adam="torch", keep_layers=0)
+    reference = run(MegaTrainStrategy(**options), "llama_tied", accumulate=2, clip=1.0)
+    calls = count_kernel_calls(monkeypatch)
+    _assert_bitwise(run(MegaTrainStrategy(attention_memo=layers, **options), "llama_tied", accumulate=2, clip=1.0),
+                    reference)
+    served = min(layers, 3)
+    assert calls[0] == (3 + 3 - served) * 2 * 3  # per micro-batch: 3 forwards and the unserved recomputes
+
+
 def test_memo_with_segments_tiles_and_a_kept_layer(monkeypatch):
     """Segments of 2 (the second layer's input replayed from the first's in backward, without the memo), tiles of
     4 positions and the first layer kept (no memo: its graph is kept): bitwise the same options without the memo.
@@ -260,6 +273,24 @@ def test_the_plan_counts_the_memos_and_the_attention_they_save():
     saved = 32 * _attn_flops(s, s.layers[0], 131072) * 131072 / (on.assumptions["attention_tflops"][0] * 1e12)
     assert off.time["GPU compute"] - on.time["GPU compute"] == pytest.approx(saved)
     assert on.tokens_per_s > 1.15 * off.tokens_per_s
+    # the last 12 layers' memos: 12/32 of the bytes and of the attention forwards saved, the same placement
+    part = plan(llama7, seq_len=131072, config=EngineConfig(attention_memo=12, keep_layers=0), machine=machine)
+    assert part.gpu["attention memos"] * 32 == on.gpu["attention memos"] * 12
+    assert off.time["GPU compute"] - part.time["GPU compute"] == pytest.approx(saved * 12 / 32)
+    placement = ("segment_layers", "sub_segment_layers", "device_checkpoints", "seq_tile")
+    assert [part.long_context[k] for k in placement] == [off.long_context[k] for k in placement]
+    # Plan.memo_fitting: the last layers whose memos fit the room the plan without them leaves, within the share of
+    # the GPU keep_layers="auto" fills (engine/recompute.py DEVICE_FRACTION): at 131,072 all 32; at 262,144 on a
+    # 118 GiB host (checkpoints on the GPU) some
+    from lightning_megatrain.engine.recompute import DEVICE_FRACTION
+
+    per_layer = on.gpu["attention memos"] / 32
+    assert off.memo_fitting == 32 and 32 * per_layer <= DEVICE_FRACTION * off.gpu_limit - off.gpu_total
+    tight = plan(llama7, seq_len=262144, config=EngineConfig(attention_memo=False, keep_layers=0),
+                 machine=Machine(host_ram_gib=118, gpu_mem_gib=139.8, cpu_cores=16))
+    room, per_layer = DEVICE_FRACTION * tight.gpu_limit - tight.gpu_total, 2 * per_layer
+    assert 0 < tight.memo_fitting < 32
+    assert tight.memo_fitting * per_layer <= room < (tight.memo_fitting + 1) * per_layer
     eager = plan(llama7, seq_len=4096, attn_implementation="eager", config=EngineConfig(attention_memo=True))
     assert "attention memos" not in eager.gpu
     windowed = dict(llama7, model_type="mistral", sliding_window=4096)  # a mask past the window: SDPA with a mask
@@ -291,6 +322,16 @@ def test_the_plan_command_plans_the_memo(capsys):
         assert (said in capsys.readouterr().out.splitlines()[-1]) is named
     assert plan_main(["--model", llama7, "--seq-len", "131072", "--attention-memo", *machine]) == 0
     assert said not in capsys.readouterr().out
+    # at 262,144 on a 118 GiB host every layer's memos need longer segments and gain under 5%; the last 10 layers'
+    # fit the GPU memory the checkpoints leave and gain 5%: the line names that N, an explicit option
+    assert plan_main(["--model", llama7, "--seq-len", "262144", "--gpu-mem", "139.8", "--host-ram", "118",
+                      "--cpu-cores", "16", "--compile-layers", "--overlap-optimizer", "--update-during-backward"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("  The plan above with --attention-memo 10 (MegaTrainStrategy(attention_memo=10): the last "
+                           "10 layers' memos"), last
+    assert plan_main(["--model", llama7, "--seq-len", "262144", "--gpu-mem", "139.8", "--host-ram", "118",
+                      "--cpu-cores", "16", "--attention-memo", "10", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu"]["attention memos"] == 10 * 262144 * 32 * (128 * 2 + 4)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])

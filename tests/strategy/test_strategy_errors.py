@@ -31,6 +31,11 @@ def test_invalid_arguments_listed_together():
         ValueError, match=r"layers=3: need a dotted path(.|\n)*overlap_optimizer='yes': need 'auto', True"
     ):
         MegaTrainStrategy(layers=3, overlap_optimizer="yes")
+    for memo in (-1, 2.0, "yes"):  # an int >= 0 names the last layers that keep memos
+        with pytest.raises(ValueError, match=r"attention_memo=.*: need 'auto', True, False or an int >= 0"):
+            MegaTrainStrategy(attention_memo=memo)
+    assert [MegaTrainStrategy(attention_memo=m).config.memo_layers(4) for m in (True, False, "auto", 0, 3, 9)] == [
+        4, 0, 0, 0, 3, 4]
 
 
 def test_no_layer_stack_error():
