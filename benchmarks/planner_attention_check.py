@@ -52,8 +52,9 @@ def measured(run: dict) -> tuple[float, str]:
     from statistics import median
 
     times = run["step_times_s"]
-    steady = times[2:] or times[1:]
-    which = f"steps 3-{len(times)}" if len(times) > 3 else "step 3" if len(times) == 3 else "step 2"
+    steady = times[2:] or times[1:] or times
+    which = (f"steps 3-{len(times)}" if len(times) > 3 else "step 3" if len(times) == 3
+             else "step 2" if len(times) == 2 else "step 1 (with its compile)")
     return run["seq_len"] / median(steady), which
 
 

@@ -99,13 +99,14 @@ class EngineConfig:
     attention memo]); the same gradients (bitwise for eager layers on the CPU in fp32, within rounding compiled).
     SDPA attention without mask or dropout only (on CUDA where SDPA could use cuDNN). On the H200 the Llama-2-7B
     shape at 131,072 tokens steps in 43.1 s with it against 49.3 s (docs/long-context.md). ``True``: every layer's
-    memos; an int ``N``: the last ``N`` layers' only, for the GPU memory the layer-input checkpoints leave where all
-    of them do not fit beside the checkpoints (``megatrain plan`` names such an ``N`` where it pays; not decided by
-    "auto"). ``"auto"``: decided at the first training micro-batch (a longer one may switch it off) on a CUDA device
-    with one rank: on where the planner's plan of that micro-batch with the memos fits the GPU beside the
-    layer-input checkpoints and is at least ``MEMO_MIN_GAIN`` faster than without (planner/constants.py: long rows),
-    the checkpoints then placed with them (engine/placement.py ``choose_attention_memo``); off on a CPU compute
-    device, with several ranks and outside training."""
+    memos; an int ``N`` (``1`` is the last layer alone, not ``True``): the last ``N`` layers' only, for the GPU
+    memory the layer-input checkpoints leave where all of them do not fit beside the checkpoints (``megatrain plan``
+    names such an ``N`` where it pays; not decided by "auto"). ``"auto"``: decided at the first training
+    micro-batch (a longer one may switch it off) on a CUDA device with one rank: on where the planner's plan of that
+    micro-batch with the memos fits the GPU beside the layer-input checkpoints and is at least ``MEMO_MIN_GAIN``
+    faster than without (planner/constants.py: long rows), the checkpoints then placed with them
+    (engine/placement.py ``choose_attention_memo``); off on a CPU compute device, with several ranks and outside
+    training."""
 
     chunked_hf_loss: bool = True
     """HF causal LMs called with ``labels`` compute HF's loss with the chunked cross-entropy, without ``[B, T, V]``

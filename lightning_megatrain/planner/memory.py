@@ -261,9 +261,16 @@ def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int, atte
 
 
 def memo_layers_fitting(s: _Shape, micro_batch: int, seq_len: int, c: int, room: int) -> int:
-    """The most last layers whose memos fit ``room`` bytes of GPU memory (0 where none do)."""
-    return max((n for n in range(len(s.layers) + 1) if attention_memo_bytes(s, micro_batch, seq_len, c, n) <= room),
-               default=0)
+    """The fewest last layers that hold the most memos fitting ``room`` bytes of GPU memory: 0 where none fit or no
+    layer is served (:func:`memo_served`)."""
+    best = 0
+    for n in range(1, len(s.layers) + 1):
+        size = attention_memo_bytes(s, micro_batch, seq_len, c, n)
+        if size > room:
+            break
+        if size > attention_memo_bytes(s, micro_batch, seq_len, c, best):
+            best = n
+    return best
 
 
 def gpu_keywords(config: EngineConfig, *, precision: str, loss: str, loss_chunk: int, reserve_gib: float,

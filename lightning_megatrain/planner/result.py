@@ -68,7 +68,7 @@ class Plan:
     # seconds of compute the attention memos take out of the step, the most they can shorten it (timing.py
     # memo_saved_s); 0 in fp32 (cuDNN's kernel, the one the memo calls, runs fp16/bf16). Not in to_dict
     memo_bound: float = 0.0
-    # the most last layers whose memos fit the GPU memory this plan leaves within the share keep_layers="auto" fills
+    # the last layers whose memos fit the GPU memory this plan leaves within the share keep_layers="auto" fills
     # (engine/recompute.py DEVICE_FRACTION; memory.py memo_layers_fitting): the partial memos ``megatrain plan``
     # weighs where all layers' do not fit or pay; 0 in fp32. Not in to_dict
     memo_fitting: int = 0
