@@ -7,10 +7,10 @@ step (micro-batch 1, no accumulation), the strategy's defaults unless --strategy
 its own subprocess (an OOM or a kill becomes a row with "error"); the first step (compile, placement) is reported
 apart, the rest are measured.
 
-Row keys: model, layers, seq_len, steps, first_step_s, step_s (median of the measured steps), tokens_per_s, mfu,
-mfu_attn_causal, losses, peak_gpu_alloc_gib, peak_gpu_reserved_gib, peak_host_gib (VmHWM of the subprocess),
-placement (the engine's resolved options), planned (what ``planner.plan`` predicts for the same shape and options),
-error.
+Row keys: model, layers, seq_len, steps, first_step_s, step_s (median of the steps after the first that compiled no
+graph: per_step's graphs_compiled), step_times_s, per_step, tokens_per_s, mfu, mfu_attn_causal, losses,
+peak_gpu_alloc_gib, peak_gpu_reserved_gib, peak_host_gib (VmHWM of the subprocess), placement (the engine's resolved
+options), planned (what ``planner.plan`` predicts for the same shape and options), error.
   mfu              6 * parameters * tokens/s / 989e12 (nanoGPT/PaLM's 6N, no attention), as the throughput benchmark.
   mfu_attn_causal  (6 * N + 6 * L * H * T) * tokens/s / 989e12: PaLM appendix B counts 12 * L * H * T attention FLOPs
                    per token for forward and backward of full attention (2 matmuls of 2 * H * T FLOPs per token, x3);
@@ -103,7 +103,9 @@ def _child(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, DataLoader(data, batch_size=1))
     n_params, _ = count_params(config)
-    measured = timer.times[1:] or timer.times
+    # the steps after the first that compiled no graph (a graph compiled mid-run is one-time work, not the step)
+    steady = [t for t, d in zip(timer.times[1:], timer.per_step[1:]) if not d["graphs_compiled"]]
+    measured = steady or timer.times[1:] or timer.times
     step_s = median(measured)
     tokens_per_s = seq / step_s
     heads = config["num_attention_heads"]
