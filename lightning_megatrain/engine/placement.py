@@ -56,8 +56,10 @@ gets one line per decision saying what was chosen and why; an explicit value is 
   checkpoints placed with them and the planner's plan of this micro-batch is ``MEMO_MIN_GAIN`` faster with them
   (planner/constants.py; the rule: planner/result.py ``memo_pays``), which only long rows are: at 131,072 tokens the
   Llama-2-7B shape's attention is 73% of its layers' FLOPs and the memo saved 13% of the step on the H200, at 4,096
-  it cannot save 5%. The planner decides ``"auto"`` by the same rule. Off on a CPU compute device, with several
-  ranks (engine/sharding.py) and outside training; ``True`` and ``False`` are used as given.
+  it cannot save 5%. The planner decides ``"auto"`` by the same rule. Where it declines them, the log line names
+  the explicit ``attention_memo=N`` whose memos fit the GPU memory the checkpoints leave, if they pay (not taken:
+  not yet measured on a GPU). Off on a CPU compute device, with several ranks (engine/sharding.py) and outside
+  training; ``True``, ``False`` and an int are used as given.
 
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
@@ -80,7 +82,7 @@ from lightning_megatrain.engine.host_store import smaller_state_hint
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
 from lightning_megatrain.planner.constants import MEMO_MIN_GAIN
 from lightning_megatrain.planner.pool import split_first_batch, split_options
-from lightning_megatrain.planner.result import memo_pays
+from lightning_megatrain.planner.result import Plan, memo_may_pay, memo_pays
 
 log = logging.getLogger(__name__)
 
@@ -298,33 +300,52 @@ def choose_attention_memo(
     if compute_dtype not in (torch.float16, torch.bfloat16):
         return False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16"
     run = _run_options(hf_config, compute_dtype, chunked_loss)
+    machine = Machine(gpu_mem_gib=gpu_bytes / GIB)  # this machine's host RAM and cores
+
+    def timed(memo: bool | int, p: Any) -> Plan:  # the plan of this micro-batch with exactly that placement
+        return plan(hf_config, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **run,
+                    machine=machine, host_state=config.host_state, config=config.replace(
+                        attention_memo=memo, segment_layers=p.segment_layers, sub_segment_layers=p.sub_segment_layers,
+                        device_checkpoints=p.device_checkpoints))
+
     try:
         placed = {memo: place_checkpoints(hf_config, seq_len=seq_len, micro_batch=micro_batch, gpu_limit=gpu_bytes,
                                           host_free=host_bytes, **run, config=config.replace(attention_memo=memo))[0]
                   for memo in (False, True)}
         if not placed[False].fits:
             return False, "the checkpoints do not fit even without the memos"
-        if not placed[True].fits:
-            return False, f"the memos do not fit beside the checkpoints: {placed[True].why}"
-        machine = Machine(gpu_mem_gib=gpu_bytes / GIB)  # this machine's host RAM and cores
-        plans = {memo: plan(hf_config, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **run,
-                            machine=machine, host_state=config.host_state, config=config.replace(
-                                attention_memo=memo, segment_layers=p.segment_layers,
-                                sub_segment_layers=p.sub_segment_layers, device_checkpoints=p.device_checkpoints))
-                 for memo, p in placed.items()}
+        without = timed(False, placed[False])
+        memo = timed(True, placed[True]) if placed[True].fits else None
+        hint = _partial_memo_hint(without, lambda n: timed(n, placed[False]))
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
         return False, f"the planner cannot describe this model ({type(e).__name__}: {e})"
-    without, memo = plans[False], plans[True]
+    if memo is None:
+        return False, f"the memos do not fit beside the checkpoints: {placed[True].why}{hint}"
     if "attention memos" not in memo.gpu:
         return False, "no layer's attention is SDPA without a mask (the memo serves no layer)"
     gain = memo.tokens_per_s / without.tokens_per_s
     tokens = f"{micro_batch} x {seq_len} tokens"
     if not memo_pays(without, memo, fits=True):  # fits: placed above, against the memory the engine measured
         return False, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB) plan {gain - 1:+.0%} "
-                       f"tokens/s, under the {MEMO_MIN_GAIN - 1:.0%} they must gain")
+                       f"tokens/s, under the {MEMO_MIN_GAIN - 1:.0%} they must gain{hint}")
     return True, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB on the GPU) plan "
                   f"{gain - 1:+.0%} tokens/s ({without.tokens_per_s:,.0f} -> {memo.tokens_per_s:,.0f}): the "
                   "recompute skips the attention forward")
+
+
+def _partial_memo_hint(without: Plan, timed: Callable[[int], Plan]) -> str:
+    """Where every layer's memos are declined: the explicit ``attention_memo=N`` whose memos fit the GPU memory the
+    checkpoints leave (``Plan.memo_fitting``, within the share ``keep_layers="auto"`` fills) and pay, for the log
+    line; "auto" does not take it (measured on the GPU at no length yet). Empty where none does."""
+    n = without.memo_fitting
+    if not 0 < n < without.n_layers or not memo_may_pay(without):
+        return ""
+    part = timed(n)
+    if not memo_pays(without, part, fits=True):
+        return ""
+    return (f"; attention_memo={n} (the last {n} layers' memos, {part.gpu['attention memos'] / GIB:.1f} GiB in the "
+            f"GPU memory the checkpoints leave) plans {part.tokens_per_s / without.tokens_per_s - 1:+.0%}, not "
+            "taken by 'auto'")
 
 
 def choose_checkpoints(
