@@ -105,7 +105,7 @@ class EngineConfig:
     micro-batch (a longer one may switch it off) on a CUDA device with one rank: on where the planner's plan of that
     micro-batch with the memos fits the GPU beside the layer-input checkpoints and is at least ``MEMO_MIN_GAIN``
     faster than without (planner/constants.py: long rows), the checkpoints then placed with them
-    (engine/placement.py ``choose_attention_memo``); off on a CPU compute device, with several ranks and outside
+    (engine/memo_choice.py ``choose_attention_memo``); off on a CPU compute device, with several ranks and outside
     training."""
 
     chunked_hf_loss: bool = True

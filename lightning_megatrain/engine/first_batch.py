@@ -25,8 +25,8 @@ from lightning_megatrain.engine.host_budget import (
     host_free_checked,
 )
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_bytes_to_come
+from lightning_megatrain.engine.memo_choice import choose_attention_memo
 from lightning_megatrain.engine.placement import (
-    choose_attention_memo,
     choose_checkpoints,
     choose_gpu_optimizer_groups,
     module_hf_config,
@@ -148,7 +148,7 @@ class FirstBatchPlacement:
         return [g for g in self.flat_groups if all(d.group is not g for d in self.device_groups)]
 
     def _choose_memo(self, hf_config, shape, grad_accum, given, limits, again: bool) -> None:
-        """``attention_memo="auto"`` for this micro-batch (engine/placement.py ``choose_attention_memo``), switched on
+        """``attention_memo="auto"`` for this micro-batch (engine/memo_choice.py ``choose_attention_memo``), switched on
         at the first placement only: ``keep_layers="auto"`` measured the GPU memory its kept layers may take at the
         first micro-batch, with or without the memos, and memos added later would come on top of them. A later
         placement may switch them off (they no longer fit or pay), except while a forward's memos still wait for its

@@ -52,14 +52,14 @@ gets one line per decision saying what was chosen and why; an explicit value is 
 
 - ``attention_memo``: decided with the checkpoints, before them, at the first training micro-batch, where
   ``keep_layers="auto"`` then measures its budget with or without the memos, so a longer micro-batch may only switch
-  them off (:func:`choose_attention_memo`; engine/first_batch.py). On where the memos fit the GPU beside the
-  checkpoints placed with them and the planner's plan of this micro-batch is ``MEMO_MIN_GAIN`` faster with them
-  (planner/constants.py; the rule: planner/result.py ``memo_pays``), which only long rows are: at 131,072 tokens the
-  Llama-2-7B shape's attention is 73% of its layers' FLOPs and the memo saved 13% of the step on the H200, at 4,096
-  it cannot save 5%. The planner decides ``"auto"`` by the same rule. Where it declines them, the log line names
-  the explicit ``attention_memo=N`` whose memos fit the GPU memory the checkpoints leave, if they pay (not taken:
-  not yet measured on a GPU). Off on a CPU compute device, with several ranks (engine/sharding.py) and outside
-  training; ``True``, ``False`` and an int are used as given.
+  them off (engine/memo_choice.py ``choose_attention_memo``; engine/first_batch.py). On where the memos fit the GPU
+  beside the checkpoints placed with them and the planner's plan of this micro-batch is ``MEMO_MIN_GAIN`` faster with
+  them (planner/constants.py; the rule: planner/result.py ``memo_pays``), which only long rows are: at 131,072 tokens
+  the Llama-2-7B shape's attention is 73% of its layers' FLOPs and the memo saved 13% of the step on the H200, at
+  4,096 it cannot save 5%. The planner decides ``"auto"`` by the same rule. Where it declines them, the log line names
+  the explicit ``attention_memo=N`` whose memos fit the GPU memory the checkpoints leave, if they pay (not taken: not
+  yet measured on a GPU). Off on a CPU compute device, with several ranks (engine/sharding.py) and outside training;
+  ``True``, ``False`` and an int are used as given.
 
 ``keep_layers="auto"`` is decided later, from the first micro-batches' measured memory ([Note: keep or recompute]).
 """
@@ -80,9 +80,7 @@ from lightning_megatrain.engine.compiled import compile_hazard
 from lightning_megatrain.engine.host_budget import fewest_host_groups, host_short
 from lightning_megatrain.engine.host_store import smaller_state_hint
 from lightning_megatrain.planner import Machine, place_checkpoints, plan
-from lightning_megatrain.planner.constants import MEMO_MIN_GAIN
 from lightning_megatrain.planner.pool import split_first_batch, split_options
-from lightning_megatrain.planner.result import Plan, memo_may_pay, memo_pays
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +223,7 @@ def choose_gpu_optimizer_groups(
             hf_config, micro_batch, seq_len, grad_accum, config, compute_dtype, chunked_loss, total)
         pooled = None if not short else split_first_batch(
             hf_config, micro_batch, seq_len, config=config, gpu_limit=total, host_free=host_free, to_come=to_come,
-            **_run_options(hf_config, compute_dtype, chunked_loss))
+            **run_options(hf_config, compute_dtype, chunked_loss))
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
         if short:
             raise RuntimeError(
@@ -237,7 +235,7 @@ def choose_gpu_optimizer_groups(
     hide = p.suggested_gpu_optimizer_groups if p is not None and config.overlap_optimizer else None
     if pooled is not None and not pooled.fits:
         options = split_options(hf_config, micro_batch, seq_len, config=config, gpu_limit=total, host_free=host_free,
-                                to_come=to_come, **_run_options(hf_config, compute_dtype, chunked_loss))
+                                to_come=to_come, **run_options(hf_config, compute_dtype, chunked_loss))
         raise RuntimeError(
             f"MegaTrainStrategy cannot split the state of the first training micro-batch ({tokens}) between host and "
             f"GPU: {pooled.why}. HINT: {options}; or set gpu_optimizer_groups explicitly, use more host RAM or a "
@@ -253,7 +251,7 @@ def choose_gpu_optimizer_groups(
     return hide, f"the fewest that hide the host Adam behind the forward at {tokens} (planned)"
 
 
-def _run_options(hf_config: PretrainedConfig, compute_dtype: torch.dtype, chunked_loss: bool) -> dict[str, Any]:
+def run_options(hf_config: PretrainedConfig, compute_dtype: torch.dtype, chunked_loss: bool) -> dict[str, Any]:
     """The planner's precision, loss and attention arguments for the engine's run."""
     return {
         "precision": "bf16-mixed" if compute_dtype == torch.bfloat16 else "32-true",
@@ -270,82 +268,10 @@ def _plan_first_batch(hf_config: PretrainedConfig, micro_batch: int, seq_len: in
         seq_len=seq_len,
         micro_batch=micro_batch,
         grad_accum=grad_accum,
-        **_run_options(hf_config, compute_dtype, chunked_loss),
+        **run_options(hf_config, compute_dtype, chunked_loss),
         config=config.replace(gpu_optimizer_groups=0),
         machine=Machine(gpu_mem_gib=gpu_bytes / GIB),
     )
-
-
-def choose_attention_memo(
-    hf_config: PretrainedConfig,
-    micro_batch: int,
-    seq_len: int,
-    grad_accum: int,
-    *,
-    config: EngineConfig,
-    compute_dtype: torch.dtype,
-    chunked_loss: bool,
-    gpu_bytes: int,
-    host_bytes: int,
-) -> tuple[bool, str]:
-    """``attention_memo="auto"`` for a training micro-batch of ``micro_batch x seq_len`` tokens: ``(on, why)`` (see
-    [Note: auto placement]). Called by the engine where :func:`choose_checkpoints` is, just before it, with the same
-    arguments; pass the chosen value in ``config`` to that call, which places the checkpoints beside the memos.
-
-    The checkpoints are placed twice (:func:`~lightning_megatrain.planner.place_checkpoints`), with and without the
-    memos, against the engine's limits; each placement is then timed by the planner's plan of this micro-batch with
-    exactly that placement, on this machine's host RAM and cores and in ``config.host_state`` (whether the plan fits
-    is not read: the placement was judged against the memory measured), and the memos are taken where they fit and
-    ``memo_pays`` says so. Off where the planner cannot describe the model."""
-    if compute_dtype not in (torch.float16, torch.bfloat16):
-        return False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16"
-    run = _run_options(hf_config, compute_dtype, chunked_loss)
-    machine = Machine(gpu_mem_gib=gpu_bytes / GIB)  # this machine's host RAM and cores
-
-    def timed(memo: bool | int, p: Any) -> Plan:  # the plan of this micro-batch with exactly that placement
-        return plan(hf_config, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **run,
-                    machine=machine, host_state=config.host_state, config=config.replace(
-                        attention_memo=memo, segment_layers=p.segment_layers, sub_segment_layers=p.sub_segment_layers,
-                        device_checkpoints=p.device_checkpoints))
-
-    try:
-        placed = {memo: place_checkpoints(hf_config, seq_len=seq_len, micro_batch=micro_batch, gpu_limit=gpu_bytes,
-                                          host_free=host_bytes, **run, config=config.replace(attention_memo=memo))[0]
-                  for memo in (False, True)}
-        if not placed[False].fits:
-            return False, "the checkpoints do not fit even without the memos"
-        without = timed(False, placed[False])
-        memo = timed(True, placed[True]) if placed[True].fits else None
-        hint = _partial_memo_hint(without, lambda n: timed(n, placed[False]))
-    except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
-        return False, f"the planner cannot describe this model ({type(e).__name__}: {e})"
-    if memo is None:
-        return False, f"the memos do not fit beside the checkpoints: {placed[True].why}{hint}"
-    if "attention memos" not in memo.gpu:
-        return False, "no layer's attention is SDPA without a mask (the memo serves no layer)"
-    gain = memo.tokens_per_s / without.tokens_per_s
-    tokens = f"{micro_batch} x {seq_len} tokens"
-    if not memo_pays(without, memo, fits=True):  # fits: placed above, against the memory the engine measured
-        return False, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB) plan {gain - 1:+.0%} "
-                       f"tokens/s, under the {MEMO_MIN_GAIN - 1:.0%} they must gain{hint}")
-    return True, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB on the GPU) plan "
-                  f"{gain - 1:+.0%} tokens/s ({without.tokens_per_s:,.0f} -> {memo.tokens_per_s:,.0f}): the "
-                  "recompute skips the attention forward")
-
-
-def _partial_memo_hint(without: Plan, timed: Callable[[int], Plan]) -> str:
-    """Where every layer's memos are declined: the explicit ``attention_memo=N`` whose memos fit the GPU memory the
-    checkpoints leave (``Plan.memo_fitting``, within the share ``keep_layers="auto"`` fills) and pay, for the log
-    line; "auto" does not take it (measured on the GPU at no length yet). Empty where none does."""
-    n = without.memo_fitting
-    if not 0 < n < without.n_layers or not memo_may_pay(without):
-        return ""
-    part = timed(n)
-    if not memo_pays(without, part, fits=True):
-        return ""
-    return (f"; attention_memo={n} (the last {n} layers' memos, {part.gpu['attention memos'] / GIB:.1f} GiB in the "
-            f"GPU memory the checkpoints leave) plans {part.tokens_per_s / without.tokens_per_s - 1:+.0%}, not "
-            "taken by 'auto'")
 
 
 def choose_checkpoints(
@@ -408,7 +334,7 @@ def choose_checkpoints(
             micro_batch=micro_batch,
             gpu_limit=gpu_bytes,
             host_free=host_bytes,
-            **_run_options(hf_config, compute_dtype, chunked_loss),
+            **run_options(hf_config, compute_dtype, chunked_loss),
             config=config,
         )
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)

@@ -97,7 +97,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
               (compiled ones save less).
             - ``attention_memo``: True plans the memos (memory.py ``attention_memo_bytes``) and the attention forward
               they save (timing.py), an int ``N`` those of the last ``N`` layers; ``"auto"`` as the engine decides
-              it (engine/placement.py ``choose_attention_memo``): the plan with every layer's where
+              it (engine/memo_choice.py ``choose_attention_memo``): the plan with every layer's where
               :func:`memo_pays`, else the plan without (only that one is made where ``Plan.memo_bound`` says they
               cannot gain ``MEMO_MIN_GAIN``).
             - ``keep_layers`` is not modelled: the plan recomputes every layer (``keep_layers=0``), so its GPU peak
@@ -183,7 +183,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
             p.memory_pool = {"groups": groups, "fewest": pooled.groups, "device_params": sum(pooled.numels[:groups]),
                              "fits": pooled.fits, "why": pooled.why}
         return p
-    if config.attention_memo == "auto":  # as the engine decides it (engine/placement.py choose_attention_memo)
+    if config.attention_memo == "auto":  # as the engine decides it (engine/memo_choice.py choose_attention_memo)
         without = plan(model, config=config.replace(attention_memo=False), **kwargs)
         if not memo_may_pay(without):
             return without

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import GptOssConfig, LlamaConfig
 
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine import placement
+from lightning_megatrain.engine import memo_choice, placement
 from lightning_megatrain.planner import Machine, plan
 
 CUDA = torch.device("cuda", 0)
@@ -248,7 +248,7 @@ def h200_host(monkeypatch):
 
 def _memo(seq_len, gpu_gib=139.7, host_gib=16.7, dtype=torch.bfloat16, shape=LLAMA_7B):
     config = EngineConfig(compile_layers=True, overlap_optimizer=True, gpu_optimizer_groups=0)  # as on the H200
-    return placement.choose_attention_memo(LlamaConfig(**shape), 1, seq_len, 1, config=config, compute_dtype=dtype,
+    return memo_choice.choose_attention_memo(LlamaConfig(**shape), 1, seq_len, 1, config=config, compute_dtype=dtype,
                                            chunked_loss=True, gpu_bytes=int(gpu_gib * GIB),
                                            host_bytes=int(host_gib * GIB))
 
@@ -278,7 +278,7 @@ def test_auto_memo_where_it_fits_and_pays(h200_host):
         False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16")
     from transformers import T5Config
 
-    off, why = placement.choose_attention_memo(T5Config(), 1, 4096, 1, config=EngineConfig(), chunked_loss=True,
+    off, why = memo_choice.choose_attention_memo(T5Config(), 1, 4096, 1, config=EngineConfig(), chunked_loss=True,
                                                compute_dtype=torch.bfloat16, gpu_bytes=139 * GIB, host_bytes=GIB)
     assert not off and why.startswith("the planner cannot describe this model (ValueError")
 
