@@ -31,8 +31,9 @@ def choose_attention_memo(
     host_bytes: int,
 ) -> tuple[bool, str]:
     """``attention_memo="auto"`` for a training micro-batch of ``micro_batch x seq_len`` tokens: ``(on, why)`` (see
-    [Note: auto placement]). Called by the engine where :func:`choose_checkpoints` is, just before it, with the same
-    arguments; pass the chosen value in ``config`` to that call, which places the checkpoints beside the memos.
+    [Note: auto placement]). Called by the engine where placement.py's ``choose_checkpoints`` is, just before it,
+    with the same arguments; pass the chosen value in ``config`` to that call, which places the checkpoints beside
+    the memos.
 
     The checkpoints are placed twice (:func:`~lightning_megatrain.planner.place_checkpoints`), with and without the
     memos, against the engine's limits; each placement is then timed by the planner's plan of this micro-batch with
@@ -58,7 +59,8 @@ def choose_attention_memo(
             return False, "the checkpoints do not fit even without the memos"
         without = timed(False, placed[False])
         memo = timed(True, placed[True]) if placed[True].fits else None
-        hint = _partial_memo_hint(without, lambda n: timed(n, placed[False]))
+        pays = memo is not None and memo_pays(without, memo, fits=True)  # fits: placed against the memory measured
+        hint = "" if pays else _partial_memo_hint(without, lambda n: timed(n, placed[False]))
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)
         return False, f"the planner cannot describe this model ({type(e).__name__}: {e})"
     if memo is None:
@@ -67,7 +69,7 @@ def choose_attention_memo(
         return False, "no layer's attention is SDPA without a mask (the memo serves no layer)"
     gain = memo.tokens_per_s / without.tokens_per_s
     tokens = f"{micro_batch} x {seq_len} tokens"
-    if not memo_pays(without, memo, fits=True):  # fits: placed above, against the memory the engine measured
+    if not pays:
         return False, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB) plan {gain - 1:+.0%} "
                        f"tokens/s, under the {MEMO_MIN_GAIN - 1:.0%} they must gain{hint}")
     return True, (f"at {tokens} the memos ({memo.gpu['attention memos'] / GIB:.1f} GiB on the GPU) plan "
