@@ -5,7 +5,6 @@ in engine/attention_memo.py), both placements timed by the planner, the memos ta
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -13,7 +12,7 @@ from transformers import PretrainedConfig
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.placement import run_options
-from lightning_megatrain.planner import Machine, place_checkpoints, plan
+from lightning_megatrain.planner import Machine, Placement, place_checkpoints, plan
 from lightning_megatrain.planner.constants import MEMO_MIN_GAIN
 from lightning_megatrain.planner.result import Plan, memo_may_pay, memo_pays
 
@@ -45,7 +44,7 @@ def choose_attention_memo(
     run = run_options(hf_config, compute_dtype, chunked_loss)
     machine = Machine(gpu_mem_gib=gpu_bytes / GIB)  # this machine's host RAM and cores
 
-    def timed(memo: bool | int, p: Any) -> Plan:  # the plan of this micro-batch with exactly that placement
+    def timed(memo: bool | int, p: Placement) -> Plan:  # the plan of this micro-batch with exactly that placement
         return plan(hf_config, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **run,
                     machine=machine, host_state=config.host_state, config=config.replace(
                         attention_memo=memo, segment_layers=p.segment_layers, sub_segment_layers=p.sub_segment_layers,

@@ -251,25 +251,27 @@ def memo_served(s: _Shape, seq_len: int, attention_memo: bool | int) -> list[boo
     return [i >= first and mask_free_sdpa(s, layer, seq_len) for i, layer in enumerate(s.layers)]
 
 
+def _memo_layer_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int) -> int:
+    """One served layer's memos for one micro-batch: its attention output (compute dtype) and fp32 log-sum-exp."""
+    return s.heads * (s.head_dim * c + 4) * micro_batch * seq_len
+
+
 def attention_memo_bytes(s: _Shape, micro_batch: int, seq_len: int, c: int, attention_memo: bool | int = True
                          ) -> int:
     """GPU bytes of the attention memos of one micro-batch (``micro_batch`` rows of ``seq_len``): each served
-    layer's (:func:`memo_served`) attention output (compute dtype) and fp32 log-sum-exp, held from the forward to
-    that layer's recompute."""
-    per_token = s.heads * (s.head_dim * c + 4) * sum(memo_served(s, seq_len, attention_memo))
-    return per_token * micro_batch * seq_len
+    layer's (:func:`memo_served`), held from the forward to that layer's recompute."""
+    return _memo_layer_bytes(s, micro_batch, seq_len, c) * sum(memo_served(s, seq_len, attention_memo))
 
 
 def memo_layers_fitting(s: _Shape, micro_batch: int, seq_len: int, c: int, room: int) -> int:
     """The fewest last layers that hold the most memos fitting ``room`` bytes of GPU memory: 0 where none fit or no
     layer is served (:func:`memo_served`)."""
-    best = 0
-    for n in range(1, len(s.layers) + 1):
-        size = attention_memo_bytes(s, micro_batch, seq_len, c, n)
-        if size > room:
-            break
-        if size > attention_memo_bytes(s, micro_batch, seq_len, c, best):
-            best = n
+    per_layer, size, best = _memo_layer_bytes(s, micro_batch, seq_len, c), 0, 0
+    for n, served in enumerate(reversed(memo_served(s, seq_len, True)), 1):  # the last layer first
+        if served:
+            if size + per_layer > room:
+                break
+            size, best = size + per_layer, n
     return best
 
 
