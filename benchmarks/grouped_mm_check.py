@@ -6,6 +6,8 @@ context): a small GptOss (hidden 256, 16 experts, top-4, 2 layers, 4 x 256 token
 - ``plain_compiled``: the same with each decoder layer compiled (``layer.compile()``, as a plain user would);
 - ``plain_dynamic``: compiled with ``dynamic=True`` (the strategy marks the batch and sequence dims dynamic);
 - ``plain_autocast``: fp32 weights under bf16 autocast, layers compiled (as the strategy's bf16-mixed computes);
+- ``plain_checkpointed``: ``plain_autocast`` with ``dynamic=True`` and each layer under transformers' non-reentrant
+  gradient checkpointing (its forward recomputed in backward, as the strategy's layers are);
 - ``megatrain`` / ``megatrain_compiled`` / ``megatrain_auto``: ``CausalLMModule`` with
   ``MegaTrainStrategy(compile_layers=False/True/"auto")``, bf16-mixed, two optimizer steps.
 
@@ -34,13 +36,17 @@ if mode.startswith("plain"):
     from transformers import AutoConfig, AutoModelForCausalLM
     kwargs = dict(config)
     cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    dtype = torch.float32 if mode == "plain_autocast" else torch.bfloat16
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=dtype).cuda()
+    mixed = mode in ("plain_autocast", "plain_checkpointed")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                             dtype=torch.float32 if mixed else torch.bfloat16).cuda()
+    if mode == "plain_checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     if mode != "plain":
         for layer in model.model.layers:
-            layer.compile(dynamic=True if mode == "plain_dynamic" else None)
+            layer.compile(dynamic=True if mode in ("plain_dynamic", "plain_checkpointed") else None)
     for _ in range(2):
-        with torch.autocast("cuda", torch.bfloat16, enabled=mode == "plain_autocast"):
+        with torch.autocast("cuda", torch.bfloat16, enabled=mixed):
             loss = model(input_ids=ids.cuda(), labels=ids.cuda()).loss
         loss.backward()
 else:
@@ -64,7 +70,7 @@ print("ok")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("impls", nargs="*", default=["grouped_mm", "eager"])
-    ap.add_argument("--modes", default="plain,plain_compiled,plain_dynamic,plain_autocast,megatrain,megatrain_compiled")
+    ap.add_argument("--modes", default="plain,plain_compiled,plain_dynamic,plain_autocast,plain_checkpointed,megatrain,megatrain_compiled")
     ap.add_argument("--heads", type=int, default=4,
                     help="attention heads: gpt-oss's sinks parameter has one element per head (4: 8 bf16 bytes)")
     ap.add_argument("--blocking", action="store_true",
