@@ -70,7 +70,8 @@ print("ok")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("impls", nargs="*", default=["grouped_mm", "eager"])
-    ap.add_argument("--modes", default="plain,plain_compiled,plain_dynamic,plain_autocast,plain_checkpointed,megatrain,megatrain_compiled")
+    ap.add_argument("--modes", default="plain,plain_compiled,plain_dynamic,plain_autocast,plain_checkpointed,"
+                                       "megatrain,megatrain_compiled")
     ap.add_argument("--heads", type=int, default=4,
                     help="attention heads: gpt-oss's sinks parameter has one element per head (4: 8 bf16 bytes)")
     ap.add_argument("--blocking", action="store_true",

@@ -76,8 +76,9 @@ class MegaTrainStrategy(CheckpointStrategy):
     layer's parameters are NaN placeholders outside its compute); each rank saves its masters' and optimizer states'
     share beside the checkpoint, which resumes on any number of ranks (engine/shard_states.py, [Note: checkpoints of
     several ranks]).
-    ``overlap_optimizer`` and ``gpu_optimizer_groups`` are off there (refused when given), ``host_state`` must be
-    ``"fp32"``, ``checkpoint_format`` ``"file"``, and the optimizer elementwise (not Muon or CompactAdamW).
+    ``gpu_optimizer_groups`` and ``update_during_backward`` are off there (refused when given), ``host_state`` must
+    be ``"fp32"``, ``checkpoint_format`` ``"file"``, and the optimizer elementwise (not Muon or CompactAdamW); each
+    rank's host step overlaps the next forward as one rank's does.
 
     Args:
         accelerator: set by the Trainer (``accelerator="cuda"`` computes on ``cuda:0``, ``"cpu"`` on the host with

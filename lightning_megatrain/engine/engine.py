@@ -172,15 +172,13 @@ class MegaTrainEngine(FirstBatchPlacement):
                        for i, slots in enumerate(layer_slots)]
         resident_group = self.resident_group = pack_group(resident_slots, registry, lazy_grad=lazy[0], **dtypes)
         layer_buffers = [[s for s in slots if not s.is_param] for slots in layer_slots]
-        overlap = self._overlap = (
-            OverlappedStep([resident_group, *self.groups]) if self.config.overlap_optimizer else None
-        )
-        gate = self._gate = overlap.wait if overlap is not None else None
         if self.ranks is not None:  # each rank owns 1/N of every group ([Note: sharded host state])
             names = {id(p): name for name, p in module.named_parameters()}
             self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group],
                                          device=self.device)
             self.sharding.adopt(previous)  # a layer packed from its placeholders is NaN ([Note: sharded layer masters])
+        overlap = self._overlap = self._overlapped_step() if self.config.overlap_optimizer else None
+        gate = self._gate = self._reader_gate(overlap)
         if registry is not None:
             # several ranks drain each layer's reduced grads into its owned share ([Note: sharded layer masters])
             owned = None if self.sharding is None else [self.sharding.shard_of(g).owned for g in self.groups]
@@ -198,7 +196,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         if self.sharding is not None:
             self.transfer = ShardedTransfer(self.transfer, self.sharding, self.groups)
             self._step = ShardedOptimizerStep(
-                self.sharding, resident_group, self.config, self.device, self.transfer, self.residents
+                self.sharding, resident_group, self.config, self.device, self.transfer, self.residents, overlap
             )
         else:
             speculate = overlap is not None and self.config.update_during_backward is not False
@@ -247,6 +245,25 @@ class MegaTrainEngine(FirstBatchPlacement):
             self.config.num_slots,
             ", layers compiled (torch.compile)" if self.config.compile_layers else "",
         )
+
+    def _overlapped_step(self) -> OverlappedStep:
+        """The host step's worker over what this process steps, in the order the next forward reads it: the
+        residents' group, then the layers' (with several ranks, this rank's owned shares of them)."""
+        groups = [self.resident_group, *self.groups]
+        if self.sharding is not None:
+            groups = [self.sharding.shard_of(g).owned for g in groups]
+        return OverlappedStep(groups)
+
+    def _reader_gate(self, overlap: OverlappedStep | None) -> Callable[[FlatGroup], None] | None:
+        """What a reader of a group's masters calls first: waits for the overlapped step's update of that group (with
+        several ranks, of this rank's owned share of it: [Note: sharded host state]); None without an overlapped
+        step."""
+        if overlap is None:
+            return None
+        if self.sharding is None:
+            return overlap.wait
+        owned = {id(s.group): s.owned for s in self.sharding.shards}
+        return lambda group: overlap.wait(owned[id(group)])
 
     def _place_device_groups(self, n: int) -> None:
         """Make the first ``n`` groups the forward reads (the residents, then layers 0, 1, ...) device groups
@@ -368,7 +385,7 @@ class MegaTrainEngine(FirstBatchPlacement):
         grads' device norms (the next step measures its own). With several ranks, every rank's updated shares are
         gathered first ([Note: sharded host state])."""
         if self.sharding is not None:
-            self.sharding.gather()
+            self.sharding.gather(self._gate)
         owned = self.sharding.owned_groups if self.sharding is not None else []  # the drain's groups with ranks
         for group in (*self.flat_groups, *owned):
             group.device_norm_sq = None

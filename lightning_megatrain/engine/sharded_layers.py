@@ -79,6 +79,7 @@ class ShardedTransfer:
         if not self._on_host:
             return self._inner.acquire(index)  # the slot's upload gathers (_upload)
         shard = self._shards[index]
+        self._inner.gate(shard.group)  # an overlapped step may still be updating this rank's owned share
         flat = self._state.gather_whole(shard)[: shard.group.numel]  # [numel] fp32 host, a new buffer
         dtype = self._inner.compute_dtype
         return flat if flat.dtype == dtype else flat.to(dtype)

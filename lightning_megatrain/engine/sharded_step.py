@@ -13,6 +13,7 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.grad_norm import host_norm_sq
 from lightning_megatrain.engine.host_store import FlatGroup
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
+from lightning_megatrain.engine.overlap import OverlappedStep
 from lightning_megatrain.engine.shard_states import shard_optimizer
 from lightning_megatrain.engine.sharding import ShardedState
 
@@ -24,12 +25,13 @@ class ShardedOptimizerStep(OptimizerStep):
     Args:
         state: the shards; the base class gets ``state.owned_groups`` as its groups.
         resident_group: the residents' full group, whose grads are reduced at the end of backward (None: none).
-        others: the base class's remaining arguments (config, device, overlap=None, transfer, residents).
+        others: the base class's remaining arguments (config, device, transfer, residents, and ``overlap``: the
+            worker stepping the owned shares, when ``overlap_optimizer``).
     """
 
     def __init__(self, state: ShardedState, resident_group: FlatGroup | None, config: EngineConfig,
-                 device: torch.device, transfer: Any, residents: Any) -> None:
-        super().__init__(config, device, state.owned_groups, None, transfer, residents)
+                 device: torch.device, transfer: Any, residents: Any, overlap: OverlappedStep | None = None) -> None:
+        super().__init__(config, device, state.owned_groups, overlap, transfer, residents)
         self.state = state
         self._resident = state.shard_of(resident_group) if resident_group is not None else None
 

@@ -43,6 +43,14 @@ Collectives, in the same order on every rank (no rank ever decides alone whether
 - *after the update*: the residents' owned master is all-gathered into ``padded`` (on CUDA through the device and
   NCCL, on the CPU in place over gloo).
 
+With ``overlap_optimizer`` each rank runs its host step on the worker thread (engine/overlap.py, [Note: overlapped
+optimizer step]) over its owned shares, in the order the next forward reads them: the residents', then the layers'.
+The worker issues no collective: every one stays on the training thread, in the same order on every rank. A reader
+waits for the owned share of its group (the engine's gate maps a group to its share): the residents' all-gather
+after the update waits for the residents' share only, and each layer's all-gather in the next forward for that
+layer's share on this rank, so a rank's upload of layer i starts once its own update of layer i is done and the
+all-gather completes once every rank's is. The next backward waits for the whole step, as with one rank.
+
 Process groups: the default group carries the device tensors (NCCL on CUDA, gloo on the CPU); the host tensors go
 over a gloo group made at setup when the default is NCCL (:class:`Ranks`). On the CPU both are the same gloo group.
 On CUDA the layer grads are reduce-scattered on the device over NCCL and the owned share goes to the host through the
@@ -55,6 +63,7 @@ residents are uploaded whole from ``padded`` as with one rank.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,16 +86,15 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     """``config`` for ``world`` > 1 ranks: the options they do not support yet refused when given, off when "auto";
-    ``keep_layers`` and ``segment_layers`` fixed (0 and 1) when "auto", the same on every rank.
+    ``keep_layers`` and ``segment_layers`` fixed (0 and 1) when "auto", the same on every rank. ``overlap_optimizer``
+    is kept: each rank steps its owned shares on the worker while the next forward gathers the layers already
+    stepped ([Note: sharded host state]).
 
     Raises:
-        ValueError: ``overlap_optimizer=True``, ``gpu_optimizer_groups`` > 0, a compact ``host_state`` or
+        ValueError: ``update_during_backward=True``, ``gpu_optimizer_groups`` > 0, a compact ``host_state`` or
             ``checkpoint_format="sharded"`` (every problem in one message).
     """
     problems = []
-    if config.overlap_optimizer is True:
-        problems.append("overlap_optimizer=True: the updated masters are all-gathered once the whole step is "
-                        "done, before the next forward reads them, so nothing overlaps yet; use 'auto' or False")
     if config.update_during_backward is True:
         problems.append("update_during_backward=True: each rank steps its shard after the reduce-scatter at the end "
                         "of backward; use 'auto' or False")
@@ -105,7 +113,6 @@ def sharded_config(config: EngineConfig, world: int) -> EngineConfig:
     # its layers, so "auto", which each rank would decide from its own free memory and batch, is fixed instead
     segment_layers, _, sub_segment_layers = config.checkpoints_unplanned()
     return config.replace(
-        overlap_optimizer=False,
         update_during_backward=False,
         gpu_optimizer_groups=0,
         keep_layers=0 if config.keep_layers == "auto" else config.keep_layers,
@@ -351,12 +358,15 @@ class ShardedState:
         for p in params:
             p.grad = None
 
-    def gather(self) -> None:
+    def gather(self, wait: Callable[[FlatGroup], None] | None = None) -> None:
         """Refresh the whole groups' gathered copy from the owners (after an optimizer step or a load); a sharded
-        group is gathered when its layer runs (engine/sharded_layers.py)."""
+        group is gathered when its layer runs (engine/sharded_layers.py). ``wait(group)``: blocks until this rank's
+        update of the group's owned share is done (an overlapped step; see the note)."""
         for shard in self.shards:
             if shard.sharded:
                 continue
+            if wait is not None:
+                wait(shard.group)
             if self.device is None:
                 self.ranks.all_gather_(shard.padded)
                 continue

@@ -176,13 +176,13 @@ def _memo_line(p: Plan, model: object, *, config: EngineConfig, **kwargs: object
 def _defaults_line(model: object, **kwargs: object) -> str:
     """The lines under a plan made with the command's engine defaults (eager layers, a serial host step, no device
     groups, no attention memos): what ``MegaTrainStrategy()``'s ``"auto"`` options plan instead, and the flags that
-    plan them (with several ranks only compiled layers: the rest is refused there)."""
+    plan them (with several ranks the overlapped host step and compiled layers: the rest is refused there)."""
     try:
         auto = plan(model, **kwargs)
     except ValueError as err:  # an option "auto" cannot take here: say so rather than fail the plan above
         return f"  MegaTrainStrategy()'s own defaults could not be planned: {err}"
     several = kwargs["devices"] * kwargs["num_nodes"] > 1
-    flags = "--compile-layers" if several else (
+    flags = "--overlap-optimizer --compile-layers" if several else (
         "--overlap-optimizer --update-during-backward --gpu-optimizer-groups auto --compile-layers"
         + (" --attention-memo" if "attention memos" in auto.gpu else ""))
     return (f"  The plan above has the command's defaults: eager layers, a serial host step, no device groups or "

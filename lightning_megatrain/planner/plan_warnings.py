@@ -41,8 +41,7 @@ def plan_warnings(p: Plan, s: _Shape, overlapped_step: float | None) -> list[str
                    f"{p.gpu_total / GIB:.1f} GiB but the limit is {p.gpu_limit / GIB:.1f} GiB; {fix}")
     if t.get("CPU optimizer (serial)", 0.0) > 0.25 * t["step total"]:
         step, cpu = t["step total"], t["CPU optimizer (serial)"]
-        how = ("overlap_optimizer is not supported with several ranks yet; raise" if overlapped_step is None else
-               f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
+        how = (f"overlap_optimizer=True lets the next forward hide it: {overlapped_step:.2f} s per step planned "
                f"instead of {step:.2f}; or raise" if overlapped_step < step else
                f"overlap_optimizer=True does not help here: {overlapped_step:.2f} s per step planned with it instead "
                f"of {step:.2f}, its host step outlasting the next forward; raise")

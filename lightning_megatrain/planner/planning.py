@@ -142,9 +142,9 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         ValueError: an unknown precision, optimizer, loss or host_state; a seq_len, micro_batch or grad_accum below
             1; ``config.gpu_optimizer_groups`` above the groups the model has, or with an optimizer other than
             Adam/AdamW; a host_state other than "fp32" with an optimizer other than Adam/AdamW; ``devices`` or
-            ``num_nodes`` not an int >= 1; with several ranks, ``overlap_optimizer=True``, ``gpu_optimizer_groups``
-            > 0 or a host_state other than "fp32" (refused as the strategy refuses them, engine/sharding.py
-            ``sharded_config``).
+            ``num_nodes`` not an int >= 1; with several ranks, ``update_during_backward=True``,
+            ``gpu_optimizer_groups`` > 0 or a host_state other than "fp32" (refused as the strategy refuses them,
+            engine/sharding.py ``sharded_config``).
     """
     m = machine
     if not all(type(v) is int and v >= 1 for v in (devices, num_nodes)):
@@ -152,7 +152,7 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
     if host_state not in HOST_STATE_BYTES:
         raise ValueError(f"host_state={host_state!r}: choose one of {list(HOST_STATE_BYTES)}")
     world = devices * num_nodes
-    if world > 1:  # what the strategy runs with several ranks: the refusals, and "auto" off
+    if world > 1:  # what the strategy runs with several ranks: the refusals, and some "auto" options settled
         config = sharded_config(config.replace(host_state=host_state), world).replace(host_state="fp32")
     if host_state != "fp32" and optimizer not in ("adamw", "adam"):
         raise ValueError(f"host_state={host_state!r} is planned for CompactAdamW (Adam/AdamW); got "
@@ -267,10 +267,10 @@ def plan(model: Any, *, seq_len: int, micro_batch: int = 1, grad_accum: int = 1,
         min_hide = last + 1 if last < 1 << 16 else None
     step = t["step total"] = _step_total(t)
     overlapped_step = None  # the step with overlap_optimizer=True: the CPU optimizer warning recommends it if faster
-    if not overlap and world == 1:
+    if not overlap:
         overlapped_step = _step_total(step_time(s, micro_batch, seq_len, **{
             **tkw, "overlap_optimizer": True,
-            "opt_rate": host_update_gparams(optimizer, host_state, True) * cores / CPU_REF_CORES,
+            "opt_rate": host_update_gparams(optimizer, host_state, True) * rank_cores / CPU_REF_CORES,
             "speculated_layers": speculated}))
     tokens = micro_batch * seq_len * grad_accum * world
     active = sum(ly.active for ly in s.layers) + s.resident_params

@@ -31,8 +31,10 @@ Time per step, per rank (timing.py's ``step_time`` with a :class:`RankTiming`):
   copied back into the owned grad; the owned master uploaded, all-gathered and copied back whole. Serial; the grad
   norm and the finite check are one small all-reduce each (gloo);
 - the host Adam steps ``sum S_layer + S_res`` parameters on the rank's ``cores // N`` cores (Lightning's launcher
-  sets ``OMP_NUM_THREADS`` so), serially: ``overlap_optimizer`` and ``gpu_optimizer_groups`` are refused with
-  several ranks (engine/sharding.py ``sharded_config``), their ``"auto"`` off.
+  sets ``OMP_NUM_THREADS`` so): with ``overlap_optimizer`` beside the next forward, as one rank's (timing.py),
+  since each rank's upload of a layer waits only for its own update of that layer's share; else serially.
+  ``gpu_optimizer_groups`` and ``update_during_backward`` are refused with several ranks (engine/sharding.py
+  ``sharded_config``), their ``"auto"`` off.
 
 An all-gather or reduce-scatter of ``D`` bytes in all (the padded group) over a ring of ``W`` ranks moves ``D * (W -
 1) / W`` through each rank's link (nccl-tests' PERFORMANCE.md: busbw = algbw * (n - 1) / n for both), and at least

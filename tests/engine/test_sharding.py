@@ -110,8 +110,9 @@ def test_sharded_masters_resume_on_another_world(tmp_path):
 
 
 def test_options_several_ranks_refuse():
-    with pytest.raises(ValueError, match=r"with 2 ranks(.|\n)*overlap_optimizer=True(.|\n)*gpu_optimizer_groups=1"):
-        sharded_config(EngineConfig(overlap_optimizer=True, gpu_optimizer_groups=1), 2)
+    with pytest.raises(ValueError,
+                       match=r"with 2 ranks(.|\n)*update_during_backward=True(.|\n)*gpu_optimizer_groups=1"):
+        sharded_config(EngineConfig(update_during_backward=True, gpu_optimizer_groups=1), 2)
     with pytest.raises(ValueError, match=r"with 4 ranks(.|\n)*host_state='int8_moments'(.|\n)*host_state='fp32'"):
         sharded_config(EngineConfig(host_state="int8_moments"), 4)
     with pytest.raises(ValueError, match=r"checkpoint_format='sharded'(.|\n)*checkpoint_format='file'"):
@@ -119,7 +120,10 @@ def test_options_several_ranks_refuse():
     with pytest.raises(ValueError, match=r"with 2 ranks(.|\n)*update_during_backward=True: each rank steps its shard"):
         sharded_config(EngineConfig(update_during_backward=True), 2)
     settled = sharded_config(EngineConfig(), 2)
-    assert settled.overlap_optimizer is False and settled.gpu_optimizer_groups == 0
+    assert settled.gpu_optimizer_groups == 0
+    # each rank's host step overlaps the next forward ([Note: sharded host state]): "auto" is resolved as for one
+    assert settled.overlap_optimizer == "auto"
+    assert sharded_config(EngineConfig(overlap_optimizer=True), 2).overlap_optimizer is True
     assert settled.update_during_backward is False
     # decided alike on every rank: a per-rank "auto" would pair one rank's gather with another's reduce-scatter
     assert (settled.keep_layers, settled.segment_layers) == (0, 1)

@@ -191,9 +191,14 @@ def whole_params(trainer: Trainer, module: LightningModule) -> dict[str, torch.T
 
 
 class RankRecorder(Callback):
+    """Records a :class:`Run`. Without ``grads`` it reads only the loss between steps, and says so
+    (``megatrain_reads_state``, lightning_megatrain/hooks.py): an overlapped step then runs on beside the next forward
+    as in a run without callbacks."""
+
     def __init__(self, grads: bool) -> None:
         self.run = Run()
         self.grads = grads
+        self.megatrain_reads_state = grads
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.run.start_state = full_optimizer_state(trainer, pl_module)

@@ -74,6 +74,47 @@ def test_ranks_train_as_one_process(tmp_path, world, accumulate, clip):
     _assert_train_as_reference(runs, reference)
 
 
+_BLOCKED = [0]  # a forked rank's count of the readers that found their group's update still running
+
+
+def _blocked_waits(trainer, module) -> int:
+    return _BLOCKED[0]
+
+
+@pytest.mark.parametrize(("world", "accumulate", "clip"), [(2, 1, 0.05), (4, 2, None)])
+def test_overlapped_host_step_on_several_ranks(tmp_path, monkeypatch, world, accumulate, clip):
+    """``overlap_optimizer=True`` with several ranks ([Note: sharded host state]): each rank steps its owned shares
+    on the worker, slowed per group, while the next forward gathers the layers it has stepped. Losses, final weights
+    and Adam states equal single-process Lightning's; every rank's readers found updates still running (the recorder
+    reads only losses between steps, so nothing but the engine's gates waits for the worker)."""
+    import time
+
+    from lightning_megatrain.engine.overlap import OverlappedStep
+    from lightning_megatrain.optim.host_optimizer import HostUpdate
+
+    update, wait = HostUpdate.__call__, OverlappedStep.wait
+
+    def slow_update(self, params):
+        time.sleep(0.05)
+        update(self, params)
+
+    def counted_wait(self, group):
+        _BLOCKED[0] += not self._done[id(group)].is_set()
+        wait(self, group)
+
+    monkeypatch.setattr(HostUpdate, "__call__", slow_update)  # the forked ranks inherit both
+    monkeypatch.setattr(OverlappedStep, "wait", counted_wait)
+    runs = launch(world, tmp_path, steps=3, accumulate=accumulate, clip=clip, grads=False, overlap_optimizer=True,
+                  after=_blocked_waits)
+    reference = fit(1, strategy="auto", steps=3, accumulate=accumulate, clip=clip, grads=False)
+    losses = torch.tensor([r.losses for r in runs]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(reference.losses), **TOL)
+    for rank, run in enumerate(runs):
+        assert run.after > 0, f"rank {rank}: no reader waited for the overlapped step"
+        _assert_close(run.params, reference.params, f"rank {rank}, weights")
+        _assert_states_close(run.end_state, reference.end_state)
+
+
 def test_without_reduce_scatter(tmp_path, monkeypatch):
     """A backend without reduce_scatter (older gloo): the all_reduce fallback trains the same (the forked ranks
     inherit the patch)."""
