@@ -43,6 +43,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_megatrain.checkpoint_io import Agreement
+from lightning_megatrain.config import Auto
+from lightning_megatrain.cpu_binding import Binding, bind_rank
 from lightning_megatrain.engine.shard_states import shard_path, split_checkpoint
 from lightning_megatrain.engine.sharding import Ranks
 
@@ -57,6 +59,12 @@ class RankStrategy(ParallelStrategy):
         cluster_environment: set by the Trainer (``LightningEnvironment``, ``TorchElasticEnvironment``, SLURM ...).
         process_group_backend: ``None`` (default): ``"nccl"`` for CUDA devices, ``"gloo"`` for the CPU.
         timeout: of the process group's collectives (Lightning's default: 30 minutes).
+        cpu_binding: bind each rank of a host to cores of its own, near its GPU (cpu_binding.py, [Note: rank CPU
+            binding]); ``"auto"`` (default): where Lightning's launcher started the ranks (torchrun and SLURM
+            bind with their own flags); ``True``: always; ``False``: never. One rank is never bound.
+
+    Raises:
+        ValueError: ``cpu_binding`` not True, False or "auto".
     """
 
     def __init__(
@@ -67,7 +75,10 @@ class RankStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        cpu_binding: bool | Auto = "auto",
     ) -> None:
+        if not isinstance(cpu_binding, bool) and cpu_binding != "auto":
+            raise ValueError(f"cpu_binding={cpu_binding!r}: need 'auto', True or False")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=None,
@@ -78,6 +89,8 @@ class RankStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._cpu_binding = cpu_binding
+        self.cpu_bound: Binding | None = None  # this rank's cores, once bound (setup_environment)
         self.ranks: Ranks | None = None  # the engine's view of the process group, when world_size > 1
         self._saved: list[str] = []  # checkpoints this run saved on every rank, oldest first (removed ones dropped)
 
@@ -142,9 +155,14 @@ class RankStrategy(ParallelStrategy):
             return
         reset_seed()
         self.set_world_ranks()
+        assert self.cluster_environment is not None
+        binding = self._cpu_binding
+        if binding == "auto":  # where Lightning's launcher started them; torchrun and SLURM bind with their own flags
+            binding = not self.cluster_environment.creates_processes_externally
+        if binding and self.num_processes > 1:
+            self.cpu_bound = bind_rank(self.local_rank, list(self.parallel_devices or []))
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         self.ranks = Ranks.from_default_group()

@@ -184,6 +184,10 @@ class MegaTrainStrategy(CheckpointStrategy):
             residents, swapped in atomically, loadable by ``ckpt_path`` and ``"last"`` like a file; ``megatrain
             convert`` makes it one file for plain Lightning (sharded_checkpoint.py, [Note: sharded checkpoints]).
             Loading reads either format.
+        cpu_binding: with several ranks on a host, bind each to physical cores of its own, on its GPU's NUMA node
+            where the host has several (cpu_binding.py, [Note: rank CPU binding]); ``"auto"`` (default): where
+            Lightning's launcher started the ranks (torchrun and SLURM bind with their own flags); ``True``:
+            always; ``False``: never.
         checkpoint_io: Lightning checkpoint IO plugin (not with ``checkpoint_format="sharded"``). Default: local saves
             are written to a temporary file beside the target and renamed over it, never buffered whole in host RAM
             (checkpoint_io.py, [Note: atomic checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from
@@ -222,6 +226,7 @@ class MegaTrainStrategy(CheckpointStrategy):
         nonfinite: NonFiniteMode = "skip",
         host_state: HostState = "fp32",
         checkpoint_format: CheckpointFormat = "file",
+        cpu_binding: bool | Auto = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -250,7 +255,8 @@ class MegaTrainStrategy(CheckpointStrategy):
         checkpoint_io = strategy_checkpoint_io(checkpoint_io, checkpoint_format, lambda checkpoint: layer_layout(
             checkpoint, self.lightning_module, self.config.layers, self.optimizers))
         # one process per device; several share the host state ([Note: sharded host state] in engine/sharding.py)
-        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None)
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=None,
+                         cpu_binding=cpu_binding)
         # Filled by the Trainer from `accelerator=`/`devices=`; root_device derives from it (see DESIGN.md).
         self.parallel_devices: list[torch.device] | None = None
         self.engine: MegaTrainEngine | None = None
