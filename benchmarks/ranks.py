@@ -11,9 +11,15 @@ single-GPU tokens/s at the 3B shape):
 Each writes <date>-ranks-<system>-<model>-<device>-x<N>.json (rank 0): tokens/s over all ranks, per GPU, the median
 step, each rank's peak host RSS and peak GPU memory, and the run's options. Workload as benchmarks/throughput.py (random
 init drawn like HF's, synthetic token ids, seq 1024, the chunked loss, AdamW, clipping at 1.0, bf16-mixed), with
-Lightning's distributed sampler giving each rank its own micro-batches. `megatrain` options are the defaults, so the
-single-GPU run overlaps its optimizer step and places device groups, which several ranks do not yet
-(docs/multi-gpu.md). The peer, `--system deepspeed_zero3_offload`, is Lightning's DeepSpeedStrategy (ZeRO-3, parameters
+Lightning's distributed sampler giving each rank its own micro-batches. `megatrain` options are the defaults (or
+`--strategy-args`), so the single-GPU run overlaps its optimizer step and places device groups, which several ranks
+do not yet (docs/multi-gpu.md); several ranks overlap theirs and bind each rank to cores of its own. To measure what
+the overlapped step and the binding give two ranks:
+
+  python benchmarks/ranks.py --devices 2 --strategy-args '{"overlap_optimizer": false, "cpu_binding": false}' \
+      --tag serial
+
+The peer, `--system deepspeed_zero3_offload`, is Lightning's DeepSpeedStrategy (ZeRO-3, parameters
 and optimizer offloaded, pinned) with DeepSpeedCPUAdam and HF gradient checkpointing, as in benchmarks/throughput.py.
 
 CPU check (gloo, the tiny model, 2 steps; what tests/test_benchmark_scripts.py runs):
@@ -118,6 +124,10 @@ def main() -> None:
     parser.add_argument("--profile-step", type=int, help="print rank 0's torch.profiler tables of this step")
     parser.add_argument("--system", default="megatrain", choices=("megatrain", "deepspeed_zero3_offload"),
                         help="MegaTrainStrategy() defaults, or the peer (CUDA only)")
+    parser.add_argument("--strategy-args", default="",
+                        help='JSON of MegaTrainStrategy arguments instead of its defaults, e.g. '
+                             '\'{"overlap_optimizer": false, "cpu_binding": false}\' (--system megatrain)')
+    parser.add_argument("--tag", default="", help="appended to the result file's name")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny-llama, 2 steps of 2 micro-batches")
     args = parser.parse_args()
@@ -131,6 +141,12 @@ def main() -> None:
 
     config = MODELS[args.model]["config"]
     strategy, clip, optimizer, _, _ = make_strategy(args.system, layer_class(config), on_cuda)
+    if args.strategy_args:
+        if args.system != "megatrain":
+            parser.error("--strategy-args is for --system megatrain")
+        from lightning_megatrain import MegaTrainStrategy
+
+        strategy = MegaTrainStrategy(**json.loads(args.strategy_args))
     module = make_module(config, loss="chunked", optimizer=optimizer, direct_clip=False,
                          grad_ckpt=args.system == "deepspeed_zero3_offload")
     world = args.devices * args.num_nodes
@@ -148,8 +164,9 @@ def main() -> None:
     measured = timer.times[1:] if len(timer.times) > 1 else timer.times  # the first interval holds step 2's warm-up
     step_s = median(measured)
     peaks = torch.tensor([peak_host_gib(), torch.cuda.max_memory_allocated() / 2**30 if on_cuda else 0.0,
-                          torch.get_num_threads()])  # the host step's threads (Lightning's launcher sets them)
-    gathered = strategy.all_gather(peaks.to(strategy.root_device)).reshape(-1, 3).cpu().tolist()
+                          torch.get_num_threads(),  # the host step's threads (Lightning's launcher sets them)
+                          len(os.sched_getaffinity(0))])  # the CPUs it may run on (cpu_binding)
+    gathered = strategy.all_gather(peaks.to(strategy.root_device)).reshape(-1, 4).cpu().tolist()
     if not strategy.is_global_zero:
         return
     tokens_per_step = args.micro_batch * args.accumulate * seq_len * world
@@ -163,12 +180,13 @@ def main() -> None:
         "step_times_s": timer.times, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
         "tokens_per_s_per_gpu": tokens_per_step / step_s / world,
         "peak_host_gib_by_rank": [p[0] for p in gathered], "peak_gpu_gib_by_rank": [p[1] for p in gathered],
-        "threads_by_rank": [int(p[2]) for p in gathered],
+        "threads_by_rank": [int(p[2]) for p in gathered], "cpus_by_rank": [int(p[3]) for p in gathered],
         "device": device, "dry_run": args.dry_run,
         "options": dataclasses.asdict(strategy.config) if args.system == "megatrain" else strategy.config,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y-%m-%d')}-ranks-{args.system}-{args.model}-{device}-x{world}.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    path = args.out / f"{time.strftime('%Y-%m-%d')}-ranks-{args.system}-{args.model}-{device}-x{world}{tag}.json"
     path.write_text(json.dumps(row, indent=1, default=str))
     print(f"{args.system} {args.model} x{world}: {row['tokens_per_s']:.0f} tokens/s "
           f"({row['tokens_per_s_per_gpu']:.0f} per GPU), "

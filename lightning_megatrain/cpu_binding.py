@@ -16,8 +16,9 @@ each rank a disjoint set of whole physical cores (every hyperthread sibling of a
 Lightning's launcher inherits the same). Every thread of the process is bound (threads already started, such as a
 data loader's, would otherwise keep the old set), and torch's intra-op threads are capped at the cores bound.
 Nothing is bound where a rank would get no core (more ranks than cores), nor, by default, where the processes were
-started by something other than Lightning's launcher (torchrun, SLURM): those have their own binding flags
-(``torchrun --numa-binding``, ``srun --cpu-bind``), whose per-rank sets this must not split again.
+started by something other than Lightning's launcher (torchrun, SLURM: ranks.py tells by the cluster environment):
+those have their own binding flags (``torchrun --numa-binding``, ``srun --cpu-bind``), whose per-rank sets this
+must not split again. A bound process stays bound after ``fit`` (rank 0 is the script's own process).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -51,6 +52,13 @@ from lightning_megatrain.engine.sharding import Ranks
 log = logging.getLogger(__name__)
 
 
+def binds_cpus(option: bool | Auto, environment: ClusterEnvironment) -> bool:
+    """Whether ``cpu_binding=option`` binds the ranks started under ``environment``: ``"auto"`` under Lightning's own
+    (its launcher, or ranks started by hand as it starts them), not under torchrun's or SLURM's, which bind with their
+    own flags ([Note: rank CPU binding])."""
+    return type(environment) is LightningEnvironment if option == "auto" else bool(option)
+
+
 class RankStrategy(ParallelStrategy):
     """One process per device, single-device behaviour when there is one (see the module docstring).
 
@@ -60,8 +68,9 @@ class RankStrategy(ParallelStrategy):
         process_group_backend: ``None`` (default): ``"nccl"`` for CUDA devices, ``"gloo"`` for the CPU.
         timeout: of the process group's collectives (Lightning's default: 30 minutes).
         cpu_binding: bind each rank of a host to cores of its own, near its GPU (cpu_binding.py, [Note: rank CPU
-            binding]); ``"auto"`` (default): where Lightning's launcher started the ranks (torchrun and SLURM
-            bind with their own flags); ``True``: always; ``False``: never. One rank is never bound.
+            binding]); ``"auto"`` (default): under Lightning's own cluster environment (its launcher started the
+            ranks, or they were started by hand as it starts them), not under torchrun or SLURM, which bind with
+            their own flags; ``True``: always; ``False``: never. One rank is never bound.
 
     Raises:
         ValueError: ``cpu_binding`` not True, False or "auto".
@@ -156,10 +165,7 @@ class RankStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        binding = self._cpu_binding
-        if binding == "auto":  # where Lightning's launcher started them; torchrun and SLURM bind with their own flags
-            binding = not self.cluster_environment.creates_processes_externally
-        if binding and self.num_processes > 1:
+        if binds_cpus(self._cpu_binding, self.cluster_environment) and self.num_processes > 1:
             self.cpu_bound = bind_rank(self.local_rank, list(self.parallel_devices or []))
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend

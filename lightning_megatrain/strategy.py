@@ -185,9 +185,9 @@ class MegaTrainStrategy(CheckpointStrategy):
             convert`` makes it one file for plain Lightning (sharded_checkpoint.py, [Note: sharded checkpoints]).
             Loading reads either format.
         cpu_binding: with several ranks on a host, bind each to physical cores of its own, on its GPU's NUMA node
-            where the host has several (cpu_binding.py, [Note: rank CPU binding]); ``"auto"`` (default): where
-            Lightning's launcher started the ranks (torchrun and SLURM bind with their own flags); ``True``:
-            always; ``False``: never.
+            where the host has several (cpu_binding.py, [Note: rank CPU binding]); ``"auto"`` (default): under
+            Lightning's own cluster environment (its launcher), not under torchrun or SLURM, which bind with their
+            own flags; ``True``: always; ``False``: never.
         checkpoint_io: Lightning checkpoint IO plugin (not with ``checkpoint_format="sharded"``). Default: local saves
             are written to a temporary file beside the target and renamed over it, never buffered whole in host RAM
             (checkpoint_io.py, [Note: atomic checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from

@@ -106,11 +106,12 @@ def _affinity(trainer, module):
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 def test_two_ranks_are_bound_to_their_own_cores(tmp_path):
-    """Two gloo ranks with ``cpu_binding=True``: each is bound to the cores :func:`rank_cpus` gives it on this
-    machine, disjoint; the test harness starts the ranks itself, as torchrun would, so ``"auto"`` binds none."""
+    """Two gloo ranks (started by hand as Lightning's launcher starts them: its cluster environment, so ``"auto"``
+    binds): each is bound to the cores :func:`rank_cpus` gives it on this machine, disjoint; ``False`` binds none.
+    tests/test_benchmark_ranks.py has them started by Lightning's launcher itself."""
     allowed = os.sched_getaffinity(0)
     want = [rank_cpus(r, 2, allowed, numa_nodes(), []) for r in range(2)]
-    runs = launch(2, tmp_path / "bound", steps=1, grads=False, cpu_binding=True, after=_affinity)
+    runs = launch(2, tmp_path / "bound", steps=1, grads=False, after=_affinity)
     for rank, (run, binding) in enumerate(zip(runs, want)):
         cpus, threads, bound = run.after
         if binding is None:  # fewer physical cores here than ranks
@@ -120,5 +121,16 @@ def test_two_ranks_are_bound_to_their_own_cores(tmp_path):
         assert threads <= len(binding.cpus)
     if all(w is not None for w in want):
         assert not set(runs[0].after[0]) & set(runs[1].after[0])
-    for run in launch(2, tmp_path / "auto", steps=1, grads=False, after=_affinity):
+    for run in launch(2, tmp_path / "unbound", steps=1, grads=False, cpu_binding=False, after=_affinity):
         assert set(run.after[0]) == allowed and run.after[2] is None
+
+
+def test_auto_leaves_torchrun_and_slurm_ranks_alone():
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
+    from lightning_megatrain.ranks import binds_cpus
+
+    lightning, elastic, slurm = (e.__new__(e) for e in (LightningEnvironment, TorchElasticEnvironment,
+                                                         SLURMEnvironment))
+    assert binds_cpus("auto", lightning) and not binds_cpus("auto", elastic) and not binds_cpus("auto", slurm)
+    assert binds_cpus(True, elastic) and not binds_cpus(False, lightning)
