@@ -3,7 +3,7 @@ their plans, the full-depth plans of Llama-3.1-70B and gpt-oss-120b on a 1.5 TiB
 host_state, and the deepest model of the Llama-3.1-70B width that fits (docs/scale.md holds the tables).
 
 Usage (CPU only; prints markdown):
-  python benchmarks/scale_plan.py measured   # the truncated runs of ``RUNS`` and one layer of each pair
+  python benchmarks/scale_plan.py measured   # the truncated runs of ``RUNS``, one layer of each pair, each step split
   python benchmarks/scale_plan.py full       # full depth, each host_state, 1,536 and 1,024 GiB of host RAM
   python benchmarks/scale_plan.py largest    # megatrain plan --largest, 1,536 and 128 GiB of host RAM
 
@@ -79,7 +79,7 @@ def measured_rows() -> list[dict]:
         out.append({
             "model": run["model"].split(" ")[0] + (f" ({run['experts_implementation']} experts)"
                                                     if run.get("experts_implementation") else ""),
-            "layers": run["layers"], "host_state": run["host_state"],
+            "layers": run["layers"], "host_state": run["host_state"], "result": name,
             "n_params": run["n_params"], "plan": p,
             "host_plan": p.host_total / GIB, "host_measured": m["peak_host_rss_gib"],
             "gpu_plan": gpu, "gpu_measured": m["peak_gpu_allocated_gib"],
@@ -89,6 +89,23 @@ def measured_rows() -> list[dict]:
         })
         for k in ("host", "gpu", "tokens_per_s"):
             out[-1][f"{k}_err"] = out[-1][f"{k}_plan"] / out[-1][f"{k}_measured"] - 1
+    return out
+
+
+def step_split(rows: list[dict]) -> list[dict]:
+    """Where each run's measured step (the mean of steps 5 and 6) goes against its plan: the host step's wall time
+    on the worker and the training thread's wait for it (the launches at the end of steps 4 and 5, which those two
+    steps overlap), the rest of the step (the step less the wait: GPU work and the thread's own), and the plan's
+    two parts: its host term (the host step beyond the next forward) and everything else."""
+    out = []
+    for r in rows:
+        m = json.loads((RESULTS / r["result"]).read_text())["measured"]
+        host, waited = (sum(m[k][3:5]) / 2 for k in ("host_step_s", "host_step_waited_s"))
+        t = r["plan"].time
+        planned_host = t.get("CPU optimizer (beyond the next forward)", 0.0)
+        out.append({"model": r["model"], "layers": r["layers"], "step": r["step_measured"], "host_step": host,
+                    "waited": waited, "rest": r["step_measured"] - waited, "plan_host": planned_host,
+                    "plan_rest": t["step total"] - planned_host})
     return out
 
 
@@ -147,6 +164,11 @@ def print_measured() -> None:
         print(f"| {d['model']} (`{d['host_state']}`, {d['layers'][0]} -> {d['layers'][1]} layers) | "
               f"{d['step_plan']:.3f} / {d['step_measured']:.3f} | {d['host_plan']:.1f} / {d['host_measured']:.1f} | "
               f"{d['host_step_plan']:.3f} / {d['host_step_measured']:.3f} |")
+    print("\n| run | step s | host step s (worker) | thread waited s | rest s | plan: host term s | plan: rest s |")
+    print("|---|---|---|---|---|---|---|")
+    for d in step_split(rows):
+        print(f"| {d['model']}, {d['layers']} | {d['step']:.3f} | {d['host_step']:.3f} | {d['waited']:.3f} | "
+              f"{d['rest']:.3f} | {d['plan_host']:.3f} | {d['plan_rest']:.3f} |")
 
 
 def print_full() -> None:
