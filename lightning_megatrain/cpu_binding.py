@@ -89,7 +89,7 @@ def gpu_numa_node(index: int, sys_root: Path = SYS) -> int | None:
         props = torch.cuda.get_device_properties(index)
         address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         node = int((sys_root / "bus/pci/devices" / address / "numa_node").read_text())
-    except (AttributeError, OSError, RuntimeError, ValueError):  # no such property (older torch), no sysfs entry
+    except (AssertionError, AttributeError, OSError, RuntimeError, ValueError):  # no CUDA, an older torch, no sysfs
         return None
     return node if node >= 0 else None
 
@@ -125,11 +125,19 @@ def rank_cpus(local_rank: int, local_world: int, allowed: set[int], nodes: dict[
     return Binding(cpus, f"{len(mine)} of {where} {len(cores)} physical cores, shared by {len(peers)} ranks")
 
 
-def _bind_all_threads(cpus: frozenset[int]) -> None:
-    """Bind this process's every thread to ``cpus`` (a thread that has exited meanwhile is skipped)."""
+# The process's affinity before its first binding: a later Trainer entry (validate, test, a second fit) binds again
+# and must split this set, not the share the first binding left.
+_UNBOUND: set[int] | None = None
+
+
+def _bind_all_threads(cpus: frozenset[int], unbound: set[int]) -> None:
+    """Bind the calling thread to ``cpus`` (raises if it cannot), then every other thread of the process still on
+    ``unbound`` (one that has exited meanwhile, or whose affinity something else set, is left)."""
+    os.sched_setaffinity(0, cpus)
     for tid in os.listdir("/proc/self/task"):
         try:
-            os.sched_setaffinity(int(tid), cpus)
+            if os.sched_getaffinity(int(tid)) == unbound:
+                os.sched_setaffinity(int(tid), cpus)
         except OSError:
             continue
 
@@ -137,14 +145,17 @@ def _bind_all_threads(cpus: frozenset[int]) -> None:
 def bind_rank(local_rank: int, devices: list[torch.device], sys_root: Path = SYS) -> Binding | None:
     """Bind this process, local rank ``local_rank`` of the host's ranks computing on ``devices`` (one each, by local
     rank), to its cores and cap torch's threads at them (see the note); the binding, or None where none was made."""
+    global _UNBOUND
     if not hasattr(os, "sched_setaffinity"):  # not Linux
         return None
+    if _UNBOUND is None:
+        _UNBOUND = os.sched_getaffinity(0)
     gpus = [gpu_numa_node(d.index or 0, sys_root) for d in devices if d.type == "cuda"]
-    binding = rank_cpus(local_rank, len(devices), os.sched_getaffinity(0), numa_nodes(sys_root), gpus, sys_root)
+    binding = rank_cpus(local_rank, len(devices), _UNBOUND, numa_nodes(sys_root), gpus, sys_root)
     if binding is None:
-        log.info("MegaTrain: rank %d not bound to CPUs: fewer physical cores than ranks on this host", local_rank)
+        log.info("MegaTrain: rank %d not bound to CPUs: fewer physical cores than the ranks sharing them", local_rank)
         return None
-    _bind_all_threads(binding.cpus)
+    _bind_all_threads(binding.cpus, os.sched_getaffinity(0))
     threads = min(torch.get_num_threads(), len(binding.cpus))
     torch.set_num_threads(threads)
     log.info("MegaTrain: rank %d bound to CPUs %s (%s; %d torch threads)", local_rank,

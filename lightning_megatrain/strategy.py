@@ -184,10 +184,6 @@ class MegaTrainStrategy(CheckpointStrategy):
             residents, swapped in atomically, loadable by ``ckpt_path`` and ``"last"`` like a file; ``megatrain
             convert`` makes it one file for plain Lightning (sharded_checkpoint.py, [Note: sharded checkpoints]).
             Loading reads either format.
-        cpu_binding: with several ranks on a host, bind each to physical cores of its own, on its GPU's NUMA node
-            where the host has several (cpu_binding.py, [Note: rank CPU binding]); ``"auto"`` (default): under
-            Lightning's own cluster environment (its launcher), not under torchrun or SLURM, which bind with their
-            own flags; ``True``: always; ``False``: never.
         checkpoint_io: Lightning checkpoint IO plugin (not with ``checkpoint_format="sharded"``). Default: local saves
             are written to a temporary file beside the target and renamed over it, never buffered whole in host RAM
             (checkpoint_io.py, [Note: atomic checkpoints]). With any plugin, ``fit(ckpt_path="last")`` resumes from
@@ -196,6 +192,10 @@ class MegaTrainStrategy(CheckpointStrategy):
         precision_plugin: set by the Trainer from ``precision=``: ``"bf16-mixed"`` (recommended: fp32 masters,
             grads and Adam, bf16 compute) or ``"32-true"`` (Lightning's default: fp32 throughout).
             ``"bf16-true"`` is mapped to ``"bf16-mixed"`` with a warning: masters are never kept in bf16.
+        cpu_binding: with several ranks on a host, bind each to physical cores of its own, on its GPU's NUMA node
+            where the host has several (cpu_binding.py, [Note: rank CPU binding]); ``"auto"`` (default): under
+            Lightning's own cluster environment (its launcher), not under torchrun or SLURM, which bind with their
+            own flags; ``True``: always; ``False``: never.
 
     Note:
         After an exception the parameters are still valid host fp32 masters; ``teardown`` restores each layer's
@@ -226,9 +226,9 @@ class MegaTrainStrategy(CheckpointStrategy):
         nonfinite: NonFiniteMode = "skip",
         host_state: HostState = "fp32",
         checkpoint_format: CheckpointFormat = "file",
-        cpu_binding: bool | Auto = "auto",
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        cpu_binding: bool | Auto = "auto",
     ) -> None:
         # validated before anything is allocated; every problem listed in one ValueError (config.py)
         self.config = EngineConfig(

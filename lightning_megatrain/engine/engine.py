@@ -260,10 +260,10 @@ class MegaTrainEngine(FirstBatchPlacement):
         step."""
         if overlap is None:
             return None
-        if self.sharding is None:
+        sharding = self.sharding
+        if sharding is None:
             return overlap.wait
-        owned = {id(s.group): s.owned for s in self.sharding.shards}
-        return lambda group: overlap.wait(owned[id(group)])
+        return lambda group: overlap.wait(sharding.shard_of(group).owned)
 
     def _place_device_groups(self, n: int) -> None:
         """Make the first ``n`` groups the forward reads (the residents, then layers 0, 1, ...) device groups
