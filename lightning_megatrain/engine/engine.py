@@ -31,7 +31,7 @@ from lightning_megatrain.engine.host_store import (
     pack_group,
 )
 from lightning_megatrain.engine.optimizer_step import OptimizerStep
-from lightning_megatrain.engine.overlap import OverlappedStep
+from lightning_megatrain.engine.overlap import OverlappedStep, overlapped_step
 from lightning_megatrain.engine.pinned import HostRegistry
 from lightning_megatrain.engine.placement import module_hf_config, resolve
 from lightning_megatrain.engine.recompute import RecomputePolicy
@@ -177,8 +177,12 @@ class MegaTrainEngine(FirstBatchPlacement):
             self.sharding = ShardedState(self.flat_groups, self.ranks, registry, names, whole=[resident_group],
                                          device=self.device)
             self.sharding.adopt(previous)  # a layer packed from its placeholders is NaN ([Note: sharded layer masters])
-        overlap = self._overlap = self._overlapped_step() if self.config.overlap_optimizer else None
-        gate = self._gate = self._reader_gate(overlap)
+        # several ranks step (and readers wait for) each group's owned share ([Note: sharded host state])
+        sharding = self.sharding
+        owned = None if sharding is None else lambda group: sharding.shard_of(group).owned
+        overlap, gate = overlapped_step([resident_group, *self.groups], owned) if self.config.overlap_optimizer \
+            else (None, None)
+        self._overlap, self._gate = overlap, gate
         if registry is not None:
             # several ranks drain each layer's reduced grads into its owned share ([Note: sharded layer masters])
             owned = None if self.sharding is None else [self.sharding.shard_of(g).owned for g in self.groups]
@@ -245,25 +249,6 @@ class MegaTrainEngine(FirstBatchPlacement):
             self.config.num_slots,
             ", layers compiled (torch.compile)" if self.config.compile_layers else "",
         )
-
-    def _overlapped_step(self) -> OverlappedStep:
-        """The host step's worker over what this process steps, in the order the next forward reads it: the
-        residents' group, then the layers' (with several ranks, this rank's owned shares of them)."""
-        groups = [self.resident_group, *self.groups]
-        if self.sharding is not None:
-            groups = [self.sharding.shard_of(g).owned for g in groups]
-        return OverlappedStep(groups)
-
-    def _reader_gate(self, overlap: OverlappedStep | None) -> Callable[[FlatGroup], None] | None:
-        """What a reader of a group's masters calls first: waits for the overlapped step's update of that group (with
-        several ranks, of this rank's owned share of it: [Note: sharded host state]); None without an overlapped
-        step."""
-        if overlap is None:
-            return None
-        sharding = self.sharding
-        if sharding is None:
-            return overlap.wait
-        return lambda group: overlap.wait(sharding.shard_of(group).owned)
 
     def _place_device_groups(self, n: int) -> None:
         """Make the first ``n`` groups the forward reads (the residents, then layers 0, 1, ...) device groups

@@ -92,3 +92,17 @@ class OverlappedStep:
             raise RuntimeError(
                 f"MegaTrain: the overlapped host optimizer step failed ({type(error).__name__}: {error})"
             ) from error
+
+
+def overlapped_step(
+    groups: list[FlatGroup], owned: Callable[[FlatGroup], FlatGroup] | None = None
+) -> tuple[OverlappedStep, Callable[[FlatGroup], None]]:
+    """The worker over ``groups``, in the order the next forward reads them (the residents', then the layers'), and
+    the gate every reader of a group's masters calls first. ``owned(group)``: with several ranks, this rank's owned
+    share of a group, which the worker steps and the gate waits for (engine/sharding.py, [Note: sharded host
+    state]); readers still pass the whole group."""
+    if owned is None:
+        step = OverlappedStep(groups)
+        return step, step.wait
+    step = OverlappedStep([owned(g) for g in groups])
+    return step, lambda group: step.wait(owned(group))
