@@ -46,8 +46,8 @@ from typing_extensions import override
 from lightning_megatrain.checkpoint_io import Agreement
 from lightning_megatrain.config import Auto
 from lightning_megatrain.cpu_binding import Binding, bind_rank
+from lightning_megatrain.engine.collectives import Ranks
 from lightning_megatrain.engine.shard_states import shard_path, split_checkpoint
-from lightning_megatrain.engine.sharding import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class RankStrategy(ParallelStrategy):
         self._process_group_backend = backend
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        self.ranks = Ranks.from_default_group()
+        self.ranks = Ranks.from_default_group(per_host=self.num_processes)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

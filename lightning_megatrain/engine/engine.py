@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -13,6 +14,7 @@ from torch import nn
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.backward_updates import BackwardUpdates
+from lightning_megatrain.engine.collectives import Ranks
 from lightning_megatrain.engine.compiled import check_compilable
 from lightning_megatrain.engine.device_state import DeviceGroup, gpu_bytes_per_param
 from lightning_megatrain.engine.discovery import (
@@ -39,7 +41,7 @@ from lightning_megatrain.engine.recorded import find_recorded
 from lightning_megatrain.engine.residents import Residents
 from lightning_megatrain.engine.sharded_layers import ShardedTransfer
 from lightning_megatrain.engine.sharded_step import ShardedOptimizerStep
-from lightning_megatrain.engine.sharding import Ranks, ShardedState, sharded_config
+from lightning_megatrain.engine.sharding import ShardedState, sharded_config
 from lightning_megatrain.engine.streamed import StreamedLayers
 from lightning_megatrain.engine.tiling import SequenceTiles
 from lightning_megatrain.engine.transfer import CudaTransfer, HostTransfer, Transfer
@@ -152,8 +154,11 @@ class MegaTrainEngine(FirstBatchPlacement):
         # ([Note: memory pool] in planner/pool.py; engine/first_batch.py's _choose_device_groups
         # allocates the host groups' then)
         self._grads_deferred = fitting and self.config.gpu_optimizer_groups == "auto"
-        lazy = [self._grads_deferred or k < n_device for k in range(len(stack) + 1)]
-        check_host_memory(  # the optimizer states: check_host_state, once the optimizers exist
+        # several ranks never hold a group's grads whole (each its owned share: [Note: sharded host state]; the
+        # residents' whole grads are allocated at their first drain)
+        lazy = [self._grads_deferred or self.ranks is not None or k < n_device for k in range(len(stack) + 1)]
+        check = functools.partial(  # the optimizer states: check_host_state, once the optimizers exist
+            check_host_memory,
             layer_numels + [n_resident],
             pinned=self.on_cuda,
             slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
@@ -162,6 +167,10 @@ class MegaTrainEngine(FirstBatchPlacement):
             grad_numels=[0 if off else n for n, off in zip(layer_numels + [n_resident], lazy[1:] + lazy[:1])],
             host_state=self.config.host_state,
         )
+        if self.ranks is None:
+            check()
+        else:  # all refuse where one does: a rank stopping alone would leave the others in a collective
+            self.ranks.refuse_together(check)
         if self.on_cuda:
             self._check_gpu_memory(max_layer, n_resident, device_numel)
 

@@ -138,7 +138,22 @@ class FirstBatchPlacement:
                                  self.config.host_state)
             return
         host_groups = self._host_groups()
-        check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers), self.config.host_state)
+        if self.sharding is None:
+            check_host_bytes_to_come(host_bytes_to_come(host_groups, optimizers), self.config.host_state)
+            return
+        # The ranks of a host share its RAM: each checks that all of them fit, measured once every rank's setup has
+        # allocated what it holds, and all refuse if one does (a rank stopping alone leaves the others in a
+        # collective). The residents' grads, whole on every rank until their reduce-scatter, come too.
+        ranks, residents = self.sharding.ranks, self.resident_group
+        to_come = host_bytes_to_come(host_groups, optimizers)
+        if residents is not None:
+            to_come += residents.grad_dtype.itemsize * residents.numel - residents.grad_nbytes
+        ranks.barrier()
+        ranks.refuse_together(lambda: check_host_bytes_to_come(to_come, self.config.host_state, ranks.per_host))
+
+    def _ranks_per_host(self) -> int:
+        """The ranks sharing this host's RAM (1 without several ranks)."""
+        return 1 if self.sharding is None else self.sharding.ranks.per_host
 
     def _host_groups(self) -> list[FlatGroup]:
         """The groups whose grads and optimizer states live in host memory: every flat group but the device groups;
@@ -196,7 +211,7 @@ class FirstBatchPlacement:
                 pool += self.backward_updates.release()
             limits = dict(compute_dtype=self.compute_dtype, chunked_loss=chunked_loss,
                           gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                          host_bytes=checkpoint_host_budget(host_groups, optimizers) + pool)
+                          host_bytes=checkpoint_host_budget(host_groups, optimizers, self._ranks_per_host()) + pool)
             if self._memo_option == "auto":  # the memos first: the checkpoints are placed beside them
                 self._choose_memo(hf_config, shape, grad_accum, given, limits, again)
             k, n, m, why = choose_checkpoints(hf_config, *shape, grad_accum, config=self.config.replace(**given),

@@ -292,15 +292,18 @@ def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
         )
 
 
-def check_host_bytes_to_come(to_come: int, host_state: str = "fp32") -> None:
+def check_host_bytes_to_come(to_come: int, host_state: str = "fp32", per_host: int = 1) -> None:
     """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' grads
-    not yet allocated and the optimizers' states (engine/host_budget.py ``host_bytes_to_come``).
+    not yet allocated and the optimizers' states (engine/host_budget.py ``host_bytes_to_come``). ``per_host``: the
+    ranks of this host, each with as much to come (several ranks: their shares are alike to the padding).
 
     Raises:
         RuntimeError: as :func:`check_host_memory`.
     """
-    _refuse_short(to_come, "for the grads and optimizer states of the first step (Adam/AdamW: 8 bytes per "
-                           "parameter, Muon's matrices 4, CompactAdamW's 8-bit moments about 2)", host_state)
+    ranks = f", {per_host} ranks on this host with {_size(to_come)} each" if per_host > 1 else ""
+    _refuse_short(to_come * per_host, "for the grads and optimizer states of the first step (Adam/AdamW: 8 bytes "
+                                      f"per parameter, Muon's matrices 4, CompactAdamW's 8-bit moments about 2{ranks})",
+                  host_state)
 
 
 def smaller_state_hint(host_state: str) -> str:

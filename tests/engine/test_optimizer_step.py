@@ -254,3 +254,16 @@ def test_a_tensor_learning_rate_is_read_when_the_step_is_taken():
         finals.append(state_of(trainer, trainer.lightning_module))
     assert_bitwise_equal(finals[0], finals[1])
     assert_bitwise_equal(finals[0], finals[2])
+
+
+def test_the_first_steps_host_check_counts_every_rank_of_the_host(monkeypatch):
+    """``check_host_bytes_to_come`` with several ranks on the host: each has as much to come, so 600 MiB fits 1 GiB
+    for one rank and not for two (the refusal names them)."""
+    from lightning_megatrain.engine import host_store
+
+    monkeypatch.setattr(host_store, "placeable_host_bytes", lambda: (2**30, "a test's limit"))
+    monkeypatch.delenv("MEGATRAIN_SKIP_MEMORY_CHECK", raising=False)
+    host_store.check_host_bytes_to_come(600 * 2**20)
+    with pytest.raises(RuntimeError, match=r"needs about 1.2 GiB more host RAM .*2 ranks on this host with 600.0 MiB "
+                                           r"each\) but only 1.0 GiB is available \(a test's limit\)"):
+        host_store.check_host_bytes_to_come(600 * 2**20, per_host=2)

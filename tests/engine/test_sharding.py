@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_megatrain.config import EngineConfig
+from lightning_megatrain.engine.collectives import Ranks
 from lightning_megatrain.engine.discovery import tensor_slots
 from lightning_megatrain.engine.host_store import check_packed, pack_group
 from lightning_megatrain.engine.shard_states import (
@@ -24,7 +25,7 @@ from lightning_megatrain.engine.shard_states import (
     whole_params,
 )
 from lightning_megatrain.engine.sharded_step import ShardedOptimizerStep
-from lightning_megatrain.engine.sharding import Ranks, ShardedState, sharded_config
+from lightning_megatrain.engine.sharding import ShardedState, sharded_config
 from lightning_megatrain.engine.transfer import HostTransfer
 from lightning_megatrain.optim import Muon
 

@@ -115,15 +115,54 @@ def test_overlapped_host_step_on_several_ranks(tmp_path, monkeypatch, world, acc
         _assert_states_close(run.end_state, reference.end_state)
 
 
+def test_a_host_too_small_for_its_ranks_refuses_on_every_rank(tmp_path, monkeypatch):
+    """The host checks count every rank of the host (engine/first_batch.py ``check_host_state``): rank 1 sees no
+    host RAM left for the first step's grads and Adam states and refuses with the numbers of both ranks; rank 0,
+    whose own check passes, refuses with it instead of waiting in a collective."""
+    from lightning_megatrain.engine import host_store
+
+    monkeypatch.setattr(host_store, "placeable_host_bytes",  # the forked ranks inherit it
+                        lambda: (0 if os.environ["LOCAL_RANK"] == "1" else 1 << 40, "a test's limit"))
+    runs = launch(2, tmp_path, steps=1, raises=True)
+    assert runs[1].error.startswith("RuntimeError: MegaTrainStrategy needs about ")
+    assert "for the grads and optimizer states of the first step" in runs[1].error
+    assert ", 2 ranks on this host with " in runs[1].error and "but only 0.0 MiB is available" in runs[1].error
+    assert runs[0].error == ("RuntimeError: MegaTrainStrategy: another rank refused to start (its error says why); "
+                             "every rank stops with it")
+
+
+_PACKED: list = []  # a forked rank's pack_group calls: whether each group's grads were left unallocated
+
+
+def _packed(trainer, module) -> list:
+    return list(_PACKED)
+
+
+def test_no_rank_allocates_a_groups_grads_whole(tmp_path, monkeypatch):
+    """Every rank packs each group's masters whole before cutting its share, but never its grads: the owned shares
+    have their own (4 bytes per parameter per rank less at setup)."""
+    from lightning_megatrain.engine import engine
+
+    pack_group = engine.pack_group
+
+    def recorded(*args, **kwargs):
+        _PACKED.append(kwargs["lazy_grad"])
+        return pack_group(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "pack_group", recorded)
+    for run in launch(2, tmp_path, steps=1, grads=False, after=_packed):
+        assert run.after == [True] * 4  # 3 layers and the residents
+
+
 def test_without_reduce_scatter(tmp_path, monkeypatch):
     """A backend without reduce_scatter (older gloo): the all_reduce fallback trains the same (the forked ranks
     inherit the patch)."""
-    from lightning_megatrain.engine import sharding
+    from lightning_megatrain.engine import collectives
 
     def missing(*args, **kwargs):
         raise RuntimeError("no reduce_scatter in this backend")
 
-    monkeypatch.setattr(sharding, "_reduce_scatter", missing)
+    monkeypatch.setattr(collectives, "_reduce_scatter", missing)
     runs = launch(2, tmp_path, steps=2, accumulate=2, clip=0.05)
     _assert_train_as_reference(runs, fit(1, strategy="auto", steps=2, accumulate=2, clip=0.05))
 

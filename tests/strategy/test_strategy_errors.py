@@ -153,7 +153,7 @@ def test_too_little_gpu_memory_counts_the_buffers_of_several_ranks():
     """With several ranks a layer's fp32 gather buffer and its padded grad reduce-scatter (N x the largest share
     each) come on top: 540 MB fit in 580, 620 MB do not."""
     from lightning_megatrain.engine import MegaTrainEngine
-    from lightning_megatrain.engine.sharding import Ranks
+    from lightning_megatrain.engine.collectives import Ranks
 
     sizes = dict(max_layer=10_000_000, n_resident=50_000_000, device_numel=[])
     with mock.patch.object(torch.cuda, "mem_get_info", return_value=(580 * 10**6, 80 * 1024**3)):
