@@ -222,14 +222,25 @@ def fit(world: int, *, strategy: Any = "megatrain", steps: int = 3, accumulate: 
         grads: bool = True, ckpt_in: str | None = None, ckpt_out: str | None = None, accelerator: str = "cpu",
         model: str = "stack", ckpt_dir: str | None = None, callbacks: Sequence[Callback] = (),
         module: Callable[[int], LightningModule] | None = None,
-        after: Callable[[Trainer, LightningModule], Any] | None = None,
+        after: Callable[[Trainer, LightningModule], Any] | None = None, slow_update: float = 0.0,
         **strategy_args: Any) -> Run:
     """Train ``model`` (:func:`make_module`) on ``world`` ranks (this process is one of them, or the only one) with
     ``GLOBAL_BATCH`` samples per micro-batch over all ranks; resume from ``ckpt_in``, save ``ckpt_out`` at the end;
     with ``ckpt_dir``, a ``ModelCheckpoint`` there saves every 2 steps (all kept) and ``last.ckpt``; ``module(world)``
     builds the module instead of ``model``'s; ``after(trainer, module)`` runs after ``fit`` (and the save), its result
-    in ``Run.after``."""
+    in ``Run.after``; ``slow_update``: seconds each host update of a group sleeps first (an overlapped step still
+    running when the next forward reads; set in the process, so spawned ranks get it too)."""
     from lightning_megatrain import MegaTrainStrategy
+    from lightning_megatrain.optim.host_optimizer import HostUpdate
+
+    if slow_update:
+        update = HostUpdate.__call__
+
+        def slowed(self, params):
+            time.sleep(slow_update)
+            update(self, params)
+
+        HostUpdate.__call__ = slowed  # this rank's process only: a test's ranks end with it
 
     seed_everything(0, verbose=False)
     module = make_module(model, world) if module is None else module(world)

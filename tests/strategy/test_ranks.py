@@ -87,25 +87,17 @@ def test_overlapped_host_step_on_several_ranks(tmp_path, monkeypatch, world, acc
     on the worker, slowed per group, while the next forward gathers the layers it has stepped. Losses, final weights
     and Adam states equal single-process Lightning's; every rank's readers found updates still running (the recorder
     reads only losses between steps, so nothing but the engine's gates waits for the worker)."""
-    import time
-
     from lightning_megatrain.engine.overlap import OverlappedStep
-    from lightning_megatrain.optim.host_optimizer import HostUpdate
 
-    update, wait = HostUpdate.__call__, OverlappedStep.wait
-
-    def slow_update(self, params):
-        time.sleep(0.05)
-        update(self, params)
+    wait = OverlappedStep.wait
 
     def counted_wait(self, group):
         _BLOCKED[0] += not self._done[id(group)].is_set()
         wait(self, group)
 
-    monkeypatch.setattr(HostUpdate, "__call__", slow_update)  # the forked ranks inherit both
-    monkeypatch.setattr(OverlappedStep, "wait", counted_wait)
+    monkeypatch.setattr(OverlappedStep, "wait", counted_wait)  # the forked ranks inherit it
     runs = launch(world, tmp_path, steps=3, accumulate=accumulate, clip=clip, grads=False, overlap_optimizer=True,
-                  after=_blocked_waits)
+                  slow_update=0.05, after=_blocked_waits)
     reference = fit(1, strategy="auto", steps=3, accumulate=accumulate, clip=clip, grads=False)
     losses = torch.tensor([r.losses for r in runs]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(reference.losses), **TOL)
