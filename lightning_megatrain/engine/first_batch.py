@@ -143,11 +143,12 @@ class FirstBatchPlacement:
             return
         # The ranks of a host share its RAM: each checks that all of them fit, measured once every rank's setup has
         # allocated what it holds, and all refuse if one does (a rank stopping alone leaves the others in a
-        # collective). The residents' grads, whole on every rank until their reduce-scatter, come too.
+        # collective). On the CPU backend the residents' grads, whole on every rank until their reduce-scatter, come
+        # too (on CUDA they stay on the device: engine/sharded_step.py).
         ranks, residents = self.sharding.ranks, self.resident_group
         to_come = host_bytes_to_come(host_groups, optimizers)
-        if residents is not None:
-            to_come += residents.grad_dtype.itemsize * residents.numel - residents.grad_nbytes
+        if residents is not None and not self.on_cuda:
+            to_come += residents.grad_dtype.itemsize * residents.numel
         ranks.barrier()
         ranks.refuse_together(lambda: check_host_bytes_to_come(to_come, self.config.host_state, ranks.per_host))
 

@@ -168,13 +168,18 @@ class OptimizerStep(OptimizerSetup, StepSpeculation):
         # a compact device step reads the factor and the finite decision on the host ([Note: compact device groups])
         compact_device = bool(self.device_groups) and self.config.host_state != "fp32"
         self._late_grads = self.overlap is not None and not grads_read and not host_added and not compact_device
+        self._drain_residents()
+        if not self._late_grads:
+            self.transfer.wait_drained()
+
+    def _drain_residents(self) -> None:
+        """The residents' grads into their host grads (CUDA; engine/residents.py), left landing with late grads. The
+        sharded step reduces them from the device instead (engine/sharded_step.py)."""
         if self.residents is not None:
             self.residents.drain(wait=not self._late_grads)
             if self._late_grads and self.residents.norm_after_landing:
                 # an add onto held host grads leaves no device norm: the late norm reads the host grads (grad_norm.py)
                 self.residents.wait_landed()
-        if not self._late_grads:
-            self.transfer.wait_drained()
 
     def _land_grads(self) -> None:
         """Wait for the host grads left landing by :meth:`finalize_gradients` (any thread; no-op when none)."""

@@ -45,16 +45,28 @@ class ShardedOptimizerStep(OptimizerStep):
         super()._finalize(grads_read)
         self._reduce_residents()
 
+    def _drain_residents(self) -> None:
+        """Nothing: on CUDA the residents' grads are reduce-scattered from the device (:meth:`_reduce_residents`),
+        never drained whole to the host."""
+
     def _reduce_residents(self) -> None:
         """Reduce the residents' local grads into the owned grads where some rank holds any, when the grads are
-        finalized (at the end of backward, or by clipping first under manual optimization). Whether to is
-        one flag all-reduced (every rank takes the same branch); once reduced, no ``p.grad`` is left."""
+        finalized (at the end of backward, or by clipping first under manual optimization): on CUDA the compute
+        copies' grads, accumulated on the device over the micro-batches, go straight into the reduce-scatter and
+        only this rank's mean crosses PCIe (engine/sharding.py ``reduce_grads``); on the CPU the parameters' own.
+        Whether to reduce is one flag all-reduced (every rank takes the same branch); once reduced, no grad is left."""
         if self._resident is None:
             return
-        local = any(p.grad is not None for p in self._resident.group.params)
+        params = self._resident.group.params
+        grads = self.residents.grads() if self.residents is not None else [p.grad for p in params]
+        local = any(g is not None for g in grads)
         anywhere = self.state.ranks.all_reduce_(torch.tensor([float(local)]), op=dist.ReduceOp.MAX)
         if anywhere[0]:
-            self.state.reduce_local_grads(self._resident)
+            self.state.reduce_grads(self._resident, grads)
+        if self.residents is not None:
+            self.residents.clear_grads()
+        for p in params:
+            p.grad = None
 
     def _host_norm_sq(self) -> Tensor:
         """The squared global grad norm: the owned grads' squared norms summed over the ranks."""

@@ -35,9 +35,9 @@ Collectives, in the same order on every rank (no rank ever decides alone whether
   accumulation each reduce-scatter (as DDP without ``no_sync``): the sum is linear, so the owned grads end as one
   reduction of the accumulated grads would leave them.
 - *end of backward, residents* (engine/sharded_step.py, ``ShardedOptimizerStep.finalize_gradients``): the
-  residents' grads (the parameters' ``.grad`` on the CPU backend, the host grads the CUDA residents' drain writes)
-  accumulate locally over the micro-batches and are reduce-scattered once (on CUDA uploaded and reduced over NCCL,
-  the owned share copied back: ``ShardedState.device``; on the CPU over gloo).
+  residents' grads (the parameters' ``.grad`` on the CPU backend, the compute copies' grads on the GPU) accumulate
+  locally over the micro-batches and are reduce-scattered once (on CUDA from the device over NCCL, only the owned
+  share copied to the host: ``ShardedState.device``; on the CPU over gloo).
 - *clipping and the finite check*: the squared norm of the owned grads is all-reduced (sum) into the global one;
   the loss is all-reduced too, so every rank takes the same skip decision (host group, a few bytes).
 - *after the update*: the residents' owned master is all-gathered into ``padded`` (on CUDA through the device and
@@ -56,8 +56,8 @@ over a gloo group made at setup when the default is NCCL (:class:`Ranks`). On th
 On CUDA the layer grads are reduce-scattered on the device over NCCL and the owned share goes to the host through the
 gradient drain, asynchronously ([Note: gradient drain]); each rank uploads its owned master of a layer and the GPUs
 all-gather the layer over NCCL into the slot ([Note: sharded layer masters]); the residents' grads and masters take
-the device too, synchronously, once per step (uploaded, reduced or gathered over NCCL, copied back), and the
-residents are uploaded whole from ``padded`` as with one rank.
+the device too, synchronously, once per step (the grads reduced from the device, the owned masters uploaded and
+gathered, both copied back), and the residents are uploaded whole from ``padded`` as with one rank.
 """
 
 from __future__ import annotations
@@ -283,14 +283,6 @@ class ShardedState:
         owned = shard.owned
         return mine, [mine[o : o + p.numel()] if flags[k] else None
                       for p, o, k in zip(owned.params, owned.offsets, shard.piece_param)]
-
-    def reduce_local_grads(self, shard: GroupShard) -> None:
-        """Reduce the grads the parameters of ``shard.group`` hold (the residents': accumulated locally over the
-        micro-batches) into the owned grads, then drop them."""
-        params = shard.group.params
-        self.reduce_grads(shard, [p.grad for p in params])
-        for p in params:
-            p.grad = None
 
     def gather(self, wait: Callable[[FlatGroup], None] | None = None) -> None:
         """Refresh the whole groups' gathered copy from the owners (after an optimizer step or a load); a sharded

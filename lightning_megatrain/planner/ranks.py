@@ -7,12 +7,12 @@ how long its step takes (docs/multi-gpu.md; the mechanism is engine/sharding.py,
 otherwise, for the rank's own micro-batch):
 
 - host: masters ``4 * sum(S_layer) + 4 * W * S_res`` (the residents whole on every rank), owned grads ``4 * (sum
-  S_layer + S_res)``, Adam states ``8 * (sum S_layer + S_res)``, the residents' grads whole until their
-  reduce-scatter at the end of backward ``4 * resident params`` (every reduce-scatter lands on the device and is
-  copied into the pinned owned grad), the drain's grad slabs (three of the largest share, fp32: ``12 * max
-  S_layer``), the offloaded layer inputs and the process allowance as with one rank. A host holds
-  N of these; at setup each rank also packs the whole model once (``4 B/param``, freed before the first step), so
-  the setup peak per host is ``N * (4 * params + process)``, judged against the host's usable RAM too;
+  S_layer + S_res)``, Adam states ``8 * (sum S_layer + S_res)`` (every reduce-scatter, the residents' too, runs on
+  the device and only the rank's share is copied into the pinned owned grad), the drain's grad slabs (three of the
+  largest share, fp32: ``12 * max S_layer``), the offloaded layer inputs and the process allowance as with one
+  rank. A host holds N of these; at setup each rank also packs the whole model's masters once (``4 B/param``, in
+  place of the model's own, freed before the first step), so the setup peak per host is ``N * (4 * params +
+  process)``, judged against the host's usable RAM too;
 - GPU: one rank's items plus the all-gather buffer ``4 * W * max S_layer`` (engine/sharded_layers.py keeps it)
   and the NCCL communicator's buffers (``NCCL_GPU_GIB``).
 
@@ -27,9 +27,9 @@ Time per step, per rank (timing.py's ``step_time`` with a :class:`RankTiming`):
   grad, or for the later micro-batches of a step the owned grad uploaded, summed on the device and written back),
   hidden behind the backward of the layers below as timing.py prices the single-rank drain;
 - the residents' grads are reduce-scattered once per step and their masters all-gathered after the step, through
-  the device: the host grads uploaded (``4 * W * S_res``), reduce-scattered over NCCL and the owned ``S_res``
-  copied back into the owned grad; the owned master uploaded, all-gathered and copied back whole. Serial; the grad
-  norm and the finite check are one small all-reduce each (gloo);
+  the device: the grads, accumulated on the device, reduce-scattered over NCCL and the owned ``S_res`` copied into
+  the owned grad (no whole drain to the host); the owned master uploaded, all-gathered and copied back whole.
+  Serial; the grad norm and the finite check are one small all-reduce each (gloo);
 - the host Adam steps ``sum S_layer + S_res`` parameters on the rank's ``cores // N`` cores (Lightning's launcher
   sets ``OMP_NUM_THREADS`` so): with ``overlap_optimizer`` beside the next forward, as one rank's (timing.py),
   since each rank's upload of a layer waits only for its own update of that layer's share; else serially.
@@ -96,7 +96,9 @@ def rank_timing(s: _Shape, *, devices: int, num_nodes: int, nvlink_gbps: float, 
     shards = [shard(ly.numel, world) for ly in s.layers]
     reduce = [2 * COLLECTIVE_LATENCY_S + ring(4 * world * n) for n in shards]  # the flags, the grads
     r = shard(s.resident_params, world)
-    up, down = 4 * (world + 1) * r / (h2d_gbps * 1e9), 4 * (world + 1) * r / (d2h_gbps * 1e9)  # grads and masters
+    # the grads reduce-scattered from the device and this rank's mean copied down; the owned master uploaded, gathered
+    # and copied back whole
+    up, down = 4 * r / (h2d_gbps * 1e9), 4 * (world + 1) * r / (d2h_gbps * 1e9)
     residents = up + down + 2 * ring(4 * world * r) + 4 * COLLECTIVE_LATENCY_S  # + the flags, finite check, norm
     return RankTiming(shard_numels=shards, gather_s=[ring(4 * world * n) for n in shards], reduce_s=reduce,
                       optimizer_params=sum(shards) + r, residents_s=residents)
@@ -111,7 +113,6 @@ def rank_host_items(s: _Shape, one_rank: dict[str, int], *, world: int, devices:
         "masters": 4 * layers + 4 * world * r,
         "grads": 4 * (layers + r),
         "optimizer states": OPTIMIZERS[optimizer][0] * (layers + r),
-        "resident grads (whole)": 4 * s.resident_params,
         **{k: v for k, v in one_rank.items() if k not in ("masters", "grads", "optimizer states")},
         "grad slabs": 3 * 4 * max(shard(ly.numel, world) for ly in s.layers),  # the drain's, fp32 over the shares
     }

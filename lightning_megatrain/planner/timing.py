@@ -222,8 +222,9 @@ def step_time(s: _Shape, micro_batch: int, seq_len: int, *, c: int, grad_accum: 
         "pipeline fill + last drain": fill,
         # One D2H straight into the pinned host grads, no host pass (engine/residents.py ``drain``); not priced, the
         # host add through a staging buffer where a resident has no grad (a frozen embedding) or the host grads are
-        # not empty at the drain. Several ranks reduce them after (``residents' collectives``).
-        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9)) + r * gb / (d2h * 1e9),
+        # not empty at the drain. Several ranks reduce them from the device instead (``residents' collectives``).
+        "residents up + drain (serial)": (0 if on_gpu_resident else r * wb / (h2d * 1e9))
+        + (r * gb / (d2h * 1e9) if ranks is None else 0.0),
         **({"layer reduce-scatters (serial)": grad_accum * sum(ranks.reduce_s),
             "residents' collectives (serial)": ranks.residents_s} if ranks is not None else {}),
         **({"CPU optimizer (beyond the next forward)": max(0.0, host_left - sum(fwd) - head / 3)}

@@ -286,3 +286,39 @@ def test_the_last_ranks_short_share_drains_through_a_slab():
     add_packed(owned, [True] * len(owned.params), slab)
     torch.testing.assert_close(owned.grad, torch.tensor([2.0, 4.0, 6.0, 0.0, 0.0, 0.0]), rtol=0, atol=0)
     assert all(p.grad is not None for p in owned.params)
+
+
+def test_device_residents_are_reduced_from_their_grads_not_drained(monkeypatch):
+    """On CUDA the residents' grads are reduce-scattered from the compute copies' grads and never drained whole to
+    the host (engine/sharded_step.py ``_reduce_residents``). With a stand-in for the CUDA residents (its ``grads()``
+    the copies' grads, its drain refused) on one rank of one, finalizing puts the grads in the owned grads, in the
+    flat layout, and clears the copies' grads."""
+    module = _layer()
+    state = _state(0, 1, module)
+    monkeypatch.setattr(state.ranks, "all_reduce_", lambda t, op=None: t)
+    monkeypatch.setattr(state.ranks, "reduce_scatter", lambda padded: padded.clone())  # one rank: its share is all
+    group = state.shards[0].group
+    grads = [torch.full_like(p, k + 1.0) for k, p in enumerate(group.params)]
+
+    class DeviceResidents:
+        cleared = False
+
+        def grads(self):
+            return grads
+
+        def clear_grads(self):
+            self.cleared = True
+
+        def drain(self, wait=True):
+            raise AssertionError("the residents' grads were drained whole")
+
+    residents = DeviceResidents()
+    step = ShardedOptimizerStep(state, group, EngineConfig(), torch.device("cpu"),
+                                HostTransfer([group], torch.float32), residents)
+    step.finalize_gradients()
+    owned = state.shards[0].owned
+    want = torch.zeros(group.numel)
+    for g, offset in zip(grads, group.offsets):
+        want[offset : offset + g.numel()] = g.reshape(-1)
+    torch.testing.assert_close(owned.grad[: group.numel], want, rtol=0, atol=0)
+    assert residents.cleared and all(p.grad is None for p in group.params)
