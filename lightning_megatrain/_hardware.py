@@ -135,6 +135,12 @@ def placeable_host_bytes() -> tuple[int, str] | None:
     return max(bound[0] - reserve, 0), f"{bound[1]} less the {reserve / GIB:.1f} GiB reserve"
 
 
+def other_processes_slack(per_host: int) -> int:
+    """Host bytes the other ``per_host - 1`` ranks of this host keep free for their own growth after placement
+    (``ENGINE_HOST_SLACK_GIB`` each, [Note: host reserve]); :func:`placeable_host_bytes` leaves this process's."""
+    return (per_host - 1) * int(ENGINE_HOST_SLACK_GIB * GIB)
+
+
 def host_ram_gib() -> float | None:
     """This machine's RAM (``MemTotal``) in GiB; None where unknown."""
     total = meminfo_bytes("MemTotal")

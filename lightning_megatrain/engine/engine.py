@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -154,25 +153,27 @@ class MegaTrainEngine(FirstBatchPlacement):
         # ([Note: memory pool] in planner/pool.py; engine/first_batch.py's _choose_device_groups
         # allocates the host groups' then)
         self._grads_deferred = fitting and self.config.gpu_optimizer_groups == "auto"
-        # several ranks never hold a group's grads whole (each its owned share: [Note: sharded host state]; the
-        # residents' whole grads are allocated at their first drain)
+        # several ranks never hold a group's grads whole: each holds its owned share ([Note: sharded host state]),
+        # and the residents' are reduced from the device (CUDA) or from the parameters' own grads (CPU)
         lazy = [self._grads_deferred or self.ranks is not None or k < n_device for k in range(len(stack) + 1)]
-        check = functools.partial(  # the optimizer states: check_host_state, once the optimizers exist
-            check_host_memory,
-            layer_numels + [n_resident],
-            pinned=self.on_cuda,
-            slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
-            master_bytes=layout.weight_dtype.itemsize,
-            grad_bytes=layout.grad_dtype.itemsize,
-            grad_numels=[0 if off else n for n, off in zip(layer_numels + [n_resident], lazy[1:] + lazy[:1])],
-            host_state=self.config.host_state,
-        )
+
+        def check() -> None:  # the optimizer states: check_host_state, once the optimizers exist
+            check_host_memory(
+                layer_numels + [n_resident],
+                pinned=self.on_cuda,
+                slab_bytes=max_layer * self.compute_dtype.itemsize if self.on_cuda else 0,
+                master_bytes=layout.weight_dtype.itemsize,
+                grad_bytes=layout.grad_dtype.itemsize,
+                grad_numels=[0 if off else n for n, off in zip(layer_numels + [n_resident], lazy[1:] + lazy[:1])],
+                host_state=self.config.host_state,
+            )
+            if self.on_cuda:
+                self._check_gpu_memory(max_layer, n_resident, device_numel)
+
         if self.ranks is None:
             check()
         else:  # all refuse where one does: a rank stopping alone would leave the others in a collective
             self.ranks.refuse_together(check)
-        if self.on_cuda:
-            self._check_gpu_memory(max_layer, n_resident, device_numel)
 
         pin = self.on_cuda
         registry = self.registry = HostRegistry() if pin else None

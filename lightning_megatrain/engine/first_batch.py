@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_megatrain._hardware import other_processes_slack
 from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.device_state import DeviceGroup, settle_states
 from lightning_megatrain.engine.host_budget import (
@@ -150,11 +151,17 @@ class FirstBatchPlacement:
         if residents is not None and not self.on_cuda:
             to_come += residents.grad_dtype.itemsize * residents.numel
         ranks.barrier()
-        ranks.refuse_together(lambda: check_host_bytes_to_come(to_come, self.config.host_state, ranks.per_host))
+        ranks.refuse_together(lambda: check_host_bytes_to_come(to_come, self.config.host_state, ranks.per_host,
+                                                               self._other_ranks_reserve()))
 
     def _ranks_per_host(self) -> int:
         """The ranks sharing this host's RAM (1 without several ranks)."""
         return 1 if self.sharding is None else self.sharding.ranks.per_host
+
+    def _other_ranks_reserve(self) -> int:
+        """Host bytes this host's other ranks keep free for their growth after placement: on CUDA (the compiler's
+        workers, the driver: [Note: host reserve]), each as this process does; none on the CPU backend."""
+        return other_processes_slack(self._ranks_per_host()) if self.on_cuda else 0
 
     def _host_groups(self) -> list[FlatGroup]:
         """The groups whose grads and optimizer states live in host memory: every flat group but the device groups;
@@ -212,7 +219,8 @@ class FirstBatchPlacement:
                 pool += self.backward_updates.release()
             limits = dict(compute_dtype=self.compute_dtype, chunked_loss=chunked_loss,
                           gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                          host_bytes=checkpoint_host_budget(host_groups, optimizers, self._ranks_per_host()) + pool)
+                          host_bytes=checkpoint_host_budget(host_groups, optimizers, self._ranks_per_host(),
+                                                            self._other_ranks_reserve()) + pool)
             if self._memo_option == "auto":  # the memos first: the checkpoints are placed beside them
                 self._choose_memo(hf_config, shape, grad_accum, given, limits, again)
             k, n, m, why = choose_checkpoints(hf_config, *shape, grad_accum, config=self.config.replace(**given),

@@ -32,14 +32,15 @@ def host_bytes_to_come(host_groups: Sequence[FlatGroup], optimizers: Sequence[to
 
 
 def checkpoint_host_budget(host_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],
-                           per_host: int = 1) -> int:
+                           per_host: int = 1, reserve: int = 0) -> int:
     """Host bytes free for offloaded layer-input checkpoints (engine/placement.py ``choose_checkpoints``'
     ``host_bytes``): what the process may still allocate less the host reserve (``_hardware.placeable_host_bytes``,
-    [Note: host reserve]), shared evenly by the ``per_host`` ranks of this host, less :func:`host_bytes_to_come`."""
+    [Note: host reserve]) and ``reserve`` (what the host's other ranks keep free), shared evenly by the ``per_host``
+    ranks of this host, less :func:`host_bytes_to_come`."""
     free = placeable_host_bytes()
     if free is None:
         return 1 << 62  # nothing to check against
-    return free[0] // per_host - host_bytes_to_come(host_groups, optimizers)
+    return (free[0] - reserve) // per_host - host_bytes_to_come(host_groups, optimizers)
 
 
 def host_bytes_to_come_split(forward_groups: Sequence[FlatGroup], optimizers: Sequence[torch.optim.Optimizer],

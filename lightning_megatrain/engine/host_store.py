@@ -292,10 +292,11 @@ def check_layout_compute(host_state: str, compute_dtype: torch.dtype) -> None:
         )
 
 
-def check_host_bytes_to_come(to_come: int, host_state: str = "fp32", per_host: int = 1) -> None:
+def check_host_bytes_to_come(to_come: int, host_state: str = "fp32", per_host: int = 1, reserve: int = 0) -> None:
     """Refuse before the first step when host RAM cannot hold ``to_come`` more bytes: the host groups' grads
     not yet allocated and the optimizers' states (engine/host_budget.py ``host_bytes_to_come``). ``per_host``: the
-    ranks of this host, each with as much to come (several ranks: their shares are alike to the padding).
+    ranks of this host, each with as much to come (several ranks: their shares are alike to the padding);
+    ``reserve``: bytes the other ranks keep free besides (``_hardware.other_processes_slack``).
 
     Raises:
         RuntimeError: as :func:`check_host_memory`.
@@ -303,7 +304,7 @@ def check_host_bytes_to_come(to_come: int, host_state: str = "fp32", per_host: i
     ranks = f", {per_host} ranks on this host with {_size(to_come)} each" if per_host > 1 else ""
     _refuse_short(to_come * per_host, "for the grads and optimizer states of the first step (Adam/AdamW: 8 bytes "
                                       f"per parameter, Muon's matrices 4, CompactAdamW's 8-bit moments about 2{ranks})",
-                  host_state)
+                  host_state, reserve)
 
 
 def smaller_state_hint(host_state: str) -> str:
@@ -317,11 +318,15 @@ def smaller_state_hint(host_state: str) -> str:
             f"either memory){muon}, ")
 
 
-def _refuse_short(need: int, what: str, host_state: str = "fp32") -> None:
+def _refuse_short(need: int, what: str, host_state: str = "fp32", reserve: int = 0) -> None:
+    """Raise where ``need`` exceeds what this process may place on the host less ``reserve`` (what the host's other
+    ranks keep free)."""
     bound = placeable_host_bytes()
     if bound is None or os.environ.get("MEGATRAIN_SKIP_MEMORY_CHECK") == "1":
         return
-    available, limit = bound
+    available, limit = max(bound[0] - reserve, 0), bound[1]
+    if reserve:
+        limit += f", less the {_size(reserve)} the host's other ranks keep free"
     if need > available:
         raise RuntimeError(
             f"MegaTrainStrategy needs about {_size(need)} more host RAM {what} but only {_size(available)} is "

@@ -4,7 +4,8 @@ On a CUDA compute device the residents' fp32 masters are uploaded as *compute co
 grad) when a step first needs them, bound into the module for the duration of each ``*_step`` call, and take part
 in the normal autograd graph. Their grads are drained into the host fp32 grads once per optimizer step
 (:meth:`Residents.drain`, one D2H on the D2H stream, waited for at once or later: [Note: late grads] in
-engine/optimizer_step.py), and the copies are refreshed after the optimizer changed the masters
+engine/optimizer_step.py; several ranks reduce-scatter them from the device instead: engine/sharded_step.py), and
+the copies are refreshed after the optimizer changed the masters
 (:meth:`Residents.invalidate`). When the residents are a device group (engine/device_state.py) the copies are views
 of its mirror, updated in place on the device, and their grads stay for the device step until
 :meth:`Residents.clear_grads`. Tied weights are one master, one compute copy and one grad. On the CPU backend the

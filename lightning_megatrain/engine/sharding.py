@@ -21,7 +21,7 @@ cut into N contiguous *shards* of ``S``: rank ``r`` owns elements ``[r*S, (r+1)*
 - *optimizer state*: per piece, so 1/N of the Adam moments (8/N bytes/param).
 
 Per rank: 16/N host bytes per layer parameter and 4 + 12/N per resident one, plus the layer being computed (gathered
-whole) and, at the end of backward, the residents' grads.
+whole) and, on the CPU backend at the end of backward, the residents' grads (on CUDA they stay on the device).
 
 Collectives, in the same order on every rank (no rank ever decides alone whether to call one):
 
@@ -200,7 +200,8 @@ class ShardedState:
         names: ``id(parameter) -> name`` for every parameter of the module.
         whole: the groups every rank keeps whole (the residents); the others are sharded.
         device: where the whole groups' grads are reduced and their masters gathered: the compute device (CUDA:
-            over NCCL, through pinned host buffers), or ``None`` for the host (gloo).
+            over NCCL: the masters through pinned host buffers, the grads from the device), or ``None`` for the host
+            (gloo).
     """
 
     def __init__(self, groups: list[FlatGroup], ranks: Ranks, registry: HostRegistry | None, names: dict[int, str],

@@ -258,7 +258,7 @@ def test_a_tensor_learning_rate_is_read_when_the_step_is_taken():
 
 def test_the_first_steps_host_check_counts_every_rank_of_the_host(monkeypatch):
     """``check_host_bytes_to_come`` with several ranks on the host: each has as much to come, so 600 MiB fits 1 GiB
-    for one rank and not for two (the refusal names them)."""
+    for one rank and not for two (the refusal names them); the other ranks' reserve comes off what is available."""
     from lightning_megatrain.engine import host_store
 
     monkeypatch.setattr(host_store, "placeable_host_bytes", lambda: (2**30, "a test's limit"))
@@ -267,3 +267,7 @@ def test_the_first_steps_host_check_counts_every_rank_of_the_host(monkeypatch):
     with pytest.raises(RuntimeError, match=r"needs about 1.2 GiB more host RAM .*2 ranks on this host with 600.0 MiB "
                                            r"each\) but only 1.0 GiB is available \(a test's limit\)"):
         host_store.check_host_bytes_to_come(600 * 2**20, per_host=2)
+    host_store.check_host_bytes_to_come(300 * 2**20, per_host=2)
+    with pytest.raises(RuntimeError, match=r"only 512.0 MiB is available \(a test's limit, less the 512.0 MiB the "
+                                           r"host's other ranks keep free\)"):
+        host_store.check_host_bytes_to_come(300 * 2**20, per_host=2, reserve=2**29)
