@@ -28,6 +28,7 @@ from lightning_megatrain.engine.host_budget import (
 from lightning_megatrain.engine.host_store import FlatGroup, check_host_bytes_to_come
 from lightning_megatrain.engine.memo_choice import choose_attention_memo
 from lightning_megatrain.engine.placement import (
+    PlacementLimits,
     choose_checkpoints,
     choose_gpu_optimizer_groups,
     module_hf_config,
@@ -181,7 +182,8 @@ class FirstBatchPlacement:
                                 "without memos")
         else:
             memo, why = choose_attention_memo(
-                hf_config, *shape, grad_accum, config=self.config.replace(attention_memo="auto", **given), **limits)
+                hf_config, *shape, grad_accum, config=self.config.replace(attention_memo="auto", **given),
+                limits=limits)
             pending = self.streamed.memo is not None and self.streamed.memo.pending
             if not memo and pending:
                 memo, why = True, f"kept on while a forward's memos wait for its backward ({why})"
@@ -217,14 +219,14 @@ class FirstBatchPlacement:
             pool = self.transfer.host_bytes().get("offload_cache", 0)
             if self.backward_updates is not None:
                 pool += self.backward_updates.release()
-            limits = dict(compute_dtype=self.compute_dtype, chunked_loss=chunked_loss,
-                          gpu_bytes=torch.cuda.mem_get_info(self.device)[1],
-                          host_bytes=checkpoint_host_budget(host_groups, optimizers, self._ranks_per_host(),
-                                                            self._other_ranks_reserve()) + pool)
+            host_bytes = checkpoint_host_budget(host_groups, optimizers, self._ranks_per_host(),
+                                                self._other_ranks_reserve()) + pool
+            limits = PlacementLimits(self.compute_dtype, chunked_loss, torch.cuda.mem_get_info(self.device)[1],
+                                     host_bytes)
             if self._memo_option == "auto":  # the memos first: the checkpoints are placed beside them
                 self._choose_memo(hf_config, shape, grad_accum, given, limits, again)
             k, n, m, why = choose_checkpoints(hf_config, *shape, grad_accum, config=self.config.replace(**given),
-                                              **limits)
+                                              limits=limits)
         log.info("MegaTrain: segment_layers=%d, sub_segment_layers=%d, device_checkpoints=%d (%s: %s)", k, m, n,
                  "auto" if auto else "as given, checked", why)
         self.config = self.config.replace(segment_layers=k, device_checkpoints=n, sub_segment_layers=m)

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 from lightning_megatrain._hardware import GIB
 from lightning_megatrain.config import EngineConfig
-from lightning_megatrain.engine.placement import run_options
+from lightning_megatrain.engine.placement import PlacementLimits
 from lightning_megatrain.planner import Machine, Placement, place_checkpoints, plan
 from lightning_megatrain.planner.constants import MEMO_MIN_GAIN
 from lightning_megatrain.planner.result import Plan, memo_may_pay, memo_pays
@@ -24,25 +24,22 @@ def choose_attention_memo(
     grad_accum: int,
     *,
     config: EngineConfig,
-    compute_dtype: torch.dtype,
-    chunked_loss: bool,
-    gpu_bytes: int,
-    host_bytes: int,
+    limits: PlacementLimits,
 ) -> tuple[bool, str]:
     """``attention_memo="auto"`` for a training micro-batch of ``micro_batch x seq_len`` tokens: ``(on, why)`` (see
     [Note: auto placement]). Called by the engine where placement.py's ``choose_checkpoints`` is, just before it,
-    with the same arguments; pass the chosen value in ``config`` to that call, which places the checkpoints beside
-    the memos.
+    with the same arguments (``limits``: the run and the memory, :class:`PlacementLimits`); pass the chosen value in
+    ``config`` to that call, which places the checkpoints beside the memos.
 
     The checkpoints are placed twice (:func:`~lightning_megatrain.planner.place_checkpoints`), with and without the
     memos, against the engine's limits; each placement is then timed by the planner's plan of this micro-batch with
     exactly that placement, on this machine's host RAM and cores and in ``config.host_state`` (whether the plan fits
     is not read: the placement was judged against the memory measured), and the memos are taken where they fit and
     ``memo_pays`` says so. Off where the planner cannot describe the model."""
-    if compute_dtype not in (torch.float16, torch.bfloat16):
+    if limits.compute_dtype not in (torch.float16, torch.bfloat16):
         return False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16"
-    run = run_options(hf_config, compute_dtype, chunked_loss)
-    machine = Machine(gpu_mem_gib=gpu_bytes / GIB)  # this machine's host RAM and cores
+    run = limits.run_options(hf_config)
+    machine = Machine(gpu_mem_gib=limits.gpu_bytes / GIB)  # this machine's host RAM and cores
 
     def timed(memo: bool | int, p: Placement) -> Plan:  # the plan of this micro-batch with exactly that placement
         return plan(hf_config, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **run,
@@ -51,8 +48,9 @@ def choose_attention_memo(
                         device_checkpoints=p.device_checkpoints))
 
     try:
-        placed = {memo: place_checkpoints(hf_config, seq_len=seq_len, micro_batch=micro_batch, gpu_limit=gpu_bytes,
-                                          host_free=host_bytes, **run, config=config.replace(attention_memo=memo))[0]
+        placed = {memo: place_checkpoints(hf_config, seq_len=seq_len, micro_batch=micro_batch,
+                                          gpu_limit=limits.gpu_bytes, host_free=limits.host_bytes, **run,
+                                          config=config.replace(attention_memo=memo))[0]
                   for memo in (False, True)}
         if not placed[False].fits:
             return False, "the checkpoints do not fit even without the memos"

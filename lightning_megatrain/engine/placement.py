@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -274,6 +275,34 @@ def _plan_first_batch(hf_config: PretrainedConfig, micro_batch: int, seq_len: in
     )
 
 
+@dataclass(frozen=True)
+class PlacementLimits:
+    """The run and the memory the first training micro-batch's placement decisions are taken on
+    (:func:`choose_checkpoints`, engine/memo_choice.py ``choose_attention_memo``).
+
+    Args:
+        compute_dtype: ``torch.bfloat16`` plans bf16-mixed, anything else 32-true.
+        chunked_loss: the loss runs chunked (models/hf_loss.py, models/loss.py), else the plan counts full logits.
+        gpu_bytes: the device's total memory (``torch.cuda.mem_get_info(device)[1]``): the plan counts the slots,
+            residents, device groups and reserve itself.
+        host_bytes: host memory free for the offloaded checkpoints: ``_hardware.available_host_bytes()[0]`` read
+            now, after setup allocated the masters, grads and slabs, less the host memory still to be allocated
+            before this micro-batch's backward ends and kept through it: the optimizer states the first step has not
+            yet allocated (engine/host_budget.py ``host_bytes_to_come``: 8 bytes per Adam parameter not in a device
+            group, 4 per Muon matrix, about 2 with 8-bit moments; 0 once they exist, as on resume). Where
+            ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
+    """
+
+    compute_dtype: torch.dtype
+    chunked_loss: bool
+    gpu_bytes: int
+    host_bytes: int
+
+    def run_options(self, hf_config: PretrainedConfig) -> dict[str, Any]:
+        """:func:`run_options` of this run."""
+        return run_options(hf_config, self.compute_dtype, self.chunked_loss)
+
+
 def choose_checkpoints(
     hf_config: PretrainedConfig,
     micro_batch: int,
@@ -281,10 +310,7 @@ def choose_checkpoints(
     grad_accum: int,
     *,
     config: EngineConfig,
-    compute_dtype: torch.dtype,
-    chunked_loss: bool,
-    gpu_bytes: int,
-    host_bytes: int,
+    limits: PlacementLimits,
 ) -> tuple[int, int, int, str]:
     """``segment_layers``, ``device_checkpoints`` and ``sub_segment_layers`` for the first training micro-batch:
     ``(segment_layers, device_checkpoints, sub_segment_layers, why)``, ``"auto"`` decided and explicit ints checked
@@ -303,16 +329,7 @@ def choose_checkpoints(
         config: the strategy's options after :func:`resolve`: ``seq_tile`` (its tiles lower the planned peak),
             ``segment_layers``, ``sub_segment_layers``, ``device_checkpoints``, ``num_slots`` and
             ``gpu_optimizer_groups`` are read.
-        compute_dtype: ``torch.bfloat16`` plans bf16-mixed, anything else 32-true.
-        chunked_loss: the loss runs chunked (models/hf_loss.py, models/loss.py), else the plan counts full logits.
-        gpu_bytes: the device's total memory (``torch.cuda.mem_get_info(device)[1]``): the plan counts the slots,
-            residents, device groups and reserve itself.
-        host_bytes: host memory free for the offloaded checkpoints: ``_hardware.available_host_bytes()[0]`` read
-            now, after setup allocated the masters, grads and slabs, less the host memory still to be allocated
-            before this micro-batch's backward ends and kept through it: the optimizer states the first step has not
-            yet allocated (engine/host_budget.py ``host_bytes_to_come``: 8 bytes per Adam parameter not in a device
-            group, 4 per Muon matrix, about 2 with 8-bit moments; 0 once they exist, as on resume). Where
-            ``available_host_bytes()`` is None, pass a huge number (nothing to check against).
+        limits: the run and the memory (:class:`PlacementLimits`).
 
     Returns:
         ``(segment_layers, device_checkpoints, sub_segment_layers, why)``: ints for the engine
@@ -332,9 +349,9 @@ def choose_checkpoints(
             hf_config,
             seq_len=seq_len,
             micro_batch=micro_batch,
-            gpu_limit=gpu_bytes,
-            host_free=host_bytes,
-            **run_options(hf_config, compute_dtype, chunked_loss),
+            gpu_limit=limits.gpu_bytes,
+            host_free=limits.host_bytes,
+            **limits.run_options(hf_config),
             config=config,
         )
     except Exception as e:  # the planner builds the model from its config (AutoModelForCausalLM.from_config)

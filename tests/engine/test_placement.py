@@ -153,8 +153,12 @@ GIB = 2**30
 
 def _checkpoints(shape, seq_len, gpu_gib, host_gib, **options):
     return placement.choose_checkpoints(LlamaConfig(**shape), 1, seq_len, 2, config=EngineConfig(**options),
-                                        compute_dtype=torch.bfloat16, chunked_loss=True, gpu_bytes=int(gpu_gib * GIB),
-                                        host_bytes=int(host_gib * GIB))
+                                        limits=_limits(gpu_gib, host_gib))
+
+
+def _limits(gpu_gib: float, host_gib: float, dtype: torch.dtype = torch.bfloat16) -> placement.PlacementLimits:
+    return placement.PlacementLimits(dtype, chunked_loss=True, gpu_bytes=int(gpu_gib * GIB),
+                                     host_bytes=int(host_gib * GIB))
 
 
 def test_auto_checkpoints_one_per_layer_on_the_host_where_they_fit():
@@ -222,8 +226,7 @@ def test_checkpoints_unchecked_where_the_planner_cannot_build_the_model():
     from transformers import T5Config
 
     k, n, m, why = placement.choose_checkpoints(T5Config(), 1, 4096, 1, config=EngineConfig(device_checkpoints=2),
-                                             compute_dtype=torch.bfloat16, chunked_loss=True, gpu_bytes=139 * GIB,
-                                             host_bytes=100 * GIB)
+                                             limits=_limits(139, 100))
     assert (k, n, m) == (1, 2, 1) and why.startswith("the planner cannot describe this model (ValueError")
 
 
@@ -248,9 +251,8 @@ def h200_host(monkeypatch):
 
 def _memo(seq_len, gpu_gib=139.7, host_gib=16.7, dtype=torch.bfloat16, shape=LLAMA_7B):
     config = EngineConfig(compile_layers=True, overlap_optimizer=True, gpu_optimizer_groups=0)  # as on the H200
-    return memo_choice.choose_attention_memo(LlamaConfig(**shape), 1, seq_len, 1, config=config, compute_dtype=dtype,
-                                           chunked_loss=True, gpu_bytes=int(gpu_gib * GIB),
-                                           host_bytes=int(host_gib * GIB))
+    return memo_choice.choose_attention_memo(LlamaConfig(**shape), 1, seq_len, 1, config=config,
+                                           limits=_limits(gpu_gib, host_gib, dtype))
 
 
 def test_auto_memo_where_it_fits_and_pays(h200_host):
@@ -278,8 +280,8 @@ def test_auto_memo_where_it_fits_and_pays(h200_host):
         False, "fp32 compute: cuDNN's attention kernel, the one the memo calls, runs fp16 and bf16")
     from transformers import T5Config
 
-    off, why = memo_choice.choose_attention_memo(T5Config(), 1, 4096, 1, config=EngineConfig(), chunked_loss=True,
-                                               compute_dtype=torch.bfloat16, gpu_bytes=139 * GIB, host_bytes=GIB)
+    off, why = memo_choice.choose_attention_memo(T5Config(), 1, 4096, 1, config=EngineConfig(),
+                                               limits=_limits(139, 1))
     assert not off and why.startswith("the planner cannot describe this model (ValueError")
 
 
