@@ -14,7 +14,7 @@ from lightning_megatrain.config import EngineConfig
 from lightning_megatrain.engine.placement import PlacementLimits
 from lightning_megatrain.planner import Machine, Placement, place_checkpoints, plan
 from lightning_megatrain.planner.constants import MEMO_MIN_GAIN
-from lightning_megatrain.planner.result import Plan, memo_may_pay, memo_pays
+from lightning_megatrain.planner.result import Plan, memo_pays, partial_memo
 
 
 def choose_attention_memo(
@@ -76,14 +76,12 @@ def choose_attention_memo(
 
 def _partial_memo_hint(without: Plan, timed: Callable[[int], Plan]) -> str:
     """Where every layer's memos are declined: the explicit ``attention_memo=N`` whose memos fit the GPU memory the
-    checkpoints leave (``Plan.memo_fitting``, within the share ``keep_layers="auto"`` fills) and pay, for the log
-    line; "auto" does not take it (measured on the GPU at no length yet). Empty where none does."""
+    checkpoints leave (result.py ``partial_memo``) and pay, for the log line; "auto" does not take it (measured on
+    the GPU at no length yet). Empty where none does."""
+    part = partial_memo(without, timed, fits=True)  # fits: placed against the memory measured
+    if part is None:
+        return ""
     n = without.memo_fitting
-    if not 0 < n < without.n_layers or not memo_may_pay(without):
-        return ""
-    part = timed(n)
-    if not memo_pays(without, part, fits=True):
-        return ""
     return (f"; attention_memo={n} (the last {n} layers' memos, {part.gpu['attention memos'] / GIB:.1f} GiB in the "
             f"GPU memory the checkpoints leave) plans {part.tokens_per_s / without.tokens_per_s - 1:+.0%}, not "
             "taken by 'auto'")

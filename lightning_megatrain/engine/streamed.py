@@ -116,7 +116,7 @@ class StreamedLayers:
     def use_memo(self, layers: bool | int) -> None:
         """Run the layers with the attention memo (``True``: every layer's; an int: the last ``layers`` layers',
         config.py ``memo_layers``) or without it from the next micro-batch on (the engine decides
-        ``attention_memo="auto"`` at the first training micro-batch: engine/placement.py). Call it between
+        ``attention_memo="auto"`` at the first training micro-batch: engine/memo_choice.py). Call it between
         micro-batches. The other layers' attention still goes through the memo's op, which computes it without
         recording, as for a kept layer.
 

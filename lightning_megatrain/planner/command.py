@@ -24,7 +24,7 @@ from lightning_megatrain.planner import (
     plan,
 )
 from lightning_megatrain.planner.capacity import largest_models, render_capacities
-from lightning_megatrain.planner.result import memo_pays
+from lightning_megatrain.planner.result import memo_pays, partial_memo
 
 
 def _auto_int(none: bool = False):
@@ -160,10 +160,7 @@ def _memo_line(p: Plan, model: object, *, config: EngineConfig, **kwargs: object
     memo = plan(model, config=config.replace(attention_memo=True), **kwargs)
     if memo_pays(p, memo):
         flag, option, note = "--attention-memo", "attention_memo=True", "; 'auto' takes it by this rule"
-    elif 0 < p.memo_fitting < p.n_layers:
-        memo = plan(model, config=config.replace(attention_memo=p.memo_fitting), **kwargs)
-        if not memo_pays(p, memo):
-            return None
+    elif (memo := partial_memo(p, lambda n: plan(model, config=config.replace(attention_memo=n), **kwargs))):
         flag, option = f"--attention-memo {p.memo_fitting}", f"attention_memo={p.memo_fitting}"
         note = f": the last {p.memo_fitting} layers' memos, in the GPU memory the plan leaves; 'auto' does not take it"
     else:

@@ -5,6 +5,7 @@ prints, and the rule that compares a plan with the attention memos against the s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,3 +149,14 @@ def memo_pays(without: Plan, memo: Plan, fits: bool | None = None) -> bool:
     ``memo.fits``."""
     fitting = memo.fits if fits is None else fits
     return "attention memos" in memo.gpu and fitting and memo.tokens_per_s >= MEMO_MIN_GAIN * without.tokens_per_s
+
+
+def partial_memo(without: Plan, plan_with: Callable[[int], Plan], fits: bool | None = None) -> Plan | None:
+    """The plan with the last ``without.memo_fitting`` layers' memos (``plan_with(n)``), where every layer's do not
+    fit and those do, and it pays (:func:`memo_pays`, ``fits`` as there): the explicit ``attention_memo=N`` that
+    ``megatrain plan`` and the engine's log line name. None where no such N does."""
+    n = without.memo_fitting
+    if not 0 < n < without.n_layers or not memo_may_pay(without):
+        return None
+    part = plan_with(n)
+    return part if memo_pays(without, part, fits) else None
